@@ -1,0 +1,70 @@
+"""``neon-hpc``: thin entry point. Parse the subcommand, then hand the rest to the library.
+
+Each subcommand lives in the component that owns it, as ``main(argv) -> int``; this file
+only maps names to modules (imported lazily, so ``neon-hpc status`` never imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("neon_hpc.launch.local", "run the whole async loop as local processes (laptop, CI, one node)"),
+    "launch": ("neon_hpc.launch.submit", "submit the heterogeneous Slurm job (rollout group + trainer group)"),
+    "status": ("neon_hpc.ops.status", "one screen on a run: job, trainer step, weights, heartbeats, shards"),
+    "tail": ("neon_hpc.ops.tail", "follow the per-role, per-rank logs of a run"),
+    "plot": ("neon_hpc.ops.plot", "PNG of reward, staleness, throughput and idle fractions of a run"),
+    "reshard": ("neon_hpc.reshard.cli", "Megatron torch_dist checkpoint -> HF safetensors (same as tools/reshard.py)"),
+    "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
+    "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
+    "xrd": ("neon_hpc.xrd.cli", "the XRD environment: library, tasks, baseline solver, evaluation"),
+    "balance": ("neon_hpc.balance.cli", "cost model calibration and planner dry runs"),
+    "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
+    "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: neon-hpc COMMAND [ARGS...]", "", "commands:"]
+    for name, (_mod, desc) in COMMANDS.items():
+        lines.append(f"  {name:<9} {desc}")
+    lines.append("")
+    lines.append("`neon-hpc COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        print(f"neon-hpc: unknown command {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
+              file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"neon-hpc {name}: not built yet ({module_name} is missing in this checkout).", file=sys.stderr)
+            return 3
+        raise
+    from neon_hpc.config import ConfigError
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as e:
+        print(f"neon-hpc {name}: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Launch section of the experiment config (owned by ``neon_hpc/launch``)."""
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class GroupConfig:
+    """One heterogeneous-job group (rollout or train)."""
+
+    partition: str = ""
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem: str = ""                       # e.g. "0" for all, "8G"; "" = partition default
+
+    def validate(self):
+        errs = []
+        if self.nodes < 1:
+            errs.append(("nodes", "must be >= 1"))
+        if self.tasks_per_node < 1:
+            errs.append(("tasks_per_node", "must be >= 1"))
+        if self.gpus_per_node < 0:
+            errs.append(("gpus_per_node", "must be >= 0"))
+        return errs
+
+
+@dataclass
+class LaunchConfig:
+    backend: Literal["local", "slurm"] = "local"
+    job_name: str = "neon-rl"
+    time_limit: str = "00:30:00"
+    signal_before_s: int = 120          # --signal=USR1@<s>: checkpoint and requeue before the limit
+    requeue: bool = True
+    account: str = ""
+    rollout: GroupConfig = field(default_factory=lambda: GroupConfig(partition="rollout"))
+    train: GroupConfig = field(default_factory=lambda: GroupConfig(partition="train"))
+    extra_sbatch: list[str] = field(default_factory=list)
+
+    def validate(self):
+        errs = []
+        if self.signal_before_s < 0:
+            errs.append(("signal_before_s", "must be >= 0"))
+        return errs

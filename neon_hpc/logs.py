@@ -1,0 +1,130 @@
+"""Per-role, per-rank logging: human lines in ``logs/<role>/<rank>.log``, machine lines in
+``logs/<role>/metrics.jsonl``.
+
+Every human line carries time, job id, role, rank and (when set) step and weight version,
+so ``grep`` over a 1,000-GPU job's logs finds one rank's story.  Files are line-buffered:
+``neon-hpc tail -f`` sees a line as soon as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def job_id() -> str:
+    """The Slurm job id (het jobs: the leader's), or ``local`` outside Slurm."""
+    return os.environ.get("SLURM_HETJOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+
+
+class _Context(logging.Filter):
+    def __init__(self, role: str, rank: int | str):
+        super().__init__()
+        self.role, self.rank = role, rank
+        self.step: int | None = None
+        self.version: int | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.job = job_id()
+        record.role, record.rank = self.role, self.rank
+        extra = []
+        if self.step is not None:
+            extra.append(f"step={self.step}")
+        if self.version is not None:
+            extra.append(f"v={self.version}")
+        record.ctx = (" " + " ".join(extra)) if extra else ""
+        return True
+
+
+FORMAT = "%(asctime)s job=%(job)s %(role)s[%(rank)s]%(ctx)s %(levelname)s %(message)s"
+
+
+class RoleLogger:
+    """A logger bound to one role and rank, plus a metrics.jsonl writer.
+
+    >>> log = RoleLogger.open(run_dir, "trainer", 0)
+    >>> log.info("claimed %d shards", 3)
+    >>> log.metrics(step=4, loss=0.1)
+    """
+
+    def __init__(self, logger: logging.Logger, ctx: _Context, metrics_path: Path | None):
+        self.logger, self._ctx = logger, ctx
+        self._metrics_path = metrics_path
+        self._metrics_f = open(metrics_path, "a", buffering=1) if metrics_path else None
+
+    @classmethod
+    def open(cls, run_root: str | os.PathLike | None, role: str, rank: int | str,
+             echo: bool = True, level: int = logging.INFO) -> "RoleLogger":
+        name = f"neon_hpc.{role}.{rank}"
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = False
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+        ctx = _Context(role, rank)
+        fmt = logging.Formatter(FORMAT, datefmt="%Y-%m-%dT%H:%M:%S")
+        metrics_path = None
+        if run_root is not None:
+            d = Path(run_root) / "logs" / role
+            d.mkdir(parents=True, exist_ok=True)
+            fh = logging.StreamHandler(open(d / f"{rank}.log", "a", buffering=1))
+            fh.setFormatter(fmt)
+            fh.addFilter(ctx)
+            logger.addHandler(fh)
+            metrics_path = d / "metrics.jsonl"
+        if echo:
+            sh = logging.StreamHandler(sys.stderr)
+            sh.setFormatter(fmt)
+            sh.addFilter(ctx)
+            logger.addHandler(sh)
+        return cls(logger, ctx, metrics_path)
+
+    def set(self, step: int | None = None, version: int | None = None) -> None:
+        if step is not None:
+            self._ctx.step = step
+        if version is not None:
+            self._ctx.version = version
+
+    def debug(self, msg: str, *a: Any) -> None: self.logger.debug(msg, *a)
+    def info(self, msg: str, *a: Any) -> None: self.logger.info(msg, *a)
+    def warning(self, msg: str, *a: Any) -> None: self.logger.warning(msg, *a)
+    def error(self, msg: str, *a: Any) -> None: self.logger.error(msg, *a)
+
+    def metrics(self, **fields: Any) -> None:
+        """Append one JSON line (with time, job, role, rank) to ``metrics.jsonl``."""
+        if self._metrics_f is None:
+            return
+        rec = {"time": time.time(), "job": job_id(), "role": self._ctx.role, "rank": self._ctx.rank}
+        if self._ctx.step is not None:
+            rec["step"] = self._ctx.step
+        rec.update(fields)
+        self._metrics_f.write(json.dumps(rec, default=float) + "\n")
+
+    def close(self) -> None:
+        for h in list(self.logger.handlers):
+            self.logger.removeHandler(h)
+            h.close()
+        if self._metrics_f:
+            self._metrics_f.close()
+
+
+def read_metrics(run_root: str | os.PathLike, role: str) -> list[dict[str, Any]]:
+    """All metric records of one role (tolerates a torn last line of a live writer)."""
+    p = Path(run_root) / "logs" / role / "metrics.jsonl"
+    out = []
+    try:
+        with open(p) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return out

@@ -1,0 +1,56 @@
+"""Rollout and engine sections of the experiment config (owned by ``neon_hpc/rollout``)."""
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class EngineConfig:
+    kind: Literal["embedded", "sglang"] = "embedded"
+    host: str = "127.0.0.1"          # servers bind to localhost unless configured otherwise
+    port: int = 0                    # 0 = pick a free port
+    num_engines: int = 1
+    max_batch_size: int = 16
+    # SGLang production flags (rendered by rollout.engines.sglang_launch)
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    pd_disaggregation: bool = False
+    enable_return_routed_experts: bool = True
+    extra_args: list[str] = field(default_factory=list)
+
+    def validate(self):
+        errs = []
+        if not 0 <= self.port < 65536:
+            errs.append(("port", "must be in 0..65535 (0 picks a free port)"))
+        if self.num_engines < 1:
+            errs.append(("num_engines", "must be >= 1"))
+        return errs
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 2
+    group_size: int = 4               # G samples per task (GRPO groups)
+    max_turns: int = 4
+    max_new_tokens: int = 16
+    max_total_tokens: int = 1024
+    episode_timeout_s: float = 120.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_staleness: int = 2            # versions a token may lag the trainer
+    backpressure_steps: int = 4       # stop when ready/ holds more than this many steps of data
+    replay_mode: Literal["delta", "full", "off"] = "delta"
+    restart_dead_workers: bool = True
+    tools: Literal["full", "minimal"] = "full"
+
+    def validate(self):
+        errs = []
+        if self.group_size < 1:
+            errs.append(("group_size", "must be >= 1"))
+        if self.max_staleness < 0:
+            errs.append(("max_staleness", "must be >= 0 (0 = on-policy)"))
+        if not 0.0 < self.top_p <= 1.0:
+            errs.append(("top_p", "must be in (0, 1]"))
+        if self.temperature < 0:
+            errs.append(("temperature", "must be >= 0"))
+        return errs
