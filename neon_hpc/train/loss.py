@@ -1,0 +1,188 @@
+"""The off-policy policy-gradient loss: group-normalised advantages, PPO clip, per-token TIS.
+
+Three policies meet in one step (all as per-token log-probabilities of the sampled token):
+
+- ``logp``:  the policy being trained (has a gradient).
+- ``logp_prox``: the proximal policy the PPO ratio is taken against: the trainer's weights at
+  the start of this update (detached).  With one optimizer update per claimed batch it equals
+  ``logp.detach()``, the ratio is 1 and the clip is inactive; with several updates per batch
+  (or in a test) it differs and the clip binds.
+- ``logp_behav``: the behaviour policy: the logprob the inference engine recorded for that
+  token, under the weight version that generated *that token* (tokens of one trajectory can
+  come from several versions; every token carries its own).
+
+Per generated token (``mask == 1``)::
+
+    w     = min(exp(logp_prox - logp_behav), tis_cap)     # truncated IS, detached ("tis")
+          = 1                                              # ("none": assumes on-policy data)
+    rho   = exp(logp - logp_prox)
+    pg    = -w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)
+    k3    = exp(logp - logp_behav) - (logp - logp_behav) - 1   # >= 0, unbiased for KL(behav || policy)
+    loss  = pg + kl_coef * k3
+
+This is the decoupled PPO objective (behaviour and proximal policies kept apart), with the
+behaviour importance weight truncated from above, as in truncated importance sampling for
+train/inference mismatch.  The optional KL term pulls the policy toward the policy that
+generated the data (no reference model is kept).
+
+Normalisation: the per-token losses are *summed* and divided by ``denom``, the number of
+generated tokens in the whole global batch (all micro-batches, all data-parallel ranks), so
+every token weighs the same however the batch is split; :func:`policy_loss` never averages
+per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+
+def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], norm: str = "std",
+                     eps: float = 1e-6) -> np.ndarray:
+    """GRPO advantages: reward minus its group's mean, divided by the group's std (``norm="std"``).
+
+    Groups are the trajectories that share a ``group_id`` (one prompt/task sampled several
+    times).  The std is the population std (ddof=0).  A group of one, or one whose rewards
+    are all equal, gets advantage 0: it carries no preference signal.
+    """
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"group_advantages: {len(rewards)} rewards but {len(group_ids)} group ids")
+    if norm not in ("std", "none"):
+        raise ValueError(f"group_advantages: norm must be 'std' or 'none', got {norm!r}")
+    r = np.asarray(rewards, dtype=np.float64)
+    if not np.all(np.isfinite(r)):
+        raise ValueError("group_advantages: a reward is not finite (nan/inf); the trajectory "
+                         "should have been quarantined by the store")
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    adv = np.zeros_like(r)
+    for idx in members.values():
+        x = r[idx]
+        centred = x - x.mean()
+        if norm == "std":
+            centred = centred / (x.std() + eps)
+        adv[idx] = centred
+    return adv
+
+
+@dataclass
+class LossConfig:
+    clip_eps: float = 0.2
+    tis_cap: float = 2.0
+    correction: str = "tis"       # "tis" | "none"
+    kl_coef: float = 0.0
+
+
+# Every term returned by policy_loss, as sums over generated tokens (divide by the token
+# count for means); the loop reduces them over micro-batches and DP ranks before logging.
+SUM_TERMS = ("tokens", "pg_loss", "kl_k3", "loss", "tis_weight", "tis_truncated", "ppo_clipped",
+             "ratio", "mismatch_abs")
+
+
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, denom: float,
+                cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch (already divided by ``denom``) and its per-token term sums.
+
+    All tensors have the same shape (any); ``mask`` is 1 for generated tokens, 0 elsewhere.
+    Values at masked-out positions never reach the loss or the terms (even if nan/inf).
+    """
+    if not (logp.shape == logp_prox.shape == logp_behav.shape == advantages.shape == mask.shape):
+        raise ValueError(f"policy_loss: shapes differ: logp {tuple(logp.shape)}, prox "
+                         f"{tuple(logp_prox.shape)}, behav {tuple(logp_behav.shape)}, adv "
+                         f"{tuple(advantages.shape)}, mask {tuple(mask.shape)}")
+    if cfg.correction not in ("tis", "none"):
+        raise ValueError(f"off_policy_correction must be 'tis' or 'none', got {cfg.correction!r}")
+    if denom <= 0:
+        raise ValueError(f"policy_loss: denom must be > 0 generated tokens, got {denom}")
+    m = mask.to(logp.dtype)
+    on = m > 0
+    # Zero the masked positions before any exp: prompt tokens carry placeholder logprobs.
+    zero = torch.zeros_like(logp)
+    lp = torch.where(on, logp, zero)
+    lp_prox = torch.where(on, logp_prox.detach().to(logp.dtype), zero)
+    lp_behav = torch.where(on, logp_behav.detach().to(logp.dtype), zero)
+    adv = torch.where(on, advantages.to(logp.dtype), zero)
+
+    raw_w = torch.exp(lp_prox - lp_behav)
+    if cfg.correction == "tis":
+        w = torch.clamp(raw_w, max=cfg.tis_cap)
+        truncated = (raw_w > cfg.tis_cap).to(logp.dtype)
+    else:
+        w = torch.ones_like(raw_w)
+        truncated = torch.zeros_like(raw_w)
+
+    rho = torch.exp(lp - lp_prox)
+    surr = rho * adv
+    surr_clipped = torch.clamp(rho, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
+    pg = -w * torch.minimum(surr, surr_clipped)
+    clipped = (surr_clipped < surr).to(logp.dtype)
+
+    d = lp - lp_behav
+    k3 = torch.exp(d) - d - 1.0
+    per_token = pg + cfg.kl_coef * k3
+    loss = (per_token * m).sum() / denom
+
+    with torch.no_grad():
+        terms = {
+            "tokens": m.sum(),
+            "pg_loss": (pg * m).sum(),
+            "kl_k3": (k3 * m).sum(),
+            "loss": (per_token * m).sum(),
+            "tis_weight": (w * m).sum(),
+            "tis_truncated": (truncated * m).sum(),
+            "ppo_clipped": (clipped * m).sum(),
+            "ratio": (rho * m).sum(),
+            "mismatch_abs": ((lp - lp_behav).abs() * m).sum(),
+        }
+    return loss, terms
+
+
+def add_terms(total: dict[str, float], terms: dict[str, torch.Tensor]) -> None:
+    for k, v in terms.items():
+        total[k] = total.get(k, 0.0) + float(v)
+
+
+def term_means(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token means of summed terms, with the names the metrics contract logs."""
+    n = sums.get("tokens", 0.0)
+    if n <= 0:
+        return {"loss_tokens": 0}
+    return {
+        "loss_tokens": int(n),
+        "loss": sums["loss"] / n,
+        "pg_loss": sums["pg_loss"] / n,
+        "kl_k3": sums["kl_k3"] / n,
+        "tis_weight_mean": sums["tis_weight"] / n,
+        "tis_clip_frac": sums["tis_truncated"] / n,
+        "ppo_clip_frac": sums["ppo_clipped"] / n,
+        "ratio_mean": sums["ratio"] / n,
+        "mismatch_abs_mean": sums["mismatch_abs"] / n,
+    }
+
+
+def staleness_histogram(trainer_version: int, versions: Iterable[np.ndarray]) -> dict[str, int]:
+    """Count generated tokens by staleness (trainer version minus the token's version)."""
+    hist: dict[int, int] = defaultdict(int)
+    for v in versions:
+        v = np.asarray(v)
+        v = v[v >= 0]
+        if v.size:
+            ks, counts = np.unique(trainer_version - v, return_counts=True)
+            for k, c in zip(ks.tolist(), counts.tolist()):
+                hist[int(k)] += int(c)
+    return {str(k): hist[k] for k in sorted(hist)}
+
+
+def staleness_stats(hist: dict[str, int]) -> tuple[float, int]:
+    n = sum(hist.values())
+    if n == 0:
+        return math.nan, 0
+    mean = sum(int(k) * c for k, c in hist.items()) / n
+    return mean, max(int(k) for k in hist)
