@@ -43,7 +43,8 @@ def test_policy_loss_hand_computed():
     loss, terms = policy_loss(logp, prox, behav, adv, mask, denom=5.0, cfg=cfg)
     # t0: w = min(3, 2) = 2 (truncated); rho = e^0.5 = 1.6487 > 1.2, A = +1 -> clipped: pg = -2 * 1.2
     # t1: w = e^0.2 = 1.2214; rho = 1;                      pg = -1.2214
-    # t2: w = 1; rho = e^-0.5 = 0.6065 < 0.8, A = -1: min(-0.6065, -0.8) = -0.8 -> pg = 0.8 (not clipped)
+    # t2: w = 1; rho = e^-0.5 = 0.6065 < 0.8, A = -1: min(-0.6065, -0.8) = -0.8 -> pg = 0.8, clipped
+    #     (the ratio already fell below 1 - eps for a negative advantage: no gradient)
     # t3: w = e^-log4 = 0.25; rho = 1, A = -1;              pg = 0.25
     # t4: A = 0;                                            pg = 0
     pg = [-2.4, -math.exp(0.2), 0.8, 0.25, 0.0]
@@ -55,12 +56,12 @@ def test_policy_loss_hand_computed():
     assert terms["pg_loss"].item() == pytest.approx(sum(pg), rel=1e-12)
     assert terms["kl_k3"].item() == pytest.approx(sum(k3), rel=1e-12)
     assert terms["tis_truncated"].item() == 1          # t0 only
-    assert terms["ppo_clipped"].item() == 1            # t0 only (t2's clip does not bind)
+    assert terms["ppo_clipped"].item() == 2            # t0 and t2
     assert terms["tis_weight"].item() == pytest.approx(2 + math.exp(0.2) + 1 + 0.25 + 1, rel=1e-12)
     assert terms["mismatch_abs"].item() == pytest.approx(sum(abs(x) for x in d), rel=1e-12)
     means = term_means({k: float(v) for k, v in terms.items()})
     assert means["tis_clip_frac"] == pytest.approx(0.2)
-    assert means["ppo_clip_frac"] == pytest.approx(0.2)
+    assert means["ppo_clip_frac"] == pytest.approx(0.4)
 
 
 def test_policy_loss_gradient_is_the_weighted_policy_gradient():
