@@ -1,0 +1,98 @@
+"""The rollout side of router replay: one :class:`ReplayConversation` per episode.
+
+It wraps any engine client with SGLang's ``generate(input_ids, sampling_params,
+return_logprob, return_routed_experts, routed_experts_start_len)`` (our
+``neon_hpc.rollout.engines.client.EngineClient``), asks each turn for the routes it does not
+have yet, splices them into its :class:`~neon_hpc.replay.cache.RouteCache`, and takes the
+documented fallbacks (full export) when something does not fit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+
+from neon_hpc.replay.cache import RouteCache, RouteMismatch, ReplayStats
+
+ReplayMode = Literal["delta", "full", "off"]
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure worth retrying: connection trouble, timeouts, HTTP 5xx / 429.
+
+    A 4xx other than 429 is a bug in the request, so it is raised, never retried.
+    """
+    status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
+    resp = getattr(exc, "response", None)
+    if status is None and resp is not None:
+        status = getattr(resp, "status_code", None) or getattr(resp, "status", None)
+    if isinstance(status, int):
+        return status >= 500 or status == 429
+    if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
+        return True
+    name = type(exc).__name__
+    return any(k in name for k in ("Connection", "Timeout", "RemoteDisconnected", "ChunkedEncoding",
+                                   "ProtocolError", "ReadError"))
+
+
+class ReplayConversation:
+    """Generate the turns of one conversation and keep its routed experts.
+
+    ``mode``: ``delta`` (ask only the newest rows), ``full`` (ask everything every turn: the
+    baseline) or ``off`` (no routes).  ``max_retries`` bounds retries of one turn after a
+    dropped response or a row mismatch; each retry resamples the turn with a full export.
+    """
+
+    def __init__(self, client: Any, mode: ReplayMode = "delta", max_retries: int = 2,
+                 version_of: Callable[[str], int] = int, backoff_s: float = 0.2):
+        if mode not in ("delta", "full", "off"):
+            raise ValueError(f"replay mode must be 'delta', 'full' or 'off', got {mode!r}")
+        self.client, self.mode = client, mode
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.version_of = version_of
+        self.cache = RouteCache("full" if mode == "full" else "delta")
+        self.retries = 0
+
+    @property
+    def stats(self) -> ReplayStats:
+        return self.cache.stats
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict) -> Any:
+        """One turn: returns the engine's result; its routes are already in the cache."""
+        input_ids = list(input_ids)
+        last: BaseException | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.retries += 1
+                time.sleep(self.backoff_s * attempt)
+            start = self.cache.plan(input_ids) if self.mode != "off" else 0
+            try:
+                res = self.client.generate(input_ids, sampling_params, return_logprob=True,
+                                           return_routed_experts=self.mode != "off",
+                                           routed_experts_start_len=start or None)
+            except Exception as e:  # noqa: BLE001 - classified right below
+                if not is_transient(e):
+                    raise
+                last = e
+                if self.mode != "off":
+                    self.cache.invalidate("dropped")
+                continue
+            if self.mode == "off":
+                return res
+            try:
+                self.cache.absorb(input_ids, res.output_ids, res.routed_experts, start,
+                                  self.version_of(res.weight_version))
+            except RouteMismatch as e:
+                last = e
+                self.cache.invalidate("row_mismatch")
+                continue
+            return res
+        raise RuntimeError(f"turn failed after {self.max_retries + 1} attempts: {last}") from last
+
+    def routes(self, n_tokens: int) -> np.ndarray | None:
+        """Routes aligned with the first ``n_tokens`` tokens of the conversation (None when off)."""
+        if self.mode == "off" or self.cache.routes is None:
+            return None
+        return self.cache.assembled(n_tokens)
