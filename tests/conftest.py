@@ -1,0 +1,90 @@
+"""Shared fixtures: the real local Slurm cluster (started once per session if not already up)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+class Cluster:
+    """Handle on the env/cluster.sh cluster: environment and small helpers for tests."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = dict(os.environ, SLURM_CONF=str(root / "etc" / "slurm.conf"),
+                        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+
+    def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True,
+                              check=check, timeout=timeout)
+
+    def sbatch(self, *args: str) -> str:
+        return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+
+    def state(self, job_id: str) -> str:
+        """Job state, from squeue while it is live and sacct after (poll: --wait can be late)."""
+        out = self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.split()
+        if out:
+            return out[0]
+        out = self.run("sacct", "-n", "-X", "-j", job_id, "-o", "State", "-P", check=False).stdout.split()
+        return out[0] if out else "UNKNOWN"
+
+    def wait(self, job_id: str, timeout: float = 120) -> str:
+        end = time.monotonic() + timeout
+        final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
+        st = "UNKNOWN"
+        while time.monotonic() < end:
+            st = self.state(job_id).split()[0].rstrip("+")
+            if st in final:
+                return st
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {st} after {timeout}s")
+
+    def sacct(self, job_id: str, expect: str, timeout: float = 30) -> str:
+        """``sacct -X -P -o JobID,Partition,State`` once it contains ``expect``: slurmctld
+        forwards records to slurmdbd asynchronously, so a fresh job can show empty fields."""
+        end = time.monotonic() + timeout
+        out = ""
+        while time.monotonic() < end:
+            out = self.run("sacct", "-n", "-X", "-P", "-o", "JobID,Partition,State", "-j", job_id).stdout
+            if expect in out:
+                return out
+            time.sleep(0.5)
+        return out
+
+    def cancel_all(self) -> None:
+        self.run("scancel", "--full", "-u", os.environ.get("USER", "root"), check=False)
+
+
+def _cluster_up(env: dict) -> bool:
+    if not Path(env["SLURM_CONF"]).exists():
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix", "alloc"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if shutil.which("slurmctld") is None:
+        pytest.skip("Slurm is not installed (run `bash env/setup.sh`)")
+    root = Path(os.environ.get("NEON_CLUSTER_DIR", REPO / ".cluster"))
+    cl = Cluster(root)
+    started = False
+    if not _cluster_up(cl.env):
+        subprocess.run(["bash", str(REPO / "env" / "cluster.sh"), "start"], check=True,
+                       env=dict(os.environ, NEON_CLUSTER_DIR=str(root)))
+        started = True
+    yield cl
+    cl.cancel_all()
+    if started and not os.environ.get("NEON_KEEP_CLUSTER"):
+        subprocess.run(["bash", str(REPO / "env" / "cluster.sh"), "stop"],
+                       env=dict(os.environ, NEON_CLUSTER_DIR=str(root)))
