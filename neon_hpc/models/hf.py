@@ -1,0 +1,189 @@
+"""The policy model in its HF home: ``transformers`` ``Qwen3MoeForCausalLM`` built offline.
+
+Two state-dict spellings exist and both are handled here and in :mod:`.convert`:
+
+- **on disk** (what ``save_pretrained``, our reshard tool and SGLang use): per-expert
+  ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``;
+- **in memory** (transformers 5.x): fused ``model.layers.L.mlp.experts.gate_up_proj``
+  ``[E, 2*I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``.
+
+:func:`save_hf` always writes the on-disk spelling (``model.safetensors`` + ``config.json``),
+built in a hidden staging sibling and published by one rename, so an engine polling
+``weights/`` never sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from neon_hpc.models.config import ModelConfig
+from neon_hpc.rundir import publish_dir, staging_dir_for
+
+WEIGHTS_FILE = "model.safetensors"
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def hf_config(cfg: ModelConfig):
+    """The ``Qwen3MoeConfig`` that mirrors ``cfg`` (every MoE layer sparse, untied embeddings)."""
+    from transformers import Qwen3MoeConfig
+
+    if cfg.arch != "qwen3_moe":
+        raise NotImplementedError(f"model.arch={cfg.arch!r}: the HF builder covers 'qwen3_moe'")
+    return Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.head_dim,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        norm_topk_prob=True,                 # == megatron moe_router_pre_softmax=False
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=cfg.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        initializer_range=0.02,
+        architectures=["Qwen3MoeForCausalLM"],
+        dtype="float32",
+    )
+
+
+def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
+    """The :class:`ModelConfig` that :func:`hf_config` would have produced ``hf_cfg`` from."""
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    return ModelConfig(
+        arch="qwen3_moe", vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
+        num_layers=hf_cfg.num_hidden_layers, num_attention_heads=hf_cfg.num_attention_heads,
+        num_query_groups=hf_cfg.num_key_value_heads, head_dim=hf_cfg.head_dim,
+        ffn_hidden_size=hf_cfg.intermediate_size, moe_ffn_hidden_size=hf_cfg.moe_intermediate_size,
+        num_experts=hf_cfg.num_experts, moe_router_topk=hf_cfg.num_experts_per_tok,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=hf_cfg.max_position_embeddings, norm_epsilon=hf_cfg.rms_norm_eps)
+
+
+def build_hf_model(cfg: ModelConfig, seed: int | None = None):
+    """A freshly initialised ``Qwen3MoeForCausalLM`` (float32, eval mode); no download."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(cfg.seed if seed is None else seed)
+    model = Qwen3MoeForCausalLM(hf_config(cfg))
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------
+# state-dict spellings
+
+def to_disk_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In-memory (fused experts) -> on-disk (per-expert) spelling; other keys unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        m = _FUSED_RE.match(key)
+        if not m:
+            out[key] = t
+            continue
+        prefix, kind = m.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def to_memory_state_dict(sd: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """On-disk (per-expert) -> in-memory (fused) spelling; already-fused keys pass through."""
+    per = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key, t in sd.items():
+        m = per.match(key)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[key] = t
+    for prefix, parts in groups.items():
+        missing = [f"{prefix}.{e}.{k}_proj.weight" for e in range(num_experts) for k in ("gate", "up", "down")
+                   if (e, k) not in parts]
+        if missing:
+            raise KeyError(f"HF state dict lacks {missing[0]} (and {len(missing) - 1} more expert weights)")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]], dim=0) for e in range(num_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in range(num_experts)])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# files
+
+def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` to ``out_dir`` atomically; returns the path.
+
+    Accepts an HF model or a state dict in either spelling.  ``out_dir`` must not exist yet
+    (published directories are immutable, see :func:`neon_hpc.rundir.publish_dir`).
+    """
+    from safetensors.torch import save_file
+
+    sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else model_or_state_dict
+    disk = {k: v.detach().to("cpu").contiguous() for k, v in to_disk_state_dict(sd).items()}
+    out_dir = Path(out_dir)
+    staging = staging_dir_for(out_dir)
+    try:
+        save_file(disk, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        hf_cfg = hf_config(cfg)
+        (staging / "config.json").write_text(json.dumps(hf_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+        publish_dir(staging, out_dir)
+    except BaseException:
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The on-disk state dict of an HF folder (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    else:
+        raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE} or model.safetensors.index.json; "
+                                f"is this an HF weights folder (e.g. RUN/weights/v_N)?")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        sd.update(load_file(str(path / name)))
+    return sd
+
+
+def load_hf(path: str | os.PathLike):
+    """Load an HF folder written by :func:`save_hf` or the reshard tool (float32, eval mode)."""
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}/config.json missing: not an HF model folder")
+    hf_cfg = AutoConfig.from_pretrained(str(path))
+    model = Qwen3MoeForCausalLM(hf_cfg)
+    sd = to_memory_state_dict(read_hf_state_dict(path), hf_cfg.num_experts)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise KeyError(f"{path}: weights do not match config.json: missing {missing[:3]}, "
+                       f"unexpected {unexpected[:3]}")
+    return model.to(torch.float32).eval()

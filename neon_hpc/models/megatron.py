@@ -1,0 +1,193 @@
+"""The policy model in its megatron-core home: GPTModel from the local layer spec.
+
+One :class:`~neon_hpc.models.config.ModelConfig` becomes a ``TransformerConfig`` that
+matches the HF ``Qwen3MoeForCausalLM`` built by :mod:`neon_hpc.models.hf` number for number:
+RMSNorm, q/k RMSNorm per head, GQA, RoPE (non-interleaved), SwiGLU experts without biases,
+softmax router with top-k then renormalisation (HF ``norm_topk_prob=True`` ==
+megatron ``moe_router_pre_softmax=False``), untied embeddings.
+
+Parallel layout: ``tp`` shards attention/embeddings, ``ep`` shards experts (expert TP is 1:
+each expert lives whole on one rank), sequence parallelism is on whenever ``tp > 1`` (megatron
+requires it for MoE with TP).  On CPU everything runs on gloo with :mod:`.cpu_shim`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from neon_hpc.models import cpu_shim
+from neon_hpc.models.config import ModelConfig
+
+
+def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
+                  seed: int | None = None) -> dict[str, int]:
+    """Initialise torch.distributed and megatron's parallel state; returns this rank's coordinates.
+
+    The process group comes from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, as set by torchrun, ``srun`` wrappers or our launcher); without them a
+    single-process group is created on a free localhost port.  Calling it again with the same
+    sizes is a no-op; with different sizes it rebuilds megatron's groups.
+    """
+    cpu_shim.apply()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            rank, world = 0, 1
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=10))
+    world = dist.get_world_size()
+    if world % (tp * pp) or world % (ep * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp={tp * pp} and ep*pp={ep * pp}; "
+                         f"start tp*dp*pp processes (and make ep divide tp*dp)")
+    if ps.model_parallel_is_initialized():
+        same = (ps.get_tensor_model_parallel_world_size() == tp
+                and ps.get_expert_model_parallel_world_size() == ep
+                and ps.get_pipeline_model_parallel_world_size() == pp)
+        if not same:
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234 if seed is None else seed)
+    return {"rank": dist.get_rank(), "world_size": world,
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the torch.distributed process group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
+                       **overrides: Any):
+    """The ``TransformerConfig`` equivalent to ``cfg``; ``overrides`` set any other field."""
+    cpu_shim.apply()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if cfg.arch != "qwen3_moe":
+        raise NotImplementedError(f"model.arch={cfg.arch!r}: the megatron builder covers 'qwen3_moe' "
+                                  f"(DeepSeek-V3/MLA is only described for reshard planning)")
+    if cfg.num_experts % ep:
+        raise ValueError(f"expert_parallel={ep} must divide model.num_experts={cfg.num_experts}")
+    if cfg.num_query_groups % tp or cfg.vocab_size % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide model.num_query_groups={cfg.num_query_groups} "
+                         f"and model.vocab_size={cfg.vocab_size}")
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_pre_softmax=False,          # top-k, then softmax over the k == HF norm_topk_prob
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",  # the loss adds an aux term itself if it wants one
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,                # grouped GEMM kernels are CUDA-only
+        moe_permute_fusion=False,
+        moe_enable_routing_replay=routing_replay,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=0.02,
+        params_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
+                    seed: int | None = None, **overrides: Any):
+    """This rank's shard of the GPTModel (needs :func:`init_parallel` first).
+
+    ``seed`` (default ``cfg.seed``) reseeds megatron's RNG tracker so that a fresh model's
+    initial weights are reproducible.
+    """
+    cpu_shim.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is not initialised; call "
+                           "neon_hpc.models.megatron.init_parallel(tp, ep) before build_gpt_model")
+    if ps.get_tensor_model_parallel_world_size() != tp or ps.get_expert_model_parallel_world_size() != ep:
+        raise ValueError(f"build_gpt_model(tp={tp}, ep={ep}) but init_parallel set "
+                         f"tp={ps.get_tensor_model_parallel_world_size()}, "
+                         f"ep={ps.get_expert_model_parallel_world_size()}")
+    s = cfg.seed if seed is None else seed
+    torch.manual_seed(s)
+    model_parallel_cuda_manual_seed(s)
+    tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.max_position_embeddings,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     parallel_output=True, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(cfg.rope_theta))
+    return model
+
+
+def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits ``[batch, seq, vocab]`` of a causal forward (gathered over TP).
+
+    A convenience for tests and evaluation: ``input_ids`` is ``[batch, seq]``; with sequence
+    parallelism ``seq`` must be a multiple of ``tp``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = input_ids.shape
+    position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s)
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits
