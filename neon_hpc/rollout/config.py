@@ -42,6 +42,11 @@ class RolloutConfig:
     replay_mode: Literal["delta", "full", "off"] = "delta"
     restart_dead_workers: bool = True
     tools: Literal["full", "minimal"] = "full"
+    reward: Literal["success", "dense"] = "dense"   # which grader reward becomes Trajectory.reward
+    force_answer: bool = True         # the last turn starts with <answer> (budget forcing)
+    prompt_style: Literal["auto", "compact", "full"] = "auto"  # auto: compact for the tiny preset
+    max_tool_chars: int = 2000        # tool results are cut to this many characters
+    request_retries: int = 2          # retries of one turn after a dropped response
 
     def validate(self):
         errs = []
@@ -53,4 +58,12 @@ class RolloutConfig:
             errs.append(("top_p", "must be in (0, 1]"))
         if self.temperature < 0:
             errs.append(("temperature", "must be >= 0"))
+        if self.max_turns < 1:
+            errs.append(("max_turns", "must be >= 1"))
+        if self.max_new_tokens < 1:
+            errs.append(("max_new_tokens", "must be >= 1"))
+        if self.max_tool_chars < 16:
+            errs.append(("max_tool_chars", "must be >= 16 (tool errors must stay readable)"))
+        if self.request_retries < 0:
+            errs.append(("request_retries", "must be >= 0"))
         return errs

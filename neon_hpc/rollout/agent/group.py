@@ -1,0 +1,37 @@
+"""Entry points: one episode, or a GRPO group of episodes on one task."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from neon_hpc.rollout.agent.episode import Episode
+
+
+def as_environment(task: Any, cfg: Any):
+    """An XRD task becomes an :class:`XRDEnv`; an object that already is an environment passes."""
+    if hasattr(task, "run_tool") and hasattr(task, "grade"):
+        return task
+    from neon_hpc.rollout.agent.xrd_env import XRDEnv
+    return XRDEnv(task, tools=cfg.tools, style=getattr(cfg, "prompt_style", "auto"))
+
+
+def run_episode(client: Any, task: Any, tokenizer: Any, cfg: Any,
+                version_of: Callable[[str], int] = int, group_id: str = "", seed: int | None = None):
+    """Run one episode against an SGLang-compatible engine client; returns a ``Trajectory``."""
+    ep = Episode(client, as_environment(task, cfg), tokenizer, cfg, version_of=version_of, seed=seed).run()
+    return ep.trajectory(group_id=group_id, reward_key=getattr(cfg, "reward", "dense"))
+
+
+def run_group(client: Any, task: Any, tokenizer: Any, cfg: Any, group_size: int | None = None,
+              version_of: Callable[[str], int] = int, seed: int | None = None) -> list:
+    """``group_size`` episodes of one task, concurrently (the engine batches them), one group id."""
+    g = cfg.group_size if group_size is None else group_size
+    if g < 1:
+        raise ValueError(f"group_size must be >= 1, got {g}")
+    group_id = uuid.uuid4().hex[:16]
+    seeds = [None if seed is None else seed + 1000 * i for i in range(g)]
+    with ThreadPoolExecutor(max_workers=g) as pool:
+        futs = [pool.submit(run_episode, client, task, tokenizer, cfg, version_of, group_id, s) for s in seeds]
+        return [f.result() for f in futs]
