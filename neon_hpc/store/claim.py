@@ -1,0 +1,320 @@
+"""Claiming shards for a trainer step: exactly once, by rename, resumable after a crash.
+
+Protocol for step N (the README has the full argument)::
+
+    claimed/step_N/               created by renaming a staging dir that already holds OWNER.json
+    claimed/step_N/OWNER.json     who is claiming (consumer name, pid, host, time)
+    claimed/step_N/<shard>.h5     each moved from ready/ by one rename: whoever's rename
+                                  succeeds owns the shard; a losing consumer gets ENOENT
+    claimed/step_N/dropped_stale.json   trajectories dropped for staleness (written before ...)
+    claimed/step_N/CLAIM.json     ... the commit record, written last, atomically
+
+* CLAIM.json present: the claim is complete; a second call returns exactly the recorded
+  trajectories (a restarted trainer re-reads the same data), never touching ready/.
+* Directory present without CLAIM.json: a claim crashed half-way. The same consumer rolls
+  it forward: the shards already moved in belong to this step and to no other, nothing
+  from them was handed out (handing out happens only after the commit), so it validates
+  them, claims more from ready/ if needed, and commits.
+* No file locks anywhere: rename and mkdir are atomic on POSIX filesystems, NFS, Lustre, GPFS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neon_hpc.rundir import RunDir, atomic_write_json, atomic_write_text, fsync_dir, read_json, staging_dir_for
+from neon_hpc.store import schema as S
+from neon_hpc.store.reader import ShardError, read_shard
+from neon_hpc.store.trajectory import Trajectory
+
+log = logging.getLogger("neon_hpc.store")
+
+CLAIM_FILE = "CLAIM.json"
+OWNER_FILE = "OWNER.json"
+DROPPED_FILE = "dropped_stale.json"
+REASON_SUFFIX = ".reason.txt"
+
+
+class ClaimTimeout(TimeoutError):
+    """Not enough trajectories arrived in ready/ before the timeout."""
+
+
+class ClaimConflict(RuntimeError):
+    """Another consumer owns an incomplete claim of this step."""
+
+
+@dataclass
+class ClaimResult:
+    step: int
+    trajectories: list[Trajectory]
+    shards: list[Path]                   # the claimed files, now under claimed/step_N/
+    dropped_stale: int                   # trajectories dropped by the staleness filter
+    quarantined: list[Path]              # files moved to quarantine/ during this claim
+    waited_s: float                      # time spent sleeping for shards to arrive
+    claim_s: float = 0.0                 # whole call: waiting, renaming, reading, validating
+    resumed: bool = False                # True: read back from a claim committed earlier
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.trajectories)
+
+
+def _rundir(run_dir) -> RunDir:
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+
+
+def _visible(names: list[str]) -> list[str]:
+    return sorted(n for n in names if not n.startswith("."))
+
+
+def ready_shards(run_dir) -> list[str]:
+    """Names in ready/, oldest first (names start with the creation time)."""
+    try:
+        return _visible(os.listdir(_rundir(run_dir).traj_ready))
+    except FileNotFoundError:
+        return []
+
+
+def ready_count(run_dir) -> tuple[int, int]:
+    """(shards, trajectories) waiting in ready/, from file names alone (no file is opened)."""
+    names = ready_shards(run_dir)
+    n = sum(sn.num_trajectories for sn in map(S.parse_shard_name, names) if sn is not None)
+    return len(names), n
+
+
+def claimed_steps(run_dir) -> list[int]:
+    """Steps whose claim is committed (CLAIM.json present), ascending."""
+    rd = _rundir(run_dir)
+    steps = []
+    for p in rd.traj_claimed.glob("step_*"):
+        if (p / CLAIM_FILE).is_file() and p.name[5:].isdigit():
+            steps.append(int(p.name[5:]))
+    return sorted(steps)
+
+
+def quarantine(run_dir, path: Path, reason: str) -> Path:
+    """Move ``path`` into quarantine/ beside ``<name>.reason.txt``; returns the new path.
+
+    The reason is written first: a crash in between leaves a reason file and the shard still
+    where it was (so the next claim validates it again and moves it), never a silent shard.
+    """
+    q = _rundir(run_dir).traj_quarantine
+    q.mkdir(parents=True, exist_ok=True)
+    dest = q / path.name
+    k = 1
+    while dest.exists():
+        dest, k = q / f"{path.name}.{k}", k + 1
+    atomic_write_text(q / f"{dest.name}{REASON_SUFFIX}",
+                      f"{reason}\nfrom: {path}\ntime: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+    os.rename(path, dest)
+    fsync_dir(q)
+    log.warning("quarantined %s: %s", dest, reason)
+    return dest
+
+
+def staleness_stats(trajs: list[Trajectory], trainer_version: int) -> dict:
+    """staleness_mean / staleness_max / staleness_hist for the trainer's metrics record."""
+    s = [t.staleness(trainer_version) for t in trajs]
+    hist: dict[str, int] = {}
+    for v in s:
+        hist[str(v)] = hist.get(str(v), 0) + 1
+    return {"staleness_mean": (sum(s) / len(s)) if s else 0.0, "staleness_max": max(s, default=0),
+            "staleness_hist": hist}
+
+
+@dataclass
+class _Claim:
+    rd: RunDir
+    step: int
+    consumer: str
+    trainer_version: int | None
+    max_staleness: int | None
+    quarantine_invalid: bool
+    shards: list[Path] = field(default_factory=list)
+    kept_index: dict[str, list[int]] = field(default_factory=dict)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)
+    quarantined: list[Path] = field(default_factory=list)
+
+    @property
+    def dir(self) -> Path:
+        return self.rd.claimed_step(self.step)
+
+    # --- ownership ----------------------------------------------------------------------
+    def open(self) -> None:
+        """Create claimed/step_N/ owned by us in one rename, or take over our own half-claim."""
+        owner = {"consumer": self.consumer, "pid": os.getpid(), "host": socket.gethostname(),
+                 "time": time.time(), "step": self.step}
+        staging = staging_dir_for(self.dir)
+        atomic_write_json(staging / OWNER_FILE, owner)
+        try:
+            os.rename(staging, self.dir)
+            fsync_dir(self.dir.parent)
+            return
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not self.dir.is_dir():
+                raise
+        prev = read_json(self.dir / OWNER_FILE, default={}) or {}
+        if prev.get("consumer") not in (None, self.consumer):
+            raise ClaimConflict(
+                f"{self.dir}: step {self.step} is being claimed by consumer {prev.get('consumer')!r} "
+                f"(pid {prev.get('pid')} on {prev.get('host')}); a step has one consumer. If that "
+                f"process is dead, delete {self.dir / OWNER_FILE} and this consumer completes the claim")
+        log.warning("%s: completing a claim left unfinished by pid %s on %s", self.dir,
+                    prev.get("pid"), prev.get("host"))
+        atomic_write_json(self.dir / OWNER_FILE, owner)
+
+    def abandon_if_empty(self) -> None:
+        meta = (OWNER_FILE, CLAIM_FILE, DROPPED_FILE)
+        if not self.shards and not [n for n in os.listdir(self.dir) if n not in meta]:
+            (self.dir / OWNER_FILE).unlink(missing_ok=True)
+            (self.dir / DROPPED_FILE).unlink(missing_ok=True)
+            try:
+                self.dir.rmdir()
+            except OSError:
+                pass
+
+    # --- taking shards ------------------------------------------------------------------
+    def absorb_existing(self) -> None:
+        """Roll forward: shards a crashed attempt already moved in are this step's."""
+        for name in _visible(os.listdir(self.dir)):
+            if name not in (OWNER_FILE, CLAIM_FILE, DROPPED_FILE):
+                self.absorb(self.dir / name)
+
+    def take_from_ready(self, want: int) -> int:
+        """Move shards from ready/ (oldest first) until ``want`` trajectories are kept."""
+        taken = 0
+        for name in ready_shards(self.rd):
+            if len(self.trajectories) >= want:
+                break
+            dst = self.dir / name
+            try:
+                os.rename(self.rd.traj_ready / name, dst)
+            except FileNotFoundError:
+                # Another consumer won it, or (NFS) our own rename was retried after it
+                # succeeded: the destination tells the two apart.
+                if not dst.exists():
+                    continue
+            taken += 1
+            self.absorb(dst)
+        return taken
+
+    def absorb(self, path: Path) -> None:
+        try:
+            trajs = read_shard(path)
+        except ShardError as e:
+            if not self.quarantine_invalid:
+                raise
+            self.quarantined.append(quarantine(self.rd, path, e.reason))
+            return
+        keep = []
+        for i, t in enumerate(trajs):
+            stale = self._staleness(t)
+            if stale is not None and stale > self.max_staleness:
+                self.dropped.append({"shard": path.name, "index": i, "task_id": t.task_id,
+                                     "group_id": t.group_id, "version_min": t.version_min,
+                                     "staleness": stale})
+            else:
+                keep.append(i)
+        self.shards.append(path)
+        self.kept_index[path.name] = keep
+        self.trajectories.extend(trajs[i] for i in keep)
+
+    def _staleness(self, t: Trajectory) -> int | None:
+        if self.trainer_version is None or self.max_staleness is None:
+            return None
+        return t.staleness(self.trainer_version)
+
+    # --- commit -------------------------------------------------------------------------
+    def commit(self, want: int, waited_s: float, claim_s: float) -> ClaimResult:
+        atomic_write_json(self.dir / DROPPED_FILE, {"step": self.step, "trainer_version": self.trainer_version,
+                                                    "max_staleness": self.max_staleness,
+                                                    "dropped": self.dropped})
+        record = {
+            "step": self.step, "consumer": self.consumer, "time": time.time(), "want": want,
+            "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
+            "shards": [{"name": p.name, "kept": self.kept_index[p.name]} for p in self.shards],
+            "trajectories": len(self.trajectories),
+            "tokens": sum(t.num_tokens for t in self.trajectories),
+            "dropped_stale": len(self.dropped), "quarantined": [p.name for p in self.quarantined],
+            "waited_s": waited_s, "claim_s": claim_s,
+        }
+        atomic_write_json(self.dir / CLAIM_FILE, record)
+        if self.dropped:
+            log.warning("step %d: dropped %d trajectories older than %d versions behind v%s (see %s)",
+                        self.step, len(self.dropped), self.max_staleness, self.trainer_version,
+                        self.dir / DROPPED_FILE)
+        return ClaimResult(self.step, self.trajectories, self.shards, len(self.dropped),
+                           self.quarantined, waited_s, claim_s)
+
+
+def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
+    d = rd.claimed_step(step)
+    record = read_json(d / CLAIM_FILE)
+    if record is None:
+        return None
+    trajs, shards = [], []
+    for entry in record["shards"]:
+        path = d / entry["name"]
+        if not path.is_file():
+            raise ShardError(path, f"listed in {d / CLAIM_FILE} but missing; the claim of step {step} "
+                                   f"cannot be replayed. Restore the file, or move {d} aside to claim afresh")
+        got = read_shard(path)
+        trajs.extend(got[i] for i in entry["kept"])
+        shards.append(path)
+    q = [rd.traj_quarantine / n for n in record.get("quarantined", [])]
+    return ClaimResult(step, trajs, shards, int(record.get("dropped_stale", 0)), q, 0.0, 0.0, resumed=True)
+
+
+def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,
+               max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = 0.2,
+               allow_partial: bool = False, quarantine_invalid: bool = True) -> ClaimResult:
+    """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
+
+    Blocks, polling ready/ every ``poll_s``, up to ``timeout_s``; then raises
+    :class:`ClaimTimeout` (or, with ``allow_partial`` and something claimed, commits what it
+    has). A step already committed returns the same trajectories again (``resumed=True``).
+    Invalid shards go to quarantine/ with a reason file; with ``trainer_version`` and
+    ``max_staleness`` set, trajectories whose oldest generated token is more than
+    ``max_staleness`` versions old are dropped and listed in ``dropped_stale.json``.
+    """
+    rd = _rundir(run_dir)
+    if step < 0 or want < 0:
+        raise ValueError(f"claim_step: step ({step}) and want ({want}) must be >= 0")
+    done = _load_committed(rd, step)
+    if done is not None:
+        return done
+    for d in (rd.traj_ready, rd.traj_claimed, rd.traj_quarantine):
+        d.mkdir(parents=True, exist_ok=True)
+    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid)
+    claim.open()
+    claim.absorb_existing()
+    t0, waited = time.monotonic(), 0.0
+    while len(claim.trajectories) < want:
+        taken = claim.take_from_ready(want)
+        if len(claim.trajectories) >= want:
+            break
+        if time.monotonic() - t0 >= timeout_s:
+            if allow_partial and claim.trajectories:
+                break
+            claim.abandon_if_empty()
+            raise ClaimTimeout(
+                f"{rd.traj_ready}: only {len(claim.trajectories)} of {want} trajectories for step {step} "
+                f"arrived within {timeout_s:.0f}s ({len(claim.shards)} shards claimed into "
+                f"{claim.dir}); are the rollout workers running? (`neon-hpc status {rd.root}`)")
+        if not taken:
+            time.sleep(poll_s)
+            waited += poll_s
+    result = claim.commit(want, waited, time.monotonic() - t0)
+    log.info("step %d: claimed %d shards, %d trajectories (%d stale dropped, %d quarantined) in %.2fs "
+             "(%.2fs waiting)", step, len(result.shards), len(result.trajectories), result.dropped_stale,
+             len(result.quarantined), result.claim_s, result.waited_s)
+    return result
