@@ -54,6 +54,7 @@ class ReplayConversation:
         self.version_of = version_of
         self.cache = RouteCache("full" if mode == "full" else "delta")
         self.retries = 0
+        self.last_start = 0          # routed_experts_start_len of the last successful request
 
     @property
     def stats(self) -> ReplayStats:
@@ -88,6 +89,7 @@ class ReplayConversation:
                 last = e
                 self.cache.invalidate("row_mismatch")
                 continue
+            self.last_start = start
             return res
         raise RuntimeError(f"turn failed after {self.max_retries + 1} attempts: {last}") from last
 

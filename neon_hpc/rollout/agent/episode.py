@@ -86,7 +86,7 @@ def sampling_params(cfg, template: ChatTemplate, max_new_tokens: int, seed: int 
     sp = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": max_new_tokens,
           "stop_token_ids": template.stop_token_ids()}
     if seed is not None:
-        sp["seed"] = seed
+        sp["sampling_seed"] = seed
     return sp
 
 
