@@ -1,0 +1,121 @@
+"""What every launcher does the same way: prepare (or resume) the run directory, and
+summarise a run from its metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from neon_hpc import config
+from neon_hpc.config import ConfigError, ExperimentConfig
+from neon_hpc.logs import read_metrics
+from neon_hpc.rundir import RunDir, atomic_write_json, atomic_write_text, read_json, remove_stale_tmp
+
+
+def resolve_run_dir(cfg: ExperimentConfig, run_dir: str | None) -> Path:
+    return Path(run_dir or cfg.run_dir).absolute()
+
+
+def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str, job_id: str = "local") -> RunDir:
+    """Create the run directory (or find the one to resume) and write run.yaml once.
+
+    Resuming with a different model section is refused: checkpoints and weights in the
+    directory belong to the model it was started with.
+    """
+    root = resolve_run_dir(cfg, run_dir)
+    cfg.run_dir = str(root)
+    run = RunDir(root)
+    if run.run_yaml.exists():
+        old = config.load(run.run_yaml)
+        if old.model != cfg.model:
+            raise ConfigError(f"{run.run_yaml}: this run directory was started with a different model section; "
+                              f"use a new --run-dir (or the same config) to resume")
+    else:
+        run.create()
+        atomic_write_text(run.run_yaml, config.dump(cfg))
+    run.create()
+    # leftovers of writers killed mid-write are hidden temporaries; sweep them before anyone starts
+    remove_stale_tmp(run.traj_tmp)
+    for p in (run.state / "finished.json", run.state / "trainer_preempted.json"):
+        p.unlink(missing_ok=True)
+    job = read_json(run.state / "job.json", {}) or {}
+    starts = int(job.get("starts", 0)) + 1
+    atomic_write_json(run.state / "job.json", {"job_id": job_id, "backend": backend, "host": socket.gethostname(),
+                                               "started": time.time(), "starts": starts})
+    return run
+
+
+def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
+    run = RunDir(run_dir)
+    trainer = read_metrics(run.root, "trainer")
+    events = read_metrics(run.root, "rollout")
+    rollout = [r for r in events if "event" not in r]
+    spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
+                    if r.get("version_min", -1) >= 0)
+    wall = (max(r["time"] for r in trainer + rollout) - min(r["time"] for r in trainer + rollout)) \
+        if len(trainer + rollout) > 1 else 0.0
+    wait = sum(r.get("wait_s", 0.0) for r in trainer)
+    busy = sum(r.get("step_time_s", 0.0) for r in trainer)
+    workers = {r.get("worker") for r in rollout} or {0}
+    rollout_wait = sum(r.get("seconds", 0.0) for r in events if r.get("event") in ("admission_wait", "backpressure"))
+
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    k = max(1, min(3, len(trainer) // 3))
+    return {
+        "steps": len(trainer),
+        "trajectories_written": len(rollout),
+        "trajectories_trained": sum(int(r.get("trajectories", 0)) for r in trainer),
+        "tokens_written": sum(int(r.get("tokens", 0)) for r in rollout),
+        "tokens_trained": sum(int(r.get("tokens", 0)) for r in trainer),
+        "versions_spanned": dict(sorted(spans.items())),
+        "reward_first": mean([r.get("reward_mean") for r in trainer[:k]]),
+        "reward_last": mean([r.get("reward_mean") for r in trainer[-k:]]),
+        "staleness_max": max((r.get("staleness_max", 0) for r in trainer), default=None),
+        "trainer_idle_fraction": wait / (wait + busy) if wait + busy > 0 else None,
+        "rollout_idle_fraction": rollout_wait / (wall * len(workers)) if wall > 0 else None,
+        "wall_s": wall,
+    }
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    def f(v):
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    spans = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}" for k, v in s["versions_spanned"].items()) or "-"
+    return "\n".join([
+        f"steps {s['steps']}   wall {s['wall_s']:.0f}s",
+        f"trajectories written {s['trajectories_written']}, trained {s['trajectories_trained']}; "
+        f"tokens written {s['tokens_written']}, trained {s['tokens_trained']}",
+        f"versions spanned per trajectory: {spans}",
+        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}   max staleness {f(s['staleness_max'])}",
+        f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m neon_hpc.launch.common``: prepare the run directory (used by the sbatch script)."""
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m neon_hpc.launch.common")
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--backend", default="slurm")
+    p.add_argument("--job-id", default="local")
+    a = p.parse_args(argv)
+    try:
+        run = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id)
+    except ConfigError as e:
+        print(f"neon-hpc: config error: {e}", file=sys.stderr)
+        return 2
+    print(f"[neon-rl] run directory ready: {run.root}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

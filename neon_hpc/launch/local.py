@@ -1,0 +1,160 @@
+"""``neon-hpc run CONFIG [--run-dir DIR] [--set k=v ...]``: the whole async loop as local
+processes (a laptop, CI, or one node), with the same role processes a Slurm job runs.
+
+Processes: trainer rank(s) and one rollout node (engines + supervised rollout workers).
+The launcher shows progress per trainer step, and when the trainer has done its steps it
+stops the rollout side, prints a summary and writes the plot. Ctrl-C (or SIGTERM) makes the
+trainer checkpoint and every process stop; running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from neon_hpc import config
+from neon_hpc.launch.common import prepare_run, render_summary, summarize
+from neon_hpc.logs import RoleLogger, read_metrics
+from neon_hpc.rundir import RunDir, atomic_write_json
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_world_size(cfg: config.ExperimentConfig) -> int:
+    t = cfg.train
+    return t.tensor_parallel * t.pipeline_parallel * t.context_parallel * t.data_parallel
+
+
+class LocalRun:
+    def __init__(self, cfg: config.ExperimentConfig, run: RunDir, quiet: bool = False):
+        self.cfg, self.run, self.quiet = cfg, run, quiet
+        self.log = RoleLogger.open(run.root, "launcher", 0, echo=False)
+        self.trainers: list[subprocess.Popen] = []
+        self.node: subprocess.Popen | None = None
+        self.interrupted = False
+
+    def say(self, msg: str) -> None:
+        self.log.info("%s", msg)
+        if not self.quiet:
+            print(msg, flush=True)
+
+    def _popen(self, role: str, rank: int, extra_env: dict[str, str]) -> subprocess.Popen:
+        d = self.run.log_dir(role)
+        d.mkdir(parents=True, exist_ok=True)
+        out = open(d / f"{rank}.stderr", "ab")
+        cmd = [sys.executable, "-m", "neon_hpc.launch.roles", role, "--config", str(self.run.run_yaml),
+               "--run-dir", str(self.run.root)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
+        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
+
+    def start(self) -> None:
+        world = trainer_world_size(self.cfg)
+        port = str(free_port())
+        for r in range(world):
+            self.trainers.append(self._popen("trainer", r, {
+                "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+        self.node = self._popen("rollout-node", 0, {"NEON_NODE_RANK": "0", "NEON_NODE_COUNT": "1"})
+        self.say(f"run dir {self.run.root}: {world} trainer rank(s), 1 rollout node with "
+                 f"{self.cfg.rollout.num_workers} workers; logs: neon-hpc tail {self.run.root} --role trainer")
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.interrupted = True
+        self.say(f"{signal.Signals(signum).name}: asking the trainer to checkpoint and everyone to stop "
+                 f"(run the same command again to resume)")
+        for p in self.trainers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def progress(self, seen: int) -> int:
+        recs = read_metrics(self.run.root, "trainer")
+        for r in recs[seen:]:
+            self.say(f"step {r.get('step')}/{self.cfg.train.steps}  reward {r.get('reward_mean', float('nan')):.3f}  "
+                     f"trajectories {r.get('trajectories', '-')}  staleness mean {r.get('staleness_mean', 0):.2f} "
+                     f"max {r.get('staleness_max', '-')}  wait {r.get('wait_s', 0):.1f}s  "
+                     f"step {r.get('step_time_s', 0):.1f}s  -> weights v_{r.get('version', '-')}")
+        return len(recs)
+
+    def wait(self) -> int:
+        seen = 0
+        rc = None
+        while True:
+            seen = self.progress(seen)
+            codes = [p.poll() for p in self.trainers]
+            if any(c not in (None, 0) for c in codes):
+                bad = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                rc = codes[bad]
+                self.say(f"trainer rank {bad} failed (exit {rc}); stopping the run. Its log: "
+                         f"neon-hpc tail {self.run.root} --role trainer --rank {bad} "
+                         f"(and {self.run.log_dir('trainer') / f'{bad}.stderr'})")
+                break
+            if all(c == 0 for c in codes):
+                rc = 0
+                break
+            if self.node is not None and self.node.poll() is not None and not self.interrupted:
+                self.say(f"the rollout node exited (code {self.node.returncode}); stopping the run. Its log: "
+                         f"{self.run.log_dir('rollout-node') / '0.stderr'}")
+                rc = 1
+                break
+            time.sleep(1.0)
+        self.progress(seen)
+        preempted = (self.run.state / "trainer_preempted.json").exists()
+        if rc == 0 and not preempted and not self.interrupted:
+            atomic_write_json(self.run.state / "finished.json", {"time": time.time()})
+        self.stop()
+        return rc if not self.interrupted else 130
+
+    def stop(self) -> None:
+        procs = [p for p in self.trainers + [self.node] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        # nothing of the run may outlive the launcher: each role ran in its own session
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="neon-hpc run", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default=None,
+                   help="experiment YAML (default: the embedded defaults of configs/tiny_cpu.yaml)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: the config's run_dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    cfg_path = a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
+    cfg = config.load(cfg_path, a.set)
+    run = prepare_run(cfg, a.run_dir, backend="local")
+    lr = LocalRun(cfg, run, quiet=a.quiet)
+    signal.signal(signal.SIGINT, lr._on_signal)
+    signal.signal(signal.SIGTERM, lr._on_signal)
+    t0 = time.monotonic()
+    lr.start()
+    rc = lr.wait()
+    s = summarize(run.root)
+    lr.say(f"--- summary ({time.monotonic() - t0:.0f}s) ---\n" + render_summary(s))
+    if not a.no_plot and s["steps"]:
+        from neon_hpc.ops.plot import plot_run
+        lr.say(f"plot: {plot_run(str(run.root))}")
+    return rc

@@ -1,0 +1,117 @@
+"""Render the heterogeneous Slurm job of a run from its config.
+
+Group 0 (rollout): one ``rollout-node`` task per node (engines + supervised workers).
+Group 1 (train): the trainer ranks, one task per GPU. Both groups are one job, so they
+start together, end together, and are accounted together; they meet in the run directory.
+
+The text that reaches Slurm is reviewed like code: ``sbatch/neon_rl.sbatch`` is this
+renderer's output for ``configs/tiny_cpu.yaml`` and a test keeps the two identical.
+
+Signals and requeue: ``--signal=USR1@<s>`` makes Slurm send SIGUSR1 to every job step
+``<s>`` seconds before the time limit; the trainer checkpoints and exits 0 with
+``state/trainer_preempted.json``, the rollout side flushes, and the script requeues the job
+(``--requeue``), which resumes from the run directory alone. A failed step fails the job
+(``--kill-on-bad-exit``); the script waits for whichever group ends first and stops the
+other, so nothing keeps running after the job.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from neon_hpc.config import ExperimentConfig
+from neon_hpc.launch.config import GroupConfig
+
+_BODY = r'''
+set -uo pipefail
+CONFIG="${1:-%(config)s}"
+RUN_DIR="${2:-%(run_dir)s}"
+PY="${NEON_PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostname): config ${CONFIG}, run dir ${RUN_DIR}"
+
+# run.yaml is written once (a requeued job resumes with it); job.json records this job id
+"$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit 2
+RUN_YAML="$RUN_DIR/run.yaml"
+
+# torch.distributed rendezvous on the first node of the trainer group
+export MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_1}" | head -n 1)"
+export MASTER_PORT="$((20000 + SLURM_JOB_ID %% 20000))"
+
+srun --het-group=0 --kill-on-bad-exit=1 --mpi=pmi2 \
+  "$PY" -m neon_hpc.launch.roles rollout-node --config "$RUN_YAML" --run-dir "$RUN_DIR" &
+ROLLOUT=$!
+srun --het-group=1 --kill-on-bad-exit=1 --mpi=pmi2 \
+  "$PY" -m neon_hpc.launch.roles trainer --config "$RUN_YAML" --run-dir "$RUN_DIR" &
+TRAINER=$!
+
+stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; wait; exit 143; }
+trap stop_all TERM INT
+
+# whichever group ends first decides; the other is stopped (SIGTERM: flush / checkpoint)
+wait -n "$TRAINER" "$ROLLOUT"
+if ! kill -0 "$TRAINER" 2>/dev/null; then
+  wait "$TRAINER"; RC=$?
+  kill -TERM "$ROLLOUT" 2>/dev/null; wait "$ROLLOUT"
+else
+  wait "$ROLLOUT"; RC=$?
+  echo "[neon-rl] rollout group ended first (exit ${RC}); stopping the trainer"
+  kill -TERM "$TRAINER" 2>/dev/null; wait "$TRAINER"
+  [ "$RC" -eq 0 ] && RC=1
+fi
+
+if [ -e "$RUN_DIR/state/trainer_preempted.json" ]; then
+  echo "[neon-rl] trainer checkpointed before the time limit; requeueing job ${SLURM_JOB_ID}"
+  scontrol requeue "${SLURM_JOB_ID}"
+  exit 0
+fi
+if [ "$RC" -eq 0 ]; then
+  "$PY" -c 'import sys, time; from neon_hpc.rundir import atomic_write_json; atomic_write_json(sys.argv[1], {"time": time.time()})' \
+    "$RUN_DIR/state/finished.json"
+fi
+echo "[neon-rl] done (exit ${RC})"
+exit "$RC"
+'''
+
+
+def _group_lines(g: GroupConfig) -> list[str]:
+    lines = []
+    if g.partition:
+        lines.append(f"--partition={g.partition}")
+    lines += [f"--nodes={g.nodes}", f"--ntasks-per-node={g.tasks_per_node}", f"--cpus-per-task={g.cpus_per_task}"]
+    if g.gpus_per_node:
+        lines.append(f"--gpus-per-node={g.gpus_per_node}")
+    if g.mem:
+        lines.append(f"--mem={g.mem}")
+    return lines
+
+
+def render_sbatch(cfg: ExperimentConfig, config_path: str) -> str:
+    """The sbatch script for ``cfg`` (config_path and cfg.run_dir are its default arguments)."""
+    L = cfg.launch
+    head = ["#!/bin/bash",
+            f"# neon-hpc heterogeneous RL job, rendered from {config_path} by `neon-hpc launch --render`.",
+            "# Usage: sbatch sbatch/neon_rl.sbatch [CONFIG] [RUN_DIR]   (NEON_PYTHON: the venv's python)",
+            "# Group 0: rollout nodes (engines + rollout workers). Group 1: trainer ranks.",
+            f"#SBATCH --job-name={L.job_name}",
+            f"#SBATCH --time={L.time_limit}",
+            f"#SBATCH --signal=USR1@{L.signal_before_s}",
+            "#SBATCH --output=neon-rl-%j.out",
+            "#SBATCH --open-mode=append"]
+    head.append("#SBATCH --requeue" if L.requeue else "#SBATCH --no-requeue")
+    if L.account:
+        head.append(f"#SBATCH --account={L.account}")
+    head += [f"#SBATCH {x}" for x in L.extra_sbatch]
+    head += [f"#SBATCH {x}" for x in _group_lines(L.rollout)]
+    head.append("#SBATCH hetjob")
+    head += [f"#SBATCH {x}" for x in _group_lines(L.train)]
+    body = _BODY % {"config": config_path, "run_dir": cfg.run_dir}
+    return "\n".join(head) + "\n" + body
+
+
+def sbatch_command(script: str, config_path: str, run_dir: str) -> list[str]:
+    return ["sbatch", "--parsable", script, config_path, run_dir]
+
+
+def quote(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)

@@ -1,0 +1,75 @@
+"""``neon-hpc launch CONFIG [--run-dir DIR] [--set k=v] [--render] [--wait]``: submit the
+heterogeneous Slurm job of a run.
+
+How it talks to Slurm, and why: submitit 1.5.4 renders one set of ``#SBATCH`` lines and has
+no heterogeneous-job support. Rather than subclass its private script renderer, we render
+the het job ourselves (``neon_hpc.launch.slurm``, golden-tested), submit it with ``sbatch``,
+and track it through submitit's own job object (``submitit.SlurmJob``: state from sacct, the
+same object a submitit user already knows). ``--render`` prints the script instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from neon_hpc import config
+from neon_hpc.launch.common import resolve_run_dir
+from neon_hpc.launch.slurm import quote, render_sbatch, sbatch_command
+from neon_hpc.rundir import atomic_write_text
+
+
+def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tuple[str, Path]:
+    """Write the rendered script into RUN/launch/ and sbatch it; returns (job id, script)."""
+    cfg.run_dir = str(run_dir)
+    launch_dir = run_dir / "launch"
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    script = launch_dir / f"neon_rl.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    atomic_write_text(script, render_sbatch(cfg, config_path))
+    cmd = sbatch_command(str(script), str(Path(config_path).absolute()), str(run_dir))
+    env = dict(os.environ, NEON_PYTHON=sys.executable)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=launch_dir)
+    if r.returncode != 0:
+        raise SystemExit(f"neon-hpc launch: sbatch failed ({r.stderr.strip()}); the script is {script}; "
+                         f"command: {quote(cmd)}")
+    return r.stdout.strip().split(";")[0], script
+
+
+def track(job_id: str, folder: Path):
+    """A submitit job object for an already submitted job (state from squeue/sacct)."""
+    import submitit
+    return submitit.SlurmJob(folder=folder, job_id=job_id)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="neon-hpc launch", description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--render", action="store_true", help="print the sbatch script and exit")
+    p.add_argument("--wait", action="store_true", help="poll until the job ends")
+    a = p.parse_args(argv)
+    cfg = config.load(a.config, a.set)
+    if a.render:
+        print(render_sbatch(cfg, a.config), end="")
+        return 0
+    run_dir = resolve_run_dir(cfg, a.run_dir)
+    job_id, script = submit(cfg, a.config, run_dir)
+    print(f"submitted heterogeneous job {job_id} ({script})")
+    print(f"follow it: neon-hpc status {run_dir}   neon-hpc tail {run_dir} --role trainer -f")
+    if not a.wait:
+        return 0
+    job = track(job_id, run_dir / "launch")
+    last = None
+    while True:
+        st = job.state
+        if st != last:
+            print(f"job {job_id}: {st}", flush=True)
+            last = st
+        if st in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") or st.startswith("CANCELLED"):
+            return 0 if st == "COMPLETED" else 1
+        time.sleep(5)

@@ -1,0 +1,141 @@
+"""The rollout worker: agent episodes against an engine, written as trajectory shards.
+
+One worker process runs groups of episodes (GRPO groups) one after another and never waits
+for the trainer, except where the run asks it to:
+
+* **bounded staleness (admission control)**: before starting a group, the worker estimates
+  how many trainer steps will pass before the group is consumed (trajectories ready plus in
+  flight across all workers, over trajectories per step). If the group's oldest token would
+  then be more than ``rollout.max_staleness`` versions behind, it waits. The trainer's claim
+  still drops anything too stale (counted), so the bound holds even when the estimate is off.
+* **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
+  data, the worker waits: producing more would only make it stale.
+
+Both waits are logged and written to metrics.jsonl as ``event`` records, never silent.
+SIGTERM/SIGUSR1 make the worker finish the current group, flush its shard and exit 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from neon_hpc.config import ExperimentConfig
+from neon_hpc.logs import RoleLogger, job_id
+from neon_hpc.rundir import RunDir, read_json
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal = None
+
+    def __call__(self, signum, _frame) -> None:
+        self.requested = True
+        self.signal = signal.Signals(signum).name
+
+
+def pending_trajectories(run: RunDir) -> tuple[int, int]:
+    """(trajectories ready in ready/, trajectories in flight across live workers)."""
+    from neon_hpc.store import ready_count
+    _shards, ready = ready_count(run.root)
+    inflight = 0
+    for hb in run.heartbeats():
+        if hb.get("role") == "rollout" and hb.get("age_s", 1e9) < 60:
+            inflight += int(hb.get("in_flight", 0))
+    return ready, inflight
+
+
+def admission(run: RunDir, cfg: ExperimentConfig, group: int) -> tuple[str, float]:
+    """('ok' | 'backpressure' | 'admission_wait', steps_ahead) for starting one more group now."""
+    ready, inflight = pending_trajectories(run)
+    per_step = cfg.train.trajectories_per_step
+    if ready > cfg.rollout.backpressure_steps * per_step:
+        return "backpressure", ready / per_step
+    # the trainer consumes FIFO by publish order: this group lands after everything pending
+    steps_ahead = math.ceil((ready + inflight + group) / per_step) - 1
+    if steps_ahead > cfg.rollout.max_staleness:
+        return "admission_wait", float(steps_ahead)
+    return "ok", float(steps_ahead)
+
+
+def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str) -> int:
+    from neon_hpc.models.tokenizer import load_tokenizer
+    from neon_hpc.rollout.agent import run_group
+    from neon_hpc.rollout.engines.client import EngineClient
+    from neon_hpc.store import ShardWriter
+    from neon_hpc.xrd.tasks import load_tasks
+
+    run = RunDir(run_dir)
+    log = RoleLogger.open(run.root, "rollout", worker, echo=False)
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    tokenizer = load_tokenizer("xrd-tiny") if cfg.model.vocab_size <= 256 else load_tokenizer(cfg.model.init_checkpoint)
+    tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=cfg.xrd.num_tasks)
+    if not tasks:
+        log.error("no tasks for preset=%s split=%s; check the xrd section of the config", cfg.xrd.preset, cfg.xrd.split)
+        return 2
+    client = EngineClient(engine_url)
+    # a new writer id per incarnation: a restarted worker never reuses a dead one's file names
+    writer_id = f"w{worker}-{job_id()}-{os.getpid()}"
+    rng = random.Random(f"{cfg.xrd.seed}-{worker}-{os.getpid()}")
+    order = list(range(len(tasks)))
+    groups = episodes = tokens = 0
+    log.info("rollout worker %d up: engine %s, %d tasks (%s/%s), writer %s", worker, engine_url,
+             len(tasks), cfg.xrd.preset, cfg.xrd.split, writer_id)
+    with ShardWriter(run.root, writer_id, cfg.store) as writer:
+        while not stop.requested and not (run.state / "finished.json").exists():
+            verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
+            if verdict != "ok":
+                t0 = time.monotonic()
+                while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
+                    run.beat("rollout", worker, in_flight=0, groups=groups, waiting=verdict)
+                    writer.flush()  # let the trainer have what we hold
+                    time.sleep(0.25)
+                    verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
+                waited = time.monotonic() - t0
+                log.info("%s: waited %.1fs (steps of data ahead of the trainer: %.1f)", verdict, waited, ahead)
+                log.metrics(event=verdict, seconds=waited, worker=worker)
+                continue
+            if groups % len(order) == 0:
+                rng.shuffle(order)
+            task = tasks[order[groups % len(order)]]
+            run.beat("rollout", worker, in_flight=cfg.rollout.group_size, groups=groups, episodes=episodes,
+                     tokens=tokens, task=task.id)
+            t0 = time.monotonic()
+            trajs = run_group(client, task, tokenizer, cfg.rollout, cfg.rollout.group_size)
+            dt = time.monotonic() - t0
+            for tr in trajs:
+                writer.add(tr)
+                gen = int(tr.loss_mask.sum())
+                vmin, vmax = _versions(tr)
+                tokens += len(tr.tokens)
+                log.metrics(worker=worker, task_id=tr.task_id, tokens=int(len(tr.tokens)), gen_tokens=gen,
+                            episode_s=float(tr.timings.get("episode_s", dt)), version_min=vmin,
+                            version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1))
+            episodes += len(trajs)
+            groups += 1
+            log.set(version=max((_versions(t)[1] for t in trajs), default=None))
+            log.info("group %d task %s: %d episodes in %.1fs, reward mean %.3f, versions %s", groups, task.id,
+                     len(trajs), dt, sum(t.reward for t in trajs) / max(len(trajs), 1),
+                     sorted({v for t in trajs for v in _versions(t)}))
+        writer.flush()
+    run.beat("rollout", worker, in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
+    log.info("rollout worker %d stopping (%s): %d groups, %d episodes, %d tokens", worker,
+             stop.signal or "run finished", groups, episodes, tokens)
+    log.close()
+    return 0
+
+
+def _versions(tr) -> tuple[int, int]:
+    gen = tr.versions[tr.loss_mask.astype(bool)]
+    if len(gen) == 0:
+        return -1, -1
+    return int(gen.min()), int(gen.max())
