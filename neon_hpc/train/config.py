@@ -13,7 +13,8 @@ class TrainConfig:
     clip_eps: float = 0.2                # PPO ratio clip
     off_policy_correction: Literal["tis", "none"] = "tis"
     tis_cap: float = 2.0                 # truncated importance sampling cap per token
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0                 # k3 KL toward the behaviour (engine) policy, per token
+    advantage_norm: Literal["std", "none"] = "std"   # GRPO: divide by the group's reward std, or only centre
     router_replay: Literal["off", "replay"] = "replay"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -31,6 +32,13 @@ class TrainConfig:
             errs.append(("steps", "must be >= 1"))
         if self.lr <= 0:
             errs.append(("lr", "must be > 0"))
+        if self.clip_eps <= 0 or self.clip_eps >= 1:
+            errs.append(("clip_eps", "must be in (0, 1)"))
+        if self.kl_coef < 0:
+            errs.append(("kl_coef", "must be >= 0"))
+        for k in ("publish_every", "checkpoint_every", "trajectories_per_step"):
+            if getattr(self, k) < 1:
+                errs.append((k, "must be >= 1"))
         if self.tis_cap < 1.0:
             errs.append(("tis_cap", "must be >= 1.0 (it truncates importance ratios from above)"))
         for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel", "data_parallel"):

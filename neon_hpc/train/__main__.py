@@ -1,0 +1,28 @@
+"""``python -m neon_hpc.train --config RUN/run.yaml --run-dir RUN [--set key=value ...]``: one trainer rank."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m neon_hpc.train",
+                                 description="Run one trainer rank (torch.distributed env vars or Slurm's).")
+    ap.add_argument("--config", required=True, help="experiment YAML (normally RUN/run.yaml)")
+    ap.add_argument("--run-dir", required=True, help="the run directory (shared filesystem)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set train.steps=4")
+    args = ap.parse_args(argv)
+    from neon_hpc.config import ConfigError, load
+    try:
+        cfg = load(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return 2
+    from neon_hpc.train.loop import run_trainer
+    return run_trainer(cfg, args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Micro-batches from trajectories: packing, label alignment, and router-replay alignment.
+
+Layout: **packing, B = 1**.  The trajectories of one micro-batch are concatenated into one
+sequence ``[1, S]`` (megatron sees ``[S, B=1]``); a block-diagonal causal attention mask keeps
+each document's tokens from attending to any other document.  Position ids restart at 0 for
+every document (they are passed to megatron, whose RoPE ignores them: it rotates by absolute
+packed position, and RoPE scores depend only on the distance between two tokens of the same
+document, so the offset changes nothing but rounding).  ``S`` is padded up to a multiple of
+``pad_multiple`` (the TP size under sequence parallelism, which splits S across TP ranks)
+with pad tokens that form their own one-token documents and carry no loss.
+
+Per document of ``n`` tokens the model input is ``tokens[0 : n-1]`` and the label at input
+position ``t`` is ``tokens[t+1]``: the last token is never fed (it has no label, and its route
+row is the placeholder the store contract describes).  Everything per label token
+(loss mask, engine logprob, weight version) is taken at ``t+1``; the route fed to router
+replay at input position ``t`` is ``routed_experts[t]``: the experts token ``t`` was routed
+to when the engine forwarded it.
+
+Router replay (megatron-core ``RouterReplay.set_replay_data``) wants one int tensor
+``[tokens, top_k]`` per local MoE layer, tokens in megatron's flattened ``[S, B]`` order as
+the router of *this rank* sees them.  With B = 1 that is sequence order; under sequence
+parallelism TP rank ``r`` routes the contiguous slice ``[r*S/tp, (r+1)*S/tp)``; expert
+parallelism routes before dispatch, so it changes nothing; pipeline stages would take their
+own layers' rows (``layers`` argument).
+
+Pure functions of numpy arrays and trajectories; no model, no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+Piece = tuple[int, int, int]        # (trajectory index, start, end) in input-token space
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch (all tensors batch-first, B = 1)."""
+
+    input_ids: torch.Tensor          # int64 [1, S]
+    position_ids: torch.Tensor       # int64 [1, S], restart at 0 per document
+    attention_mask: torch.Tensor     # bool [1, 1, S, S], True = masked (megatron's convention)
+    labels: torch.Tensor             # int64 [1, S]
+    loss_mask: torch.Tensor          # float32 [1, S], 1 where the label token was generated
+    logp_behav: torch.Tensor         # float32 [1, S], engine logprob of the label token
+    versions: torch.Tensor           # int32 [1, S], weight version of the label token (-1: none)
+    advantages: torch.Tensor         # float32 [1, S], the label token's trajectory advantage
+    routes: np.ndarray | None        # int64 [S, num_moe_layers, top_k] or None (no replay)
+    pieces: list[Piece] = field(default_factory=list)
+    doc_starts: list[int] = field(default_factory=list)
+    real_tokens: int = 0             # tokens before padding
+    routes_missing: int = 0          # documents whose routes were absent or invalid
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def input_lengths(trajectories: Sequence[Any]) -> list[int]:
+    """Model-input length of each trajectory: all tokens but the last (see module docstring)."""
+    return [max(len(t.tokens) - 1, 0) for t in trajectories]
+
+
+def block_causal_mask(doc_lengths: Sequence[int]) -> torch.Tensor:
+    """``[1, 1, S, S]`` bool, True where attention is forbidden: causal within each document."""
+    s = int(sum(doc_lengths))
+    doc = np.repeat(np.arange(len(doc_lengths)), doc_lengths)
+    same = doc[:, None] == doc[None, :]
+    causal = np.tril(np.ones((s, s), dtype=bool))
+    return torch.from_numpy(~(same & causal)).view(1, 1, s, s)
+
+
+def check_routes(routes: Any, n_tokens: int, num_layers: int, top_k: int,
+                 num_experts: int) -> str | None:
+    """Why the routes of one trajectory cannot be replayed, or None when they can."""
+    if routes is None:
+        return "no routed_experts recorded"
+    r = np.asarray(routes)
+    if r.shape != (n_tokens, num_layers, top_k):
+        return f"routed_experts shape {r.shape} != (tokens {n_tokens}, moe layers {num_layers}, top_k {top_k})"
+    if n_tokens > 1:
+        used = r[: n_tokens - 1]
+        if used.min() < 0 or used.max() >= num_experts:
+            return f"expert id out of range [0, {num_experts})"
+        if top_k > 1 and (np.diff(np.sort(used, axis=-1), axis=-1) == 0).any():
+            return "a token is routed to the same expert twice"
+    return None
+
+
+def _pad_route_rows(n: int, num_layers: int, top_k: int) -> np.ndarray:
+    # Pad tokens carry no loss; any distinct experts do.  Experts 0..k-1 keep it deterministic.
+    return np.broadcast_to(np.arange(top_k, dtype=np.int64), (n, num_layers, top_k)).copy()
+
+
+def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advantages: Sequence[float],
+                     pad_multiple: int = 1, min_len: int = 0,
+                     route_shape: tuple[int, int, int] | None = None) -> MicroBatch:
+    """Pack ``pieces`` (whole trajectories: start 0, end = input length) into one micro-batch.
+
+    ``route_shape = (num_moe_layers, top_k, num_experts)`` turns on route packing; a
+    micro-batch in which any document lacks valid routes gets ``routes = None`` (it then runs
+    without replay) and counts those documents in ``routes_missing``.  An empty ``pieces``
+    gives a micro-batch of pad tokens only (ranks must run the same number of forwards when
+    experts or tensors are split across them).
+    """
+    ids, pos, labels, lmask, lp, ver, adv, doc_lens, route_parts = [], [], [], [], [], [], [], [], []
+    missing = 0
+    for (i, start, end) in pieces:
+        t = trajectories[i]
+        n_in = len(t.tokens) - 1
+        if start != 0 or end != n_in:
+            raise ValueError(f"piece {(i, start, end)} of trajectory {getattr(t, 'task_id', i)} "
+                             f"(input length {n_in}) is not whole: split sequences need context "
+                             f"parallelism, which this trainer does not support (train.context_parallel=1)")
+        if n_in < 1:
+            continue
+        tok = np.asarray(t.tokens, dtype=np.int64)
+        ids.append(tok[:-1])
+        labels.append(tok[1:])
+        pos.append(np.arange(n_in, dtype=np.int64))
+        lmask.append(np.asarray(t.loss_mask, dtype=np.float32)[1:])
+        lp.append(np.asarray(t.logprobs, dtype=np.float32)[1:])
+        ver.append(np.asarray(t.versions, dtype=np.int32)[1:])
+        adv.append(np.full(n_in, advantages[i], dtype=np.float32))
+        doc_lens.append(n_in)
+        if route_shape is not None:
+            layers, k, experts = route_shape
+            why = check_routes(getattr(t, "routed_experts", None), len(tok), layers, k, experts)
+            if why is None:
+                route_parts.append(np.asarray(t.routed_experts, dtype=np.int64)[:-1])
+            else:
+                missing += 1
+                route_parts.append(None)
+    real = int(sum(doc_lens))
+    s = max(real, min_len, 1)
+    s = -(-s // pad_multiple) * pad_multiple
+    n_pad = s - real
+    if n_pad:
+        ids.append(np.zeros(n_pad, np.int64))
+        labels.append(np.zeros(n_pad, np.int64))
+        pos.append(np.zeros(n_pad, np.int64))
+        lmask.append(np.zeros(n_pad, np.float32))
+        lp.append(np.zeros(n_pad, np.float32))
+        ver.append(np.full(n_pad, -1, np.int32))
+        adv.append(np.zeros(n_pad, np.float32))
+        doc_lens.extend([1] * n_pad)
+    routes = None
+    if route_shape is not None and missing == 0:
+        layers, k, _ = route_shape
+        routes = np.concatenate(route_parts + [_pad_route_rows(n_pad, layers, k)], axis=0)
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs)).unsqueeze(0)
+    return MicroBatch(
+        input_ids=cat(ids), position_ids=cat(pos), attention_mask=block_causal_mask(doc_lens),
+        labels=cat(labels), loss_mask=cat(lmask), logp_behav=cat(lp), versions=cat(ver),
+        advantages=cat(adv), routes=routes, pieces=list(pieces),
+        doc_starts=list(np.cumsum([0] + doc_lens[:-1]).tolist()), real_tokens=real,
+        routes_missing=missing)
+
+
+def replay_tensors(routes: np.ndarray, tp_rank: int = 0, tp_size: int = 1,
+                   sequence_parallel: bool = False,
+                   layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """The list megatron's ``RouterReplay.set_replay_data`` takes on this rank.
+
+    ``routes`` is ``[S, num_moe_layers, top_k]`` for a B = 1 micro-batch; returns one int64
+    ``[tokens_on_this_rank, top_k]`` tensor per MoE layer held by this rank, in layer order.
+    """
+    s = routes.shape[0]
+    if sequence_parallel and tp_size > 1:
+        if s % tp_size:
+            raise ValueError(f"sequence length {s} is not a multiple of TP size {tp_size}; build the "
+                             f"micro-batch with pad_multiple={tp_size}")
+        chunk = s // tp_size
+        routes = routes[tp_rank * chunk:(tp_rank + 1) * chunk]
+    layer_ids = range(routes.shape[1]) if layers is None else layers
+    return [torch.from_numpy(np.ascontiguousarray(routes[:, l, :])) for l in layer_ids]
+
+
+# --------------------------------------------------------------------------------------
+# plain token-count packing, the fallback behind the balancer's interface
+
+def plain_plan(lengths: Sequence[int], dp: int, token_cap: int) -> list[list[list[Piece]]]:
+    """Greedy: longest first onto the DP rank with fewest tokens, then first-fit micro-batches.
+
+    Returns ``plan[dp_rank][microbatch] = [(seq_index, 0, length), ...]``.  Deterministic.
+    A sequence longer than ``token_cap`` gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    load = [0] * dp
+    per_rank: list[list[int]] = [[] for _ in range(dp)]
+    for i in order:
+        r = min(range(dp), key=lambda j: (load[j], j))
+        per_rank[r].append(i)
+        load[r] += lengths[i]
+    plan = []
+    for seqs in per_rank:
+        mbs: list[list[Piece]] = []
+        fill: list[int] = []
+        for i in seqs:
+            for m, used in enumerate(fill):
+                if used + lengths[i] <= token_cap:
+                    mbs[m].append((i, 0, lengths[i]))
+                    fill[m] += lengths[i]
+                    break
+            else:
+                mbs.append([(i, 0, lengths[i])])
+                fill.append(lengths[i])
+        plan.append(mbs)
+    return plan

@@ -1,0 +1,141 @@
+"""Trainer checkpoints: megatron-core dist_checkpointing (torch_dist) behind the run directory's atomic publish.
+
+``checkpoints/step_N/`` holds, once it is visible (it is built in a hidden sibling and
+renamed into place by rank 0 after every rank finished writing)::
+
+    .metadata, __R_K.distcp, common.pt, metadata.json   megatron torch_dist: model + optimizer
+    trainer_state.json                                   step, weight version, data cursor, layout
+    rng/rank_R.pt                                        each rank's RNG states (tensors only)
+
+``trainer_state.json``::
+
+    {"step": N,                 # last completed step; a resumed trainer runs N+1 next
+     "version": N,              # weights after step N (published as weights/v_N when due)
+     "cursor": {"next_step": N+1, "claimed_steps": [..]},   # the store claims per step, so
+                                # the data position is the next step number
+     "layout": {"tp":..,"ep":..,"pp":..,"dp":..}, "time": ..., "param_digest": ...}
+
+The model and optimizer are loadable into another TP/EP layout (torch_dist reshards); the RNG
+states are per rank and restored only when the layout is the same (otherwise reseeded from
+``train.seed + step``, logged).  ``rng/*.pt`` hold only tensors and load with
+``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles that this
+trainer wrote itself into its own run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
+from neon_hpc.train.backend import Backend, param_digest
+
+STATE_FILE = "trainer_state.json"
+
+
+def _bcast(obj: Any, rank: int, world: int) -> Any:
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def _sharded(be: Backend, is_loading: bool) -> dict:
+    model_sd = be.model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": be.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    for name, st in get_cuda_rng_tracker().get_states().items():
+        out[f"tracker.{name}"] = st
+    return out
+
+
+def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    tracker = {k[len("tracker."):]: v for k, v in states.items() if k.startswith("tracker.")}
+    if tracker:
+        get_cuda_rng_tracker().set_states(tracker)
+
+
+def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
+    """Collective: write ``checkpoints/step_{step}`` (all ranks call it; rank 0 publishes)."""
+    from megatron.core import dist_checkpointing
+
+    lay = be.layout
+    final = run.checkpoint(step)
+    staging = str(staging_dir_for(final)) if lay.rank == 0 else None
+    staging = Path(_bcast(staging, lay.rank, lay.world))
+    try:
+        dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
+        (staging / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), staging / "rng" / f"rank_{lay.rank}.pt")
+        digest = param_digest(be)
+        _barrier(lay.world)
+        if lay.rank == 0:
+            full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
+                          "layout": {"tp": lay.tp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "world": lay.world}}
+            (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
+            publish_dir(staging, final)
+        _barrier(lay.world)
+    except BaseException:
+        if lay.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    st = read_json(Path(ckpt_dir) / STATE_FILE)
+    if st is None:
+        raise FileNotFoundError(f"{ckpt_dir}/{STATE_FILE} missing: not a neon-hpc trainer checkpoint "
+                                f"(a published step_N always has one); move the directory aside")
+    return st
+
+
+def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
+    """Collective: restore model, optimizer and (same layout) RNG from ``checkpoints/step_{step}``."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = run.checkpoint(step)
+    state = read_state(ckpt)
+    loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
+    be.model.load_state_dict(loaded["model"], strict=False)
+    be.optimizer.load_state_dict(loaded["optimizer"])
+    lay = be.layout
+    same_layout = state.get("layout", {}).get("world") == lay.world and \
+        state["layout"].get("tp") == lay.tp and state["layout"].get("ep") == lay.ep
+    rng_file = ckpt / "rng" / f"rank_{lay.rank}.pt"
+    state["rng_restored"] = bool(same_layout and rng_file.exists())
+    if state["rng_restored"]:
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    _barrier(lay.world)
+    return state
+
+
+def latest_complete(run: RunDir) -> int | None:
+    """Newest ``step_N`` that carries its state file (published ones always do)."""
+    for step in reversed(run.checkpoint_steps()):
+        if (run.checkpoint(step) / STATE_FILE).exists():
+            return step
+    return None

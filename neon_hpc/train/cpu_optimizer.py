@@ -1,0 +1,79 @@
+"""Let megatron-core's FP32 optimizer run without CUDA (the trainer's addition to the CPU shim).
+
+``megatron.core.optimizer`` (0.16.1) is plain torch apart from three places that create
+tensors with the literal ``device='cuda'`` (not ``torch.cuda.current_device()``, which
+:mod:`neon_hpc.models.cpu_shim` already redirects):
+
+- ``FP32Optimizer.__init__``: its constant loss scale ``_scale`` -> created on CPU.
+- ``clip_grads.get_grad_norm_fp32``: the L2 norm accumulator -> the same sum of squares,
+  all-reduced (SUM) over the same ``grad_stats_parallel_group``, on CPU.
+- ``clip_grads.clip_grad_by_total_norm_fp32``: asserts ``torch.cuda.FloatTensor`` grads and
+  scales with a CUDA overflow buffer -> the same ``grad *= max_norm / (norm + 1e-6)`` when
+  that factor is below 1.
+
+The replacements are bound where ``megatron.core.optimizer.optimizer`` looks them up, so the
+rest of the optimizer (param groups, ``ChainedOptimizer`` for expert params, main-grad copy,
+``sharded_state_dict`` for torch_dist checkpoints) is megatron-core's own.  :func:`apply` is
+idempotent and does nothing when CUDA is available.  It could move into ``cpu_shim``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_applied = False
+
+
+def apply() -> bool:
+    """Patch once (no-op with CUDA); returns whether the CPU versions are in effect."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return _applied
+    from megatron.core.optimizer import optimizer as mopt
+
+    original_init = mopt.FP32Optimizer.__init__
+
+    def fp32_init(self, optimizer, config, init_state_fn):
+        # MegatronOptimizer.__init__ is device-free; only the scale constant is not.
+        mopt.MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+        self._scale = torch.tensor([1.0], dtype=torch.float)
+        self.is_stub_optimizer = optimizer is None
+
+    fp32_init.__wrapped__ = original_init
+    mopt.FP32Optimizer.__init__ = fp32_init
+    mopt.get_grad_norm_fp32 = grad_norm_fp32
+    mopt.clip_grad_by_total_norm_fp32 = clip_by_total_norm
+    _applied = True
+    return True
+
+
+def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
+    """Global gradient norm: local sum of |g|^p, summed over the model-parallel group."""
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max().float() for g in grads_for_norm), default=torch.tensor(0.0))
+        total = torch.tensor([float(local)])
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=grad_stats_parallel_group)
+        return float(total[0])
+    total = torch.zeros(1, dtype=torch.float64)
+    for g in grads_for_norm:
+        total += g.detach().double().abs().pow(norm_type).sum()
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return float(total[0]) ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is not None:
+            g.mul_(coeff)

@@ -1,0 +1,385 @@
+"""The trainer's step loop: claim -> plan -> micro-batches -> forward/loss/backward -> step -> publish.
+
+One process per trainer rank, under the usual torch.distributed variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
+when those are absent).  Everything it knows comes from the config and the run directory,
+so a restarted (or requeued) trainer continues where the last checkpoint left it.
+
+Step N (numbered from 1) trains the weights of version N-1 and produces version N:
+
+1. rank 0 claims ``trajectories/claimed/step_N`` (``neon_hpc.store.claim_step``: whole
+   shards, staleness filter against version N-1, resumable); the other ranks then read
+   the committed claim (the same call returns the recorded trajectories);
+2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
+3. the balancer plans micro-batches per DP rank (``neon_hpc.balance.plan_step`` when present
+   and it keeps sequences whole; else plain token packing), every rank runs the same number;
+4. per micro-batch: packed forward with router replay, the off-policy loss
+   (:mod:`neon_hpc.train.loss`), backward; then megatron's grad finalisation and optimizer step;
+5. metrics + log line (rank 0), heartbeat (every rank);
+6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST``;
+   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N``.
+
+SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
+``state/trainer_preempted.json`` and exit 0 (the Slurm job requeues; resume is automatic).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from neon_hpc.config import ExperimentConfig
+from neon_hpc.logs import RoleLogger
+from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.train import checkpoint as ckpt
+from neon_hpc.train.batch import build_microbatch, input_lengths, plain_plan
+from neon_hpc.train.loss import (LossConfig, add_terms, group_advantages, policy_loss, staleness_histogram,
+                                 staleness_stats, term_means)
+
+ROLE = "trainer"
+PREEMPT_FILE = "trainer_preempted.json"
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot start or continue; the message says why and what to change."""
+
+
+# --------------------------------------------------------------------------------------
+# process environment and signals
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank), exporting RANK/WORLD_SIZE/LOCAL_RANK from Slurm if needed."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    if world > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+        raise TrainerError(f"rank {rank} of {world}: MASTER_ADDR and MASTER_PORT must be set for a "
+                           f"multi-process trainer (the launcher exports them; by hand: "
+                           f"MASTER_ADDR=<rank-0 host> MASTER_PORT=<free port>)")
+    return rank, world, int(env.get("LOCAL_RANK", "0"))
+
+
+class Preemption:
+    """Remembers SIGUSR1/SIGTERM; the loop polls it between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "Preemption":
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def _any_rank(flag: bool, world: int) -> bool:
+    if world == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _bcast(obj: Any, rank: int, world: int) -> Any:
+    return ckpt._bcast(obj, rank, world)
+
+
+# --------------------------------------------------------------------------------------
+# checks
+
+def check_config(cfg: ExperimentConfig) -> None:
+    t = cfg.train
+    if cfg.mode == "async" and t.off_policy_correction == "none":
+        raise TrainerError("train.off_policy_correction: 'none' in an async run trains on tokens of older "
+                           "weight versions without correction (a silent bias); set it to 'tis' or mode: sync")
+    if t.context_parallel != 1:
+        raise TrainerError(f"train.context_parallel={t.context_parallel}: this trainer runs CP=1; set it to 1")
+    if t.pipeline_parallel != 1:
+        raise TrainerError(f"train.pipeline_parallel={t.pipeline_parallel}: this trainer runs PP=1; set it to 1")
+
+
+# --------------------------------------------------------------------------------------
+# one step's data
+
+@dataclass
+class StepData:
+    trajectories: list
+    advantages: np.ndarray
+    plan: list                       # plan[dp_rank][microbatch] = [(seq, start, end), ...]
+    planner: str
+    global_tokens: int               # generated label tokens in the whole step
+    waited_s: float = 0.0
+    dropped_stale: int = 0
+    quarantined: int = 0
+    shards: list = field(default_factory=list)
+
+
+def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int, pre: Preemption,
+           log: RoleLogger):
+    """Rank 0 claims (waiting in slices so heartbeats and signals stay live); then everyone reads it."""
+    from neon_hpc.store import ClaimTimeout, claim_step
+
+    kwargs = dict(want=cfg.train.trajectories_per_step, consumer=f"trainer-{socket.gethostname()}-{os.getpid()}",
+                  trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
+                  quarantine_invalid=cfg.store.quarantine_invalid)
+    status: dict[str, Any] = {"ok": True}
+    if rank == 0:
+        t0 = time.monotonic()
+        while True:
+            left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
+            try:
+                claim_step(run.root, step, timeout_s=max(0.0, min(10.0, left)), **kwargs)
+                break
+            except ClaimTimeout as e:
+                if pre.requested:
+                    status = {"ok": False, "preempted": True}
+                    break
+                if left <= 10.0:
+                    status = {"ok": False, "error": str(e)}
+                    break
+                run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=time.monotonic() - t0)
+                log.info("waiting for data (%.0fs of %.0fs)", time.monotonic() - t0, cfg.train.wait_for_data_s)
+        status["waited_s"] = time.monotonic() - t0
+    status = _bcast(status, rank, world)
+    if not status["ok"]:
+        return status
+    res = claim_step(run.root, step, timeout_s=0.0, **kwargs)   # committed: the same trajectories
+    status["result"] = res
+    return status
+
+
+def _plan(lengths: list[int], dp: int, cfg: ExperimentConfig, log: RoleLogger | None) -> tuple[list, str]:
+    cap = max(cfg.balance.tokens_per_microbatch, max(lengths, default=1))
+    try:
+        from neon_hpc.balance import plan_step  # noqa: F401  (lands with the balance issue)
+    except ImportError:
+        return plain_plan(lengths, dp, cap), "plain"
+    try:
+        from neon_hpc.balance import CostModel, plan_step
+        cost = None
+        if cfg.balance.cost_a > 0 or cfg.balance.cost_b > 0:
+            cost = CostModel(a=cfg.balance.cost_a, b=cfg.balance.cost_b)
+        else:
+            cost = CostModel.from_model_config(cfg.model)
+        p = plan_step(lengths, dp, pp_microbatches=1, cp=1, token_cap=cap, cost=cost,
+                      planner=cfg.balance.planner, shadow=False, cp_split_threshold=cap + 1)
+        plan = [[[(int(pc.seq), int(pc.start), int(pc.end)) for pc in mb] for mb in r] for r in p.ranks]
+    except Exception as e:  # the balancer is an optimisation: never stop training for it
+        if log:
+            log.warning("balancer failed (%s: %s); using plain token packing", type(e).__name__, e)
+        return plain_plan(lengths, dp, cap), "plain"
+    whole = all(s == 0 and e == lengths[i] for r in plan for mb in r for (i, s, e) in mb)
+    if not whole:
+        if log:
+            log.warning("balancer split a sequence across ranks (needs CP); using plain token packing")
+        return plain_plan(lengths, dp, cap), "plain"
+    return plan, cfg.balance.planner
+
+
+def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | None = None) -> StepData:
+    groups = [t.group_id or t.task_id for t in trajs]
+    adv = group_advantages([t.reward for t in trajs], groups, norm=cfg.train.advantage_norm)
+    for t, a in zip(trajs, adv):
+        t.advantage = float(a)
+    lengths = input_lengths(trajs)
+    plan, planner = _plan(lengths, dp, cfg, log)
+    tokens = int(sum(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs))
+    return StepData(trajs, adv, plan, planner, tokens)
+
+
+# --------------------------------------------------------------------------------------
+# one optimizer step
+
+def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from neon_hpc.train.backend import forward_logp, reduce_sums
+
+    lay = be.layout
+    mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
+    n_mb = max(len(r) for r in data.plan) if data.plan else 0
+    route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
+    denom = be.loss_scale(max(data.global_tokens, 1))
+    be.ddp.zero_grad_buffer()
+    be.optimizer.zero_grad()
+    sums: dict[str, float] = {}
+    replay_missing, replayed = 0, 0
+    for j in range(n_mb):
+        pieces = mine[j] if j < len(mine) else []
+        mb = build_microbatch(data.trajectories, pieces, data.advantages, pad_multiple=be.pad_multiple,
+                              route_shape=route_shape)
+        replay_missing += mb.routes_missing
+        replayed += int(mb.routes is not None and bool(pieces))
+        logp = forward_logp(be, mb)
+        loss, terms = policy_loss(logp, logp.detach(), mb.logp_behav, mb.advantages, mb.loss_mask, denom, lcfg)
+        loss.backward()
+        add_terms(sums, terms)
+    sums["replay_docs_missing"] = float(replay_missing)
+    sums["replayed_microbatches"] = float(replayed)
+    finalize_model_grads([be.ddp])
+    ok, grad_norm, _ = be.optimizer.step()
+    sums = reduce_sums(sums)
+    out = term_means(sums)
+    out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    out["update_skipped"] = not ok
+    out["microbatches"] = n_mb
+    out["replay_docs_missing"] = int(sums["replay_docs_missing"])
+    out["replayed_microbatches"] = int(sums["replayed_microbatches"])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the loop
+
+def _startup(run: RunDir, be, cfg: ExperimentConfig, log: RoleLogger) -> tuple[int, dict]:
+    """Resume from the newest checkpoint, or initialise; returns (last completed step, state)."""
+    last = ckpt.latest_complete(run) if be.layout.rank == 0 else None
+    last = _bcast(last, be.layout.rank, be.layout.world)
+    if last is not None:
+        state = ckpt.load(run, be, last)
+        log.info("resumed from %s (step %d, rng %s)", run.checkpoint(last), last,
+                 "restored" if state["rng_restored"] else "reseeded: layout changed")
+        if not state["rng_restored"]:
+            import torch
+            torch.manual_seed(cfg.train.seed + last)
+        return last, state
+    if cfg.model.init_checkpoint:
+        from neon_hpc.train.backend import load_initial_weights
+        load_initial_weights(be, cfg.model.init_checkpoint)
+        log.info("initial weights from %s", cfg.model.init_checkpoint)
+    else:
+        log.info("initial weights: megatron init, seed %d", cfg.train.seed)
+    return 0, {}
+
+
+def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
+    """Train until ``train.steps`` (or a preemption signal); returns the process exit code."""
+    check_config(cfg)
+    rank, world, _local = dist_env()
+    run = RunDir(run_dir).create()
+    log = RoleLogger.open(run.root, ROLE, rank, echo=True)
+    pre = Preemption().install()
+    try:
+        return _run(cfg, run, rank, world, log, pre)
+    except TrainerError as e:
+        log.error("%s", e)
+        return 2
+    finally:
+        pre.restore()
+        log.close()
+
+
+def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
+    from neon_hpc.train import backend as B
+    from neon_hpc.train.publish import publish_weights
+
+    t = cfg.train
+    run.beat(ROLE, rank, step=None, phase="starting")
+    be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
+                 weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=t.router_replay == "replay",
+                 seed=t.seed)
+    if be.layout.dp * t.tensor_parallel * t.pipeline_parallel != world:
+        raise TrainerError(f"world size {world} != tp*dp*pp")
+    if t.data_parallel not in (1, be.layout.dp):
+        log.warning("train.data_parallel=%d but the world gives dp=%d; using %d", t.data_parallel,
+                    be.layout.dp, be.layout.dp)
+    last, _state = _startup(run, be, cfg, log)
+    log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s", be.layout.tp, be.layout.ep,
+             be.layout.dp, world, be.replay, t.off_policy_correction)
+    if not run.weight_versions() or run.latest_weights() is None:
+        _, secs, _ = publish_weights(run, be, cfg.model, last, step=last)
+        log.info("published initial weights v_%d in %.2fs", last, secs)
+    lcfg = LossConfig(clip_eps=t.clip_eps, tis_cap=t.tis_cap, correction=t.off_policy_correction,
+                      kl_coef=t.kl_coef)
+    step = last
+    saved_at = last
+    preempted = False
+    while step < t.steps:
+        step += 1
+        log.set(step=step, version=step - 1)
+        t0 = time.perf_counter()
+        run.beat(ROLE, rank, step=step, version=step - 1, phase="claiming")
+        claim = _claim(run, cfg, step, rank, world, pre, log)
+        if not claim["ok"]:
+            if claim.get("preempted"):
+                step -= 1
+                preempted = True
+                break
+            raise TrainerError(claim["error"])
+        res = claim["result"]
+        data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
+        run.beat(ROLE, rank, step=step, version=step - 1, phase="training")
+        m = train_step(be, data, lcfg)
+        published = None
+        if step % t.publish_every == 0 or step == t.steps:
+            _, pub_s, _ = publish_weights(run, be, cfg.model, step, step=step)
+            published, m["publish_s"] = step, pub_s
+        stop = _any_rank(pre.requested, world)
+        if step % t.checkpoint_every == 0 or step == t.steps or stop:
+            c0 = time.perf_counter()
+            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
+                                      "published": published, "claimed_shards": [p.name for p in res.shards]})
+            m["checkpoint_s"] = time.perf_counter() - c0
+            saved_at = step
+        _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
+        if stop:
+            preempted = True
+            break
+    if preempted:
+        if saved_at != step:
+            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}})
+        if rank == 0:
+            atomic_write_json(run.state / PREEMPT_FILE, {"step": step, "signal": pre.signum, "time": time.time(),
+                                                         "checkpoint": str(run.checkpoint(step))})
+        log.info("preempted (signal %s): checkpoint step_%d written, exiting 0 for requeue", pre.signum, step)
+    else:
+        log.info("done: %d steps", step)
+    run.beat(ROLE, rank, step=step, version=step, phase="preempted" if preempted else "done")
+    B.teardown()
+    return 0
+
+
+def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepData, m: dict,
+            waited_s: float, step_s: float, published: int | None) -> None:
+    run.beat(ROLE, rank, step=step, version=step, phase="stepped")
+    if rank != 0:
+        return
+    trajs = data.trajectories
+    hist = staleness_histogram(step - 1, [np.asarray(t.versions) for t in trajs])
+    s_mean, s_max = staleness_stats(hist)
+    tokens = int(sum(len(t.tokens) for t in trajs))
+    rec = dict(step=step, version=step, published=published, step_time_s=step_s, wait_s=waited_s,
+               tokens=tokens, gen_tokens=data.global_tokens, trajectories=len(trajs),
+               tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+               reward_mean=float(np.mean([t.reward for t in trajs])) if trajs else float("nan"),
+               staleness_mean=s_mean, staleness_max=s_max, staleness_hist=hist,
+               dropped_stale=res.dropped_stale, quarantined=len(res.quarantined), shards=len(res.shards),
+               planner=data.planner, **m)
+    log.metrics(**rec)
+    log.info("step %d: loss %.4f reward %.3f tokens %d (%.0f/s) staleness mean %.2f max %d, tis clip %.3f, "
+             "mismatch %.4f, grad %.3f, %.2fs (waited %.2fs)", step, m.get("loss", float("nan")),
+             rec["reward_mean"], tokens, rec["tokens_per_s"], s_mean, s_max, m.get("tis_clip_frac", 0.0),
+             m.get("mismatch_abs_mean", 0.0), m["grad_norm"], step_s, waited_s)
