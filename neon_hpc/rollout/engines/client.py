@@ -1,0 +1,191 @@
+"""The client rollout workers use for both engines: SGLang servers and our embedded engine.
+
+It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over plain HTTP
+with the standard library, so it has no dependency beyond numpy.
+
+Routes need the model's number of MoE layers and top-k to be reshaped; pass them
+(``num_moe_layers=``, ``top_k=``) for a real SGLang server, whose ``/get_model_info`` does
+not report them.  The embedded engine reports them, and the client asks once when they
+were not given.
+
+Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
+errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``),
+which callers may retry.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from neon_hpc.rollout.engines import protocol
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error; ``status`` is the HTTP status (4xx: fix the request)."""
+
+    def __init__(self, status: int, message: str, url: str = ""):
+        super().__init__(f"{url}: HTTP {status}: {message}" if url else f"HTTP {status}: {message}")
+        self.status = self.status_code = status
+        self.message = message
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    routed_experts: np.ndarray | None        # int32 [rows, layers, top_k], rows = [start, seqlen-1)
+    weight_version: str
+    finish_reason: dict | None
+    prompt_tokens: int
+    meta_info: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.finish_reason) and self.finish_reason.get("type") == "abort"
+
+
+class EngineClient:
+    """One engine's HTTP API.  Thread-safe (no shared connection state)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0, num_moe_layers: int | None = None,
+                 top_k: int | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.num_moe_layers, self.top_k = num_moe_layers, top_k
+
+    # --- transport ----------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise EngineError(e.code, _error_message(e.read()), self.base_url + path) from None
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, (socket.timeout, TimeoutError)):
+                raise TimeoutError(f"{self.base_url}{path}: timed out") from None
+            raise ConnectionError(f"{self.base_url}{path}: {reason}") from None
+        except socket.timeout:
+            raise TimeoutError(f"{self.base_url}{path}: timed out after {timeout or self.timeout}s") from None
+        return json.loads(raw) if raw else None
+
+    # --- API ----------------------------------------------------------------------------
+    def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
+                 return_routed_experts: bool = False, routed_experts_start_len: int | None = None,
+                 rid: str | None = None) -> GenerateResult:
+        """One completion of ``input_ids``.
+
+        ``sampling_params`` uses SGLang's names; ``seed`` is accepted as an alias of
+        SGLang's ``sampling_seed``.  ``routed_experts_start_len`` (None/0 = full) asks only
+        for routes from that absolute position on.
+        """
+        sp = dict(sampling_params)
+        if "seed" in sp:
+            sp.setdefault("sampling_seed", sp.pop("seed"))
+            sp.pop("seed", None)
+        body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "sampling_params": sp,
+                                "return_logprob": bool(return_logprob)}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = int(routed_experts_start_len)
+        if rid is not None:
+            body["rid"] = rid
+        out = self._request("POST", "/generate", body)
+        return self._result(out, len(body["input_ids"]), int(routed_experts_start_len or 0))
+
+    def _result(self, out: dict, n_prompt: int, start: int) -> GenerateResult:
+        if not isinstance(out, dict) or "meta_info" not in out:
+            raise EngineError(502, f"/generate answered without meta_info: {str(out)[:200]}", self.base_url)
+        meta = out["meta_info"]
+        output_ids = [int(t) for t in out.get("output_ids") or []]
+        lps = meta.get("output_token_logprobs")
+        logprobs = [float(x[0]) for x in lps] if lps is not None else None
+        if logprobs is not None and len(logprobs) != len(output_ids):
+            raise EngineError(502, f"{len(logprobs)} logprobs for {len(output_ids)} output tokens", self.base_url)
+        routes = None
+        if meta.get("routed_experts") is not None:
+            layers, top_k = self._route_shape()
+            prompt = int(meta.get("prompt_tokens", n_prompt))
+            rows = protocol.routed_rows(prompt, len(output_ids), start)
+            if meta.get("finish_reason", {}) and meta["finish_reason"].get("type") == "abort":
+                rows = len(protocol.base64.b64decode(meta["routed_experts"])) // (4 * layers * top_k)
+            routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k)
+        version = meta.get("weight_version")
+        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
+                              weight_version=str(version) if version is not None else "0",
+                              finish_reason=meta.get("finish_reason"),
+                              prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta)
+
+    def _route_shape(self) -> tuple[int, int]:
+        if self.num_moe_layers is None or self.top_k is None:
+            info = self.model_info()
+            if "num_moe_layers" not in info or "moe_router_topk" not in info:
+                raise EngineError(0, "the engine does not report num_moe_layers/moe_router_topk (a real "
+                                     "SGLang server does not); construct EngineClient(url, num_moe_layers=..., "
+                                     "top_k=...) from the model config", self.base_url)
+            self.num_moe_layers = int(info["num_moe_layers"])
+            self.top_k = int(info["moe_router_topk"])
+        return self.num_moe_layers, self.top_k
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout``."""
+        try:
+            self._request("GET", "/health", timeout=timeout)
+            return True
+        except (EngineError, OSError):
+            return False
+
+    def model_info(self) -> dict:
+        return self._request("GET", "/get_model_info")
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None,
+                                 abort_all_requests: bool = False) -> dict:
+        """Ask the engine to load new weights; waits until they serve.  Raises on failure."""
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if abort_all_requests:
+            body["abort_all_requests"] = True
+        try:
+            out = self._request("POST", "/update_weights_from_disk", body)
+        except EngineError as e:
+            raise EngineError(e.status, f"update_weights_from_disk({model_path}) failed: {e.message}",
+                              self.base_url) from None
+        if not out.get("success", False):
+            raise EngineError(400, f"update_weights_from_disk({model_path}) failed: {out.get('message')}",
+                              self.base_url)
+        return out
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """``abort`` (SGLang's default) ends in-flight requests; ``in_place``/``retract`` hold them."""
+        return self._request("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._request("POST", "/continue_generation", {})
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw[:500].decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in obj:
+            return str(obj["message"])
+        if "detail" in obj:
+            return str(obj["detail"])
+    return str(obj)[:500]
