@@ -29,7 +29,7 @@ def is_transient(exc: BaseException) -> bool:
     if status is None and resp is not None:
         status = getattr(resp, "status_code", None) or getattr(resp, "status", None)
     if isinstance(status, int):
-        return status >= 500 or status == 429
+        return (status >= 500 and status not in (501, 505)) or status == 429
     if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
         return True
     name = type(exc).__name__
@@ -73,10 +73,21 @@ class ReplayConversation:
                 res = self.client.generate(input_ids, sampling_params, return_logprob=True,
                                            return_routed_experts=self.mode != "off",
                                            routed_experts_start_len=start or None)
+            except ValueError as e:   # the payload did not decode (e.g. byte count != rows)
+                last = e
+                if self.mode == "off":
+                    raise
+                self.cache.invalidate("row_mismatch")
+                continue
             except Exception as e:  # noqa: BLE001 - classified right below
                 if not is_transient(e):
                     raise
                 last = e
+                if self.mode != "off":
+                    self.cache.invalidate("dropped")
+                continue
+            if getattr(res, "aborted", False):   # paused with mode=abort: resample the turn
+                last = RuntimeError(f"request aborted: {res.finish_reason}")
                 if self.mode != "off":
                     self.cache.invalidate("dropped")
                 continue
