@@ -7,14 +7,19 @@ from typing import Literal
 class EngineConfig:
     kind: Literal["embedded", "sglang"] = "embedded"
     host: str = "127.0.0.1"          # servers bind to localhost unless configured otherwise
-    port: int = 0                    # 0 = pick a free port
+    port: int = 0                    # 0 = pick a free port (SGLang: 30000 + engine index)
     num_engines: int = 1
     max_batch_size: int = 16
-    # SGLang production flags (rendered by rollout.engines.sglang_launch)
+    # SGLang production flags (rendered by rollout.engines.sglang_launch).  One engine uses
+    # tp_size * dp_size GPUs (DP attention when dp_size > 1); ep_size is 1 or that product.
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
     pd_disaggregation: bool = False
+    prefill_engines: int = 0          # PD only: how many of num_engines prefill; 0 = a quarter (>= 1)
+    transfer_backend: Literal["mooncake", "nixl"] = "mooncake"   # PD KV transfer
+    router_port: int = 8000           # PD only: the sglang_router in front of prefill/decode
+    model_path: str = ""              # weights the engines start on; "" = RUN/weights/v_0
     enable_return_routed_experts: bool = True
     extra_args: list[str] = field(default_factory=list)
 
@@ -24,6 +29,20 @@ class EngineConfig:
             errs.append(("port", "must be in 0..65535 (0 picks a free port)"))
         if self.num_engines < 1:
             errs.append(("num_engines", "must be >= 1"))
+        if self.max_batch_size < 1:
+            errs.append(("max_batch_size", "must be >= 1"))
+        for k in ("tp_size", "dp_size", "ep_size"):
+            if getattr(self, k) < 1:
+                errs.append((k, "must be >= 1"))
+        if self.ep_size not in (1, self.tp_size * self.dp_size):
+            errs.append(("ep_size", f"must be 1 or tp_size * dp_size ({self.tp_size * self.dp_size}): "
+                                    f"SGLang spreads experts over all GPUs of an engine"))
+        if self.pd_disaggregation and self.num_engines < 2:
+            errs.append(("num_engines", "PD disaggregation needs >= 2 engines (prefill + decode)"))
+        if self.prefill_engines < 0 or (self.pd_disaggregation and self.prefill_engines >= self.num_engines):
+            errs.append(("prefill_engines", f"must be in 0..num_engines-1 ({self.num_engines - 1}); 0 = a quarter"))
+        if not 0 < self.router_port < 65536:
+            errs.append(("router_port", "must be in 1..65535"))
         return errs
 
 

@@ -1,0 +1,39 @@
+"""``neon-hpc engine``: serve the embedded engine, or print SGLang launch lines.
+
+    neon-hpc engine serve --model RUN/weights/v_0 [--host 127.0.0.1] [--port N] [--max-batch-size 16]
+    neon-hpc engine sglang-cmd CONFIG [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _sglang_cmd(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="neon-hpc engine sglang-cmd",
+                                description="Print the SGLang server (and PD router) command lines for CONFIG.")
+    p.add_argument("config", help="experiment YAML, e.g. configs/kimi_k2_1300xh200.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    a = p.parse_args(argv)
+    from neon_hpc import config
+    from neon_hpc.rollout.engines.sglang_launch import endpoint_urls, format_commands, render_commands
+    cfg = config.load(a.config, a.set)
+    sys.stdout.write(format_commands(render_commands(cfg)))
+    print("# rollout workers: NEON_ENGINE_URLS=" + ",".join(endpoint_urls(cfg)))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    usage = "usage: neon-hpc engine {serve,sglang-cmd} ..."
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + usage)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        from neon_hpc.rollout.engines.embedded import main as serve_main
+        return serve_main(rest)
+    if cmd == "sglang-cmd":
+        return _sglang_cmd(rest)
+    print(f"neon-hpc engine: unknown subcommand {cmd!r}\n{usage}", file=sys.stderr)
+    return 2

@@ -1,0 +1,126 @@
+"""Production launch lines for real SGLang servers, rendered from the experiment config.
+
+:func:`render_commands` returns one argv per process to start *on the first node of each
+engine* (multi-node engines repeat it on every node with its own ``--node-rank``), plus the
+``sglang_router`` in front of a PD-disaggregated fleet.  Values only known at run time are
+shell variables that the operator's batch script sets before it runs the line under
+``bash -c``:
+
+- ``${NEON_ENGINE<i>_HOST}``  hostname of engine ``i``'s first node;
+- ``${NEON_NODE_RANK}``       the node's rank inside its engine (``$SLURM_NODEID`` offsets).
+
+What the config means for SGLang (checked by ``EngineConfig.validate``):
+
+- one engine = ``tp_size * dp_size`` GPUs: ``--tp-size tp*dp``; ``dp_size > 1`` adds
+  ``--dp-size dp --enable-dp-attention`` (attention data-parallel, ``tp_size`` GPUs each);
+- ``ep_size > 1`` (= all GPUs of the engine) is WideEP: ``--ep-size``, ``--moe-a2a-backend
+  deepep --deepep-mode auto`` and ``--enable-dp-lm-head`` when DP attention is on;
+- PD disaggregation: the first ``prefill_engines`` engines run ``--disaggregation-mode
+  prefill``, the rest ``decode``, both with ``--disaggregation-transfer-backend``; the router
+  runs ``python -m sglang_router.launch_router --pd-disaggregation --prefill URL BOOTSTRAP
+  ... --decode URL ...``;
+- always ``--skip-tokenizer-init`` (workers send token ids), ``--weight-version 0`` (v_0),
+  ``--enable-return-routed-experts`` when asked, then ``extra_args`` verbatim.
+
+The rendered text is golden-tested (``tests/golden/sglang_*.txt``): what reaches the cluster
+is reviewed like code.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+BOOTSTRAP_PORT = 8998
+DIST_INIT_PORT = 20000
+DEFAULT_PORT = 30000
+
+
+def _node_count(cfg, gpus: int) -> int:
+    per_node = getattr(getattr(cfg.launch, "rollout", None), "gpus_per_node", 0) or 8
+    return max(1, math.ceil(gpus / per_node))
+
+
+def engine_roles(cfg) -> list[str]:
+    """``serve`` for every engine, or ``prefill``/``decode`` under PD disaggregation."""
+    e = cfg.engine
+    if not e.pd_disaggregation:
+        return ["serve"] * e.num_engines
+    n_prefill = e.prefill_engines or max(1, e.num_engines // 4)
+    return ["prefill"] * n_prefill + ["decode"] * (e.num_engines - n_prefill)
+
+
+def engine_port(cfg, i: int) -> int:
+    return (cfg.engine.port or DEFAULT_PORT) + i
+
+
+def engine_url(i: int, cfg) -> str:
+    return f"http://${{NEON_ENGINE{i}_HOST}}:{engine_port(cfg, i)}"
+
+
+def _engine_command(cfg, i: int, role: str) -> list[str]:
+    e = cfg.engine
+    gpus = e.tp_size * e.dp_size
+    model_path = e.model_path or f"{cfg.run_dir.rstrip('/')}/weights/v_0"
+    cmd = ["python", "-m", "sglang.launch_server",
+           "--model-path", model_path,
+           "--host", e.host, "--port", str(engine_port(cfg, i)),
+           "--tp-size", str(gpus)]
+    if e.dp_size > 1:
+        cmd += ["--dp-size", str(e.dp_size), "--enable-dp-attention"]
+    if e.ep_size > 1:
+        cmd += ["--ep-size", str(e.ep_size), "--moe-a2a-backend", "deepep", "--deepep-mode", "auto"]
+        if e.dp_size > 1:
+            cmd += ["--enable-dp-lm-head"]
+    nodes = _node_count(cfg, gpus)
+    if nodes > 1:
+        cmd += ["--nnodes", str(nodes), "--node-rank", "${NEON_NODE_RANK}",
+                "--dist-init-addr", f"${{NEON_ENGINE{i}_HOST}}:{DIST_INIT_PORT}"]
+    if role != "serve":
+        cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", e.transfer_backend]
+        if role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+    cmd += ["--max-running-requests", str(e.max_batch_size),
+            "--trust-remote-code", "--skip-tokenizer-init", "--weight-version", "0"]
+    if e.enable_return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
+    return cmd + list(e.extra_args)
+
+
+def _router_command(cfg, roles: list[str]) -> list[str]:
+    cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for i, role in enumerate(roles):
+        if role == "prefill":
+            cmd += ["--prefill", engine_url(i, cfg), str(BOOTSTRAP_PORT)]
+    for i, role in enumerate(roles):
+        if role == "decode":
+            cmd += ["--decode", engine_url(i, cfg)]
+    return cmd + ["--host", cfg.engine.host, "--port", str(cfg.engine.router_port)]
+
+
+def render_commands(cfg) -> list[list[str]]:
+    """One argv per engine (in engine order), then the PD router if any."""
+    roles = engine_roles(cfg)
+    cmds = [_engine_command(cfg, i, role) for i, role in enumerate(roles)]
+    if cfg.engine.pd_disaggregation:
+        cmds.append(_router_command(cfg, roles))
+    return cmds
+
+
+def endpoint_urls(cfg) -> list[str]:
+    """The URLs rollout workers talk to: the router under PD, else every engine."""
+    if cfg.engine.pd_disaggregation:
+        return [f"http://${{NEON_ROUTER_HOST}}:{cfg.engine.router_port}"]
+    return [engine_url(i, cfg) for i in range(cfg.engine.num_engines)]
+
+
+def _quote(arg: str) -> str:
+    # ${VARS} must survive for the shell that runs the line; everything else is quoted safely.
+    if "${" in arg:
+        return '"' + arg.replace('"', '\\"') + '"'
+    return shlex.quote(arg)
+
+
+def format_commands(cmds: list[list[str]]) -> str:
+    """Shell text, one command per line (``bash -c`` expands the ``${NEON_*}`` variables)."""
+    return "".join(" ".join(_quote(a) for a in cmd) + "\n" for cmd in cmds)
