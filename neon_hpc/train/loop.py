@@ -44,6 +44,9 @@ from neon_hpc.train.loss import (LossConfig, add_terms, group_advantages, policy
 
 ROLE = "trainer"
 PREEMPT_FILE = "trainer_preempted.json"
+# One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
+# half-done claim (the store refuses a claim owned by another consumer).
+CONSUMER = "trainer"
 
 
 class TrainerError(RuntimeError):
@@ -141,7 +144,7 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
     """Rank 0 claims (waiting in slices so heartbeats and signals stay live); then everyone reads it."""
     from neon_hpc.store import ClaimTimeout, claim_step
 
-    kwargs = dict(want=cfg.train.trajectories_per_step, consumer=f"trainer-{socket.gethostname()}-{os.getpid()}",
+    kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
                   quarantine_invalid=cfg.store.quarantine_invalid)
     status: dict[str, Any] = {"ok": True}
