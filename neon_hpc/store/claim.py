@@ -173,14 +173,10 @@ class _Claim:
         atomic_write_json(self.dir / OWNER_FILE, owner)
 
     def abandon_if_empty(self) -> None:
+        """Remove our claim dir when it holds no shard (only our records and hidden temp files)."""
         meta = (OWNER_FILE, CLAIM_FILE, DROPPED_FILE)
-        if not self.shards and not [n for n in os.listdir(self.dir) if n not in meta]:
-            (self.dir / OWNER_FILE).unlink(missing_ok=True)
-            (self.dir / DROPPED_FILE).unlink(missing_ok=True)
-            try:
-                self.dir.rmdir()
-            except OSError:
-                pass
+        if not self.shards and not [n for n in _visible(os.listdir(self.dir)) if n not in meta]:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # --- taking shards ------------------------------------------------------------------
     def absorb_existing(self) -> None:
