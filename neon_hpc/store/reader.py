@@ -52,7 +52,8 @@ def shard_summary(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            dsets = {name: {"shape": list(d.shape), "dtype": str(d.dtype),
+            dsets = {name: {"shape": list(d.shape),
+                            "dtype": "utf-8 string" if h5py.check_string_dtype(d.dtype) else str(d.dtype),
                             "compression": d.compression, "chunks": d.chunks}
                      for name, d in f.items() if isinstance(d, h5py.Dataset)}
     except OSError as e:
