@@ -51,3 +51,15 @@ def test_summary_and_markdown():
     assert s["weight_mae"] == 2.0 and s["phase_f1"] == 0.75 and s["judge_agreement"] == 0.0
     md = markdown_table({"test_id": s})
     assert "| test_id | 2 | 50.0% |" in md and "judge agreement" in md
+
+
+def test_phase_answers_in_text_json_and_labels():
+    from neon_hpc.rollout.agent.answer import parse_phase_answer as p
+    assert p("TiO2 P4_2/mnm 60%, ZnO 40") == [("TiO2 P4_2/mnm", 60.0), ("ZnO", 40.0)]
+    assert p("ZnO; NiO") == [("ZnO", 0.5), ("NiO", 0.5)]
+    assert p("ZnO 0.7, NiO") == [("ZnO", 0.7), ("NiO", pytest.approx(0.3))]
+    assert p('[["cur:TiO2_rutile", 0.6], ["ZnO", 0.4]]') == [("cur:TiO2_rutile", 0.6), ("ZnO", 0.4)]
+    assert p('[{"phase": "ZnO", "fraction": "40%"}, {"name": "NiO", "wt": 60}]') == [("ZnO", 40.0), ("NiO", 60.0)]
+    assert p('{"ZnO": 1}') == [("ZnO", 1.0)]
+    assert p("xx B A", labels={"A": "cur:a", "B": "cur:b"}) == [("cur:b", 1.0)]
+    assert p(None) == [] and p("") == [] and p("42") == []
