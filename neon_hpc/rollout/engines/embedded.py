@@ -67,6 +67,9 @@ class LoadedModel:
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
         self.num_moe_layers = len(self.routers)
         self._buf: list[torch.Tensor] = []
+        import inspect
+        # transformers >= 5.2x renamed past_key_values -> cache (the old name warns)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         for r in self.routers:
             r.register_forward_hook(self._record)
 
@@ -82,7 +85,8 @@ class LoadedModel:
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the last position ``[B, V]`` and routes ``[B, S, layers, top_k]``."""
         self._buf = []
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self._cache_kw: cache})
         b, s = ids.shape
         routes = torch.stack([r.reshape(b, s, self.top_k) for r in self._buf], dim=2)
         return out.logits[:, -1, :].float(), routes
@@ -166,6 +170,7 @@ class Scheduler:
         self._update: _Update | None = None
         self._paused: str | None = None
         self._abort = False
+        self._abort_message = ""
         self._running: list[_Job] = []
         self._stop = False
         self.stats = {"batches": 0, "forwards": 0, "requests": 0, "max_batch": 0, "updates": 0}
@@ -221,6 +226,7 @@ class Scheduler:
     # --- scheduler thread -------------------------------------------------------------
     def _abort_all_locked(self, message: str) -> None:
         self._abort = bool(self._running)
+        self._abort_message = message
         while self._queue:
             job = self._queue.popleft()
             job.finish = {"type": "abort", "message": message}
@@ -305,7 +311,7 @@ class Scheduler:
             if not self._between_forwards():
                 for job in batch:
                     if job.finish is None:
-                        job.finish = {"type": "abort", "message": "Abort in waiting queue"}
+                        job.finish = {"type": "abort", "message": self._abort_message or "Abort: server stopping"}
                 break
             if self.loaded is not loaded:  # swapped while paused in place: continue on the new weights
                 loaded = self.loaded
