@@ -1,17 +1,67 @@
-"""Capacity-planning section of the experiment config (owned by ``neon_hpc/plan``)."""
+"""Capacity-planning section of the experiment config (owned by ``neon_hpc/plan``).
+
+Every field whose default is ``0`` (or ``""``) means "derive it from the rest of the
+experiment config" (see ``neon_hpc/plan/params.py``, which records where each simulator
+parameter came from).  Units are SI: seconds, bytes, FLOP/s.
+"""
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
 class PlanConfig:
     total_gpus: int = 0                 # 0 = rollout + train groups of the launch section
-    decode_tokens_per_s: float = 25.0   # per request, after PD disaggregation
-    tool_latency_s: float = 2.0
+    gpus_per_node: int = 0              # 0 = launch.*.gpus_per_node (1 when that is 0)
+    decode_tokens_per_s: float = 25.0   # per request, after PD disaggregation (10 before)
+    prefill_tokens_per_s: float = 0.0   # per request for tool/prompt tokens; 0 = not modelled
+    tool_latency_s: float = 2.0         # mean (exponential) per tool call
+    rollout_slots: int = 0              # concurrent episodes; 0 = workers x group_size (worker) or engines x max_batch_size (episode)
+    # episode shape (heavy tail: a lognormal body plus a fraction of max-turn episodes)
+    turns_median: float = 0.0           # 0 = max_turns / 8
+    turns_sigma: float = 0.7
+    gen_tokens_median: float = 0.0      # per turn; 0 = max_new_tokens / 4
+    gen_tokens_sigma: float = 0.7
+    tail_fraction: float = 0.05         # episodes that run max_turns with long turns (the hour-long ones)
+    tail_gen_tokens_median: float = 0.0  # per turn in tail episodes; 0 = max_new_tokens / 2
+    prompt_tokens: int = 2048
+    tool_tokens_per_turn: int = 512
+    # router-data export (replay)
+    export_bytes_per_s: float = 2.0e9   # engine-side route serialisation; stalls the whole DP group
+    dense_layers: int = -1              # -1 = 1 for deepseek_v3 (first layer dense), 0 otherwise
+    # trainer
+    gpu_flops: float = 989e12           # dense bf16 peak per GPU (H200)
+    mfu: float = 0.3                    # achieved fraction of peak in the training step
+    step_overhead_s: float = 10.0       # optimizer, grad all-reduce, data loading per step
+    publish_bytes_per_s: float = 0.0    # weight export (reshard); 0 = 1 GB/s per trainer node
+    publish_blocks_trainer: bool = True  # the trainer waits for its own weight publish
+    planner_every: int = 20             # run the balance planner every N steps (bound x last ratio between)
+    # policy and run
+    policy: Literal["async", "one_step_off", "sync"] = "async"
+    admission: Literal["steps_ahead", "oldest"] = "steps_ahead"   # see README: staleness admission rule
+    slot_mode: Literal["worker", "episode"] = "worker"  # worker: one whole group per worker at a time
     simulated_steps: int = 1000
+    sweep_steps: int = 300
+    sweep_points: int = 9
     seed: int = 0
 
     def validate(self):
         errs = []
-        if self.decode_tokens_per_s <= 0:
-            errs.append(("decode_tokens_per_s", "must be > 0"))
+        positive = ("decode_tokens_per_s", "tool_latency_s", "turns_sigma", "gen_tokens_sigma",
+                    "export_bytes_per_s", "gpu_flops", "mfu")
+        for k in positive:
+            if getattr(self, k) <= 0:
+                errs.append((k, "must be > 0"))
+        nonneg = ("total_gpus", "gpus_per_node", "prefill_tokens_per_s", "rollout_slots",
+                  "turns_median", "gen_tokens_median", "tail_gen_tokens_median", "prompt_tokens",
+                  "tool_tokens_per_turn", "step_overhead_s", "publish_bytes_per_s")
+        for k in nonneg:
+            if getattr(self, k) < 0:
+                errs.append((k, "must be >= 0 (0 = derive from the rest of the config)"))
+        if not 0.0 <= self.tail_fraction <= 1.0:
+            errs.append(("tail_fraction", "must be in [0, 1]"))
+        if self.mfu > 1.0:
+            errs.append(("mfu", "is a fraction of peak: must be in (0, 1]"))
+        for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every"):
+            if getattr(self, k) < 1:
+                errs.append((k, "must be >= 1"))
         return errs

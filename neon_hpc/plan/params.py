@@ -1,0 +1,278 @@
+"""The simulator's inputs, in SI units, each with the place it came from.
+
+``SimParams`` is flat and plain (numbers and short strings), so a policy comparison or a
+sweep is ``dataclasses.replace(params, ...)``.  ``Sourced`` pairs it with a source per field:
+``default`` (a PlanConfig default), ``config <file>: <key>`` (the experiment config),
+``derived (<formula>)``, or ``RESULT <file>:<line> <key>`` (a benchmark measurement, see
+``calibrate.py``).  Every table the planner prints carries these sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from neon_hpc.plan.config import PlanConfig
+
+ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
+
+
+@dataclass
+class SimParams:
+    # groups of the allocation
+    rollout_gpus: int = 8
+    train_gpus: int = 8
+    gpus_per_node: int = 8
+    rollout_slots: int = 64             # concurrent episodes over all engines
+    num_engines: int = 1
+    engine_slots: int = 0               # engines x max_batch_size (request capacity, for the stall model)
+    # episodes
+    group_size: int = 1
+    max_turns: int = 8
+    max_new_tokens: int = 1024
+    max_total_tokens: int = 32768
+    turns_median: float = 2.0
+    turns_sigma: float = 0.7
+    gen_tokens_median: float = 256.0
+    gen_tokens_sigma: float = 0.7
+    tail_fraction: float = 0.0
+    tail_gen_tokens_median: float = 512.0
+    prompt_tokens: int = 512
+    tool_tokens_per_turn: int = 128
+    decode_tokens_per_s: float = 25.0
+    prefill_tokens_per_s: float = 0.0
+    tool_latency_s: float = 2.0
+    # empirical episode durations (seconds) to resample instead of the parametric shape
+    episode_seconds: tuple = ()
+    episode_tokens: tuple = ()
+    # router-data export
+    replay_mode: str = "delta"          # delta | full | off
+    route_bytes_per_token: float = 0.0
+    export_bytes_per_s: float = 2.0e9
+    # trainer
+    trajectories_per_step: int = 16
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    token_cap: int = 4096
+    planner: str = "cost"               # cost | tokenkk | sequential
+    cost_a: float = 0.0                 # FLOPs per token
+    cost_b: float = 0.0                 # FLOPs per token pair
+    gpu_flops: float = 989e12
+    mfu: float = 0.3
+    step_overhead_s: float = 0.0
+    fixed_step_s: float = 0.0           # > 0: every step takes exactly this (measured runs, tests)
+    model_bytes: float = 0.0
+    publish_bytes_per_s: float = 1e9
+    publish_blocks_trainer: bool = True
+    planner_every: int = 1
+    # policy and run
+    policy: str = "async"               # async | one_step_off | sync
+    admission: str = "steps_ahead"      # steps_ahead | oldest
+    slot_mode: str = "worker"           # worker | episode
+    max_staleness: int = 2
+    backpressure_steps: int = 4
+    steps: int = 1000
+    seed: int = 0
+
+    @property
+    def publish_s(self) -> float:
+        return self.model_bytes / self.publish_bytes_per_s if self.publish_bytes_per_s > 0 else 0.0
+
+    @property
+    def train_flops_per_s(self) -> float:
+        return self.train_gpus * self.gpu_flops * self.mfu
+
+
+@dataclass
+class Sourced:
+    """Parameters plus where each came from (field name -> source string)."""
+
+    params: SimParams
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def set(self, name: str, value: Any, source: str) -> None:
+        if not hasattr(self.params, name):
+            raise KeyError(f"SimParams has no field {name!r}")
+        setattr(self.params, name, value)
+        self.sources[name] = source
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+    def replace(self, **changes: Any) -> "Sourced":
+        src = dict(self.sources)
+        for k in changes:
+            src.setdefault(k, "planner (policy/sweep)")
+        return Sourced(dataclasses.replace(self.params, **changes), src)
+
+    def table(self) -> list[tuple[str, str, str]]:
+        """(name, value, source) for every simulator parameter, in field order."""
+        rows = []
+        for f in dataclasses.fields(self.params):
+            v = getattr(self.params, f.name)
+            if f.name in ("episode_seconds", "episode_tokens"):
+                v = f"{len(v)} samples" if v else "-"
+            elif isinstance(v, float):
+                v = f"{v:.4g}"
+            rows.append((f.name, str(v), self.source(f.name)))
+        return rows
+
+
+# --------------------------------------------------------------------------------------
+# model arithmetic (used when the balancer's CostModel is not present)
+
+def moe_layers(model: Any, dense_layers: int) -> int:
+    if dense_layers < 0:
+        dense_layers = 1 if model.arch == "deepseek_v3" else 0
+    return max(model.num_layers - dense_layers, 0)
+
+
+def model_param_count(model: Any, dense_layers: int) -> float:
+    """Total parameters (all experts), for the bytes a weight publish moves."""
+    h = model.hidden_size
+    attn = 4 * h * model.num_attention_heads * model.head_dim
+    n_moe = moe_layers(model, dense_layers)
+    n_dense = model.num_layers - n_moe
+    shared = 1 if model.arch == "deepseek_v3" else 0
+    expert = 3 * h * model.moe_ffn_hidden_size
+    per_moe = attn + (model.num_experts + shared) * expert + h * model.num_experts
+    per_dense = attn + 3 * h * model.ffn_hidden_size
+    return 2 * model.vocab_size * h + n_moe * per_moe + n_dense * per_dense
+
+
+def local_cost_coefficients(model: Any, dense_layers: int) -> tuple[float, float]:
+    """FLOPs of forward+backward: ``a`` per token (6 x active params), ``b`` per token pair
+    (causal attention: QK^T and AV, 4*heads*head_dim per pair and layer, x3 for backward,
+    over n^2/2 pairs).  The same formula as the balancer's cost model, kept only as a
+    fallback while ``neon_hpc.balance`` is absent."""
+    h = model.hidden_size
+    attn = 4 * h * model.num_attention_heads * model.head_dim
+    n_moe = moe_layers(model, dense_layers)
+    n_dense = model.num_layers - n_moe
+    shared = 1 if model.arch == "deepseek_v3" else 0
+    active_moe = attn + (model.moe_router_topk + shared) * 3 * h * model.moe_ffn_hidden_size
+    active_dense = attn + 3 * h * model.ffn_hidden_size
+    active = n_moe * active_moe + n_dense * active_dense + model.vocab_size * h
+    a = 6.0 * active
+    b = 6.0 * model.num_layers * model.num_attention_heads * model.head_dim
+    return a, b
+
+
+def cost_coefficients(cfg: Any, dense_layers: int) -> tuple[float, float, str]:
+    """(a, b, source): the balancer's CostModel when present, else the local formula."""
+    bal = cfg.balance
+    if bal.cost_a > 0 and bal.cost_b > 0:
+        return bal.cost_a, bal.cost_b, "config balance.cost_a/cost_b"
+    try:
+        from neon_hpc.balance import CostModel  # type: ignore[attr-defined]
+        cm = CostModel.from_model_config(cfg.model)
+        return float(cm.a), float(cm.b), "derived (neon_hpc.balance.CostModel.from_model_config)"
+    except (ImportError, AttributeError):
+        a, b = local_cost_coefficients(cfg.model, dense_layers)
+        return a, b, "derived (plan fallback: 6*active params; 6*L*heads*head_dim)"
+
+
+# --------------------------------------------------------------------------------------
+
+def _source_namer(cfg: Any, where: str):
+    """``key -> "config FILE: key"`` when the config sets it, ``"default key"`` when the
+    value is the schema default (so a reader sees which numbers nobody chose)."""
+    from neon_hpc.config import ExperimentConfig
+    defaults = ExperimentConfig()
+
+    def lookup(obj: Any, key: str) -> Any:
+        for part in key.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    def name(key: str) -> str:
+        path = key.split(" ")[0]
+        value = lookup(cfg, path)
+        if value is not None and value == lookup(defaults, path):
+            return f"default {key}"
+        return f"config {where}: {key}"
+    return name
+
+
+def _gpus(group: Any, gpn: int) -> int:
+    return group.nodes * (group.gpus_per_node or gpn)
+
+
+def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
+    """Build the simulator's parameters from a resolved ``ExperimentConfig``."""
+    pc: PlanConfig = cfg.plan
+    s = Sourced(SimParams())
+    c = _source_namer(cfg, where)
+    L = cfg.launch
+    gpn = pc.gpus_per_node or L.train.gpus_per_node or L.rollout.gpus_per_node or 1
+    s.set("gpus_per_node", gpn, c("plan.gpus_per_node") if pc.gpus_per_node else
+          c("launch.train.gpus_per_node") if L.train.gpus_per_node else "derived (no GPUs: 1 per node)")
+    s.set("rollout_gpus", _gpus(L.rollout, gpn), c("launch.rollout.nodes x gpus_per_node"))
+    s.set("train_gpus", _gpus(L.train, gpn), c("launch.train.nodes x gpus_per_node"))
+    if pc.total_gpus and pc.total_gpus != s.params.rollout_gpus + s.params.train_gpus:
+        share = s.params.rollout_gpus / (s.params.rollout_gpus + s.params.train_gpus)
+        r = max(gpn, round(pc.total_gpus * share / gpn) * gpn)
+        s.set("rollout_gpus", r, c("plan.total_gpus split like launch"))
+        s.set("train_gpus", pc.total_gpus - r, c("plan.total_gpus split like launch"))
+    E = cfg.engine
+    if pc.rollout_slots:
+        s.set("rollout_slots", pc.rollout_slots, c("plan.rollout_slots"))
+    elif pc.slot_mode == "worker":
+        s.set("rollout_slots", cfg.rollout.num_workers * cfg.rollout.group_size,
+              c("rollout.num_workers x rollout.group_size"))
+    else:
+        s.set("rollout_slots", E.num_engines * E.max_batch_size, c("engine.num_engines x engine.max_batch_size"))
+    s.params.engine_slots = E.num_engines * E.max_batch_size
+    s.set("num_engines", E.num_engines, c("engine.num_engines"))
+
+    R = cfg.rollout
+    for name, key in (("group_size", "group_size"), ("max_turns", "max_turns"),
+                      ("max_new_tokens", "max_new_tokens"), ("max_total_tokens", "max_total_tokens"),
+                      ("max_staleness", "max_staleness"), ("backpressure_steps", "backpressure_steps"),
+                      ("replay_mode", "replay_mode")):
+        s.set(name, getattr(R, key), c(f"rollout.{key}"))
+    _episode_shape(s, pc, R, c)
+    for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
+                 "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
+                 "policy", "admission", "slot_mode", "seed"):
+        s.set(name, getattr(pc, name), c(f"plan.{name}"))
+    s.set("steps", pc.simulated_steps, c("plan.simulated_steps"))
+
+    M = cfg.model
+    n_moe = moe_layers(M, pc.dense_layers)
+    s.set("route_bytes_per_token", n_moe * M.moe_router_topk * ROUTE_BYTES_PER_ID,
+          f"derived ({n_moe} MoE layers x top-{M.moe_router_topk} x int32 x base64 4/3)")
+    s.set("model_bytes", 2.0 * model_param_count(M, pc.dense_layers), "derived (bf16 x parameter count of model)")
+
+    T = cfg.train
+    s.set("trajectories_per_step", T.trajectories_per_step, c("train.trajectories_per_step"))
+    s.set("dp", T.data_parallel, c("train.data_parallel"))
+    s.set("pp", T.pipeline_parallel, c("train.pipeline_parallel"))
+    s.set("cp", T.context_parallel, c("train.context_parallel"))
+    s.set("token_cap", cfg.balance.tokens_per_microbatch, c("balance.tokens_per_microbatch"))
+    s.set("planner", cfg.balance.planner, c("balance.planner"))
+    a, b, src = cost_coefficients(cfg, pc.dense_layers)
+    s.set("cost_a", a, src)
+    s.set("cost_b", b, src)
+    if pc.publish_bytes_per_s:
+        s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
+    else:
+        s.set("publish_bytes_per_s", 1e9 * L.train.nodes, "derived (1 GB/s per trainer node)")
+    if cfg.mode == "sync" and pc.policy == "async":
+        s.set("policy", "sync", c("mode"))
+    return s
+
+
+def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
+    derived = [("turns_median", pc.turns_median, max(1.0, R.max_turns / 8), "max_turns / 8"),
+               ("gen_tokens_median", pc.gen_tokens_median, max(1.0, R.max_new_tokens / 4), "max_new_tokens / 4"),
+               ("tail_gen_tokens_median", pc.tail_gen_tokens_median, max(1.0, R.max_new_tokens / 2),
+                "max_new_tokens / 2")]
+    for name, given, fallback, formula in derived:
+        if given:
+            s.set(name, float(given), c(f"plan.{name}"))
+        else:
+            s.set(name, float(fallback), f"derived (rollout.{formula})")
+    for name in ("turns_sigma", "gen_tokens_sigma", "tail_fraction", "prompt_tokens", "tool_tokens_per_turn"):
+        s.set(name, getattr(pc, name), c(f"plan.{name}"))

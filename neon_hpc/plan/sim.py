@@ -1,0 +1,452 @@
+"""The discrete-event simulation of one run (SimPy): rollout slots, GRPO groups, a trainer.
+
+What is an event here, and what is not (so that 10,000 steps of 512 trajectories simulate in
+well under a minute): one event per *episode* (its whole multi-turn life, whose duration
+comes from ``workload.py``, engine stall included), one process for the *trainer* (wait for
+data, compute, publish), and one for the *batch controller* of the synchronous policies.
+Turns are not events; their effect (tool latency, export stall, the version the last turn
+saw) is summarised per episode.
+
+Policies (``SimParams.policy``):
+
+* ``sync``: generate one step's groups with the current weights, then train, publish, repeat.
+* ``one_step_off``: batch k+1 is generated with weights v_k while step k trains on batch k
+  (staleness exactly 1 after the first step).
+* ``async``: every free rollout slot starts an episode as soon as admission allows; engines
+  pick up each new version between turns (in-flight updates), so a trajectory spans
+  versions.  Admission: ``steps_ahead`` (the rollout worker's rule: no new group when the
+  data ready plus in flight plus this group is more than ``S`` steps ahead of the trainer)
+  or ``oldest`` (no new group while the oldest unconsumed group is
+  already ``S`` versions behind the trainer, unless the trainer is starved: otherwise the
+  two would wait for each other).  Backpressure: no new group while ``ready`` holds more
+  than ``backpressure_steps`` steps of data.  A group whose staleness exceeds ``S`` is dropped
+  (counted) when it completes or when the trainer reaches it, so the trainer never consumes
+  data beyond the bound.
+
+Rollout slots (``slot_mode``): ``worker`` = like ``neon_hpc.rollout.worker``, a worker
+holds ``G`` slots and starts its next group only when its whole group is done (a long
+episode keeps its siblings' slots idle); ``episode`` = each slot starts a new episode as soon
+as its own finishes (an engine-level request pool).  Rollout idle = slot-time not held by
+any group or episode.
+
+Staleness of a consumed trajectory = the trainer's step (= the weight version it trains from)
+minus the oldest version any of its tokens came from (the version when its group started).
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from neon_hpc.plan.params import SimParams
+from neon_hpc.plan.trainer import StepTimeModel
+from neon_hpc.plan.workload import EngineStall, sample_episodes
+
+POLICIES = ("sync", "one_step_off", "async")
+
+
+@dataclass
+class SimResult:
+    policy: str
+    steps: int
+    wall_s: float
+    compute_s: float
+    publish_s: float
+    wait_s: float
+    rollout_busy_s: float          # slot-seconds with an episode running
+    slots: int
+    consumed: int                  # trajectories trained on
+    dropped: int                   # trajectories over the staleness bound
+    started: int
+    staleness: Counter             # staleness -> trajectories
+    step_compute_s: list[float] = field(default_factory=list)
+    step_end_s: list[float] = field(default_factory=list)
+    rollout_phase_s: float = 0.0   # sync/one_step_off: time from batch start to batch complete
+    versions_spanned_mean: float = 1.0
+    staleness_token_mean: float = 0.0  # estimate: midpoint of each trajectory's version span
+    engine_stall_mean: float = 0.0
+    engine_stall_full: float = 0.0
+    step_time_source: str = ""
+    sim_seconds: float = 0.0
+
+    @property
+    def trainer_idle_frac(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def rollout_idle_frac(self) -> float:
+        cap = self.slots * self.wall_s
+        return min(1.0, max(0.0, 1.0 - self.rollout_busy_s / cap)) if cap > 0 else 0.0
+
+    @property
+    def samples_per_hour(self) -> float:
+        return 3600.0 * self.consumed / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def time_per_step_s(self) -> float:
+        return self.wall_s / self.steps if self.steps else 0.0
+
+    @property
+    def dropped_frac(self) -> float:
+        done = self.consumed + self.dropped
+        return self.dropped / done if done else 0.0
+
+    def staleness_quantile(self, q: float) -> int:
+        total = sum(self.staleness.values())
+        if not total:
+            return 0
+        acc = 0
+        for k in sorted(self.staleness):
+            acc += self.staleness[k]
+            if acc >= q * total:
+                return k
+        return max(self.staleness)
+
+    @property
+    def staleness_mean(self) -> float:
+        total = sum(self.staleness.values())
+        return sum(k * v for k, v in self.staleness.items()) / total if total else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.staleness) if self.staleness else 0
+
+    def summary(self) -> dict:
+        return {
+            "policy": self.policy, "steps": self.steps, "wall_h": self.wall_s / 3600,
+            "time_per_step_s": self.time_per_step_s,
+            "step_compute_s": float(np.mean(self.step_compute_s)) if self.step_compute_s else 0.0,
+            "trainer_idle": self.trainer_idle_frac, "rollout_idle": self.rollout_idle_frac,
+            "samples_per_hour": self.samples_per_hour, "staleness_mean": self.staleness_mean,
+            "staleness_p95": self.staleness_quantile(0.95), "staleness_max": self.staleness_max,
+            "dropped": self.dropped_frac, "versions_spanned": self.versions_spanned_mean,
+            "engine_stall": self.engine_stall_mean,
+        }
+
+
+class _Group:
+    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start")
+
+    def __init__(self, size: int, version: int, batch: int, t_start: float):
+        self.t_start = t_start
+        self.remaining = size
+        self.vmin = version
+        self.vmax = version
+        self.lengths: list[float] = []
+        self.batch = batch
+
+
+class _Sim:
+    CHUNK = 8192
+
+    def __init__(self, p: SimParams, step_model: StepTimeModel | None = None):
+        if p.policy not in POLICIES:
+            raise ValueError(f"policy {p.policy!r}: expected one of {', '.join(POLICIES)}")
+        if p.admission not in ("steps_ahead", "oldest"):
+            raise ValueError(f"admission {p.admission!r}: expected 'steps_ahead' or 'oldest'")
+        if p.slot_mode not in ("worker", "episode"):
+            raise ValueError(f"slot_mode {p.slot_mode!r}: expected 'worker' or 'episode'")
+        self.p = p
+        self.env = simpy.Environment()
+        self.rng = np.random.default_rng(p.seed)
+        self.stall = EngineStall(p, np.random.default_rng(p.seed + 1))
+        self.step_model = step_model or StepTimeModel(p)
+        self.G = max(p.group_size, 1)
+        self.need = max(1, math.ceil(p.trajectories_per_step / self.G))   # groups per step
+        self.batch_mode = p.policy != "async"
+        # state
+        self.step = 0                       # completed trainer steps = trainer's weight version
+        self.version = 0                    # newest version the engines can load
+        self.publish_times: list[float] = []
+        self.ready: deque[_Group] = deque()
+        self.worker_mode = p.slot_mode == "worker"
+        if self.worker_mode and p.rollout_slots < self.G:
+            raise ValueError(f"slot_mode 'worker' needs rollout_slots ({p.rollout_slots}) >= group_size ({self.G})")
+        self.idle_slots = p.rollout_slots
+        self.in_flight = 0
+        self.occ_start_sum = 0.0
+        self.groups_open = 0
+        self.open: _Group | None = None
+        self.open_left = 0
+        self.groups_started = 0
+        self.quota = 0                      # batch mode: episodes still to launch
+        self.batch_index = 0
+        self.batch_done = 0
+        self._batch_event: simpy.Event | None = None
+        self._version_event: simpy.Event | None = None
+        self._waiter: simpy.Event | None = None
+        self._want = 0
+        self._vmin_heap: list[int] = []
+        self._vmin_count: Counter = Counter()
+        # accounting
+        self.busy_s = 0.0
+        self.started = 0
+        self.consumed = 0
+        self.dropped = 0
+        self.staleness: Counter = Counter()
+        self.spanned_sum = 0.0
+        self.token_staleness_sum = 0.0
+        self.stall_sum = 0.0
+        self.compute_s = self.publish_s = self.wait_s = self.rollout_phase_s = 0.0
+        self.step_compute: list[float] = []
+        self.step_end: list[float] = []
+        self._buf: list = []
+        self._buf_i = self.CHUNK
+        self._stall_table = self.stall.table_list
+        self._stall_scale = (EngineStall.LEVELS - 1) / p.rollout_slots
+
+    # ---- episodes --------------------------------------------------------------------
+    def _admit_new_group(self) -> bool:
+        p = self.p
+        if self.batch_mode:
+            return self.quota > 0
+        ready = len(self.ready) * self.G
+        if ready > p.backpressure_steps * p.trajectories_per_step:
+            return False
+        if p.admission == "steps_ahead":     # neon_hpc.rollout.worker.admission
+            pending = ready + self.groups_open * self.G + self.G
+            return math.ceil(pending / p.trajectories_per_step) - 1 <= p.max_staleness
+        oldest = self._oldest_unconsumed()
+        starved = self._waiter is not None
+        return oldest is None or self.step - oldest < p.max_staleness or starved
+
+    def _oldest_unconsumed(self) -> int | None:
+        h = self._vmin_heap
+        while h and self._vmin_count[h[0]] == 0:
+            heapq.heappop(h)
+        return h[0] if h else None
+
+    def _fill(self) -> None:
+        if self.worker_mode:           # a worker (G slots) runs one whole group at a time
+            while self.idle_slots >= self.G and self._admit_new_group():
+                self._open_group()
+                self._occupy(self.G)
+                for _ in range(self.G):
+                    self._start_episode()
+            return
+        while self.idle_slots > 0:
+            if self.open_left == 0:
+                if not self._admit_new_group():
+                    return
+                self._open_group()
+            self._occupy(1)
+            self._start_episode()
+
+    def _occupy(self, n: int) -> None:
+        self.idle_slots -= n
+        self.occ_start_sum += n * self.env._now
+
+    def _vacate(self, n: int, t_start: float) -> None:
+        self.idle_slots += n
+        self.occ_start_sum -= n * t_start
+        self.busy_s += n * (self.env._now - t_start)
+
+    def _open_group(self) -> None:
+        v = self.version
+        self.open = _Group(self.G, v, self.batch_index, self.env._now)
+        self.open_left = self.G
+        self.groups_started += 1
+        self.groups_open += 1
+        if self.batch_mode:
+            self.quota -= self.G
+        if self._vmin_count[v] == 0:
+            heapq.heappush(self._vmin_heap, v)
+        self._vmin_count[v] += 1
+
+    def _start_episode(self) -> None:
+        # the hot path (one call per simulated episode): locals, no helper calls
+        i = self._buf_i
+        if i >= self.CHUNK:
+            self._refill()
+            i = 0
+        self._buf_i = i + 1
+        decode, fixed, seq, last_frac = self._buf[i]
+        f = self._stall_table[int(self.in_flight * self._stall_scale + 0.5)]
+        self.stall_sum += f
+        dur = decode / (1.0 - f) + fixed
+        self.open_left -= 1
+        self.in_flight += 1
+        self.started += 1
+        env = self.env
+        now = env._now
+        ev = simpy.Event(env)
+        ev._ok = True
+        ev._value = (self.open, now, dur, seq, last_frac)
+        ev.callbacks.append(self._finish)
+        env.schedule(ev, delay=dur)
+
+    def _refill(self) -> None:
+        ep = sample_episodes(self.p, self.CHUNK, self.rng)
+        self._buf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
+                             ep.last_turn_frac.tolist()))
+
+    def _finish(self, ev: simpy.Event) -> None:
+        g, t0, dur, seq, last_frac = ev._value
+        self.in_flight -= 1
+        if not self.worker_mode:
+            self._vacate(1, t0)
+        g.lengths.append(seq)
+        if not self.batch_mode and self.publish_times:   # in-flight updates: the last turn ran on the newest version then
+            v_last = bisect.bisect_right(self.publish_times, self.env._now - dur * last_frac)
+            if v_last > g.vmax:
+                g.vmax = v_last
+        g.remaining -= 1
+        if g.remaining == 0:
+            self._group_done(g)
+        self._fill()
+
+    def _group_done(self, g: _Group) -> None:
+        self.groups_open -= 1
+        if self.worker_mode:
+            self._vacate(self.G, g.t_start)
+        if self.batch_mode:
+            self.batch_done += 1
+            if self.batch_done == self.need and self._batch_event is not None:
+                self._batch_event.succeed()
+        if self._stale(g):
+            self._discard(g)
+            return
+        self.ready.append(g)
+        if self._waiter is not None and len(self.ready) >= self._want:
+            self._waiter.succeed()
+            self._waiter = None
+
+    def _stale(self, g: _Group) -> bool:
+        return not self.batch_mode and self.step - g.vmin > self.p.max_staleness
+
+    def _release(self, g: _Group) -> None:
+        self._vmin_count[g.vmin] -= 1
+
+    def _discard(self, g: _Group) -> None:
+        self._release(g)
+        self.dropped += len(g.lengths)
+
+    def _purge_stale_ready(self) -> None:
+        if self.batch_mode or not self.ready:
+            return
+        keep = deque()
+        for g in self.ready:
+            if self._stale(g):
+                self._discard(g)
+            else:
+                keep.append(g)
+        self.ready = keep
+
+    # ---- trainer ---------------------------------------------------------------------
+    def _take_batch(self):
+        batch: list[_Group] = []
+        t0 = self.env.now
+        while len(batch) < self.need:
+            while self.ready and len(batch) < self.need:
+                g = self.ready.popleft()
+                if self._stale(g):
+                    self._discard(g)
+                    continue
+                self._release(g)
+                batch.append(g)
+            if len(batch) < self.need:
+                self._want = self.need - len(batch)
+                self._waiter = self.env.event()
+                self._fill()            # a starved trainer lifts the 'oldest' admission rule
+                if self._waiter is not None:
+                    yield self._waiter
+        self.wait_s += self.env.now - t0
+        return batch
+
+    def _trainer(self):
+        env, p = self.env, self.p
+        publish_s = p.publish_s
+        for _ in range(p.steps):
+            batch = yield from self._take_batch()
+            self._fill()                # consuming frees backpressure
+            self._account(batch)
+            lengths = np.fromiter((n for g in batch for n in g.lengths), dtype=np.float64)
+            compute = self.step_model.step_seconds(lengths)
+            self.step_compute.append(compute)
+            self.compute_s += compute
+            yield env.timeout(compute)
+            if p.publish_blocks_trainer:
+                yield env.timeout(publish_s)
+                self.publish_s += publish_s
+                self.step += 1
+                self._publish(self.step)
+            else:
+                self.step += 1
+                env.timeout(publish_s, value=self.step).callbacks.append(lambda e: self._publish(e.value))
+            self.step_end.append(env.now)
+            self._purge_stale_ready()
+            self._fill()
+
+    def _account(self, batch: list[_Group]) -> None:
+        for g in batch:
+            n = len(g.lengths)
+            self.consumed += n
+            self.staleness[self.step - g.vmin] += n
+            self.token_staleness_sum += n * (self.step - 0.5 * (g.vmin + g.vmax))
+            self.spanned_sum += n * (g.vmax - g.vmin + 1)
+
+    def _publish(self, version: int) -> None:
+        if version <= self.version:
+            return
+        self.version = version
+        self.publish_times.append(self.env.now)
+        if self._version_event is not None:
+            ev, self._version_event = self._version_event, None
+            ev.succeed()
+        self._fill()
+
+    # ---- batch controller (sync, one_step_off) ----------------------------------------
+    def _batches(self):
+        env, p = self.env, self.p
+        k = 0
+        while True:
+            needed = k if p.policy == "sync" else max(k - 1, 0)
+            while self.version < needed:
+                self._version_event = env.event()
+                yield self._version_event
+            t0 = env.now
+            self.batch_index, self.batch_done = k, 0
+            self._batch_event = env.event()
+            self.quota += self.need * self.G
+            self._fill()
+            yield self._batch_event
+            self.rollout_phase_s += env.now - t0
+            k += 1
+
+    # ---- run --------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        t_start = time.perf_counter()
+        env = self.env
+        trainer = env.process(self._trainer())
+        if self.batch_mode:
+            env.process(self._batches())
+        else:
+            self._fill()
+        env.run(until=trainer)
+        end = env.now
+        occupied = self.p.rollout_slots - self.idle_slots
+        busy = self.busy_s + occupied * end - self.occ_start_sum
+        return SimResult(
+            policy=self.p.policy, steps=self.p.steps, wall_s=end, compute_s=self.compute_s,
+            publish_s=self.publish_s, wait_s=self.wait_s, rollout_busy_s=busy,
+            slots=self.p.rollout_slots, consumed=self.consumed, dropped=self.dropped,
+            started=self.started, staleness=self.staleness, step_compute_s=self.step_compute,
+            step_end_s=self.step_end, rollout_phase_s=self.rollout_phase_s,
+            versions_spanned_mean=self.spanned_sum / self.consumed if self.consumed else 1.0,
+            staleness_token_mean=self.token_staleness_sum / self.consumed if self.consumed else 0.0,
+            engine_stall_mean=self.stall_sum / self.started if self.started else 0.0,
+            engine_stall_full=self.stall.at_full, step_time_source=self.step_model.source,
+            sim_seconds=time.perf_counter() - t_start)
+
+
+def simulate(p: SimParams, step_model: StepTimeModel | None = None) -> SimResult:
+    """Simulate ``p.steps`` trainer steps of one configuration and policy."""
+    if p.rollout_slots < 1:
+        raise ValueError("rollout_slots must be >= 1 (concurrent episodes over all engines)")
+    return _Sim(p, step_model).run()

@@ -1,0 +1,92 @@
+"""Trainer step time for one batch of trajectory lengths.
+
+The work of a step is the balancer's cost model (``a*n + b*n^2`` FLOPs per sequence) laid out
+over DP x PP x CP by the balancer's planner (``neon_hpc.balance.plan_step``), whose makespan
+is the slowest DP rank's 1F1B pipeline time with each micro-batch shared by its CP group:
+FLOPs that one (pipeline stage, CP rank) cell does, bubbles included.  Such a cell is
+``train_gpus / (dp * pp * cp)`` GPUs (its TP/EP width), so the makespan becomes seconds at
+that many GPUs x ``gpu_flops * mfu``.  The perfect-balance, bubble-free bound is
+``sum(cost) / (dp * pp * cp)`` in the same unit.  Plus a fixed per-step overhead
+(optimizer, gradient reduction) and, outside this class, the weight publish.
+
+Running the planner on every one of 10,000 simulated steps of 512 trajectories would cost
+more than the whole simulation, so with ``planner_every = N`` it runs on every N-th step and
+the steps between use the perfect-balance bound ``sum(cost) / dp`` times the planner's last
+makespan/bound ratio.  Without the balancer in this checkout a local fallback uses the same
+cost formula and the bound alone (perfect balance for ``cost``; the longest whole sequence
+(split over CP) as a floor for ``tokenkk``/``sequential``), plus the 1F1B bubble.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from neon_hpc.plan.params import SimParams
+
+
+def _balancer() -> tuple[Any, Any] | None:
+    try:
+        from neon_hpc.balance import CostModel, plan_step  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return CostModel, plan_step
+
+
+class StepTimeModel:
+    def __init__(self, p: SimParams, use_balancer: bool = True):
+        self.p = p
+        self.cells = max(p.dp, 1) * max(p.pp, 1) * max(p.cp, 1)
+        self.flops_per_s_per_cell = p.train_flops_per_s / self.cells
+        bal = _balancer() if use_balancer and p.fixed_step_s <= 0 and (p.cost_a > 0 or p.cost_b > 0) else None
+        self.source = "neon_hpc.balance.plan_step" if bal else "plan fallback (cost bound)"
+        self._plan_step = bal[1] if bal else None
+        self._cost = bal[0](a=p.cost_a, b=p.cost_b, source="plan") if bal else None
+        self._ratio = 1.0
+        self._calls = 0
+        self.planner_calls = 0
+
+    def bound_flops(self, lengths: np.ndarray) -> float:
+        """Perfect balance, no pipeline bubble: sum of sequence costs / (dp * pp * cp)."""
+        n = np.asarray(lengths, dtype=np.float64)
+        return float(self.p.cost_a * n.sum() + self.p.cost_b * (n * n).sum()) / self.cells
+
+    def compute_seconds(self, lengths: np.ndarray) -> float:
+        """Forward+backward seconds of the slowest DP rank for this batch."""
+        p = self.p
+        if p.fixed_step_s > 0:
+            return p.fixed_step_s
+        if p.cost_a <= 0 and p.cost_b <= 0:
+            return 0.0
+        bound = self.bound_flops(lengths)
+        if self._plan_step is not None:
+            if self._calls % p.planner_every == 0:
+                makespan = self._planned_flops(lengths)
+                self._ratio = makespan / bound if bound > 0 else 1.0
+            self._calls += 1
+            return bound * self._ratio / self.flops_per_s_per_cell
+        return self._fallback_flops(lengths, bound) / self.flops_per_s_per_cell
+
+    def step_seconds(self, lengths: np.ndarray) -> float:
+        return self.compute_seconds(lengths) + (0.0 if self.p.fixed_step_s > 0 else self.p.step_overhead_s)
+
+    def _planned_flops(self, lengths: np.ndarray) -> float:
+        p = self.p
+        self.planner_calls += 1
+        plan = self._plan_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
+                               token_cap=p.token_cap, cost=self._cost, planner=p.planner,
+                               shadow=False, check=False)
+        return float(plan.makespan)
+
+    def _fallback_flops(self, lengths: np.ndarray, bound: float) -> float:
+        p = self.p
+        n = np.asarray(lengths, dtype=np.float64)
+        work = bound
+        if p.planner != "cost" and len(n):
+            longest = float(p.cost_a * n.max() + p.cost_b * n.max() ** 2) / max(p.cp, 1)
+            work = max(work, longest)
+        if p.pp > 1:
+            microbatches = max(1.0, math.ceil(n.sum() / max(p.dp, 1) / max(p.token_cap, 1)))
+            work *= (microbatches + p.pp - 1) / microbatches
+        return work

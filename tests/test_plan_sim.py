@@ -1,0 +1,88 @@
+"""Closed-form checks of the capacity-planning simulation (neon_hpc.plan.sim)."""
+import dataclasses
+import math
+
+import pytest
+
+from neon_hpc.plan.params import SimParams
+from neon_hpc.plan.sim import simulate
+
+
+def constant(**kw) -> SimParams:
+    """Every episode one turn of 100 tokens at 10 tok/s = 10 s; no tools, exports or publish."""
+    base = dict(max_turns=1, turns_median=1.0, turns_sigma=1e-9, gen_tokens_median=100.0,
+                gen_tokens_sigma=1e-9, max_new_tokens=100, prompt_tokens=0, tool_tokens_per_turn=0,
+                tail_fraction=0.0, decode_tokens_per_s=10.0, replay_mode="off", model_bytes=0.0,
+                rollout_slots=8, group_size=1, trajectories_per_step=4, fixed_step_s=2.0,
+                max_staleness=1000, backpressure_steps=1000, steps=400, slot_mode="episode")
+    base.update(kw)
+    return SimParams(**base)
+
+
+@pytest.mark.parametrize("step_s,slot_mode,group", [(2.0, "episode", 1), (20.0, "episode", 1),
+                                                      (2.0, "worker", 2), (20.0, "worker", 4)])
+def test_async_throughput_equals_the_analytic_bottleneck(step_s, slot_mode, group):
+    p = constant(fixed_step_s=step_s, slot_mode=slot_mode, group_size=group, backpressure_steps=3)
+    r = simulate(p)
+    analytic = min(p.rollout_slots / 10.0, p.trajectories_per_step / step_s)   # trajectories per second
+    assert r.samples_per_hour / 3600 == pytest.approx(analytic, rel=0.02)
+    assert r.consumed == p.steps * p.trajectories_per_step
+
+
+def test_sync_trainer_idle_equals_rollout_time():
+    p = constant(policy="sync", rollout_slots=3, trajectories_per_step=7, steps=50)
+    r = simulate(p)
+    assert r.wait_s == pytest.approx(r.rollout_phase_s, rel=1e-9)
+    # 7 episodes on 3 slots take ceil(7/3) waves of 10 s, then a 2 s step
+    assert r.time_per_step_s == pytest.approx(10.0 * math.ceil(7 / 3) + 2.0, rel=1e-9)
+    assert r.staleness_max == 0
+
+
+def test_sync_idle_with_heavy_tail_and_publish_still_matches():
+    p = dataclasses.replace(SimParams(), policy="sync", tail_fraction=0.1, steps=40, group_size=4,
+                            rollout_slots=16, trajectories_per_step=16, model_bytes=4e9,
+                            publish_bytes_per_s=1e9, replay_mode="full", route_bytes_per_token=100.0,
+                            cost_a=1e9, cost_b=1e4, train_gpus=8, dp=2)
+    r = simulate(p)
+    assert r.wait_s == pytest.approx(r.rollout_phase_s, rel=1e-9)
+    assert r.publish_s == pytest.approx(40 * 4.0)
+
+
+def test_one_step_off_staleness_is_exactly_one_after_the_first_step():
+    r = simulate(constant(policy="one_step_off", steps=60, tail_fraction=0.0))
+    assert r.staleness[0] == 4                       # step 0 trains on batch 0 of v_0
+    assert r.staleness[1] == 59 * 4
+    assert set(r.staleness) == {0, 1}
+
+
+@pytest.mark.parametrize("admission", ["steps_ahead", "oldest"])
+@pytest.mark.parametrize("slot_mode", ["worker", "episode"])
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_async_never_trains_beyond_the_staleness_bound(admission, slot_mode, bound):
+    p = SimParams(policy="async", admission=admission, slot_mode=slot_mode, max_staleness=bound,
+                  tail_fraction=0.2, max_turns=16, turns_median=3, rollout_slots=32, group_size=4,
+                  trajectories_per_step=16, fixed_step_s=30.0, steps=120, backpressure_steps=2, seed=bound)
+    r = simulate(p)
+    assert r.staleness_max <= bound
+    assert r.consumed == p.steps * p.trajectories_per_step
+    if bound >= 1:
+        assert r.versions_spanned_mean > 1.0        # in-flight updates: trajectories span versions
+
+
+def test_full_replay_stalls_engines_more_than_delta():
+    base = SimParams(policy="async", slot_mode="episode", rollout_slots=256, num_engines=1,
+                     route_bytes_per_token=2560.0, export_bytes_per_s=5e8, max_turns=16,
+                     turns_median=8, tail_fraction=0.0, trajectories_per_step=64, fixed_step_s=5.0,
+                     steps=60, max_staleness=4)
+    full = simulate(dataclasses.replace(base, replay_mode="full"))
+    delta = simulate(dataclasses.replace(base, replay_mode="delta"))
+    off = simulate(dataclasses.replace(base, replay_mode="off"))
+    assert off.engine_stall_mean == 0.0
+    assert delta.engine_stall_mean < full.engine_stall_mean
+    assert delta.time_per_step_s < full.time_per_step_s
+
+
+def test_same_seed_same_result():
+    p = SimParams(tail_fraction=0.1, steps=30, fixed_step_s=10.0)
+    a, b = simulate(p), simulate(p)
+    assert a.summary() == b.summary()
