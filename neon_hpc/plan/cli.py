@@ -1,0 +1,109 @@
+"""``neon-hpc plan CONFIG [--sweep] [--calibrate RESULTS_FILE...] [--png OUT]``.
+
+Simulates the experiment's layout under sync, one-step-off and async policies (plus async
+with the other replay mode and the other balancer), prints every parameter with its source
+and a table of idle fractions, throughput, staleness and time per step; ``--sweep`` also
+tries other splits of the same nodes and recommends one.  See neon_hpc/plan/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from neon_hpc import config
+from neon_hpc.plan import calibrate, report
+from neon_hpc.plan.params import from_experiment
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="neon-hpc plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="experiment YAML (e.g. configs/kimi_k2_1300xh200.yaml)")
+    p.add_argument("--sweep", action="store_true", help="also sweep the rollout/trainer node split and recommend one")
+    p.add_argument("--calibrate", nargs="+", metavar="RESULTS_FILE", default=[],
+                   help="benchmark outputs with RESULT lines ('-' = stdin) to set parameters from")
+    p.add_argument("--png", metavar="OUT", default="", help="write the plots to this PNG file")
+    p.add_argument("--steps", type=int, default=0, help="simulated trainer steps per policy (default plan.simulated_steps)")
+    p.add_argument("--sweep-steps", type=int, default=0, help="steps per sweep point (default plan.sweep_steps)")
+    p.add_argument("--target-staleness", type=int, default=-1,
+                   help="staleness bound for the sweep and recommendation (default rollout.max_staleness)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. plan.mfu=0.4")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    for n in ("steps", "sweep_steps"):
+        if getattr(a, n) < 0:
+            print(f"neon-hpc plan: --{n.replace('_', '-')} must be >= 0", file=sys.stderr)
+            return 2
+    cfg = config.load(a.config, a.set)
+    sourced = from_experiment(cfg, a.config)
+    progress = None if a.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cal = None
+    if a.calibrate:
+        try:
+            cal = calibrate.apply(sourced, calibrate.read_results(a.calibrate))
+        except (OSError, ValueError) as e:
+            print(f"neon-hpc plan: {e}", file=sys.stderr)
+            return 2
+    p = sourced.params
+    target = a.target_staleness if a.target_staleness >= 0 else p.max_staleness
+    steps = a.steps or p.steps
+
+    print(f"neon-hpc plan: {a.config} ({cfg.name})")
+    print(f"  rollout group {report.nodes_of(p.rollout_gpus, p.gpus_per_node)} nodes / {p.rollout_gpus} GPUs, "
+          f"trainer group {report.nodes_of(p.train_gpus, p.gpus_per_node)} nodes / {p.train_gpus} GPUs; "
+          f"{p.rollout_slots} concurrent episodes ({p.slot_mode} slots), {p.trajectories_per_step} trajectories/step")
+    for warning in _warnings(p):
+        print(f"  note: {warning}")
+    if cal is not None:
+        print("\ncalibration (RESULT lines):")
+        print("\n".join(cal.lines()) or "  nothing applicable")
+    print("\nparameters (value, source):")
+    print(report.params_table(sourced))
+
+    t0 = time.perf_counter()
+    variants = report.compare_policies(sourced, steps, progress)
+    print(f"\npolicies, {steps} simulated trainer steps each (step time: {variants[0].result.step_time_source}):")
+    print(report.table([(v.label, v.result) for v in variants]))
+    base, best_async = variants[0].result, variants[2].result
+    print(f"  async over sync throughput: {best_async.samples_per_hour / max(base.samples_per_hour, 1e-9):.2f}x; "
+          f"{variants[3].label.split()[2]} over {variants[2].label.split()[2]} time/step: "
+          f"{variants[3].result.time_per_step_s / max(best_async.time_per_step_s, 1e-9):.3f}x; "
+          f"{variants[4].label.split()[-1]} over {variants[2].label.split()[-1]} compute/step: "
+          f"{_ratio(variants[4].result, best_async):.3f}x")
+
+    points, chosen = None, None
+    if a.sweep:
+        sweep_steps = a.sweep_steps or cfg.plan.sweep_steps
+        points = report.sweep(sourced, cfg.plan.sweep_points, sweep_steps, target, progress)
+        chosen, why = report.recommend(points, target)
+        print(f"\nsweep of the node split (async, staleness <= {target}, {sweep_steps} steps each):")
+        print(report.table([(f"{s.rollout_nodes} / {s.train_nodes}", s.result) for s in points],
+                           first="rollout / train nodes"))
+        print(f"  recommended: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes: {why}")
+    if a.png:
+        report.write_png(a.png, variants, points, chosen, title=f"neon-hpc plan: {cfg.name}")
+        print(f"\nwrote {a.png}")
+    print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _ratio(a, b) -> float:
+    ma, mb = report._mean(a.step_compute_s), report._mean(b.step_compute_s)
+    return ma / mb if mb > 0 else 1.0
+
+
+def _warnings(p) -> list[str]:
+    out = []
+    if p.slot_mode == "worker" and p.engine_slots and p.rollout_slots < p.engine_slots:
+        out.append(f"the rollout workers keep at most {p.rollout_slots} episodes in flight; the engines could "
+                   f"batch {p.engine_slots} (engine.num_engines x max_batch_size): more workers or larger groups "
+                   f"would use them")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
