@@ -110,8 +110,9 @@ def _resample_measured(p: SimParams, n: int, rng: np.random.Generator) -> Episod
     toks = (np.asarray(p.episode_tokens, dtype=np.float64)[idx] if p.episode_tokens
             else np.full(n, float(p.prompt_tokens)))
     zeros = np.zeros(n)
+    # no turn structure: take the version at the episode's midpoint as its newest (a token-mean estimate)
     return Episodes(decode_s=zeros, fixed_s=secs, seq_len=toks, turns=np.ones(n, dtype=np.int64),
-                    export_s=zeros, last_turn_frac=np.ones(n))
+                    export_s=zeros, last_turn_frac=np.full(n, 0.5))
 
 
 class EngineStall:

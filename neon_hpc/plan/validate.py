@@ -1,0 +1,207 @@
+"""Validation against a real run: measured idle fractions and staleness vs the simulator's.
+
+``compare_with_run(RUN)`` reads ``RUN/run.yaml`` and the metrics contract's
+``RUN/logs/trainer/metrics.jsonl`` (one record per step: ``step_time_s`` = the step's wall
+time including ``wait_s``, the time blocked waiting for data; ``staleness_mean`` /
+``staleness_max`` over its tokens; ``trajectories``) and ``RUN/logs/rollout/metrics.jsonl``
+(one record per trajectory with ``worker``, ``episode_s``, ``task_id``; event records
+``admission_wait`` / ``backpressure`` / ``idle`` with ``seconds``).
+
+It then simulates the same configuration with the run's *component* measurements (the
+durations of its GRPO groups, resampled; its mean step time without the wait) and compares
+the *system* quantities that emerge from their interplay, which the simulation has to get
+right on its own: trainer idle fraction, rollout idle fraction, staleness mean and max.
+A worker runs one group at a time, so the simulation uses one slot per worker and treats a
+group as one unit of work (its duration = its slowest episode).
+
+The band (stated, per quantity, in :data:`BANDS`) is widened to twice the spread of the
+prediction over seeds when a short run makes the prediction itself noisy.  Token-level
+staleness mean is estimated in the simulation from each group's version span (see
+``SimResult.staleness_token_mean``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neon_hpc import config
+from neon_hpc.logs import read_metrics
+from neon_hpc.plan.params import Sourced, from_experiment
+from neon_hpc.plan.sim import simulate
+
+BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "staleness_max": 1.0}
+WAIT_EVENTS = ("admission_wait", "backpressure", "idle")
+
+
+class RunDataError(ValueError):
+    """The run directory lacks what the comparison needs; the message names the file."""
+
+
+@dataclass
+class Comparison:
+    name: str
+    measured: float
+    predicted: float
+    band: float
+    spread: float = 0.0
+
+    @property
+    def within(self) -> bool:
+        return abs(self.measured - self.predicted) <= self.band + 1e-9
+
+
+@dataclass
+class ValidationReport:
+    run_dir: str
+    steps: int
+    workers: int
+    groups: int
+    rows: list[Comparison] = field(default_factory=list)
+    params: Sourced | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.within for r in self.rows)
+
+    def row(self, name: str) -> Comparison:
+        return next(r for r in self.rows if r.name == name)
+
+    def text(self) -> str:
+        lines = [f"validation of {self.run_dir}: {self.steps} trainer steps, {self.workers} rollout workers, "
+                 f"{self.groups} groups measured",
+                 f"  {'quantity':<16}{'measured':>10}{'predicted':>11}{'band':>8}  verdict"]
+        for r in self.rows:
+            lines.append(f"  {r.name:<16}{r.measured:>10.3f}{r.predicted:>11.3f}{'±' + format(r.band, '.2f'):>8}  "
+                         f"{'within' if r.within else 'OUTSIDE'}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+
+def _load(run_dir: Path) -> tuple[Any, list[dict], list[dict]]:
+    run_yaml = run_dir / "run.yaml"
+    if not run_yaml.exists():
+        raise RunDataError(f"{run_yaml}: missing; compare_with_run needs a run directory written by "
+                           f"neon-hpc run/launch (run.yaml is written once at launch)")
+    cfg = config.load(run_yaml)
+    steps = [r for r in read_metrics(run_dir, "trainer") if "step_time_s" in r and "wait_s" in r]
+    rollout = read_metrics(run_dir, "rollout")
+    if not steps:
+        raise RunDataError(f"{run_dir / 'logs/trainer/metrics.jsonl'}: no step records with step_time_s and "
+                           f"wait_s; did the trainer finish a step?")
+    if not any("episode_s" in r for r in rollout):
+        raise RunDataError(f"{run_dir / 'logs/rollout/metrics.jsonl'}: no trajectory records with episode_s")
+    return cfg, _last_incarnation(steps), rollout
+
+
+def _last_incarnation(steps: list[dict]) -> list[dict]:
+    """One record per step (a resumed run re-logs steps: keep the last of each)."""
+    by_step: dict[Any, dict] = {}
+    for r in steps:
+        by_step[r.get("step", len(by_step))] = r
+    return [by_step[k] for k in sorted(by_step, key=lambda k: (isinstance(k, str), k))]
+
+
+def group_durations(rollout: list[dict], group_size: int) -> list[float]:
+    """Durations of the run's groups: consecutive trajectory records of one worker and task,
+    up to ``group_size`` of them; a group lasts as long as its slowest episode."""
+    out: list[float] = []
+    current: dict[Any, tuple[Any, list[float]]] = {}
+    for r in rollout:
+        if "episode_s" not in r:
+            continue
+        w = r.get("worker", r.get("rank"))
+        task, secs = current.get(w, (None, []))
+        if task != r.get("task_id") or len(secs) >= group_size:
+            if secs:
+                out.append(max(secs))
+            task, secs = r.get("task_id"), []
+        secs.append(float(r["episode_s"]))
+        current[w] = (task, secs)
+    out += [max(secs) for _, secs in current.values() if secs]
+    return out
+
+
+def measure(steps: list[dict], rollout: list[dict], workers: int) -> dict[str, float]:
+    wall = sum(float(r["step_time_s"]) for r in steps)
+    wait = sum(float(r["wait_s"]) for r in steps)
+    trajs = [max(int(r.get("trajectories", 1)), 1) for r in steps]
+    s_mean = sum(float(r.get("staleness_mean", 0.0)) * n for r, n in zip(steps, trajs)) / sum(trajs)
+    s_max = max(float(r.get("staleness_max", 0.0)) for r in steps)
+    t_end = max(float(r.get("time", 0.0)) for r in steps)
+    t_start = min(float(r.get("time", 0.0)) - float(r["step_time_s"]) for r in steps)
+    waits = sum(float(r.get("seconds", 0.0)) for r in rollout
+                if r.get("event") in WAIT_EVENTS and t_start <= float(r.get("time", t_start)) <= t_end)
+    span = max(t_end - t_start, wall, 1e-9)
+    return {"trainer_idle": wait / wall if wall > 0 else 0.0,
+            "rollout_idle": min(1.0, waits / (workers * span)),
+            "staleness_mean": s_mean, "staleness_max": s_max}
+
+
+def compare_with_run(run_dir: str | Path, seeds: int = 8, min_steps: int = 0) -> ValidationReport:
+    """Measured vs predicted idle fractions and staleness of a finished (or running) run."""
+    run_dir = Path(run_dir)
+    cfg, steps, rollout = _load(run_dir)
+    G = max(cfg.rollout.group_size, 1)
+    durations = group_durations(rollout, G)
+    workers = len({r.get("worker", r.get("rank")) for r in rollout if "episode_s" in r}) or cfg.rollout.num_workers
+    measured = measure(steps, rollout, workers)
+
+    sourced = from_experiment(cfg, str(run_dir / "run.yaml"))
+    compute = [max(float(r["step_time_s"]) - float(r["wait_s"]), 0.0) for r in steps]
+    where = f"measured {run_dir}/logs"
+    per_step_groups = max(1, math.ceil(cfg.train.trajectories_per_step / G))
+    # a group is the unit of work: one slot per worker, one "episode" per group
+    sourced.set("group_size", 1, f"{where} (a group = one unit of work)")
+    sourced.set("trajectories_per_step", per_step_groups, f"{where} (groups per step)")
+    sourced.set("rollout_slots", workers, f"{where} (distinct rollout workers)")
+    sourced.set("slot_mode", "worker", "neon_hpc.rollout.worker (one group at a time)")
+    sourced.set("episode_seconds", tuple(durations), f"{where}/rollout/metrics.jsonl episode_s (slowest per group)")
+    sourced.set("fixed_step_s", statistics.fmean(compute), f"{where}/trainer/metrics.jsonl step_time_s - wait_s")
+    sourced.set("model_bytes", 0.0, "included in the measured step time")
+    sourced.set("replay_mode", "off", "included in the measured episode times")
+    sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_dir}/run.yaml: mode")
+    n_steps = max(len(steps), min_steps)
+    sourced.set("steps", n_steps, f"{where} (steps in the run)")
+
+    preds: dict[str, list[float]] = {k: [] for k in BANDS}
+    for seed in range(seeds):
+        r = simulate(dataclasses.replace(sourced.params, seed=seed))
+        preds["trainer_idle"].append(r.trainer_idle_frac)
+        preds["rollout_idle"].append(r.rollout_idle_frac)
+        preds["staleness_mean"].append(r.staleness_token_mean)
+        preds["staleness_max"].append(float(r.staleness_max))
+    report = ValidationReport(str(run_dir), len(steps), workers, len(durations), params=sourced)
+    for name, values in preds.items():
+        spread = statistics.pstdev(values) if len(values) > 1 else 0.0
+        report.rows.append(Comparison(name, measured[name], statistics.fmean(values),
+                                      max(BANDS[name], 2 * spread), spread))
+    if len(steps) < 20:
+        report.notes.append(f"only {len(steps)} steps: start-up (first weights, first groups) weighs heavily")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m neon_hpc.plan.validate RUN [--seeds N]``: print the comparison; exit 1 if outside."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m neon_hpc.plan.validate", description=main.__doc__)
+    ap.add_argument("run_dir")
+    ap.add_argument("--seeds", type=int, default=8)
+    a = ap.parse_args(argv)
+    try:
+        report = compare_with_run(a.run_dir, seeds=max(a.seeds, 1))
+    except RunDataError as e:
+        print(f"validate: {e}")
+        return 2
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
