@@ -1,0 +1,392 @@
+"""``plan_step``: one step's sequences -> a :class:`~neon_hpc.balance.plan.Plan`.
+
+Planners (all deterministic, metadata only):
+
+``sequential``  Megatron-style: contiguous, equal-count blocks of sequences per DP rank, each
+                block cut into equal-count consecutive micro-batches (more of them until each
+                fits the token cap).
+``tokenkk``     verl-style: Karmarkar-Karp on token counts across DP ranks, then again into
+                ``ceil(tokens / cap)`` micro-batches per rank (more until each fits).
+``flopkk``      the same on the cost model's cost: FLOP-balanced, but whole sequences only and
+                blind to the pipeline's bubbles.
+``cost``        ours (below): splits what no single micro-batch can balance, places split
+                units in one micro-batch slot across distinct ranks, fills the rest largest-first
+                under the 1F1B time of each rank, then moves sequences off the slowest rank while
+                that helps.  On small problems it also scores the flopkk/tokenkk plans and keeps
+                the best, so its predicted step time is never worse than theirs there.
+
+Baselines never split a sequence: one longer than the cap sits alone in its micro-batch and is
+listed in ``plan.oversize`` (ours splits it across DP ranks instead, and lists it only when
+even ``dp`` pieces would not fit).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from neon_hpc.balance.cost import CostModel
+from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
+from neon_hpc.balance.kk import karmarkar_karp
+from neon_hpc.balance.plan import Piece, Plan, check_plan, score
+
+PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
+# the cost planner also scores the KK plans as candidates when len(lengths) * dp is at most this
+# (KK on 10k sequences x 1024 ranks takes seconds; at that size ours wins anyway)
+CANDIDATE_LIMIT = 200_000
+DEFAULT_TOKEN_CAP = 4096
+
+
+def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int = 1,
+              token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
+              planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
+              images: Sequence[int] | None = None, cp_split_threshold: int = 0,
+              check: bool = True) -> Plan:
+    """Plan one training step.
+
+    ``lengths``: tokens per sequence (zero-length ones are ignored).  ``dp``: data-parallel
+    ranks.  ``pp_microbatches``: the fewest micro-batches per DP rank (more when the cap
+    needs them).  ``pp_stages``: pipeline stages for the 1F1B time model; defaults to
+    ``pp_microbatches`` (the "PP size sets the micro-batch count" convention).  ``cp``:
+    context-parallel ranks per micro-batch; ``cp_split_threshold`` the piece length from
+    which a piece is zigzagged across them (0 = auto).  ``token_cap``: tokens per
+    micro-batch of a DP rank (across its CP group).  ``cost``: defaults to the embedded
+    model's FLOP cost.  ``shadow``: also plan with the other planners and report their
+    predicted makespans in ``plan.shadow``.
+    """
+    t0 = time.perf_counter()
+    lens = _validate(lengths, dp, pp_microbatches, cp, token_cap, planner, pp_stages, images)
+    cost = cost or _default_cost()
+    p = pp_stages if pp_stages is not None else pp_microbatches
+    thr = cp_split_threshold or auto_threshold(token_cap, cp)
+    imgs = tuple(int(x) for x in images) if images is not None else None
+    ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr, imgs)
+
+    plans: dict[str, Plan] = {}
+    want_candidates = planner == "cost" and len(lens) * dp <= CANDIDATE_LIMIT
+    names = [planner] + [n for n in PLANNERS if n != planner and (shadow or (
+        want_candidates and n in ("flopkk", "tokenkk")))]
+    for name in names:
+        plans[name] = _BUILDERS[name](ctx)
+    plan = plans[planner]
+    if want_candidates:
+        plan = _best_candidate(plan, [plans["flopkk"], plans["tokenkk"]])
+    if shadow:
+        plan.shadow = {n: q.makespan for n, q in plans.items() if n != planner}
+    plan.planner = planner
+    if check:
+        check_plan(plan)
+    plan.planner_s = time.perf_counter() - t0
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# shared context and helpers
+
+class _Ctx:
+    def __init__(self, lens, costs, dp, m_min, p, cp, cap, cost, thr, images):
+        self.lens, self.costs = lens, costs
+        self.dp, self.m_min, self.p, self.cp, self.cap = dp, max(1, m_min), p, cp, cap
+        self.cost, self.thr, self.images = cost, thr, images
+        self.active = [i for i in range(len(lens)) if lens[i] > 0]
+
+    def make_plan(self, name: str, ranks, oversize=()) -> Plan:
+        plan = Plan(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
+                    dp=self.dp, pp_stages=self.p, cp=self.cp, token_cap=self.cap,
+                    cp_split_threshold=self.thr, ranks=ranks, oversize=sorted(oversize),
+                    chosen_from=name, images=self.images)
+        return score(plan)
+
+
+def _default_cost() -> CostModel:
+    from neon_hpc.models.config import ModelConfig
+    return CostModel.from_model_config(ModelConfig())
+
+
+def _validate(lengths, dp, m, cp, cap, planner, pp_stages, images) -> np.ndarray:
+    for name, v in (("dp", dp), ("pp_microbatches", m), ("cp", cp), ("token_cap", cap)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"plan_step: {name} must be an integer >= 1, got {v!r}")
+    if pp_stages is not None and (not isinstance(pp_stages, (int, np.integer)) or pp_stages < 1):
+        raise ValueError(f"plan_step: pp_stages must be an integer >= 1, got {pp_stages!r}")
+    if planner not in PLANNERS:
+        raise ValueError(f"plan_step: unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or (lens.size and not np.issubdtype(lens.dtype, np.integer)):
+        raise ValueError("plan_step: lengths must be a flat sequence of integers (tokens per sequence)")
+    lens = lens.astype(np.int64)
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"plan_step: lengths[{int(lens.argmin())}] is negative ({int(lens.min())})")
+    if images is not None and len(images) != len(lens):
+        raise ValueError(f"plan_step: images has {len(images)} entries, lengths has {len(lens)}")
+    return lens
+
+
+def _whole_ranks(ctx: _Ctx, rank_mbs: list[list[list[int]]]) -> list[list[list[Piece]]]:
+    """Sequence-index micro-batches -> Piece micro-batches, padded to one count per rank."""
+    m = max(ctx.m_min, max((len(x) for x in rank_mbs), default=0))
+    out = []
+    for mbs in rank_mbs:
+        mbs = [[Piece(i, 0, int(ctx.lens[i])) for i in sorted(mb)] for mb in mbs]
+        out.append(mbs + [[] for _ in range(m - len(mbs))])
+    return out
+
+
+def _pack_rank(ctx: _Ctx, items: list[int], weights: np.ndarray, method: str):
+    """One rank's whole sequences into micro-batches under the cap.  Sequences over the cap
+    go alone; the rest into the fewest groups (>= what the pipeline asks) that fit."""
+    lens, cap = ctx.lens, ctx.cap
+    big = [i for i in items if lens[i] > cap]
+    rest = [i for i in items if lens[i] <= cap]
+    total = int(lens[rest].sum()) if rest else 0
+    m = max(ctx.m_min - len(big), math.ceil(total / cap), 1 if rest else 0)
+    groups: list[list[int]] = []
+    while rest:
+        if method == "kk":
+            groups = [[rest[x] for x in part] for part in karmarkar_karp(weights[rest], m)]
+        else:
+            groups = [list(map(int, g)) for g in np.array_split(np.asarray(rest), m)]
+        if all(int(lens[g].sum()) <= cap for g in groups if g):
+            break
+        m += 1
+    return [[i] for i in big] + groups + [[] for _ in range(ctx.m_min - len(big) - len(groups))], big
+
+
+def _plan_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, method: str) -> Plan:
+    rank_mbs, oversize = [], []
+    for items in rank_items:
+        mbs, big = _pack_rank(ctx, items, weights, method)
+        rank_mbs.append(mbs)
+        oversize += big
+    return ctx.make_plan(name, _whole_ranks(ctx, rank_mbs), oversize)
+
+
+def _sequential(ctx: _Ctx) -> Plan:
+    blocks = [list(map(int, b)) for b in np.array_split(np.asarray(ctx.active, dtype=np.int64), ctx.dp)]
+    return _plan_baseline(ctx, "sequential", blocks, ctx.lens, "sequential")
+
+
+def _kk(ctx: _Ctx, name: str, weights: np.ndarray) -> Plan:
+    act = ctx.active
+    parts = karmarkar_karp(weights[act], ctx.dp)
+    rank_items = [[act[x] for x in part] for part in parts]
+    return _plan_baseline(ctx, name, rank_items, weights, "kk")
+
+
+def _tokenkk(ctx: _Ctx) -> Plan:
+    return _kk(ctx, "tokenkk", ctx.lens.astype(np.float64))
+
+
+def _flopkk(ctx: _Ctx) -> Plan:
+    return _kk(ctx, "flopkk", ctx.costs)
+
+
+def _best_candidate(ours: Plan, others: list[Plan]) -> Plan:
+    """Keep ours unless a candidate is strictly faster and respects the cap at least as well."""
+    best = ours
+    for q in others:
+        if len(q.oversize) <= len(ours.oversize) and q.makespan < best.makespan * (1 - 1e-12):
+            best = q
+    if best is not ours:
+        best = Plan(**{**best.__dict__, "chosen_from": best.planner})
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# ours
+
+def _cost(ctx: _Ctx) -> Plan:
+    lens = ctx.lens
+    total_tokens = int(lens.sum())
+    m = max(ctx.m_min, math.ceil(total_tokens / (ctx.dp * ctx.cap)), 1)
+    # with one slot per sequence everything fits (a split sequence needs one slot), so
+    # the retries end there
+    m_max = max(m, len(ctx.active) + ctx.m_min)
+    while True:
+        placed = _CostPacker(ctx, m).run()
+        if placed is not None:
+            ranks, oversize = placed
+            return ctx.make_plan("cost", ranks, oversize)
+        if m >= m_max:
+            break
+        m = min(m_max, m + max(1, m // 8))
+    raise RuntimeError(f"cost planner: no packing found up to {m} micro-batches per rank "
+                       f"(token_cap={ctx.cap}); raise the cap")
+
+
+class _CostPacker:
+    """One attempt with ``m`` micro-batch slots per rank; ``run()`` returns None if the cap
+    leaves something unplaced (the caller retries with more slots)."""
+
+    def __init__(self, ctx: _Ctx, m: int):
+        self.ctx, self.m = ctx, m
+        dp = ctx.dp
+        self.load = np.zeros((dp, m))
+        self.toks = np.zeros((dp, m), dtype=np.int64)
+        self.bins: list[list[list[Piece]]] = [[[] for _ in range(m)] for _ in range(dp)]
+        self.whole: list[list[tuple[float, int, int]]] = [[] for _ in range(dp)]  # (cost, seq, slot)
+        self.oversize: list[int] = []
+
+    # -- the rank's predicted 1F1B time from its slot loads
+    def rank_time(self, r: int) -> float:
+        row = self.load[r]
+        return (row.sum() + (self.ctx.p - 1) * row.max()) / self.ctx.p
+
+    def run(self):
+        ctx = self.ctx
+        total = float(ctx.costs[ctx.active].sum()) if ctx.active else 0.0
+        if total <= 0:
+            return self._emit()
+        unit_target = total / ctx.dp if ctx.p == 1 else total / (ctx.dp * self.m)
+        splits, wholes = [], []
+        for i in ctx.active:
+            k = self._pieces_needed(i, unit_target)
+            (splits if k > 1 else wholes).append((i, k))
+        # largest units first, then whole sequences largest first (ties: lower index)
+        splits.sort(key=lambda x: (-ctx.costs[x[0]] / x[1], x[0]))
+        for i, k in splits:
+            if not self._place_split(i, k):
+                return None
+        wholes.sort(key=lambda x: (-ctx.costs[x[0]], x[0]))
+        if not self._place_wholes([i for i, _ in wholes]):
+            return None
+        self._refine()
+        return self._emit()
+
+    def _pieces_needed(self, i: int, unit_target: float) -> int:
+        ctx = self.ctx
+        n, c = int(ctx.lens[i]), float(ctx.costs[i])
+        k = math.ceil(n / ctx.cap)
+        if c > unit_target * (1 + 1e-9):
+            k = max(k, math.ceil(c / unit_target - 1e-9))
+        k = min(k, ctx.dp, max(1, n // 2))
+        if math.ceil(n / k) > ctx.cap:
+            self.oversize.append(i)
+        return k
+
+    def _place_split(self, i: int, k: int) -> bool:
+        """k zigzag units of sequence i -> k least-loaded ranks, all in one slot."""
+        ctx = self.ctx
+        units = zigzag_pairs(0, int(ctx.lens[i]), k)
+        unit_toks = np.array([sum(e - s for s, e in u) for u in units])
+        unit_cost = np.array([sum(ctx.cost.chunk_cost(s, e) for s, e in u) for u in units])
+        if ctx.images is not None:
+            unit_cost[0] += ctx.cost.image_cost * ctx.images[i]
+        key = self.load.sum(axis=1) + (ctx.p - 1) * self.load.max(axis=1)
+        ranks = np.lexsort((np.arange(ctx.dp), key))[:k]
+        sub_toks = self.toks[ranks] + unit_toks[:, None]
+        fits = (sub_toks <= ctx.cap).all(axis=0) | (i in self.oversize)
+        if not fits.any():
+            return False
+        col = np.where(fits, (self.load[ranks] + unit_cost[:, None]).max(axis=0), np.inf)
+        j = int(np.argmin(col))
+        for u, r in enumerate(ranks):
+            r = int(r)
+            self.bins[r][j].extend(Piece(i, s, e) for s, e in units[u])
+            self.load[r, j] += unit_cost[u]
+            self.toks[r, j] += unit_toks[u]
+        return True
+
+    def _place_wholes(self, order: list[int]) -> bool:
+        """Largest first onto the rank with the least predicted time, into its lightest slot
+        with room (LPT under the 1F1B time)."""
+        ctx = self.ctx
+        heap = [(self.rank_time(r), r) for r in range(ctx.dp)]
+        heapq.heapify(heap)
+        for i in order:
+            n, c = int(ctx.lens[i]), float(ctx.costs[i])
+            skipped = []
+            while heap:
+                t, r = heapq.heappop(heap)
+                j = self._lightest_slot_with_room(r, n)
+                if j is None:
+                    skipped.append((t, r))
+                    continue
+                self._put_whole(r, j, i, n, c)
+                heapq.heappush(heap, (self.rank_time(r), r))
+                break
+            else:
+                return False
+            for x in skipped:
+                heapq.heappush(heap, x)
+        return True
+
+    def _lightest_slot_with_room(self, r: int, n: int):
+        if n > self.ctx.cap:                    # oversize (dp too small to split it): alone
+            empty = np.flatnonzero(self.toks[r] == 0)
+            return int(empty[0]) if empty.size else None
+        room = self.toks[r] + n <= self.ctx.cap
+        if not room.any():
+            return None
+        return int(np.argmin(np.where(room, self.load[r], np.inf)))
+
+    def _put_whole(self, r, j, i, n, c):
+        self.bins[r][j].append(Piece(i, 0, n))
+        self.load[r, j] += c
+        self.toks[r, j] += n
+        self.whole[r].append((c, i, j))
+
+    def _take_whole(self, r, idx):
+        c, i, j = self.whole[r].pop(idx)
+        self.bins[r][j].remove(Piece(i, 0, int(self.ctx.lens[i])))
+        self.load[r, j] -= c
+        self.toks[r, j] -= int(self.ctx.lens[i])
+
+    def _refine(self, max_moves: int | None = None) -> None:
+        """Move whole sequences from the slowest rank to the fastest while the slower of the
+        two ends below the old maximum."""
+        ctx = self.ctx
+        if ctx.dp < 2:
+            return
+        times = np.array([self.rank_time(r) for r in range(ctx.dp)])
+        budget = max_moves if max_moves is not None else 4 * ctx.dp + 64
+        for _ in range(budget):
+            hi, lo = int(np.argmax(times)), int(np.argmin(times))
+            if not self._best_move(hi, lo, times):
+                return
+
+    def _best_move(self, hi: int, lo: int, times: np.ndarray) -> bool:
+        old = times[hi]
+        best = None
+        for idx, (c, i, _j) in enumerate(self.whole[hi]):
+            n = int(self.ctx.lens[i])
+            j = self._lightest_slot_with_room(lo, n)
+            if j is None:
+                continue
+            t_hi, t_lo = self._times_after_move(hi, lo, idx, j)
+            worst = max(t_hi, t_lo)
+            if worst < old * (1 - 1e-9) and (best is None or worst < best[0]):
+                best = (worst, idx, j)
+        if best is None:
+            return False
+        _, idx, j = best
+        c, i, _ = self.whole[hi][idx]
+        self._take_whole(hi, idx)
+        self._put_whole(lo, j, i, int(self.ctx.lens[i]), c)
+        times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
+        return True
+
+    def _times_after_move(self, hi, lo, idx, j):
+        c, _i, jh = self.whole[hi][idx]
+        p = self.ctx.p
+        row_hi = self.load[hi].copy()
+        row_hi[jh] -= c
+        row_lo = self.load[lo].copy()
+        row_lo[j] += c
+        return ((row_hi.sum() + (p - 1) * row_hi.max()) / p,
+                (row_lo.sum() + (p - 1) * row_lo.max()) / p)
+
+    def _emit(self):
+        m = self.m
+        used = [j for j in range(m) if any(self.bins[r][j] for r in range(self.ctx.dp))]
+        keep = used + [j for j in range(m) if j not in used][:max(0, self.ctx.m_min - len(used))]
+        keep.sort()
+        ranks = [[sorted(self.bins[r][j]) for j in keep] for r in range(self.ctx.dp)]
+        return ranks, sorted(set(self.oversize))
+
+
+_BUILDERS = {"cost": _cost, "tokenkk": _tokenkk, "flopkk": _flopkk, "sequential": _sequential}
