@@ -369,6 +369,8 @@ class Scheduler:
 class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of rollout workers would see resets.
+    request_queue_size = 1024
 
     def __init__(self, addr, scheduler: Scheduler, allowed_root: str | None = None):
         super().__init__(addr, _Handler)
