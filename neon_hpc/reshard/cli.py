@@ -1,0 +1,83 @@
+"""``tools/reshard.py`` / ``neon-hpc reshard``: parse arguments, then call the library.
+
+Run on one process, or under MPI (``mpiexec -n N`` / ``srun --mpi=pmi2``) to spread the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--src", required=True, help="Megatron torch_dist checkpoint directory")
+    p.add_argument("--dst", help="output HF directory (must not exist; appears only when complete)")
+    p.add_argument("--hf-config-dir", help="directory with the model's HF config.json (+ tokenizer files to copy)")
+    p.add_argument("--arch", choices=["qwen3_moe", "deepseek_v3"],
+                   help="architecture when there is no --hf-config-dir (config derived from shapes)")
+    p.add_argument("--ranks", type=int, help="plan ranks (default: MPI world size, else 1)")
+    p.add_argument("--mode", choices=["fast", "serial"], default="fast",
+                   help="fast: planned byte-range reads; serial: materialize, convert, reshard (baseline)")
+    p.add_argument("--shard-size-gb", type=float, default=5.0, help="cap per output safetensors file")
+    p.add_argument("--verify", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="compare with the serial path before publishing: every tensor, or a sample of N")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (metadata only) and write nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--json", action="store_true", help="print stats as one JSON line")
+    args = p.parse_args(argv)
+    if not args.dry_run and not args.dst:
+        p.error("--dst is required (or --dry-run)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from neon_hpc.reshard.convert import ReshardError, build_plan, convert
+    from neon_hpc.reshard.metadata import CheckpointError
+    cap = int(args.shard_size_gb * 1e9)
+    try:
+        if args.dry_run:
+            plan, _cfg, guessed = build_plan(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap)
+            print(plan.describe())
+            if guessed:
+                print("config fields guessed (no --hf-config-dir): " + ", ".join(guessed))
+            return 0
+        stats = convert(args.src, args.dst, args.hf_config_dir, args.arch, args.ranks, mode=args.mode,
+                        shard_cap=cap, verify=args.verify, progress=not args.quiet)
+    except (CheckpointError, ReshardError) as e:
+        print(f"reshard: error: {e}", file=sys.stderr)
+        return 1
+    except BaseException:
+        _abort_world_if_mpi()
+        raise
+    from neon_hpc.reshard.comm import get_comm
+    if get_comm().rank == 0:
+        _report(stats, args)
+    return 0
+
+
+def _abort_world_if_mpi() -> None:
+    """An unexpected error on one rank must not leave the others waiting in a collective."""
+    from neon_hpc.reshard.comm import launched_under_mpi
+    if launched_under_mpi():
+        import traceback
+        traceback.print_exc()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _report(stats: dict, args) -> None:
+    if args.json:
+        print(json.dumps({k: v for k, v in stats.items() if k != "per_rank"}))
+        return
+    s = stats
+    print(f"reshard {s['mode']}: {s['tensors']} tensors in {s['files']} file(s) -> {args.dst} in {s['seconds']:.2f}s "
+          f"({s['ranks']} rank(s)); read {s['read_bytes'] / 1e9:.3f} GB, wrote {s['write_bytes'] / 1e9:.3f} GB, "
+          f"peak RSS {s['peak_rss_bytes_sum'] / 1e6:.0f} MB summed")
+    if s.get("verified"):
+        print(f"verify: {s['verified']['tensors_compared']} tensors equal to the serial path, byte for byte")
+    if s.get("guessed_config_fields"):
+        print("config fields guessed (no --hf-config-dir): " + ", ".join(s["guessed_config_fields"]))

@@ -1,0 +1,190 @@
+"""Orchestration: plan on every rank, execute each rank's share into one staging folder,
+then rank 0 checks, writes ``config.json``, tokenizer files and the index (last) and renames
+the folder into place.  The output directory is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+from neon_hpc.reshard.arch import ModelSpec, MappingError
+from neon_hpc.reshard.comm import get_comm
+from neon_hpc.reshard.execute import peak_rss_bytes, run_rank
+from neon_hpc.reshard.hfconfig import check_config_fits, derive_hf_config, load_hf_config, write_hf_side
+from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
+from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
+
+
+class ReshardError(RuntimeError):
+    """Conversion failed; no output directory was left behind."""
+
+
+def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
+               shard_cap=DEFAULT_SHARD_CAP) -> tuple[Plan, dict, list[str]]:
+    """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields)."""
+    ckpt = read_checkpoint(src)
+    cfg = load_hf_config(hf_config_dir, hf_config)
+    guessed: list[str] = []
+    if cfg is None:
+        if arch is None:
+            raise MappingError("no HF config: pass --hf-config-dir DIR (with config.json) or --arch "
+                               "qwen3_moe|deepseek_v3 to derive one from the checkpoint's shapes")
+        cfg, guessed = derive_hf_config(ckpt, arch)
+    check_config_fits(cfg, ckpt)
+    spec = ModelSpec.from_hf_config(cfg, arch)
+    return make_plan(ckpt, spec, ranks, shard_cap), cfg, guessed
+
+
+def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | None = None, *,
+            hf_config: dict | None = None, mode: str = "fast", shard_cap: int = DEFAULT_SHARD_CAP,
+            verify: int | None = None, progress: bool = False, use_mpi: bool | None = None) -> dict:
+    """Convert torch_dist checkpoint ``src`` into HF safetensors directory ``dst``.
+
+    ``ranks``: how many plan ranks (default: the MPI world size, 1 without MPI).  A process
+    that is alone but asked for more ranks runs them one after another (same output files).
+    ``mode``: "fast" (planned, streamed) or "serial" (materialize, convert, reshard).
+    ``verify``: compare the output with the serial path before publishing: 0 = every tensor,
+    N = a sample of N tensors.  Returns stats (on every rank; rank 0's are complete).
+    """
+    t0 = time.monotonic()
+    comm = get_comm(use_mpi)
+    dst = Path(dst).absolute()
+    if mode not in ("fast", "serial"):
+        raise ValueError(f"mode must be 'fast' or 'serial', not {mode!r}")
+    if mode == "serial" and comm.size > 1:
+        raise ReshardError("--mode serial runs on one process; start it without mpiexec/srun")
+    plan, cfg, guessed = build_plan(src, hf_config_dir, arch, ranks or comm.size, hf_config, shard_cap)
+    if dst.exists():
+        raise ReshardError(f"{dst} already exists; the converter never overwrites. Choose another --dst "
+                           f"or remove it first.")
+    staging = comm.bcast(str(_make_staging(dst)) if comm.rank == 0 else None)
+    staging = Path(staging)
+    mine = [r for r in range(plan.ranks) if r % comm.size == comm.rank]
+    result = _guarded(lambda: _execute(plan, mode, mine, staging, progress and comm.rank == 0, shard_cap))
+    results = comm.allgather(result)
+    errors = [r["error"] for r in results if "error" in r]
+    final = None
+    if comm.rank == 0:
+        final = _guarded(lambda: _finish(plan, cfg, hf_config_dir, staging, dst, errors, verify, mode))
+    final = comm.bcast(final)
+    if "error" in final:
+        raise ReshardError(final["error"])
+    stats = _stats(plan, mode, results, final, time.monotonic() - t0)
+    stats["guessed_config_fields"] = guessed
+    return stats
+
+
+def _make_staging(dst: Path) -> Path:
+    from neon_hpc.rundir import staging_dir_for
+    staging = staging_dir_for(dst)
+    staging.chmod(0o755)  # mkdtemp makes it 0700; the published folder is read by engines
+    return staging
+
+
+def _guarded(fn) -> dict:
+    try:
+        return fn()
+    except (CheckpointError, ReshardError) as e:
+        return {"error": str(e)}
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # anything else (DCP raises BaseException subclasses) must still clean up
+        return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+
+
+def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int) -> dict:
+    if mode == "serial":
+        return _execute_serial(plan, staging, shard_cap)
+    per_rank = [run_rank(plan, r, staging, show_progress=show).__dict__ for r in my_ranks]
+    return {"ranks": per_rank, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def _execute_serial(plan: Plan, staging: Path, shard_cap: int) -> dict:
+    from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
+    t = time.monotonic()
+    hf = convert_all(plan, materialize(plan))
+    index = reshard_write(hf, staging, shard_cap)
+    (staging / ".serial_index.json").write_text(json.dumps(index))
+    return {"ranks": [{"rank": 0, "tasks": len(plan.tasks), "read_bytes": plan.read_bytes,
+                       "write_bytes": sum(p.stat().st_size for p in staging.glob("*.safetensors")),
+                       "seconds": time.monotonic() - t, "peak_rss_bytes": peak_rss_bytes(), "files": []}],
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def _finish(plan, cfg, hf_config_dir, staging: Path, dst: Path, errors: list[str], verify, mode) -> dict:
+    """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
+    from neon_hpc.rundir import publish_dir
+    try:
+        if errors:
+            raise ReshardError("; ".join(errors))
+        if mode == "serial":
+            index = json.loads((staging / ".serial_index.json").read_text())
+            (staging / ".serial_index.json").unlink()
+        else:
+            index = plan.index_json()
+        verified = verify_output(plan, staging, index, verify) if verify is not None else None
+        write_hf_side(staging, cfg, hf_config_dir)
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        publish_dir(staging, dst)
+        return {"verified": verified, "files": len(set(index["weight_map"].values())),
+                "tensors": len(index["weight_map"])}
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def verify_output(plan: Plan, out_dir: Path, index: dict, sample: int) -> dict:
+    """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
+    from safetensors import safe_open
+    from neon_hpc.reshard.serial import convert_all, materialize
+    names = sorted(index["weight_map"])
+    if sample:
+        names = sorted(random.Random(0).sample(names, min(sample, len(names))))
+    keep = set(names)
+    sub = _subplan(plan, keep)
+    expected = convert_all(sub, materialize(sub))
+    bad = []
+    handles = {}
+    for n in names:
+        f = index["weight_map"][n]
+        if f not in handles:
+            handles[f] = safe_open(str(out_dir / f), "pt")
+        got = handles[f].get_tensor(n)
+        exp = expected[n]
+        if got.dtype != exp.dtype or got.shape != exp.shape or not _same_bytes(got, exp):
+            bad.append(n)
+    if bad:
+        raise ReshardError(f"--verify: {len(bad)} tensor(s) differ from the serial path: {', '.join(bad[:5])}")
+    return {"tensors_compared": len(names), "mismatches": 0}
+
+
+def _same_bytes(a, b) -> bool:
+    import torch
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _subplan(plan: Plan, names: set[str]) -> Plan:
+    """The plan restricted to tasks that produce one of ``names`` (for sampled verification)."""
+    import copy
+    sub = copy.copy(plan)
+    sub.tasks = [t for t in plan.tasks if any(o.name in names for s in t.slabs for o in s.outputs)]
+    return sub
+
+
+def _stats(plan: Plan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
+    per_rank = [r for res in results for r in res.get("ranks", [])]
+    return {
+        "mode": mode, "ranks": plan.ranks, "processes": len(results), "tasks": len(plan.tasks),
+        "seconds": seconds,
+        "read_bytes": sum(r["read_bytes"] for r in per_rank),
+        "write_bytes": sum(r["write_bytes"] for r in per_rank),
+        "peak_rss_bytes_per_process": [res.get("peak_rss_bytes", 0) for res in results],
+        "peak_rss_bytes_sum": sum(res.get("peak_rss_bytes", 0) for res in results),
+        "files": final.get("files"), "tensors": final.get("tensors"), "verified": final.get("verified"),
+        "per_rank": per_rank,
+    }

@@ -1,0 +1,182 @@
+"""Run one rank's share of a :class:`~neon_hpc.reshard.plan.Plan`.
+
+Per task: ``pread`` each chunk's byte range, ``torch.load(weights_only=True)`` the blob,
+assemble the slab (usually the chunk itself, no copy), apply the ops, and ``pwrite`` each HF
+tensor at the offset the plan fixed inside this rank's own safetensors files.  At most one
+task's chunks are alive at a time, so memory is bounded by the largest task (one expert
+slab, one layer's QKV, or the embedding), not by the model.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neon_hpc.reshard.arch import Slab, apply_op
+from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
+from neon_hpc.reshard.plan import Plan, Task
+
+
+@dataclass
+class RankStats:
+    rank: int
+    tasks: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class ChunkReader:
+    """Reads chunk blobs by byte range; keeps one fd per ``.distcp`` file."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            path = self.ckpt.path / name
+            try:
+                self._fds[name] = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path} is missing (it vanished after planning)") from None
+        return self._fds[name]
+
+    def read(self, key: str, c: Chunk, dtype: str):
+        import torch
+        blob = os.pread(self._fd(c.file), c.length, c.offset)
+        if len(blob) != c.length:
+            raise CheckpointError(f"{self.ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs "
+                                  f"{c.length} bytes at {c.offset}, got {len(blob)}")
+        self.bytes_read += len(blob)
+        try:
+            t = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise CheckpointError(f"{self.ckpt.path / c.file}[{c.offset}:{c.offset + c.length}] ({key}@"
+                                  f"{list(c.offsets)}): not a loadable torch.save blob ({e})") from e
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or str(t.dtype).removeprefix("torch.") != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(f"{self.ckpt.path / c.file}: chunk {key}@{list(c.offsets)} holds {got}, "
+                                  f"metadata says {c.sizes} {dtype}; the checkpoint does not match its .metadata")
+        return t
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def assemble_slab(slab: Slab, chunks: list[tuple[str, Chunk, object]]):
+    """The slab as one tensor from the chunks that intersect it (a view when one chunk covers it)."""
+    import torch
+    n = len(slab.index)
+    mine = [(c, t) for key, c, t in chunks if key == slab.key
+            and all(o <= i < o + s for i, o, s in zip(slab.index, c.offsets, c.sizes))]
+    lead_of = lambda c: tuple(i - o for i, o in zip(slab.index, c.offsets))  # noqa: E731
+    if len(mine) == 1 and mine[0][0].sizes[n:] == slab.shape:
+        c, t = mine[0]
+        return t[lead_of(c)]
+    out = torch.empty(slab.shape, dtype=mine[0][1].dtype)
+    for c, t in mine:
+        dst = tuple(slice(o, o + s) for o, s in zip(c.offsets[n:], c.sizes[n:]))
+        out[dst] = t[lead_of(c)]
+    return out
+
+
+def tensor_bytes(t) -> memoryview:
+    import torch
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class Progress:
+    """Rank 0's progress line: bytes done of its share, bytes/s, ETA (stderr, ~1/s)."""
+
+    def __init__(self, total_bytes: int, enabled: bool, label: str = "reshard"):
+        self.total, self.enabled, self.label = max(total_bytes, 1), enabled, label
+        self.done, self.t0, self._last = 0, time.monotonic(), 0.0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 1.0 or self.done >= self.total):
+            self._last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else 0.0
+            print(f"\r{self.label}: {100 * self.done / self.total:5.1f}%  {self.done / 1e9:.2f}/"
+                  f"{self.total / 1e9:.2f} GB  {rate / 1e6:.0f} MB/s  ETA {eta:.0f}s", end="", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False) -> RankStats:
+    """Write this rank's safetensors files into ``staging``; returns its stats."""
+    t0 = time.monotonic()
+    stats = RankStats(rank)
+    fds = _open_shards(plan, rank, staging)
+    reader = ChunkReader(plan.ckpt)
+    tasks = plan.tasks_of(rank)
+    progress = Progress(sum(t.read_bytes + t.write_bytes for t in tasks), show_progress)
+    try:
+        for task in tasks:
+            written = _run_task(plan, task, reader, fds)
+            stats.tasks += 1
+            stats.write_bytes += written
+            progress.add(task.read_bytes + written)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        reader.close()
+        progress.finish()
+    stats.read_bytes = reader.bytes_read
+    stats.write_bytes += sum(len(s.header) for s in plan.shards_of(rank))
+    stats.seconds = time.monotonic() - t0
+    stats.peak_rss_bytes = peak_rss_bytes()
+    stats.files = [s.name for s in plan.shards_of(rank)]
+    return stats
+
+
+def _open_shards(plan: Plan, rank: int, staging: Path) -> dict[str, int]:
+    fds = {}
+    for s in plan.shards_of(rank):
+        fd = os.open(staging / s.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, s.size)
+        pwrite_all(fd, memoryview(s.header), 0)
+        fds[s.name] = fd
+    return fds
+
+
+def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
+    dtypes = {s.key: s.dtype for s in task.slabs}
+    loaded = [(key, c, reader.read(key, c, dtypes[key])) for key, c in task.chunks]
+    written = 0
+    for slab in task.slabs:
+        src = assemble_slab(slab, loaded)
+        for o in slab.outputs:
+            data = tensor_bytes(apply_op(o.op, src))
+            fname, offset = plan.location[o.name]
+            pwrite_all(fds[fname], data, offset)
+            written += len(data)
+    return written

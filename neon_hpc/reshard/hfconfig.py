@@ -1,0 +1,119 @@
+"""The HF side: ``config.json`` and tokenizer files for the output directory.
+
+With ``--hf-config-dir`` its ``config.json`` is the truth (copied as is, after checking that
+its shapes fit the checkpoint) and its tokenizer files are copied.  Without it, ``--arch``
+names the architecture and the shapes come from the checkpoint; fields that shapes cannot
+tell (rope theta, norm epsilon, top-k, ...) take the HF defaults and are listed as guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from neon_hpc.reshard.arch import MappingError
+from neon_hpc.reshard.metadata import Checkpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
+                   "tiktoken.model")
+
+
+def load_hf_config(hf_config_dir: str | Path | None, hf_config: dict | None) -> dict | None:
+    if hf_config is not None:
+        return dict(hf_config)
+    if hf_config_dir is None:
+        return None
+    p = Path(hf_config_dir) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MappingError(f"{p} is missing; --hf-config-dir must hold the model's HF config.json") from None
+    except json.JSONDecodeError as e:
+        raise MappingError(f"{p}: not valid JSON ({e})") from e
+
+
+def _shape(ckpt: Checkpoint, *keys: str):
+    for k in keys:
+        if k in ckpt.tensors:
+            return ckpt.tensors[k].shape
+    return None
+
+
+def _layer_key_shape(ckpt: Checkpoint, suffix: str):
+    """Shape of a decoder-layer weight without its layer axis (stacked or per-layer)."""
+    if (s := _shape(ckpt, f"decoder.layers.{suffix}")) is not None:
+        return s[1:]
+    for key, tm in sorted(ckpt.tensors.items()):
+        if key.startswith("decoder.layers.") and key.endswith("." + suffix) and key.split(".")[2].isdigit():
+            return tm.shape
+    return None
+
+
+def _num_layers(ckpt: Checkpoint) -> int:
+    layers = set()
+    for key, tm in ckpt.tensors.items():
+        parts = key.split(".")
+        if key.startswith("decoder.layers.") and parts[2].isdigit():
+            layers.add(int(parts[2]))
+        elif key.startswith("decoder.layers."):
+            layers.update(range(tm.shape[0]))
+    return len(layers)
+
+
+def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
+    """A config.json from the checkpoint's shapes; returns it and the fields that were guessed."""
+    emb = _shape(ckpt, "embedding.word_embeddings.weight")
+    if emb is None:
+        raise MappingError(f"{ckpt.path}: no embedding.word_embeddings.weight; cannot derive an HF config; "
+                           f"pass --hf-config-dir")
+    vocab, hidden = emb
+    fc1 = _layer_key_shape(ckpt, "mlp.experts.experts.linear_fc1.weight")
+    proj = _layer_key_shape(ckpt, "self_attention.linear_proj.weight")
+    cfg = {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": _num_layers(ckpt),
+           "tie_word_embeddings": "output_layer.weight" not in ckpt.tensors}
+    guessed = ["vocab_size (padded rows kept)", "rope_theta", "rms_norm_eps", "num_experts_per_tok",
+               "max_position_embeddings"]
+    if fc1 is not None:
+        cfg["moe_intermediate_size"] = fc1[-2] // 2
+    if arch == "qwen3_moe":
+        kn = _layer_key_shape(ckpt, "self_attention.k_layernorm.weight")
+        qkv = _layer_key_shape(ckpt, "self_attention.linear_qkv.weight")
+        if kn is None or qkv is None or proj is None:
+            raise MappingError(f"{ckpt.path}: cannot derive head_dim / head counts (no k_layernorm, linear_qkv "
+                               f"or linear_proj); pass --hf-config-dir")
+        head_dim = kn[0]
+        heads = proj[-1] // head_dim
+        groups = (qkv[0] // head_dim - heads) // 2
+        cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim,
+                   num_attention_heads=heads, num_key_value_heads=groups,
+                   num_experts=fc1[0] if fc1 is not None and len(fc1) == 3 else None,
+                   intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=True)
+    elif arch == "deepseek_v3":
+        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                   n_routed_experts=fc1[0] if fc1 is not None else None)
+        guessed += ["num_attention_heads", "MLA ranks and head dims"]
+    else:
+        raise MappingError(f"unknown architecture {arch!r}; supported: qwen3_moe, deepseek_v3")
+    return cfg, guessed
+
+
+def check_config_fits(cfg: dict, ckpt: Checkpoint) -> None:
+    emb = _shape(ckpt, "embedding.word_embeddings.weight")
+    if emb is not None and cfg.get("hidden_size") not in (None, emb[1]):
+        raise MappingError(f"HF config hidden_size={cfg['hidden_size']} but the checkpoint's embedding is "
+                           f"{list(emb)}; --hf-config-dir belongs to another model")
+
+
+def write_hf_side(dst: Path, cfg: dict, hf_config_dir: str | Path | None) -> list[str]:
+    """Write config.json and copy tokenizer files into ``dst``; returns the names written."""
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    names = ["config.json"]
+    if hf_config_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(hf_config_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, dst / name)
+                names.append(name)
+    return names

@@ -1,0 +1,249 @@
+"""Read a Megatron ``torch_dist`` checkpoint's metadata without running its pickles.
+
+A torch_dist checkpoint directory holds::
+
+    metadata.json      {"sharded_backend": "torch_dist", ...}   (megatron's marker)
+    common.pt          non-sharded state (torch.save; never needed to convert weights)
+    .metadata          a pickled DCP ``Metadata``: per key the global shape, dtype and chunks;
+                       per chunk ``(relative_path, offset, length)`` of its torch.save blob
+    __R_K.distcp       the blobs, concatenated
+
+``.metadata`` is a pickle that names torch (and possibly megatron) classes.  We never import
+those classes: :class:`_MetadataUnpickler` maps an allowlist of ``module.name`` globals to
+plain stand-ins and refuses everything else, so a foreign pickle cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is missing, truncated, foreign, or does not match its metadata."""
+
+
+# DCP stores dtypes as torch globals; we keep their names.  Bytes per element for planning.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
+               "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved piece of a global tensor: where it sits in the tensor and in the files."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str            # relative to the checkpoint directory
+    offset: int          # byte offset of the torch.save blob in ``file``
+    length: int          # blob length in bytes
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+@dataclass
+class TensorMeta:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    tensors: dict[str, TensorMeta]
+    non_tensor_keys: list[str]          # BytesStorageMetadata entries (extra state, rng, ...)
+    file_sizes: dict[str, int]
+
+
+# ---------------------------------------------------------------------------------------
+# restricted unpickler
+
+
+class _Record:
+    """Stand-in for a pickled dataclass / object: keeps whatever state BUILD gives it."""
+
+    _kind = "record"
+
+    def __init__(self, *args):
+        self._args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.__dict__.update(state[1] or {})
+            if isinstance(state[0], dict):
+                self.__dict__.update(state[0])
+        else:
+            self._state = state
+
+    def __repr__(self):
+        return f"<{self._kind} {self.__dict__}>"
+
+
+def _record_class(name: str) -> type:
+    return type(name, (_Record,), {"_kind": name})
+
+
+class _TorchDtype(str):
+    """A torch dtype, kept as its name (``torch.bfloat16`` -> ``"bfloat16"``)."""
+
+
+def _name_of(value):
+    return str(value)
+
+
+def _size(*args):
+    return tuple(int(x) for x in args[0]) if args else ()
+
+
+_DCP = "torch.distributed.checkpoint"
+_RECORD_NAMES = {
+    f"{_DCP}.metadata": ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                         "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta"],
+    f"{_DCP}.filesystem": ["_StorageInfo"],
+    f"{_DCP}.planner": ["SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData",
+                        "LoadPlan", "ReadItem"],
+    f"{_DCP}._extension": ["ExtensionRegistry"],
+}
+_RECORDS = {(mod, n): _record_class(n) for mod, names in _RECORD_NAMES.items() for n in names}
+_FUNCS = {
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _name_of,
+    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): int,
+    (f"{_DCP}.planner", "WriteItemType"): int,
+    (f"{_DCP}.planner", "LoadItemType"): int,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, source: Path):
+        super().__init__(f)
+        self._source = source
+
+    def find_class(self, module, name):
+        if (module, name) in _RECORDS:
+            return _RECORDS[(module, name)]
+        if (module, name) in _FUNCS:
+            return _FUNCS[(module, name)]
+        if module == "torch" and name in DTYPE_BYTES:
+            return _TorchDtype(name)
+        raise CheckpointError(
+            f"{self._source}: refuses to unpickle global {module}.{name}; a torch_dist .metadata "
+            f"only names torch.distributed.checkpoint classes. The file is foreign or tampered "
+            f"with: re-save the checkpoint with megatron-core dist_checkpointing (torch_dist).")
+
+
+def load_dcp_metadata(path: Path):
+    """Unpickle ``.metadata`` with the allowlist; returns the stand-in ``Metadata`` record."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {path.parent} is not a torch_dist checkpoint "
+                              f"(expected .metadata, metadata.json and __*.distcp files)") from None
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or garbage pickle
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e}); "
+                              f"the file is truncated or not a DCP .metadata pickle") from e
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint description
+
+
+def _check_marker(ckpt: Path) -> None:
+    marker = ckpt / "metadata.json"
+    if not marker.exists():
+        return  # plain DCP checkpoints (no megatron marker) read the same way
+    try:
+        backend = json.loads(marker.read_text()).get("sharded_backend")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{marker}: not valid JSON ({e})") from e
+    if backend not in ("torch_dist", None):
+        raise CheckpointError(f"{marker}: sharded_backend is {backend!r}; only torch_dist checkpoints "
+                              f"are supported (re-save with --ckpt-format torch_dist)")
+
+
+def _tensor_meta(key: str, md, storage: dict) -> TensorMeta:
+    props = md.properties
+    dtype = props._state[0] if hasattr(props, "_state") else getattr(props, "dtype", "float32")
+    tm = TensorMeta(key=key, shape=tuple(md.size), dtype=str(dtype))
+    for ch in md.chunks:
+        offsets, sizes = tuple(ch.offsets), tuple(ch.sizes)
+        info = storage.get((key, offsets))
+        if info is None:
+            raise CheckpointError(f"metadata lists chunk {key}@{list(offsets)} but no storage entry "
+                                  f"for it; the .metadata is inconsistent")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{key}@{list(offsets)} is stored with transforms "
+                                  f"{info.transform_descriptors}; only plain torch.save chunks are supported")
+        tm.chunks.append(Chunk(offsets, sizes, info.relative_path, int(info.offset), int(info.length)))
+    return tm
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Describe a torch_dist checkpoint from its metadata alone (no tensor bytes are read)."""
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    _check_marker(ckpt)
+    meta = load_dcp_metadata(ckpt / ".metadata")
+    sdm = getattr(meta, "state_dict_metadata", None)
+    storage_raw = getattr(meta, "storage_data", None)
+    if not isinstance(sdm, dict) or not isinstance(storage_raw, dict):
+        raise CheckpointError(f"{ckpt / '.metadata'}: no state_dict_metadata/storage_data; not a DCP checkpoint")
+    storage = {(idx.fqn, tuple(idx.offset or ())): info for idx, info in storage_raw.items()}
+    tensors, others = {}, []
+    for key, md in sdm.items():
+        if type(md).__name__ == "TensorStorageMetadata":
+            tensors[key] = _tensor_meta(key, md, storage)
+        else:
+            others.append(key)
+    files = {c.file for t in tensors.values() for c in t.chunks}
+    return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files))
+
+
+def _file_sizes(ckpt: Path, files: set[str]) -> dict[str, int]:
+    sizes = {}
+    for name in sorted(files):
+        p = ckpt / name
+        if os.sep in name or name.startswith(".."):
+            raise CheckpointError(f"{ckpt}/.metadata names file {name!r} outside the checkpoint directory")
+        try:
+            sizes[name] = p.stat().st_size
+        except FileNotFoundError:
+            sizes[name] = -1
+    return sizes
+
+
+def check_chunks_present(ckpt: Checkpoint, keys) -> None:
+    """Raise if a chunk the conversion needs lies in a missing or truncated ``.distcp``."""
+    for key in keys:
+        for c in ckpt.tensors[key].chunks:
+            size = ckpt.file_sizes.get(c.file, -1)
+            if size < 0:
+                raise CheckpointError(f"{ckpt.path / c.file} is missing; it holds {key}@{list(c.offsets)}. "
+                                      f"Copy the whole checkpoint directory again.")
+            if c.offset + c.length > size:
+                raise CheckpointError(f"{ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs bytes "
+                                      f"[{c.offset}, {c.offset + c.length}) but the file has {size}. "
+                                      f"Copy the checkpoint again (the save or the copy was cut short).")
