@@ -207,6 +207,9 @@ _ELEMENT_SET = set(
     "Lu Hf Ta W Re Os Ir Pt Au Hg Tl Pb Bi Po At Rn Fr Ra Ac Th Pa U Np Pu Am Cm Bk Cf Es Fm Md No Lr".split())
 
 
+ELEMENT_SYMBOLS = frozenset(_ELEMENT_SET)
+
+
 @functools.lru_cache(maxsize=4)
 def load_library(path: str | None = None) -> Library:
     """The shipped library (``data/phases.json``); fast, no pymatgen import."""

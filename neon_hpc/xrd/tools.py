@@ -1,0 +1,390 @@
+"""The agent's tools: pure functions with JSON schemas, called through :func:`call_tool`.
+
+``call_tool(name, args, ctx)`` never raises: an unknown tool, arguments that do not match the
+schema, an unknown or not-yet-published phase, or an internal failure all come back as
+``{"error": "<readable message>"}`` so that one bad call never ends an episode.
+
+Every library or history look-up goes through ``ctx.view`` (:class:`~neon_hpc.xrd.store.DatedView`),
+which returns nothing dated on or after the task's date.  Outputs are small (peak lists,
+fractions, a down-sampled pattern) because they go into an LLM context.
+
+Toolsets: ``full`` (all tools) and ``minimal`` (raw pattern access + simulation only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
+from neon_hpc.xrd.simulate import Instrument, Microstructure, phase_reflections, two_theta_of
+from neon_hpc.xrd.store import DatedView, Store
+
+MAX_FIT_PHASES = 6
+
+
+@dataclass
+class TaskContext:
+    """What a tool may see of a task: its pattern, its date cutoff and the store."""
+    two_theta: np.ndarray
+    intensity: np.ndarray
+    cutoff: str
+    db: Store
+    elements: list[str] = field(default_factory=list)
+    instrument: Instrument = field(default_factory=Instrument)
+    library: Library = field(default_factory=load_library)
+    task_id: str = ""
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def view(self) -> DatedView:
+        v = self.cache.get("_view")
+        if v is None:
+            v = self.cache["_view"] = self.db.view(self.cutoff)
+        return v
+
+    @classmethod
+    def for_task(cls, task, store: Store) -> "TaskContext":
+        inst = Instrument(wavelength=task.instrument.get("wavelength", Instrument.wavelength),
+                          wavelength2=task.instrument.get("wavelength2", Instrument.wavelength2),
+                          ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio))
+        return cls(two_theta=np.asarray(task.pattern.two_theta, float),
+                   intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=store,
+                   elements=list(task.elements), instrument=inst, task_id=task.id)
+
+    def fitter(self):
+        from neon_hpc.xrd.fitting import Fitter
+        f = self.cache.get("_fitter")
+        if f is None:
+            f = self.cache["_fitter"] = Fitter(self.two_theta, self.intensity, self.instrument, self.library)
+        return f
+
+
+class ToolError(ValueError):
+    """A readable problem with a tool call (becomes {"error": ...})."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict                     # JSON schema of the arguments object
+    function: Callable[[dict, TaskContext], dict]
+
+    def openai_schema(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+# ----------------------------------------------------------------------------------------------
+# argument validation (the subset of JSON schema our tools use)
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+
+
+def validate_args(schema: dict, value: Any, where: str = "arguments") -> None:
+    t = schema.get("type")
+    if t:
+        ok = isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+        if t == "integer" and isinstance(value, float) and value.is_integer():
+            ok = True
+        if not ok:
+            raise ToolError(f"{where}: expected {t}, got {type(value).__name__} {value!r}"[:300])
+    if t in ("integer", "number"):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ToolError(f"{where}: must be a finite number")
+        if "minimum" in schema and value < schema["minimum"]:
+            raise ToolError(f"{where}: must be >= {schema['minimum']}, got {value}")
+        if "maximum" in schema and value > schema["maximum"]:
+            raise ToolError(f"{where}: must be <= {schema['maximum']}, got {value}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ToolError(f"{where}: must be one of {schema['enum']}, got {value!r}")
+    if t == "string" and len(value) > schema.get("maxLength", 200):
+        raise ToolError(f"{where}: string too long (max {schema.get('maxLength', 200)} characters)")
+    if t == "array":
+        if len(value) < schema.get("minItems", 0):
+            raise ToolError(f"{where}: needs at least {schema['minItems']} item(s)")
+        if len(value) > schema.get("maxItems", 10 ** 9):
+            raise ToolError(f"{where}: at most {schema['maxItems']} items, got {len(value)}")
+        for i, item in enumerate(value):
+            validate_args(schema.get("items", {}), item, f"{where}[{i}]")
+    if t == "object":
+        props = schema.get("properties", {})
+        missing = [k for k in schema.get("required", []) if k not in value]
+        if missing:
+            raise ToolError(f"{where}: missing required argument(s) {', '.join(missing)}")
+        if schema.get("additionalProperties") is False:
+            extra = [k for k in value if k not in props]
+            if extra:
+                raise ToolError(f"{where}: unknown argument(s) {', '.join(map(str, extra))}; "
+                                f"valid: {', '.join(props) or 'none'}")
+        for k, v in value.items():
+            if k in props:
+                validate_args(props[k], v, f"{k}")
+
+
+def _obj(properties: dict, required: list[str] = ()) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+def _resolve_phase(ref: str, ctx: TaskContext) -> str:
+    """A phase id visible at the task's date, from an id or a formula (+ optional space group)."""
+    ref = ref.strip()
+    if ref in ctx.library:
+        if not ctx.view.phase_visible(ref):
+            raise ToolError(f"phase {ref!r} is not available before {ctx.cutoff}")
+        return ref
+    parts = ref.replace(":", " ").split()
+    try:
+        formula = normalize_formula(parts[0])
+    except ValueError:
+        raise ToolError(f"unknown phase {ref!r}: give an id from search_phases or a formula like 'TiO2'") from None
+    rows = ctx.view.phases(formula=parts[0], limit=50)
+    if len(parts) > 1:
+        sg = parts[1]
+        rows = [r for r in rows if r["spacegroup"].replace(" ", "") == sg or str(r["sg_number"]) == sg]
+    if not rows:
+        raise ToolError(f"no phase with formula {parts[0]} ({formula}) available before {ctx.cutoff}")
+    eligible = [r for r in rows if r["answer_eligible"]] or rows
+    if len({(r["formula"], r["sg_number"]) for r in eligible}) > 1:
+        opts = ", ".join(f"{r['id']} ({r['spacegroup']})" for r in eligible[:8])
+        raise ToolError(f"{parts[0]} has several polymorphs; pick one: {opts}")
+    return eligible[0]["id"]
+
+
+def _d_min(ctx: TaskContext) -> float:
+    hi = float(np.max(ctx.two_theta)) if len(ctx.two_theta) else 90.0
+    return round(ctx.instrument.wavelength2 / (2 * math.sin(math.radians(min(hi + 3, 179.0) / 2))) * 0.97, 3)
+
+
+def _sticks(pid: str, ctx: TaskContext, strain: float = 0.0, lo: float | None = None, hi: float | None = None):
+    refl = phase_reflections(pid, _d_min(ctx))
+    d, f2 = refl.merged()
+    tt = two_theta_of(d * (1 + strain), ctx.instrument.wavelength)
+    lo = float(ctx.two_theta[0]) if lo is None else lo
+    hi = float(ctx.two_theta[-1]) if hi is None else hi
+    ok = np.isfinite(tt) & (tt >= lo) & (tt <= hi)
+    from neon_hpc.xrd.simulate import lorentz_polarization
+    inten = f2[ok] * lorentz_polarization(tt[ok])
+    tt, dd = tt[ok], d[ok] * (1 + strain)
+    if len(inten) == 0:
+        return tt, inten, dd
+    return tt, 100.0 * inten / inten.max(), dd
+
+
+def _top_peaks(pid: str, ctx: TaskContext, n: int = 5, strain: float = 0.0) -> list[list[float]]:
+    tt, inten, _ = _sticks(pid, ctx, strain)
+    order = np.argsort(-inten)[:n]
+    return [[round(float(tt[i]), 3), round(float(inten[i]), 1)] for i in sorted(order, key=lambda i: tt[i])]
+
+
+def observed_peaks(x: np.ndarray, y: np.ndarray, min_rel: float = 0.02, max_peaks: int = 50):
+    """Peaks of a measured pattern above a rolling-minimum background: (2theta, rel. height %, fwhm)."""
+    from scipy.ndimage import minimum_filter1d, uniform_filter1d
+    from scipy.signal import find_peaks, peak_widths
+    step = float(np.median(np.diff(x)))
+    win = max(3, int(round(2.0 / step)))
+    bg = uniform_filter1d(minimum_filter1d(y, win, mode="nearest"), win, mode="nearest")
+    net = uniform_filter1d(y - bg, max(1, int(round(0.03 / step))), mode="nearest")
+    top = float(net.max()) or 1.0
+    noise = float(np.median(np.abs(np.diff(y)))) + 1e-9
+    idx, props = find_peaks(net, height=max(min_rel * top, 3 * noise), prominence=max(min_rel * top, 3 * noise) * 0.5,
+                            distance=max(1, int(round(0.05 / step))))
+    if len(idx) == 0:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    widths = peak_widths(net, idx, rel_height=0.5)[0] * step
+    order = np.argsort(-net[idx])[:max_peaks]
+    idx, widths = idx[order], widths[order]
+    srt = np.argsort(x[idx])
+    return x[idx][srt], (100 * net[idx] / top)[srt], widths[srt]
+
+
+# ----------------------------------------------------------------------------------------------
+# the tools
+
+def tool_get_pattern(args: dict, ctx: TaskContext) -> dict:
+    x, y = ctx.two_theta, ctx.intensity
+    lo = float(args.get("two_theta_min", x[0]))
+    hi = float(args.get("two_theta_max", x[-1]))
+    if hi <= lo:
+        raise ToolError(f"two_theta_max ({hi}) must be greater than two_theta_min ({lo})")
+    sel = (x >= lo) & (x <= hi)
+    if not np.any(sel):
+        raise ToolError(f"no data between {lo} and {hi} deg; the pattern covers {x[0]:.2f}-{x[-1]:.2f}")
+    xs, ys = x[sel], y[sel]
+    n = int(args.get("max_points", 200))
+    bins = np.array_split(np.arange(len(xs)), min(n, len(xs)))
+    pts = [[round(float(xs[b[np.argmax(ys[b])]]), 3), round(float(ys[b].max()), 1)] for b in bins if len(b)]
+    return {"two_theta_range": [round(float(x[0]), 3), round(float(x[-1]), 3)],
+            "step": round(float(np.median(np.diff(x))), 5), "n_points": int(len(x)),
+            "max_intensity": round(float(y.max()), 1),
+            "wavelength": ctx.instrument.wavelength, "ka2_ratio": ctx.instrument.ka2_ratio,
+            "points": pts, "note": "points are bin maxima (two_theta, counts) so peaks survive down-sampling"}
+
+
+def tool_find_peaks(args: dict, ctx: TaskContext) -> dict:
+    xs, h, w = observed_peaks(ctx.two_theta, ctx.intensity, float(args.get("min_relative_height", 0.02)),
+                              int(args.get("max_peaks", 30)))
+    lam = ctx.instrument.wavelength
+    return {"peaks": [{"two_theta": round(float(a), 3), "rel_height": round(float(b), 1), "fwhm": round(float(c), 3),
+                       "d": round(lam / (2 * math.sin(math.radians(a / 2))), 4)} for a, b, c in zip(xs, h, w)],
+            "count": int(len(xs))}
+
+
+def tool_search_phases(args: dict, ctx: TaskContext) -> dict:
+    if not any(k in args for k in ("elements", "chemical_system", "formula")):
+        raise ToolError("give elements (e.g. [\"Ti\", \"O\"]), chemical_system (\"O-Ti\") or formula (\"TiO2\")")
+    elements = args.get("elements")
+    if elements is not None:
+        bad = [e for e in elements if e not in ELEMENT_SYMBOLS]
+        if bad:
+            raise ToolError(f"unknown element symbol(s): {', '.join(bad)}")
+    system = args.get("chemical_system")
+    if system is not None:
+        bad = [e for e in system.split("-") if e not in ELEMENT_SYMBOLS]
+        if bad:
+            raise ToolError(f"chemical_system {system!r}: unknown element(s) {', '.join(bad)}; write e.g. 'O-Ti'")
+    if args.get("formula") is not None:
+        try:
+            normalize_formula(args["formula"])
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+    rows = ctx.view.phases(elements=elements, chemical_system_=system, formula=args.get("formula"),
+                           limit=int(args.get("limit", 20)))
+    if not args.get("include_hypothetical", False):
+        rows = [r for r in rows if r["answer_eligible"]]
+    out = []
+    for r in rows:
+        out.append({"id": r["id"], "formula": r["formula"], "spacegroup": r["spacegroup"], "year": r["year"],
+                    "source": r["source"], "strongest_peaks": _top_peaks(r["id"], ctx)})
+    return {"phases": out, "count": len(out), "visible_before": ctx.cutoff}
+
+
+def tool_simulate_phase(args: dict, ctx: TaskContext) -> dict:
+    pid = _resolve_phase(args["phase"], ctx)
+    strain = float(args.get("strain", 0.0))
+    lo = float(args.get("two_theta_min", ctx.two_theta[0]))
+    hi = float(args.get("two_theta_max", ctx.two_theta[-1]))
+    if hi <= lo:
+        raise ToolError(f"two_theta_max ({hi}) must be greater than two_theta_min ({lo})")
+    tt, inten, d = _sticks(pid, ctx, strain, lo, hi)
+    order = np.argsort(-inten)[: int(args.get("max_peaks", 20))]
+    order = sorted(order, key=lambda i: tt[i])
+    p = ctx.library.get(pid)
+    return {"phase": pid, "formula": p.display_formula or p.formula, "spacegroup": p.spacegroup,
+            "wavelength": ctx.instrument.wavelength,
+            "peaks": [{"two_theta": round(float(tt[i]), 3), "rel_intensity": round(float(inten[i]), 1),
+                       "d": round(float(d[i]), 4)} for i in order]}
+
+
+def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
+    if len(set(ids)) != len(ids):
+        raise ToolError("the same phase is listed twice")
+    return ctx.fitter().fit(ids, refine=refine, passes=1 if refine else 0)
+
+
+def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
+    ids = [_resolve_phase(p, ctx) for p in args["phases"]]
+    res = _fit(ids, ctx, bool(args.get("refine", True)))
+    resid = ctx.intensity - res.calc
+    xs, h, _ = observed_peaks(ctx.two_theta, np.clip(resid, 0, None) + res.background, 0.05, 8)
+    out = res.summary()
+    out["unexplained_peaks"] = [[round(float(a), 3), round(float(b), 1)] for a, b in zip(xs, h)]
+    out["note"] = "weight fractions from scale factors (Hill-Howard); rwp: lower is better"
+    return out
+
+
+def tool_compare_hypotheses(args: dict, ctx: TaskContext) -> dict:
+    res = {}
+    for key in ("a", "b"):
+        ids = [_resolve_phase(p, ctx) for p in args[key]]
+        r = _fit(ids, ctx, refine=True)
+        res[key] = {"phases": ids, "rwp": round(r.rwp, 4),
+                    "weight_fractions": {p.phase_id: round(p.weight_fraction, 4) for p in r.phases}}
+    better = "a" if res["a"]["rwp"] <= res["b"]["rwp"] else "b"
+    return {**res, "better": better, "rwp_ratio": round(res["b"]["rwp"] / max(res["a"]["rwp"], 1e-9), 4),
+            "note": "fewer phases at a similar rwp is the more likely answer"}
+
+
+def tool_search_history(args: dict, ctx: TaskContext) -> dict:
+    elements = args.get("elements") or None
+    rows = ctx.view.experiments(elements=None, chemical_system_=args.get("chemical_system"),
+                                any_element=elements, limit=int(args.get("limit", 10)))
+    out = [{"sample_id": r["sample_id"], "date": r["date"], "chemical_system": r["chemical_system"],
+            "precursors": r["precursors"], "conditions": r["conditions"], "phases": r["phases"],
+            "has_pattern": r["has_pattern"]} for r in rows]
+    return {"experiments": out, "count": len(out), "visible_before": ctx.cutoff}
+
+
+_PHASE_REF = {"type": "string", "maxLength": 80,
+              "description": "a phase id from search_phases, or a formula (optionally with space group: 'TiO2 P4_2/mnm')"}
+_RANGE = {"two_theta_min": {"type": "number", "minimum": 0, "maximum": 180},
+          "two_theta_max": {"type": "number", "minimum": 0, "maximum": 180}}
+
+TOOLS: dict[str, ToolSpec] = {t.name: t for t in [
+    ToolSpec("get_pattern", "The measured powder pattern, down-sampled (bin maxima), optionally a 2theta window.",
+             _obj({**_RANGE, "max_points": {"type": "integer", "minimum": 10, "maximum": 1000}}), tool_get_pattern),
+    ToolSpec("find_peaks", "Peaks of the measured pattern: 2theta, relative height (%), FWHM and d-spacing.",
+             _obj({"min_relative_height": {"type": "number", "minimum": 0.001, "maximum": 1.0},
+                   "max_peaks": {"type": "integer", "minimum": 1, "maximum": 100}}), tool_find_peaks),
+    ToolSpec("search_phases", "Known crystalline phases made of the given elements (any subset), of an exact "
+             "chemical system, or of a formula; only phases published before the task's date.",
+             _obj({"elements": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1,
+                                "maxItems": 12},
+                   "chemical_system": {"type": "string", "maxLength": 60},
+                   "formula": {"type": "string", "maxLength": 40},
+                   "include_hypothetical": {"type": "boolean"},
+                   "limit": {"type": "integer", "minimum": 1, "maximum": 100}}), tool_search_phases),
+    ToolSpec("simulate_phase", "Simulated peak list (2theta, relative intensity, d) of one phase at the task's "
+             "wavelength, optionally with a lattice strain.",
+             _obj({"phase": _PHASE_REF, "strain": {"type": "number", "minimum": -0.05, "maximum": 0.05},
+                   **_RANGE, "max_peaks": {"type": "integer", "minimum": 1, "maximum": 200}}, ["phase"]),
+             tool_simulate_phase),
+    ToolSpec("fit_phases", "Fit a set of phases to the measured pattern (scales, background, zero shift, per-phase "
+             "strain and crystallite size): weight fractions, Rwp and peaks left unexplained.",
+             _obj({"phases": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES},
+                   "refine": {"type": "boolean"}}, ["phases"]), tool_fit_phases),
+    ToolSpec("compare_hypotheses", "Fit two phase sets and say which explains the pattern better (Rwp).",
+             _obj({"a": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES},
+                   "b": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES}},
+                  ["a", "b"]), tool_compare_hypotheses),
+    ToolSpec("search_history", "Earlier experiments of the lab (before the task's date): precursors, conditions, "
+             "verified phases; filter by elements (any of) or an exact chemical system.",
+             _obj({"elements": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 12},
+                   "chemical_system": {"type": "string", "maxLength": 60},
+                   "limit": {"type": "integer", "minimum": 1, "maximum": 50}}), tool_search_history),
+]}
+
+TOOLSETS = {"full": tuple(TOOLS), "minimal": ("get_pattern", "simulate_phase")}
+
+
+def toolset(name: str) -> dict[str, ToolSpec]:
+    if name not in TOOLSETS:
+        raise ValueError(f"unknown toolset {name!r}; choose from {', '.join(TOOLSETS)}")
+    return {n: TOOLS[n] for n in TOOLSETS[name]}
+
+
+def call_tool(name: str, args: dict, ctx: TaskContext, tools: dict[str, ToolSpec] | None = None) -> dict:
+    """Run one tool call; never raises (errors come back as {"error": message})."""
+    available = tools if tools is not None else TOOLS
+    try:
+        if not isinstance(name, str) or name not in available:
+            return {"error": f"unknown tool {name!r}; available: {', '.join(available)}"}
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            return {"error": f"{name}: arguments must be a JSON object, got {type(args).__name__}"}
+        spec = available[name]
+        validate_args(spec.parameters, args)
+        return spec.function(args, ctx)
+    except ToolError as e:
+        return {"error": f"{name}: {e}"}
+    except (KeyError, ValueError, TypeError) as e:
+        return {"error": f"{name}: {e}"}
+    except Exception as e:  # noqa: BLE001 - the episode must survive any tool failure
+        return {"error": f"{name}: internal error ({type(e).__name__}: {e})"}
