@@ -48,10 +48,9 @@ def _break_offsets_keep_checksums(path):
         o = f[S.OFFSETS][()]
         o[1] = o[-1] + 5
         f[S.OFFSETS][...] = o
-        crc = S.SegmentCrc()
-        crc.add_segments(S.byte_view(o), S.split_range(0, o.nbytes))
-        f[S.OFFSETS].attrs["crc32"] = crc.result()
-        per = {name: np.asarray(f[name].attrs["crc32"]) for name in f}
+        per = S.decode_digests(f.attrs[S.DIGESTS_ATTR])
+        per[S.OFFSETS] = S.array_digest(o)
+        f.attrs[S.DIGESTS_ATTR] = S.encode_digests(per)
         f.attrs["checksum"] = S.file_checksum(per)
 
 

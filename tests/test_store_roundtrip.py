@@ -193,4 +193,4 @@ def test_h5dump_reads_a_shard_without_plugins(tmp_path):
     out = subprocess.run(["h5dump", "-d", "offsets", "-d", "routed_experts", str(p)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "(0): 0, 3, 7" in out.stdout and "H5T_STD_U8LE" in out.stdout
+    assert "(0): 0, 3, 7" in out.stdout and "H5T_STD_U16LE" in out.stdout

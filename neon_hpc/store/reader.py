@@ -19,7 +19,7 @@ import numpy as np
 from neon_hpc.store import schema as S
 from neon_hpc.store.trajectory import Trajectory
 
-_IO_SLAB = 64 << 20   # bytes per read call, so checksumming overlaps reading
+_IO_SLAB = 16 << 20   # bytes per read call: hashed right after, while still in cache
 
 
 class ShardError(Exception):
@@ -75,7 +75,8 @@ class _Reader:
     def __init__(self, path: Path, f: h5py.File):
         self.path, self.f = path, f
         self.file_bytes = path.stat().st_size
-        self.crcs: dict[str, np.ndarray] = {}
+        self.digests: dict[str, int] = {}    # computed while reading
+        self.recorded: dict[str, int] = {}   # from the digests attribute
 
     def fail(self, reason: str) -> ShardError:
         return ShardError(self.path, reason)
@@ -123,9 +124,13 @@ class _Reader:
         if version != S.SCHEMA_VERSION:
             raise self.fail(f"schema_version {version!r}; this neon-hpc reads version {S.SCHEMA_VERSION}. "
                             f"Read it with the neon-hpc release that wrote it")
-        for key in ("num_trajectories", "num_tokens", "checksum"):
+        for key in ("num_trajectories", "num_tokens", "checksum", S.DIGESTS_ATTR):
             if key not in a:
                 raise self.fail(f"attribute {key!r} is missing")
+        try:
+            self.recorded = S.decode_digests(str(_plain(a[S.DIGESTS_ATTR])))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise self.fail(f"attribute {S.DIGESTS_ATTR!r} is malformed ({e})") from e
         n, t = _plain(a["num_trajectories"]), _plain(a["num_tokens"])
         if not isinstance(n, int) or not isinstance(t, int) or n < 1 or t < 0:
             raise self.fail(f"num_trajectories={n!r} / num_tokens={t!r} are not valid counts")
@@ -135,58 +140,56 @@ class _Reader:
 
     def _check_file_checksum(self) -> None:
         want = _plain(self.f.attrs["checksum"])
-        got = S.file_checksum(self.crcs)
+        got = S.file_checksum(self.digests)
         if want != got:
             raise self.fail(f"file checksum mismatch (attribute {want}, computed {got})")
 
-    # --- datasets -----------------------------------------------------------------------
-    def _dataset(self, name: str, shape: tuple[int, ...], dtype: np.dtype | None) -> h5py.Dataset:
-        d = self.f.get(name)
-        if not isinstance(d, h5py.Dataset):
+    # --- datasets (low-level h5py API: the high-level one costs ~1 ms per dataset here) ---
+    def _open(self, name: str) -> h5py.h5d.DatasetID | None:
+        try:
+            return h5py.h5d.open(self.f.id, name.encode())
+        except KeyError:
+            return None
+
+    def _dataset(self, name: str, shape: tuple[int, ...], dtype: np.dtype | None) -> h5py.h5d.DatasetID:
+        d = self._open(name)
+        if d is None:
             raise self.fail(f"dataset {name!r} is missing")
         if tuple(d.shape) != tuple(shape):
             raise self.fail(f"dataset {name!r} has shape {tuple(d.shape)}, expected {tuple(shape)}")
         if dtype is not None and d.dtype != dtype:
             raise self.fail(f"dataset {name!r} has dtype {d.dtype}, expected {dtype}")
-        if d.compression is None and d.chunks is None and d.size:
-            start = d.id.get_offset()
-            end = None if start is None else start + d.id.get_storage_size()
+        if d.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS and int(np.prod(shape)):
+            start = d.get_offset()
+            end = None if start is None else start + d.get_storage_size()
             if end is None or end > self.file_bytes:
                 raise self.fail(f"dataset {name!r} ends at byte {end} beyond the file size "
                                 f"{self.file_bytes}: the file is truncated")
         return d
 
-    def _stored_crc(self, d: h5py.Dataset) -> np.ndarray:
-        c = d.attrs.get("crc32")
-        if c is None:
-            raise self.fail(f"dataset {d.name!r} has no crc32 attribute")
-        return np.asarray(c, dtype="<u4").reshape(-1)
-
-    def _verify(self, d: h5py.Dataset, got: np.ndarray) -> None:
-        want = self._stored_crc(d)
-        if want.shape != got.shape or not np.array_equal(want, got):
-            bad = [i for i in range(min(len(want), len(got))) if want[i] != got[i]]
-            where = f"segment {bad[0]}" if bad else f"{len(got)} segments vs {len(want)} recorded"
-            raise self.fail(f"checksum mismatch in dataset {d.name.lstrip('/')!r} ({where}): "
-                            f"the payload is corrupted")
-        self.crcs[d.name.lstrip("/")] = want
+    def _verify(self, name: str, d: h5py.h5d.DatasetID, got: int) -> None:
+        want = self.recorded.get(name)
+        if want is None:
+            raise self.fail(f"dataset {name!r} has no digest in the {S.DIGESTS_ATTR!r} attribute")
+        if want != got:
+            raise self.fail(f"checksum mismatch in dataset {name!r} (recorded {want:016x}, "
+                            f"computed {got:016x}): the payload is corrupted")
+        self.digests[name] = got
 
     def _read_whole(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         d = self._dataset(name, shape, dtype)
         out = np.empty(shape, dtype=dtype)
         if out.size:
-            d.read_direct(out)
-        crc = S.SegmentCrc()
-        crc.add_segments(S.byte_view(out), S.split_range(0, out.nbytes))
-        self._verify(d, crc.result())
+            d.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        self._verify(name, d, S.array_digest(out))
         return out
 
     def _read_strings(self, name: str, n: int) -> list[str]:
         d = self._dataset(name, (n,), None)
         if h5py.check_string_dtype(d.dtype) is None:
             raise self.fail(f"dataset {name!r} is not a string dataset (dtype {d.dtype})")
-        values = [str(s) for s in d.asstr()[()]]
-        self._verify(d, S.strings_crc(values))
+        values = [str(s) for s in h5py.Dataset(d).asstr()[()]]
+        self._verify(name, d, S.strings_digest(values))
         return values
 
     def _read_index(self, name: str, n: int, total: int | None, what: str) -> np.ndarray:
@@ -201,29 +204,26 @@ class _Reader:
 
     def _read_per_token(self, name: str, offsets: np.ndarray, dtype: np.dtype,
                         row_shape: tuple[int, ...]) -> np.ndarray:
+        """Read in slabs, hashing each slab right after it lands (while it is still in cache)."""
         total = int(offsets[-1])
         d = self._dataset(name, (total, *row_shape), dtype)
         out = np.empty((total, *row_shape), dtype=dtype)
         row_bytes = out.itemsize * int(np.prod(row_shape, dtype=np.int64))
-        segments = S.token_segments(offsets, row_bytes)
-        flat = S.byte_view(out) if out.size else memoryview(b"")
-        crc = S.SegmentCrc()
-        rows_per_slab = max(1, _IO_SLAB // max(1, row_bytes))
-        if d.chunks is not None:
-            rows_per_slab = total  # filters decompress whole chunks anyway
-        done, k = 0, 0
-        while done < total:
-            end = min(total, done + rows_per_slab)
-            d.read_direct(out, np.s_[done:end], np.s_[done:end])
-            while k < len(segments) and segments[k][1] <= end * row_bytes:
-                crc.add(flat[segments[k][0]:segments[k][1]])
-                k += 1
-            done = end
-        self._verify(d, crc.result())
+        chunked = d.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS
+        rows_per_slab = total if chunked else max(1, _IO_SLAB // max(1, row_bytes))
+        h = S.DatasetHash()
+        fspace = d.get_space()
+        for a in range(0, total, rows_per_slab):
+            b = min(total, a + rows_per_slab)
+            count = (b - a, *row_shape)
+            fspace.select_hyperslab((a,) + (0,) * len(row_shape), count)
+            d.read(h5py.h5s.create_simple(count), fspace, out[a:b])
+            h.update(out[a:b])
+        self._verify(name, d, h.digest())
         return out
 
     def _read_routes(self, n: int, offsets: np.ndarray):
-        if S.ROUTES not in self.f and S.ROUTE_OFFSETS not in self.f:
+        if self._open(S.ROUTES) is None and self._open(S.ROUTE_OFFSETS) is None:
             return None, None, None, None
         ro = self._read_index(S.ROUTE_OFFSETS, n, None, "route rows")
         has = self._read_whole(S.HAS_ROUTES, (n,), np.dtype("u1"))
@@ -233,10 +233,10 @@ class _Reader:
             i = int(np.nonzero(wrong)[0][0])
             raise self.fail(f"route_offsets give trajectory {i} {int(route_len[i])} route rows for "
                             f"{int(lengths[i])} tokens")
-        d = self.f.get(S.ROUTES)
-        if not isinstance(d, h5py.Dataset) or d.ndim != 3 or d.dtype not in S.ROUTE_DTYPES:
+        d = self._open(S.ROUTES)
+        if d is None or len(d.shape) != 3 or d.dtype not in S.ROUTE_DTYPES:
             raise self.fail(f"dataset {S.ROUTES!r} is missing or not a [rows, layers, top_k] unsigned array")
-        orig = self._orig_dtype(d)
+        orig = self._orig_dtype(h5py.Dataset(d))
         routes = self._read_per_token(S.ROUTES, ro, d.dtype, tuple(d.shape[1:]))
         return routes, ro, has, orig
 

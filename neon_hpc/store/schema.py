@@ -8,13 +8,11 @@ the full table; the constants below are what the writer writes and the reader ch
 from __future__ import annotations
 
 import json
-import os
 import re
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 FORMAT = "neon-hpc trajectory shard"
 SCHEMA_VERSION = 1
@@ -44,13 +42,14 @@ HAS_ROUTES = "has_routes"            # uint8[N]: 1 if trajectory i carries route
 INDEX_DTYPE = np.dtype("<i8")
 ROUTE_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
 
-# Checksum: CRC-32 over segments of at most BLOCK bytes. Per-token datasets are segmented
-# per trajectory (so the writer can checksum each trajectory while it writes it and the
-# reader while it reads), the others as one byte range. Segments are independent, so both
-# sides compute them on a thread pool (zlib releases the GIL) overlapped with the I/O.
-CHECKSUM_ALGO = "crc32-seg16M"
-BLOCK = 16 << 20
-_POOL_MIN_BYTES = 1 << 20            # below this a thread hop costs more than the CRC
+# Checksum: XXH3-64 of each dataset's bytes (streamed in order, so the writer hashes each
+# trajectory as it writes it and the reader each slab as it reads it), all stored in one
+# file attribute ``digests`` (JSON {dataset: hex}; one attribute, not one per dataset,
+# because each HDF5 attribute costs about a millisecond to write or read); the file
+# attribute ``checksum`` hashes the sorted (name, digest) pairs, covering ``digests`` itself. XXH3 runs at memory speed (measured ~12 GB/s per core here, against
+# ~1.5 GB/s for zlib's CRC-32), so validation stays close to the cost of the read itself.
+CHECKSUM_ALGO = "xxh3_64"
+DIGESTS_ATTR = "digests"
 
 _NAME_RE = re.compile(r"^(?P<ms>\d{13})\.(?P<writer>[A-Za-z0-9_-]+)\.(?P<session>[0-9a-f]{8})"
                       r"\.(?P<seq>\d{6,})\.n(?P<n>\d+)\.h5$")
@@ -89,70 +88,51 @@ def parse_shard_name(name: str) -> ShardName | None:
 
 # --- checksum -------------------------------------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-
-
-def crc_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                   thread_name_prefix="neon-store-crc")
-    return _pool
-
-
-def split_range(start: int, end: int, block: int = BLOCK) -> list[tuple[int, int]]:
-    return [(a, min(a + block, end)) for a in range(start, end, block)]
-
-
-def token_segments(offsets: np.ndarray, row_bytes: int) -> list[tuple[int, int]]:
-    """Byte segments of a per-token (or per-route-row) dataset: per trajectory, split at BLOCK."""
-    segs: list[tuple[int, int]] = []
-    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        segs.extend(split_range(a * row_bytes, b * row_bytes))
-    return segs
-
-
-class SegmentCrc:
-    """Collects the CRC-32 of byte segments of one dataset, in segment order.
-
-    ``add(buf)`` takes a bytes-like view of exactly one segment; large ones go to the pool.
-    """
+class DatasetHash:
+    """Streaming XXH3-64 over a dataset's bytes, fed in dataset order."""
 
     def __init__(self) -> None:
-        self._parts: list[int | Future] = []
+        self._h = xxhash.xxh3_64()
 
-    def add(self, buf) -> None:
-        mv = memoryview(buf).cast("B")
-        if mv.nbytes >= _POOL_MIN_BYTES:
-            self._parts.append(crc_pool().submit(zlib.crc32, mv))
-        else:
-            self._parts.append(zlib.crc32(mv))
+    def update(self, a) -> "DatasetHash":
+        self._h.update(byte_view(a) if isinstance(a, np.ndarray) else a)
+        return self
 
-    def add_segments(self, flat: memoryview, segments: list[tuple[int, int]], base: int = 0) -> None:
-        """Add each segment ``(a, b)`` of ``flat``, whose byte 0 is dataset byte ``base``."""
-        for a, b in segments:
-            self.add(flat[a - base:b - base])
-
-    def result(self) -> np.ndarray:
-        return np.array([p.result() if isinstance(p, Future) else p for p in self._parts], dtype="<u4")
+    def digest(self) -> int:
+        return self._h.intdigest()
 
 
 def byte_view(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
-def strings_crc(values: list[str]) -> np.ndarray:
-    """Checksum of a string dataset: CRC-32 of its JSON list encoding."""
-    return np.array([zlib.crc32(json.dumps(values, ensure_ascii=False).encode())], dtype="<u4")
+def array_digest(a: np.ndarray) -> int:
+    return DatasetHash().update(a).digest()
 
 
-def file_checksum(per_dataset: dict[str, np.ndarray]) -> str:
-    """The file-level checksum: CRC-32 over (name, segment CRCs) of every dataset, sorted."""
-    crc = 0
+def strings_digest(values: list[str]) -> int:
+    """Digest of a string dataset: XXH3-64 of its JSON list encoding."""
+    return xxhash.xxh3_64_intdigest(json.dumps(values, ensure_ascii=False).encode())
+
+
+def encode_digests(per_dataset: dict[str, int]) -> str:
+    return json.dumps({k: f"{v:016x}" for k, v in sorted(per_dataset.items())})
+
+
+def decode_digests(text: str) -> dict[str, int]:
+    """Inverse of :func:`encode_digests`; ValueError if malformed."""
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError("digests attribute is not a JSON object")
+    return {str(k): int(v, 16) for k, v in obj.items()}
+
+
+def file_checksum(per_dataset: dict[str, int]) -> str:
+    """The file-level checksum over (name, digest) of every dataset, sorted by name."""
+    h = xxhash.xxh3_64()
     for name in sorted(per_dataset):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.asarray(per_dataset[name], dtype="<u4").tobytes(), crc)
-    return f"{CHECKSUM_ALGO}:{crc:08x}"
+        h.update(name.encode() + b"\0" + int(per_dataset[name]).to_bytes(8, "little"))
+    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
 
 def route_storage_dtype(max_id: int) -> np.dtype:

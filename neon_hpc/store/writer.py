@@ -60,42 +60,51 @@ def _routes_layout(trajs: list[Trajectory]) -> tuple[tuple[int, int], np.dtype, 
     if len(shapes) > 1 or len(dtypes) > 1:
         raise ValueError(f"routed_experts differ within one shard (shapes {sorted(shapes)}, dtypes "
                          f"{sorted(map(str, dtypes))}); one run has one MoE layout: fix the producer")
+    orig = dtypes.pop()
+    if orig.kind == "u" and orig.itemsize <= 2:
+        return shapes.pop(), orig, orig.newbyteorder("<")   # already compact: no scan, no cast
+    # wider ids (e.g. SGLang's int32): one scan finds the narrowest lossless storage dtype
     max_id = max((int(r.max()) for r in with_routes if r.size), default=0)
-    return shapes.pop(), dtypes.pop(), S.route_storage_dtype(max_id)
+    return shapes.pop(), orig, S.route_storage_dtype(max_id)
+
+
+def _check_same_layout(first: Trajectory, t: Trajectory) -> None:
+    a, b = first.routed_experts, t.routed_experts
+    if a is not None and b is not None and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype):
+        raise ValueError(f"routed_experts differ within one shard ({a.shape[1:]} {a.dtype} vs "
+                         f"{b.shape[1:]} {b.dtype} in task {t.task_id!r}); one run has one MoE layout: "
+                         f"fix the producer")
 
 
 def _write_per_token(f: h5py.File, name: str, pieces: list[np.ndarray], offsets: np.ndarray,
                      dtype: np.dtype, row_shape: tuple[int, ...] = (), compression: str | None = None,
-                     chunk_rows: int = 4096) -> np.ndarray:
-    """Write trajectories' arrays as one flat dataset, one hyperslab per trajectory, checksumming
-    each piece on the pool while the next one is written. Returns the segment CRCs."""
+                     chunk_rows: int = 4096) -> int:
+    """Write trajectories' arrays as one flat dataset, one hyperslab per trajectory (no
+    concatenated copy), hashing each piece as it goes. Returns the dataset digest."""
     total = int(offsets[-1])
     kw = {}
     if compression and total:
         kw = dict(compression=compression, chunks=(min(chunk_rows, total), *row_shape))
     d = f.create_dataset(name, shape=(total, *row_shape), dtype=dtype, **kw)
-    crc = S.SegmentCrc()
-    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    h = S.DatasetHash()
     for i, piece in enumerate(pieces):
         a, b = int(offsets[i]), int(offsets[i + 1])
         if a == b:
             continue
         arr = np.ascontiguousarray(piece, dtype=dtype)
-        crc.add_segments(S.byte_view(arr), S.split_range(a * row_bytes, b * row_bytes), base=a * row_bytes)
+        h.update(arr)
         d[a:b] = arr
-    return crc.result()
+    return h.digest()
 
 
-def _write_whole(f: h5py.File, name: str, arr: np.ndarray) -> np.ndarray:
+def _write_whole(f: h5py.File, name: str, arr: np.ndarray) -> int:
     f.create_dataset(name, data=arr)
-    crc = S.SegmentCrc()
-    crc.add_segments(S.byte_view(arr), S.split_range(0, arr.nbytes))
-    return crc.result()
+    return S.array_digest(arr)
 
 
-def _write_strings(f: h5py.File, name: str, values: list[str]) -> np.ndarray:
+def _write_strings(f: h5py.File, name: str, values: list[str]) -> int:
     f.create_dataset(name, data=np.array(values, dtype=object), dtype=h5py.string_dtype("utf-8"))
-    return S.strings_crc(values)
+    return S.strings_digest(values)
 
 
 def write_shard(path: str | os.PathLike, trajs: list[Trajectory], writer_id: str = "",
@@ -106,21 +115,19 @@ def write_shard(path: str | os.PathLike, trajs: list[Trajectory], writer_id: str
     if not trajs:
         raise ValueError("write_shard: no trajectories; a shard holds at least one")
     offsets = _offsets([t.num_tokens for t in trajs])
-    crcs: dict[str, np.ndarray] = {}
+    digests: dict[str, int] = {}
     with h5py.File(path, "w") as f:
         for name, dt in S.PER_TOKEN.items():
-            crcs[name] = _write_per_token(f, name, [getattr(t, name) for t in trajs], offsets, dt)
-        crcs.update(_write_trajectory_fields(f, trajs, offsets))
-        crcs.update(_write_routes(f, trajs, cfg))
-        for name, c in crcs.items():
-            f[name].attrs["crc32"] = c
-        _write_file_attrs(f, trajs, writer_id, job_id, crcs)
+            digests[name] = _write_per_token(f, name, [getattr(t, name) for t in trajs], offsets, dt)
+        digests.update(_write_trajectory_fields(f, trajs, offsets))
+        digests.update(_write_routes(f, trajs, cfg))
+        _write_file_attrs(f, trajs, writer_id, job_id, digests)
     nbytes = sum(payload_nbytes(t) for t in trajs)
     return ShardInfo(Path(path), len(trajs), int(offsets[-1]), nbytes, os.path.getsize(path),
                      time.perf_counter() - t0)
 
 
-def _write_trajectory_fields(f: h5py.File, trajs: list[Trajectory], offsets: np.ndarray) -> dict[str, np.ndarray]:
+def _write_trajectory_fields(f: h5py.File, trajs: list[Trajectory], offsets: np.ndarray) -> dict[str, int]:
     ranges = [t.version_range() for t in trajs]
     turns = [t.turns() for t in trajs]
     per_traj = {
@@ -132,34 +139,34 @@ def _write_trajectory_fields(f: h5py.File, trajs: list[Trajectory], offsets: np.
         S.TURN_PTR: _offsets([len(t) for t in turns]),
         S.TURN_OFFSETS: np.concatenate(turns).astype(S.INDEX_DTYPE),
     }
-    crcs = {name: _write_whole(f, name, arr) for name, arr in per_traj.items()}
+    digests = {name: _write_whole(f, name, arr) for name, arr in per_traj.items()}
     strings = {
         "task_id": [t.task_id for t in trajs],
         "group_id": [t.group_id for t in trajs],
         "extra_json": [json.dumps({"rewards": t.rewards, "metadata": t.metadata, "timings": t.timings},
                                   sort_keys=True) for t in trajs],
     }
-    crcs.update({name: _write_strings(f, name, vals) for name, vals in strings.items()})
-    return crcs
+    digests.update({name: _write_strings(f, name, vals) for name, vals in strings.items()})
+    return digests
 
 
-def _write_routes(f: h5py.File, trajs: list[Trajectory], cfg: StoreConfig) -> dict[str, np.ndarray]:
+def _write_routes(f: h5py.File, trajs: list[Trajectory], cfg: StoreConfig) -> dict[str, int]:
     layout = _routes_layout(trajs)
     if layout is None:
         return {}
     row_shape, orig_dtype, store_dtype = layout
     route_offsets = _offsets([0 if t.routed_experts is None else t.num_tokens for t in trajs])
     comp = None if cfg.routed_experts_compression == "none" else cfg.routed_experts_compression
-    crc_routes = _write_per_token(f, S.ROUTES, [t.routed_experts for t in trajs], route_offsets,
+    digest = _write_per_token(f, S.ROUTES, [t.routed_experts for t in trajs], route_offsets,
                                   store_dtype, row_shape, comp, cfg.compression_chunk_tokens)
     f[S.ROUTES].attrs["orig_dtype"] = orig_dtype.str
     has = np.array([t.routed_experts is not None for t in trajs], dtype=np.uint8)
-    return {S.ROUTES: crc_routes, S.ROUTE_OFFSETS: _write_whole(f, S.ROUTE_OFFSETS, route_offsets),
+    return {S.ROUTES: digest, S.ROUTE_OFFSETS: _write_whole(f, S.ROUTE_OFFSETS, route_offsets),
             S.HAS_ROUTES: _write_whole(f, S.HAS_ROUTES, has)}
 
 
 def _write_file_attrs(f: h5py.File, trajs: list[Trajectory], writer_id: str, job_id: str | None,
-                      crcs: dict[str, np.ndarray]) -> None:
+                      digests: dict[str, int]) -> None:
     f.attrs["format"] = S.FORMAT
     f.attrs["schema_version"] = S.SCHEMA_VERSION
     f.attrs["writer_id"] = writer_id
@@ -167,7 +174,8 @@ def _write_file_attrs(f: h5py.File, trajs: list[Trajectory], writer_id: str, job
     f.attrs["created"] = time.time()
     f.attrs["num_trajectories"] = len(trajs)
     f.attrs["num_tokens"] = sum(t.num_tokens for t in trajs)
-    f.attrs["checksum"] = S.file_checksum(crcs)
+    f.attrs[S.DIGESTS_ATTR] = S.encode_digests(digests)
+    f.attrs["checksum"] = S.file_checksum(digests)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -210,7 +218,7 @@ class ShardWriter:
         """Check and buffer one trajectory; returns the shard path if this add flushed."""
         traj.check()
         if self._buf:
-            _routes_layout([self._buf[0], traj])  # refuse a layout change now, not at flush
+            _check_same_layout(self._buf[0], traj)  # refuse a layout change now, not at flush
         self._buf.append(traj)
         self._buf_bytes += payload_nbytes(traj)
         if self._first_at is None:
