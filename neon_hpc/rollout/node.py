@@ -55,6 +55,10 @@ def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop) -> tu
     return None
 
 
+CRASH_WINDOW_S = 60.0   # a worker that dies sooner than this after its start "crashed fast"
+MAX_FAST_DEATHS = 5      # ... this many times in a row: a bug, not bad luck; fail the node
+
+
 class RolloutNode:
     def __init__(self, cfg: ExperimentConfig, run_dir: str):
         self.cfg = cfg
@@ -66,7 +70,11 @@ class RolloutNode:
         self.clients = []
         self.loaded_version = -1
         self.workers: dict[int, subprocess.Popen] = {}
+        self.started_at: dict[int, float] = {}
+        self.fast_deaths: dict[int, int] = {}     # consecutive deaths within CRASH_WINDOW_S of start
+        self.respawn_at: dict[int, float] = {}
         self.restarts = 0
+        self.failed: str | None = None
 
     def _stop(self, signum, _frame) -> None:
         self.log.info("received %s: stopping workers, then engines", signal.Signals(signum).name)
@@ -118,26 +126,42 @@ class RolloutNode:
                "--run-dir", str(self.run.root), "--rank", str(w), "--engine-url", url]
         err = open(self.run.log_dir("rollout") / f"{w}.stderr", "ab")
         self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err)
+        self.started_at[w] = time.monotonic()
         self.log.info("started rollout worker %d (pid %d) on %s", w, self.workers[w].pid, url)
 
     def check_workers(self) -> None:
+        now = time.monotonic()
+        for w, when in list(self.respawn_at.items()):
+            if now >= when:
+                del self.respawn_at[w]
+                self.spawn(w)
         for w, p in list(self.workers.items()):
             rc = p.poll()
-            if rc is None:
+            if rc is None or w in self.respawn_at:
                 continue
             if self.stopping or (self.run.state / "finished.json").exists():
                 continue
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-            if self.cfg.rollout.restart_dead_workers:
-                self.restarts += 1
-                self.log.warning("rollout worker %d died (%s); restarting it (restart #%d); its last "
-                                 "log lines: neon-hpc tail %s --role rollout --rank %d", w, how,
-                                 self.restarts, self.run.root, w)
-                self.log.metrics(event="worker_restart", worker=w, how=how)
-                self.spawn(w)
-            else:
+            stderr = self.run.log_dir("rollout") / f"{w}.stderr"
+            if not self.cfg.rollout.restart_dead_workers:
                 self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)", w, how)
                 del self.workers[w]
+                continue
+            fast = now - self.started_at.get(w, 0.0) < CRASH_WINDOW_S
+            self.fast_deaths[w] = self.fast_deaths.get(w, 0) + 1 if fast else 0
+            if self.fast_deaths[w] >= MAX_FAST_DEATHS:
+                self.failed = (f"rollout worker {w} died {MAX_FAST_DEATHS} times in a row within "
+                               f"{CRASH_WINDOW_S:.0f}s of starting ({how}): that is a bug or a bad config, not "
+                               f"bad luck. Read {stderr} (or `neon-hpc tail {self.run.root} --role rollout --rank {w}`), "
+                               f"fix it, and rerun to resume")
+                self.log.error("%s", self.failed)
+                return
+            delay = min(30.0, 2.0 ** self.fast_deaths[w]) if fast else 0.0
+            self.restarts += 1
+            self.log.warning("rollout worker %d died (%s); restarting it in %.0fs (restart #%d); its stderr: %s",
+                             w, how, delay, self.restarts, stderr)
+            self.log.metrics(event="worker_restart", worker=w, how=how)
+            self.respawn_at[w] = now + delay
 
     def run_forever(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -155,6 +179,8 @@ class RolloutNode:
             while not self.stopping and not (self.run.state / "finished.json").exists():
                 self.sync_weights()
                 self.check_workers()
+                if self.failed:
+                    return 1
                 self.run.beat("rollout-node", self.rank, version=self.loaded_version,
                               workers=len([p for p in self.workers.values() if p.poll() is None]),
                               restarts=self.restarts)

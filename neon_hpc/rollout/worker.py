@@ -64,6 +64,17 @@ def admission(run: RunDir, cfg: ExperimentConfig, group: int) -> tuple[str, floa
 
 
 def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str) -> int:
+    log = RoleLogger.open(RunDir(run_dir).root, "rollout", worker, echo=False)
+    try:
+        return _run_worker(cfg, run_dir, worker, engine_url, log)
+    except Exception as e:  # the operator reads the role log first: put the failure there too
+        log.logger.exception("rollout worker %d failed: %s", worker, e)
+        raise
+    finally:
+        log.close()
+
+
+def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.rollout.agent import run_group
     from neon_hpc.rollout.engines.client import EngineClient
@@ -71,7 +82,6 @@ def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str
     from neon_hpc.xrd.tasks import load_tasks
 
     run = RunDir(run_dir)
-    log = RoleLogger.open(run.root, "rollout", worker, echo=False)
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, stop)
@@ -130,7 +140,6 @@ def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str
     run.beat("rollout", worker, in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
     log.info("rollout worker %d stopping (%s): %d groups, %d episodes, %d tokens", worker,
              stop.signal or "run finished", groups, episodes, tokens)
-    log.close()
     return 0
 
 
