@@ -1,0 +1,152 @@
+"""``neon-hpc balance calibrate|dry-run``.
+
+    neon-hpc balance calibrate [CONFIG] [--set k=v] [--lengths 64,128,...] [--out cost.json]
+    neon-hpc balance dry-run [CONFIG] [--set k=v] (--lengths 900,12000,... | --lengths-file F |
+                             --synthetic mixture:512) [--dp N --pp N --cp N --token-cap N]
+                             [--planner cost] [--cost-file cost.json] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="neon-hpc balance", description="cost model calibration and planner dry runs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("calibrate", help="fit a and b to measured forward+backward times of the model's shape")
+    _config_args(c)
+    c.add_argument("--lengths", default="", help="comma-separated sequence lengths to time "
+                   "(default 64..2048)")
+    c.add_argument("--repeats", type=int, default=3, help="best of N timings per length")
+    c.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    c.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: process CPU time (robust on a shared machine); wall: elapsed time")
+    c.add_argument("--out", default="", help="write the report (JSON) here; the balance.cost_file format")
+
+    d = sub.add_parser("dry-run", help="plan one step from lengths and print every planner's prediction")
+    _config_args(d)
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="comma-separated sequence lengths")
+    src.add_argument("--lengths-file", help="JSON list or whitespace-separated integers")
+    src.add_argument("--synthetic", help="KIND:N, KIND in mixture (issue 7's long tail), lognormal")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dp", type=int)
+    d.add_argument("--pp", type=int, help="pipeline stages (and fewest micro-batches per rank)")
+    d.add_argument("--cp", type=int)
+    d.add_argument("--token-cap", type=int)
+    d.add_argument("--planner", choices=["cost", "tokenkk", "flopkk", "sequential"])
+    d.add_argument("--cost-file", help="calibration JSON from `neon-hpc balance calibrate --out`")
+    d.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+
+    a = p.parse_args(argv)
+    try:
+        return _calibrate(a) if a.cmd == "calibrate" else _dry_run(a)
+    except ValueError as e:
+        print(f"neon-hpc balance {a.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+def _config_args(p):
+    p.add_argument("config", nargs="?", default=None, help="experiment YAML (default: the embedded defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+
+def _load_cfg(a):
+    from neon_hpc import config
+    return config.load(a.config, a.set)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"{what}: expected integers separated by commas or spaces") from None
+    if not vals:
+        raise ValueError(f"{what}: no lengths given")
+    return vals
+
+
+def _calibrate(a) -> int:
+    from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
+    from neon_hpc.rundir import atomic_write_json
+    cfg = _load_cfg(a)
+    lengths = _int_list(a.lengths, "--lengths") if a.lengths else list(DEFAULT_LENGTHS)
+    rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,
+                    progress=lambda s: print(s, file=sys.stderr, flush=True))
+    cm, f = rep["cost_model"], rep["fit"]
+    print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['a']:.3e}*n + {cm['b']:.3e}*n^2 s   "
+          f"(relative residual rms {f['rel_rms']:.1%}, max {f['rel_max']:.1%}; "
+          f"quadratic = linear at {rep['crossover_tokens']:.0f} tokens)")
+    for chk in rep["checks"]:
+        print(f"check {chk['case']}: {chk['rel_err']:+.1%}")
+    if a.out:
+        atomic_write_json(a.out, rep)
+        print(f"wrote {a.out}")
+    else:
+        print(json.dumps(rep["cost_model"]))
+    return 0
+
+
+def synthetic_lengths(spec: str, seed: int = 0) -> np.ndarray:
+    """``mixture:N``: 94% in 2k-16k, 6% in 32k-128k (issue 7); ``lognormal:N``: median 4k, sigma 1,
+    clipped to 128..131072."""
+    kind, _, n = spec.partition(":")
+    try:
+        count = int(n)
+    except ValueError:
+        raise ValueError(f"--synthetic {spec!r}: expected KIND:N, e.g. mixture:512") from None
+    rng = np.random.default_rng(seed)
+    if kind == "mixture":
+        L = rng.integers(2048, 16385, count)
+        tail = rng.random(count) < 0.06
+        L[tail] = rng.integers(32768, 131073, int(tail.sum()))
+        return L
+    if kind == "lognormal":
+        return np.clip(rng.lognormal(np.log(4096), 1.0, count), 128, 131072).astype(np.int64)
+    raise ValueError(f"--synthetic {spec!r}: unknown kind {kind!r}; use mixture or lognormal")
+
+
+def _dry_run(a) -> int:
+    from neon_hpc.balance.configured import load_cost_file, plan_for_config
+    cfg = _load_cfg(a)
+    if a.lengths:
+        lengths = _int_list(a.lengths, "--lengths")
+    elif a.lengths_file:
+        text = Path(a.lengths_file).read_text()
+        lengths = json.loads(text) if text.lstrip().startswith("[") else _int_list(text, a.lengths_file)
+    else:
+        lengths = synthetic_lengths(a.synthetic, a.seed)
+    over = {k: v for k, v in (("dp", a.dp), ("cp", a.cp), ("token_cap", a.token_cap),
+                              ("planner", a.planner)) if v is not None}
+    if a.pp is not None:
+        over.update(pp_stages=a.pp, pp_microbatches=a.pp)
+    cost = load_cost_file(a.cost_file) if a.cost_file else None
+    plan = plan_for_config(lengths, cfg, cost=cost, shadow=True, **over)
+    if a.json:
+        print(json.dumps(plan.to_dict()))
+        return 0
+    _print_plan(plan)
+    return 0
+
+
+def _print_plan(plan) -> None:
+    print(f"{len(plan.lengths)} sequences, {sum(plan.lengths)} tokens; dp={plan.dp} pp_stages={plan.pp_stages} "
+          f"cp={plan.cp} token_cap={plan.token_cap}; {plan.num_microbatches} micro-batches per rank; "
+          f"cost source: {plan.cost.source}")
+    print(f"{'planner':<12}{'makespan':>14}{'vs ' + plan.planner:>12}")
+    rows = {plan.planner: plan.makespan, **plan.shadow}
+    for name, ms in rows.items():
+        print(f"{name:<12}{ms:>14.4g}{ms / plan.makespan:>11.3f}x")
+    print(f"chosen: {plan.planner} (from {plan.chosen_from}); imbalance max/mean {plan.imbalance:.4f}; "
+          f"split sequences {len(plan.split_sequences())}; oversize {plan.oversize}; "
+          f"planned in {plan.planner_s * 1e3:.1f} ms")
+    worst = int(np.argmax(plan.rank_time))
+    print(f"slowest rank {worst}: " + "; ".join(
+        f"mb{j}: {plan.microbatch_tokens(worst, j)} tok" for j in range(plan.num_microbatches)))
