@@ -198,6 +198,8 @@ class _Sim:
         self.step_end: list[float] = []
         self._buf: list = []
         self._buf_i = self.CHUNK
+        self._gbuf: list = []
+        self._gbuf_i = 0
         self._stall_table = self.stall.table_list
         self._stall_scale = (EngineStall.LEVELS - 1) / p.rollout_slots
 
@@ -227,8 +229,7 @@ class _Sim:
             while self.idle_slots >= self.G and self._admit_new_group():
                 self._open_group()
                 self._occupy(self.G)
-                for _ in range(self.G):
-                    self._start_episode()
+                self._start_group()
             return
         while self.idle_slots > 0:
             if self.open_left == 0:
@@ -280,6 +281,56 @@ class _Sim:
         ev._value = (self.open, now, dur, seq, last_frac)
         ev.callbacks.append(self._finish)
         env.schedule(ev, delay=dur)
+
+    def _start_group(self) -> None:
+        """Worker mode: only the group's end matters (its slots free together), so a group
+        is one event lasting as long as its slowest episode."""
+        G = self.G
+        f = self._stall_table[int(self.in_flight * self._stall_scale + 0.5)]
+        self.stall_sum += f * G
+        slow = 1.0 / (1.0 - f)
+        i = self._gbuf_i
+        if i >= len(self._gbuf):
+            self._refill_groups()
+            i = 0
+        self._gbuf_i = i + 1
+        d1, f1, d2, f2, last1, seqs = self._gbuf[i]
+        # slowest episode under the stall: the upper envelope of d*slow + f over the group,
+        # taken from its two candidates (slowest at no stall, most decode-bound)
+        longest = max(d1 * slow + f1, d2 * slow + f2)
+        g = self.open
+        g.lengths = seqs
+        self.open_left = 0
+        self.in_flight += G
+        self.started += G
+        env = self.env
+        ev = simpy.Event(env)
+        ev._ok = True
+        ev._value = (g, env._now + last1 * longest / max(d1 + f1, 1e-12))
+        ev.callbacks.append(self._finish_group)
+        env.schedule(ev, delay=longest)
+
+    def _refill_groups(self) -> None:
+        G = self.G
+        n = max(1, self.CHUNK // G)
+        ep = sample_episodes(self.p, n * G, self.rng)
+        d = ep.decode_s.reshape(n, G)
+        fx = ep.fixed_s.reshape(n, G)
+        rows = np.arange(n)
+        j1 = np.argmax(d + fx, axis=1)
+        j2 = np.argmax(d, axis=1)
+        last = (d + fx) * (1.0 - ep.last_turn_frac.reshape(n, G))
+        self._gbuf = list(zip(d[rows, j1].tolist(), fx[rows, j1].tolist(), d[rows, j2].tolist(),
+                              fx[rows, j2].tolist(), last.max(axis=1).tolist(), ep.seq_len.reshape(n, G).tolist()))
+
+    def _finish_group(self, ev: simpy.Event) -> None:
+        g, t_last_turn = ev._value
+        self.in_flight -= self.G
+        if not self.batch_mode and self.publish_times:
+            g.vmax = max(g.vmax, bisect.bisect_right(self.publish_times, t_last_turn))
+        g.remaining = 0
+        self._group_done(g)
+        self._fill()
 
     def _refill(self) -> None:
         ep = sample_episodes(self.p, self.CHUNK, self.rng)

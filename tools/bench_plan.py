@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Benchmark the capacity planner on a 1,300-GPU layout: policies compared, and simulator speed.
+
+Configuration: configs/kimi_k2_1300xh200.yaml (99 rollout nodes, 64 trainer nodes of 8 H200s,
+a Kimi-K2-class model, 512 trajectories per step) with ``rollout.num_workers=384`` so that
+the workers' groups (384 x 8 episodes) fill the engines' 3,072 request slots.  Episodes are
+heavy-tailed (5% run all 32 turns of long output: about an hour at 25 tok/s); a training
+step is about a minute of compute, overhead and weight publish.
+
+Runs, in one invocation: the synchronous baseline, async with delta replay and async with
+full replay (``--compare-steps`` each, same seed: common random numbers), then a timed
+``--steps`` (10,000) step async run.  Ratios compare like with like (the compare runs).
+
+Last line:
+``RESULT plan_async_over_sync_throughput=<r> plan_delta_over_full_step_time=<r> plan_sim_seconds=<s>``
+(``plan_sim_seconds`` = wall time of the ``--steps`` async simulation; target < 60 s).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from neon_hpc import config  # noqa: E402
+from neon_hpc.plan import report  # noqa: E402
+from neon_hpc.plan.params import from_experiment  # noqa: E402
+from neon_hpc.plan.sim import simulate  # noqa: E402
+from neon_hpc.plan.workload import sample_episodes  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "kimi_k2_1300xh200.yaml"))
+    ap.add_argument("--set", action="append", default=["rollout.num_workers=384"], metavar="KEY=VALUE")
+    ap.add_argument("--steps", type=int, default=10000, help="steps of the timed async simulation")
+    ap.add_argument("--compare-steps", type=int, default=2000, help="steps of each policy-comparison run")
+    ap.add_argument("--planner-every", type=int, default=100,
+                    help="run the balancer's planner every N steps (bound x last ratio between)")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    cfg = config.load(args.config, args.set)
+    sourced = from_experiment(cfg, args.config)
+    sourced.set("planner_every", args.planner_every, "bench_plan --planner-every")
+    p = sourced.params
+    ep = sample_episodes(p, 20000, np.random.default_rng(1))
+    dur = ep.decode_s + ep.fixed_s
+    print(f"layout: {p.rollout_gpus} rollout GPUs ({p.rollout_slots} episode slots), {p.train_gpus} trainer GPUs, "
+          f"{p.trajectories_per_step} trajectories/step, staleness <= {p.max_staleness}")
+    print(f"episodes: median {np.median(dur) / 60:.1f} min, p95 {np.quantile(dur, 0.95) / 60:.1f} min, "
+          f"p99 {np.quantile(dur, 0.99) / 60:.1f} min, max {dur.max() / 60:.1f} min; "
+          f"trajectory length median {np.median(ep.seq_len):,.0f}, max {ep.seq_len.max():,.0f} tokens")
+
+    rows = []
+    for label, changes in (("sync delta", dict(policy="sync", replay_mode="delta")),
+                           ("async delta", dict(policy="async", replay_mode="delta")),
+                           ("async full", dict(policy="async", replay_mode="full"))):
+        r = simulate(sourced.replace(steps=args.compare_steps, **changes).params)
+        rows.append((label, r))
+        print(f"  {label}: {args.compare_steps} steps simulated in {r.sim_seconds:.1f} s", flush=True)
+    print(report.table(rows))
+    sync, delta, full = (r for _, r in rows)
+    step_busy = report._mean(delta.step_compute_s) + (p.publish_s if p.publish_blocks_trainer else 0.0)
+    print(f"trainer busy per step (compute + overhead + publish): {step_busy:.0f} s")
+
+    t0 = time.perf_counter()
+    big = simulate(sourced.replace(steps=args.steps, policy="async", replay_mode="delta").params)
+    sim_s = time.perf_counter() - t0
+    print(f"timed: {args.steps} async steps ({big.started:,} episodes, {big.wall_s / 86400:.1f} simulated days) "
+          f"in {sim_s:.1f} s")
+    print(report.table([(f"async delta x{args.steps}", big)]))
+
+    async_over_sync = delta.samples_per_hour / max(sync.samples_per_hour, 1e-12)
+    delta_over_full = delta.time_per_step_s / max(full.time_per_step_s, 1e-12)
+    print(f"RESULT plan_async_over_sync_throughput={async_over_sync:.3f} "
+          f"plan_delta_over_full_step_time={delta_over_full:.4f} plan_sim_seconds={sim_s:.1f} "
+          f"plan_steps={args.steps} plan_async_trainer_idle={big.trainer_idle_frac:.3f} "
+          f"plan_async_rollout_idle={big.rollout_idle_frac:.3f} plan_async_dropped={big.dropped_frac:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
