@@ -170,16 +170,19 @@ def test_writer_rejects_bad_trajectories_at_add(tmp_path):
     assert w.pending == 1
 
 
-def test_restarted_writer_removes_its_predecessors_tmp_files_only(tmp_path):
+def test_restarted_writer_removes_its_predecessors_and_stale_tmp_files_only(tmp_path):
     rng = np.random.default_rng(10)
     ShardWriter(tmp_path, "rollout-2", StoreConfig(fsync=False))
     tmp = tmp_path / "trajectories" / "tmp"
     mine = tmp / (str(S.ShardName(1, "rollout-2", "deadbeef", 0, 1)) + ".part")
     other = tmp / (str(S.ShardName(1, "rollout-3", "deadbeef", 0, 1)) + ".part")
+    dead = tmp / (str(S.ShardName(1, "rollout-9", "0badcafe", 0, 1)) + ".part")
     mine.write_bytes(b"torn")
     other.write_bytes(b"in progress")
-    w = ShardWriter(tmp_path, "rollout-2", StoreConfig(fsync=False))
-    assert not mine.exists() and other.exists()
+    dead.write_bytes(b"torn long ago")
+    os.utime(dead, (time.time() - 7200, time.time() - 7200))
+    w = ShardWriter(tmp_path, "rollout-2", StoreConfig(fsync=False, stale_tmp_s=3600))
+    assert not mine.exists() and other.exists() and not dead.exists()
     w.add(make_trajectory(rng, 3))
     w.close()
     assert ready_count(tmp_path) == (1, 1)

@@ -111,17 +111,26 @@ def store_read(paths: list[Path]) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def cpu_timed(fn, *args):
+    """(result, CPU seconds of this process, threads included): less disturbed by other
+    processes than wall time, so it isolates the store's own overhead."""
+    c0 = time.process_time()
+    out = fn(*args)
+    return out, time.process_time() - c0
+
+
 def run_pair(base: Path, trajs, a, cfg: StoreConfig, rep: int) -> dict:
     raw_dir, store_dir = base / f"raw{rep}", base / f"store{rep}"
-    rw, raw_paths = raw_write(raw_dir, trajs, a.per_shard)
-    sw, store_paths = store_write(store_dir, trajs, a.per_shard, cfg)
+    (rw, raw_paths), rw_cpu = cpu_timed(raw_write, raw_dir, trajs, a.per_shard)
+    (sw, store_paths), sw_cpu = cpu_timed(store_write, store_dir, trajs, a.per_shard, cfg)
     if not a.hot:
         drop_cache(raw_paths + store_paths)
-    rr = raw_read(raw_paths)
-    sr, n = store_read(store_paths)
+    rr, rr_cpu = cpu_timed(raw_read, raw_paths)
+    (sr, n), sr_cpu = cpu_timed(store_read, store_paths)
     if n != len(trajs):
         raise SystemExit(f"read back {n} trajectories, wrote {len(trajs)}")
     out = {"raw_write": rw, "store_write": sw, "raw_read": rr, "store_read": sr,
+           "raw_write_cpu": rw_cpu, "store_write_cpu": sw_cpu, "raw_read_cpu": rr_cpu, "store_read_cpu": sr_cpu,
            "store_bytes": sum(p.stat().st_size for p in store_paths),
            "raw_bytes": sum(p.stat().st_size for p in raw_paths)}
     shutil.rmtree(raw_dir)
@@ -191,7 +200,9 @@ def main(argv: list[str]) -> int:
             runs.append(r)
             print(f"  rep {rep}: write raw {payload / r['raw_write'] / 1e6:.0f} MB/s, store "
                   f"{payload / r['store_write'] / 1e6:.0f} MB/s | read raw {payload / r['raw_read'] / 1e6:.0f} "
-                  f"MB/s, store {payload / r['store_read'] / 1e6:.0f} MB/s", flush=True)
+                  f"MB/s, store {payload / r['store_read'] / 1e6:.0f} MB/s | CPU s write {r['raw_write_cpu']:.2f}/"
+                  f"{r['store_write_cpu']:.2f}, read {r['raw_read_cpu']:.2f}/{r['store_read_cpu']:.2f} (raw/store)",
+                  flush=True)
         if a.compare_filters:
             compare_filters(base, trajs, a)
     finally:
@@ -206,7 +217,9 @@ def main(argv: list[str]) -> int:
           f"store_read_vs_raw={best['raw_read'] / best['store_read']:.3f} "
           f"bytes_per_token={best['store_bytes'] / tokens:.1f} raw_bytes_per_token={best['raw_bytes'] / tokens:.1f} "
           f"store_write_MBps={payload / best['store_write'] / 1e6:.0f} "
-          f"store_read_MBps={payload / best['store_read'] / 1e6:.0f} tokens={tokens}")
+          f"store_read_MBps={payload / best['store_read'] / 1e6:.0f} "
+          f"store_cpu_write_s={best['store_write_cpu']:.2f} raw_cpu_write_s={best['raw_write_cpu']:.2f} "
+          f"store_cpu_read_s={best['store_read_cpu']:.2f} raw_cpu_read_s={best['raw_read_cpu']:.2f} tokens={tokens}")
     return 0
 
 

@@ -14,6 +14,7 @@ class StoreConfig:
     compression_chunk_tokens: int = 4096   # rows per chunk when compressed (contiguous otherwise)
     quarantine_invalid: bool = True    # False: a claim stops with ShardError on an invalid shard
     fsync: bool = True                 # fsync data + directory on publish (off only for tests/benchmarks)
+    stale_tmp_s: float = 3600.0        # a writer removes tmp/*.part files untouched this long (dead writers')
 
     def validate(self):
         errs = []
@@ -23,6 +24,8 @@ class StoreConfig:
             errs.append(("flush_seconds", "must be > 0"))
         if self.flush_bytes < 1:
             errs.append(("flush_bytes", "must be >= 1"))
+        if self.stale_tmp_s <= 0:
+            errs.append(("stale_tmp_s", "must be > 0"))
         if self.compression_chunk_tokens < 1:
             errs.append(("compression_chunk_tokens", "must be >= 1"))
         return errs

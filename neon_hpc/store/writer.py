@@ -282,9 +282,16 @@ class ShardWriter:
 
     # --- internals ----------------------------------------------------------------------
     def _remove_predecessor_tmp(self) -> None:
-        """Delete tmp/ files of an earlier process with our writer id (it crashed mid-flush)."""
+        """Delete tmp/ files of crashed writers: any of an earlier process with our writer id,
+        and anyone's untouched for ``stale_tmp_s`` (a live flush rewrites its file within seconds)."""
+        now = time.time()
         for p in self.rd.traj_tmp.glob("*.part"):
             sn = S.parse_shard_name(p.name[:-len(".part")])
-            if sn and sn.writer == self._name_writer and sn.session != self._session:
+            mine = sn is not None and sn.writer == self._name_writer and sn.session != self._session
+            try:
+                stale = now - p.stat().st_mtime > self.cfg.stale_tmp_s
+            except FileNotFoundError:
+                continue
+            if mine or stale:
                 p.unlink(missing_ok=True)
-                log.warning("removed %s left by a crashed writer %s", p, self.writer_id)
+                log.warning("removed %s left by a crashed writer", p)
