@@ -23,7 +23,7 @@ from neon_hpc.xrd.simulate import Instrument, Microstructure, phase_pattern, pha
 BACKGROUND_DEGREE = 6
 STRAIN_GRID = np.linspace(-0.012, 0.012, 25)
 SIZE_GRID_NM = (0.0, 200.0, 100.0, 60.0, 35.0, 20.0, 12.0)
-ZERO_GRID = np.linspace(-0.15, 0.15, 13)
+ZERO_GRID = np.linspace(-0.15, 0.15, 13)      # searched around the starting zero shift
 
 
 @dataclass
@@ -134,8 +134,8 @@ class Fitter:
         if refine and pids:
             for _ in range(passes):
                 if refine_zero:
-                    zero, best = self._search(lambda z: self.evaluate(pids, z, strains, sizes), ZERO_GRID + zero
-                                              if abs(zero) > 0 else ZERO_GRID, zero, best)
+                    zero, best = self._search(lambda z: self.evaluate(pids, z, strains, sizes),
+                                              ZERO_GRID + zero, zero, best)
                 for i in range(len(pids)):
                     def with_strain(s, i=i):
                         st = list(strains)

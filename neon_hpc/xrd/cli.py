@@ -1,0 +1,144 @@
+"""``neon-hpc xrd ...``: library listing, task files, evaluation.
+
+    neon-hpc xrd library [--list] [--elements Ti,O] [--source curated]
+    neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR
+    neon-hpc xrd eval --solver baseline --preset easy --split test_id [--n 20] [--json OUT]
+    neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min]
+    neon-hpc xrd eval --endpoint URL ...      (LLM agent: neon_hpc.rollout.agent.eval_cli)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+AGENT_EVAL_MODULE = "neon_hpc.rollout.agent.eval_cli"
+SPLIT_CHOICES = ("train", "test_id", "test_ood", "test_temporal", "all")
+
+
+def _cmd_library(args) -> int:
+    from neon_hpc.xrd.library import load_library
+    lib = load_library()
+    phases = lib.phases
+    if args.source:
+        phases = [p for p in phases if p.source == args.source]
+    if args.elements:
+        phases = lib.within([e.strip() for e in args.elements.split(",")])
+        phases = [p for p in phases if not args.source or p.source == args.source]
+    by_source = Counter(p.source for p in phases)
+    print(f"{len(phases)} phases ({', '.join(f'{k}: {v}' for k, v in sorted(by_source.items()))}); "
+          f"answer-eligible: {sum(p.answer_eligible for p in phases)}")
+    if args.list or args.elements:
+        for p in phases:
+            s = p.summary()
+            print(f"  {s['id']:<48} {s['formula']:<12} {s['spacegroup']:<10} {s['year']}  {p.source}"
+                  f"{'' if p.answer_eligible else '  (distractor)'}")
+    return 0
+
+
+def _cmd_tasks(args) -> int:
+    from neon_hpc.xrd.tasks import load_tasks, write_tasks
+    splits = [s for s in SPLIT_CHOICES if s != "all"] if args.split == "all" else [args.split]
+    for split in splits:
+        tasks = load_tasks(args.preset, split, args.seed, args.n)
+        out = Path(args.out) / f"{args.preset}-{split}-s{args.seed}" if len(splits) > 1 else Path(args.out)
+        info = write_tasks(tasks, out, include_real=not args.no_real)
+        print(f"wrote {info['tasks']} tasks and {info['experiments']} experiment records to {info['dir']}")
+    return 0
+
+
+def _delegate_endpoint(argv: list[str]) -> int | None:
+    try:
+        mod = importlib.import_module(AGENT_EVAL_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name and AGENT_EVAL_MODULE.startswith(e.name):
+            print("neon-hpc xrd eval --endpoint: the agent evaluation (neon_hpc.rollout.agent.eval_cli) is not "
+                  "in this checkout", file=sys.stderr)
+            return 3
+        raise
+    return int(mod.main(argv) or 0)
+
+
+def _cmd_eval(args, argv: list[str]) -> int:
+    if args.endpoint:
+        return _delegate_endpoint(argv)
+    from neon_hpc.xrd.evaluate import SOLVERS, evaluate
+    from neon_hpc.xrd.tasks import load_tasks, read_tasks
+    if args.solver not in SOLVERS:
+        print(f"unknown solver {args.solver!r}; choose from {', '.join(SOLVERS)}", file=sys.stderr)
+        return 2
+    progress = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    groups = []
+    if args.data:
+        from neon_hpc.xrd.real import load_real_tasks
+        tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+        groups.append((f"real_dev{'-' + args.scan if args.scan else ''}", tasks))
+    elif args.tasks:
+        tasks = read_tasks(args.tasks)
+        groups.append((Path(args.tasks).name, tasks))
+    else:
+        splits = [s for s in SPLIT_CHOICES if s != "all"] if args.split == "all" else [args.split]
+        for split in splits:
+            groups.append((f"{args.preset}/{split}", load_tasks(args.preset, split, args.seed, args.n)))
+    summaries = []
+    for name, tasks in groups:
+        rep = evaluate(tasks, SOLVERS[args.solver], name=name, strict=args.strict, progress=progress)
+        s = rep.summary()
+        summaries.append({**s, "rows": rep.rows})
+        lo, hi = s["success_ci95"]
+        print(f"{name:<28} n={s['n']:<4} success={s['success']:.3f} [{lo:.3f}, {hi:.3f}]  "
+              f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
+              f"({s['seconds_per_task']} s/task)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"solver": args.solver, "results": summaries}, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="neon-hpc xrd", description="the XRD environment")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    lib = sub.add_parser("library", help="phase library summary / listing")
+    lib.add_argument("--list", action="store_true")
+    lib.add_argument("--elements", help="comma-separated: phases made of (a subset of) these")
+    lib.add_argument("--source", choices=("curated", "aflow", "ase", "substitution"))
+    tk = sub.add_parser("tasks", help="write task files (tasks.jsonl + experiments.sqlite)")
+    tk.add_argument("--preset", required=True, choices=("tiny", "easy", "medium", "realistic"))
+    tk.add_argument("--split", required=True, choices=SPLIT_CHOICES)
+    tk.add_argument("--seed", type=int, default=0)
+    tk.add_argument("--n", type=int, default=None)
+    tk.add_argument("--out", required=True)
+    tk.add_argument("--no-real", action="store_true", help="leave the real patterns out of the store")
+    ev = sub.add_parser("eval", help="evaluate a solver (or an LLM agent with --endpoint)")
+    ev.add_argument("--solver", default="baseline")
+    ev.add_argument("--preset", default="easy", choices=("tiny", "easy", "medium", "realistic"))
+    ev.add_argument("--split", default="test_id", choices=SPLIT_CHOICES)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--n", type=int, default=20)
+    ev.add_argument("--data", help="real data folder (xrd-real): scores its labelled precursor mixtures")
+    ev.add_argument("--scan", choices=("2min", "8min"), help="only this scan length of the real data")
+    ev.add_argument("--tasks", help="a task folder written by `neon-hpc xrd tasks`")
+    ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
+    ev.add_argument("--json", help="write the summary and per-task rows here")
+    ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (neon_hpc.rollout.agent.eval_cli)")
+    ev.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval" and "--endpoint" in " ".join(argv):
+        # the agent evaluator owns its own flags: hand it everything after "eval"
+        return _delegate_endpoint(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.cmd == "library":
+        return _cmd_library(args)
+    if args.cmd == "tasks":
+        return _cmd_tasks(args)
+    return _cmd_eval(args, argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Evaluation of a solver over task sets: success with a confidence interval, phase F1, fraction MAE."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from neon_hpc.xrd.grader import MAJOR, grade
+from neon_hpc.xrd.store import Store
+from neon_hpc.xrd.tasks import Task, build_store, make_context
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a success rate (sane at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass
+class EvalReport:
+    name: str
+    n: int = 0
+    successes: int = 0
+    dense_sum: float = 0.0
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    abs_err_sum: float = 0.0
+    abs_err_n: int = 0
+    seconds: float = 0.0
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, task: Task, predicted, g, seconds: float) -> None:
+        self.n += 1
+        self.successes += int(g.success)
+        self.dense_sum += g.dense
+        d = g.details
+        true_major = [k for k, (_, _, w) in zip(d["abs_errors"], task.truth) if w >= MAJOR]
+        found = [k for k in true_major if d["predicted_matched"].get(k, 0) >= MAJOR]
+        self.tp += len(found)
+        self.fn += len(true_major) - len(found)
+        self.fp += len(d["spurious_major"])
+        self.abs_err_sum += sum(d["abs_errors"].values())
+        self.abs_err_n += len(d["abs_errors"])
+        self.seconds += seconds
+        self.rows.append({"task": task.id, "success": g.success, "dense": round(g.dense, 4),
+                          "predicted": [(p, round(w, 4)) for p, w in predicted],
+                          "truth": [(p or f, round(w, 4)) for p, f, w in task.truth], "seconds": round(seconds, 2)})
+
+    def summary(self) -> dict:
+        lo, hi = wilson_interval(self.successes, self.n)
+        f1 = 2 * self.tp / (2 * self.tp + self.fp + self.fn) if self.tp else 0.0
+        return {"name": self.name, "n": self.n, "success": round(self.successes / max(1, self.n), 4),
+                "success_ci95": [round(lo, 4), round(hi, 4)], "phase_f1": round(f1, 4),
+                "wf_mae": round(self.abs_err_sum / max(1, self.abs_err_n), 4),
+                "dense": round(self.dense_sum / max(1, self.n), 4),
+                "seconds_per_task": round(self.seconds / max(1, self.n), 2)}
+
+
+def baseline_solver(ctx) -> list[tuple[str, float]]:
+    from neon_hpc.xrd.baseline import solve
+    return solve(ctx).phases
+
+
+SOLVERS: dict[str, Callable] = {"baseline": baseline_solver}
+
+
+def evaluate(tasks: list[Task], solver: Callable = baseline_solver, name: str = "", strict: bool = False,
+             store: Store | None = None, progress: Callable[[str], None] | None = None) -> EvalReport:
+    store = store or build_store(tasks, ":memory:", include_real=True)
+    report = EvalReport(name or (tasks[0].split if tasks else "empty"))
+    for i, task in enumerate(tasks):
+        t0 = time.perf_counter()
+        ctx = make_context(task, store)
+        try:
+            predicted = solver(ctx)
+        except Exception as e:  # noqa: BLE001 - a crashing solver scores zero on that task, the run goes on
+            predicted = []
+            if progress:
+                progress(f"{task.id}: solver failed: {type(e).__name__}: {e}")
+        g = grade(predicted, task.truth, strict=strict)
+        report.add(task, predicted, g, time.perf_counter() - t0)
+        if progress:
+            progress(f"[{i + 1}/{len(tasks)}] {task.id} success={g.success} dense={g.dense:.3f}")
+    return report
