@@ -211,7 +211,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     storage_raw = getattr(meta, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage_raw, dict):
         raise CheckpointError(f"{ckpt / '.metadata'}: no state_dict_metadata/storage_data; not a DCP checkpoint")
-    storage = {(idx.fqn, tuple(idx.offset or ())): info for idx, info in storage_raw.items()}
+    storage = {(idx.fqn, tuple(getattr(idx, "offset", None) or ())): info for idx, info in storage_raw.items()}
     tensors, others = {}, []
     for key, md in sdm.items():
         if type(md).__name__ == "TensorStorageMetadata":

@@ -110,6 +110,7 @@ def _save_worker(rank: int, path: str, spec_d: dict, port: int) -> None:
                 sd[f"o{n}_{s}"] = ShardedTensor.from_rank_offsets(
                     f"optimizer.state.state{s}.{key}", local.float(), *offsets, replica_id=0,
                     prepend_axis_num=npre)
+
     dist_checkpointing.save(sd, path)
     dist.barrier()
     dist.destroy_process_group()
@@ -123,10 +124,18 @@ def _cpu_patch() -> None:
         torch.cuda.synchronize = lambda *a, **k: None
 
 
-def generate(path: str | os.PathLike, spec: SynthSpec | None = None, port: int = 29631) -> SynthSpec:
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generate(path: str | os.PathLike, spec: SynthSpec | None = None, port: int | None = None) -> SynthSpec:
     """Write a synthetic checkpoint to ``path`` (created; must not exist) from ``spec.procs`` processes."""
     import torch.multiprocessing as mp
     spec = spec or SynthSpec()
+    port = port or _free_port()
     os.makedirs(path)
     mp.start_processes(_save_worker, args=(str(path), asdict(spec), port), nprocs=spec.procs,
                        join=True, start_method="spawn")
