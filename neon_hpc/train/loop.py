@@ -47,6 +47,8 @@ PREEMPT_FILE = "trainer_preempted.json"
 # One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
 # half-done claim (the store refuses a claim owned by another consumer).
 CONSUMER = "trainer"
+# Rank 0 waits for data in slices this long, so heartbeats and preemption stay live meanwhile.
+CLAIM_SLICE_S = 2.0
 
 
 class TrainerError(RuntimeError):
@@ -149,21 +151,24 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
                   quarantine_invalid=cfg.store.quarantine_invalid)
     status: dict[str, Any] = {"ok": True}
     if rank == 0:
-        t0 = time.monotonic()
+        t0, next_note = time.monotonic(), 10.0
         while True:
             left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
             try:
-                claim_step(run.root, step, timeout_s=max(0.0, min(10.0, left)), **kwargs)
+                claim_step(run.root, step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
                 break
             except ClaimTimeout as e:
                 if pre.requested:
                     status = {"ok": False, "preempted": True}
                     break
-                if left <= 10.0:
+                if left <= CLAIM_SLICE_S:
                     status = {"ok": False, "error": str(e)}
                     break
-                run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=time.monotonic() - t0)
-                log.info("waiting for data (%.0fs of %.0fs)", time.monotonic() - t0, cfg.train.wait_for_data_s)
+                waited = time.monotonic() - t0
+                run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=waited)
+                if waited >= next_note:
+                    log.info("waiting for data (%.0fs of %.0fs)", waited, cfg.train.wait_for_data_s)
+                    next_note += 30.0
         status["waited_s"] = time.monotonic() - t0
     status = _bcast(status, rank, world)
     if not status["ok"]:
