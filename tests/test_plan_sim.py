@@ -86,3 +86,22 @@ def test_same_seed_same_result():
     p = SimParams(tail_fraction=0.1, steps=30, fixed_step_s=10.0)
     a, b = simulate(p), simulate(p)
     assert a.summary() == b.summary()
+
+
+def test_aborting_stale_groups_keeps_the_bound_and_frees_workers_early():
+    base = SimParams(policy="async", slot_mode="worker", max_staleness=1, tail_fraction=0.2, max_turns=16,
+                     turns_median=3, rollout_slots=32, group_size=4, trajectories_per_step=16,
+                     fixed_step_s=30.0, steps=150, backpressure_steps=2)
+    plain = simulate(base)
+    aborted = simulate(dataclasses.replace(base, abort_stale=True))
+    assert aborted.aborted > 0 and plain.aborted == 0
+    assert aborted.staleness_max <= 1
+    assert aborted.consumed == base.steps * base.trajectories_per_step
+    assert 0.0 <= aborted.rollout_idle_frac <= 1.0
+    # a straggler no longer holds its worker (and the admission budget) until it ends
+    assert aborted.time_per_step_s < plain.time_per_step_s
+
+
+def test_abort_stale_in_episode_mode_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="slot_mode 'worker' only"):
+        simulate(SimParams(abort_stale=True, slot_mode="episode", steps=2))

@@ -43,6 +43,12 @@ NOT_INPUTS = {
     "replay_bytes_": "a ratio; bytes per token come from the model config",
     "replay_export_time_": "a ratio; export cost per byte comes from kimi_dp_stall_* or replay_cost_per_byte_ns",
     "reshard_speedup": "a ratio against the serial converter; publish speed needs reshard_bytes_per_s",
+    "reshard_": "a reshard ratio; publish speed needs reshard_bytes_per_s",
+    "store_": "trajectory-store throughput: far from a bottleneck at these rates, not modelled",
+    "batched_tok_s": "aggregate tokens/s of the embedded CPU engine; the simulator needs a per-request decode rate "
+                     "(decode_tokens_per_s)",
+    "sequential_tok_s": "the embedded engine's one-request baseline; set decode_tokens_per_s for a per-request rate",
+    "delta_export_": "a flatness check of the replay benchmark",
 }
 
 

@@ -39,6 +39,7 @@ class PlanConfig:
     policy: Literal["async", "one_step_off", "sync"] = "async"
     admission: Literal["steps_ahead", "oldest"] = "steps_ahead"   # see README: staleness admission rule
     slot_mode: Literal["worker", "episode"] = "worker"  # worker: one whole group per worker at a time
+    abort_stale: bool = False           # stop in-flight groups once beyond the staleness bound (worker mode)
     simulated_steps: int = 1000
     sweep_steps: int = 300
     sweep_points: int = 9

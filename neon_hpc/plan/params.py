@@ -70,6 +70,7 @@ class SimParams:
     policy: str = "async"               # async | one_step_off | sync
     admission: str = "steps_ahead"      # steps_ahead | oldest
     slot_mode: str = "worker"           # worker | episode
+    abort_stale: bool = False           # stop in-flight groups once they are beyond the bound
     max_staleness: int = 2
     backpressure_steps: int = 4
     steps: int = 1000
@@ -235,7 +236,7 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     _episode_shape(s, pc, R, c)
     for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
                  "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
-                 "policy", "admission", "slot_mode", "seed"):
+                 "policy", "admission", "slot_mode", "abort_stale", "seed"):
         s.set(name, getattr(pc, name), c(f"plan.{name}"))
     s.set("steps", pc.simulated_steps, c("plan.simulated_steps"))
 

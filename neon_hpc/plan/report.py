@@ -25,7 +25,7 @@ def policy_variants(sourced: Sourced) -> list[Variant]:
     replay = p.replay_mode if p.replay_mode != "off" else "delta"
     other_replay = "full" if replay == "delta" else "delta"
     other_planner = "tokenkk" if p.planner == "cost" else "cost"
-    return [
+    out = [
         Variant(f"sync {replay} {p.planner}", dict(policy="sync", replay_mode=replay)),
         Variant(f"one_step_off {replay} {p.planner}", dict(policy="one_step_off", replay_mode=replay)),
         Variant(f"async S={p.max_staleness} {replay} {p.planner}", dict(policy="async", replay_mode=replay)),
@@ -34,6 +34,12 @@ def policy_variants(sourced: Sourced) -> list[Variant]:
         Variant(f"async S={p.max_staleness} {replay} {other_planner}",
                 dict(policy="async", replay_mode=replay, planner=other_planner)),
     ]
+    if p.slot_mode == "worker":
+        out.append(Variant(f"async S={p.max_staleness} {replay} {p.planner} abort-stale",
+                           dict(policy="async", replay_mode=replay, abort_stale=not p.abort_stale)))
+        if p.abort_stale:
+            out[-1].label = out[-1].label.replace("abort-stale", "no-abort")
+    return out
 
 
 def compare_policies(sourced: Sourced, steps: int | None = None, progress: Progress | None = None) -> list[Variant]:

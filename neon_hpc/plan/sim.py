@@ -21,7 +21,8 @@ Policies (``SimParams.policy``):
   two would wait for each other).  Backpressure: no new group while ``ready`` holds more
   than ``backpressure_steps`` steps of data.  A group whose staleness exceeds ``S`` is dropped
   (counted) when it completes or when the trainer reaches it, so the trainer never consumes
-  data beyond the bound.
+  data beyond the bound.  With ``abort_stale`` (worker mode) an in-flight group is stopped as
+  soon as it is beyond the bound, giving its worker back early.
 
 Rollout slots (``slot_mode``): ``worker`` = like ``neon_hpc.rollout.worker``, a worker
 holds ``G`` slots and starts its next group only when its whole group is done (a long
@@ -69,6 +70,7 @@ class SimResult:
     step_end_s: list[float] = field(default_factory=list)
     rollout_phase_s: float = 0.0   # sync/one_step_off: time from batch start to batch complete
     versions_spanned_mean: float = 1.0
+    aborted: int = 0               # trajectories stopped early for being beyond the bound (in dropped)
     staleness_token_mean: float = 0.0  # estimate: midpoint of each trajectory's version span
     engine_stall_mean: float = 0.0
     engine_stall_full: float = 0.0
@@ -131,10 +133,11 @@ class SimResult:
 
 
 class _Group:
-    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start")
+    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted")
 
     def __init__(self, size: int, version: int, batch: int, t_start: float):
         self.t_start = t_start
+        self.aborted = False
         self.remaining = size
         self.vmin = version
         self.vmax = version
@@ -166,6 +169,11 @@ class _Sim:
         self.publish_times: list[float] = []
         self.ready: deque[_Group] = deque()
         self.worker_mode = p.slot_mode == "worker"
+        self.abort_stale = p.abort_stale and p.policy == "async"
+        if self.abort_stale and not self.worker_mode:
+            raise ValueError("abort_stale is modelled for slot_mode 'worker' only (one event per group)")
+        self.inflight_groups: dict[int, _Group] = {}
+        self.aborted_groups = 0
         if self.worker_mode and p.rollout_slots < self.G:
             raise ValueError(f"slot_mode 'worker' needs rollout_slots ({p.rollout_slots}) >= group_size ({self.G})")
         self.idle_slots = p.rollout_slots
@@ -254,6 +262,8 @@ class _Sim:
         self.open_left = self.G
         self.groups_started += 1
         self.groups_open += 1
+        if self.abort_stale:
+            self.inflight_groups[id(self.open)] = self.open
         if self.batch_mode:
             self.quota -= self.G
         if self._vmin_count[v] == 0:
@@ -325,6 +335,10 @@ class _Sim:
 
     def _finish_group(self, ev: simpy.Event) -> None:
         g, t_last_turn = ev._value
+        if g.aborted:                 # its slots were freed when it was aborted
+            return
+        if self.abort_stale:
+            del self.inflight_groups[id(g)]
         self.in_flight -= self.G
         if not self.batch_mode and self.publish_times:
             g.vmax = max(g.vmax, bisect.bisect_right(self.publish_times, t_last_turn))
@@ -377,6 +391,21 @@ class _Sim:
     def _discard(self, g: _Group) -> None:
         self._release(g)
         self.dropped += len(g.lengths)
+
+    def _abort_stale_inflight(self) -> None:
+        """``abort_stale``: a group already beyond the bound can never be trained on; stop it
+        now and give its worker back instead of letting it run to the end (worker mode)."""
+        if not self.abort_stale:
+            return
+        for key, g in list(self.inflight_groups.items()):
+            if self._stale(g):
+                del self.inflight_groups[key]
+                g.aborted = True
+                self.in_flight -= self.G
+                self.groups_open -= 1
+                self._vacate(self.G, g.t_start)
+                self._discard(g)
+                self.aborted_groups += 1
 
     def _purge_stale_ready(self) -> None:
         if self.batch_mode or not self.ready:
@@ -431,6 +460,7 @@ class _Sim:
                 self.step += 1
                 env.timeout(publish_s, value=self.step).callbacks.append(lambda e: self._publish(e.value))
             self.step_end.append(env.now)
+            self._abort_stale_inflight()
             self._purge_stale_ready()
             self._fill()
 
@@ -492,7 +522,7 @@ class _Sim:
             versions_spanned_mean=self.spanned_sum / self.consumed if self.consumed else 1.0,
             staleness_token_mean=self.token_staleness_sum / self.consumed if self.consumed else 0.0,
             engine_stall_mean=self.stall_sum / self.started if self.started else 0.0,
-            engine_stall_full=self.stall.at_full, step_time_source=self.step_model.source,
+            engine_stall_full=self.stall.at_full, aborted=self.aborted_groups * self.G, step_time_source=self.step_model.source,
             sim_seconds=time.perf_counter() - t_start)
 
 
