@@ -134,8 +134,9 @@ class _Reader:
         n, t = _plain(a["num_trajectories"]), _plain(a["num_tokens"])
         if not isinstance(n, int) or not isinstance(t, int) or n < 1 or t < 0:
             raise self.fail(f"num_trajectories={n!r} / num_tokens={t!r} are not valid counts")
-        if t > self.file_bytes:  # at least one byte per token is stored
-            raise self.fail(f"num_tokens={t} exceeds the file size ({self.file_bytes} bytes)")
+        if t > self.file_bytes or n > self.file_bytes:  # at least a byte per token / trajectory
+            raise self.fail(f"num_tokens={t} / num_trajectories={n} exceed the file size "
+                            f"({self.file_bytes} bytes)")
         return n, t
 
     def _check_file_checksum(self) -> None:
