@@ -28,6 +28,7 @@ above 1.5 is read as percent); they are renormalised to sum to 1.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -122,8 +123,11 @@ def grade(predicted: list[tuple[str, float]], truth, strict: bool = False, libra
     for item in predicted or []:
         try:
             name, wf = item
-            pred_keys.append(phase_key(name, lib))
-            raw_w.append(float(wf))
+            key, w = phase_key(name, lib), float(wf)
+            if not math.isfinite(w):
+                raise ValueError("weight fraction is not a finite number")
+            pred_keys.append(key)
+            raw_w.append(w)
         except Exception as e:   # noqa: BLE001 - a bad answer is graded, not crashed on
             errors.append(f"{item!r}: {e}")
     pred_w = _normalise(raw_w)
