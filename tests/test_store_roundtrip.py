@@ -9,6 +9,8 @@ import time
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from neon_hpc.store import ShardWriter, Trajectory, read_shard, ready_count, shard_summary
 from neon_hpc.store import schema as S
@@ -197,3 +199,17 @@ def test_h5dump_reads_a_shard_without_plugins(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "(0): 0, 3, 7" in out.stdout and "H5T_STD_U16LE" in out.stdout
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8),
+       routes=st.lists(st.booleans(), min_size=8, max_size=8),
+       layers=st.integers(1, 3), top_k=st.integers(1, 4), experts=st.sampled_from([2, 256, 300, 70_000]),
+       seed=st.integers(0, 2**16))
+def test_any_ragged_mix_roundtrips_byte_exactly(tmp_path_factory, lengths, routes, layers, top_k, experts, seed):
+    rng = np.random.default_rng(seed)
+    dt = np.uint32 if experts > 65535 else np.uint16
+    trajs = [make_trajectory(rng, n, moe_layers=layers, top_k=top_k, num_experts=experts, routes=routes[i],
+                             routes_dtype=dt, task_id=f"t{i}") for i, n in enumerate(lengths)]
+    out = read_shard(_write(tmp_path_factory.mktemp("h"), trajs))
+    _assert_same(trajs, out)

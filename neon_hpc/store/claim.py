@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.rundir import RunDir, atomic_write_json, atomic_write_text, fsync_dir, read_json, staging_dir_for
+from neon_hpc.rundir import (RunDir, atomic_write_json, atomic_write_text, fsync_dir, read_json,
+                             remove_stale_tmp, staging_dir_for)
 from neon_hpc.store import schema as S
 from neon_hpc.store.reader import ShardError, read_shard
 from neon_hpc.store.trajectory import Trajectory
@@ -290,6 +291,7 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
         return done
     for d in (rd.traj_ready, rd.traj_claimed, rd.traj_quarantine):
         d.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(rd.traj_claimed, older_than_s=3600.0)  # staging dirs of consumers that crashed
     claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid)
     claim.open()
     claim.absorb_existing()
