@@ -122,7 +122,10 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
             t0 = time.monotonic()
             trajs = run_group(client, task, tokenizer, cfg.rollout, cfg.rollout.group_size)
             dt = time.monotonic() - t0
-            for tr in trajs:
+            for i, tr in enumerate(trajs):
+                # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory
+                tr.metadata["uid"] = f"{writer_id}-{episodes + i}"
+                tr.metadata["worker"] = worker
                 writer.add(tr)
                 gen = int(tr.loss_mask.sum())
                 vmin, vmax = _versions(tr)

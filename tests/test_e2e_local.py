@@ -1,0 +1,136 @@
+"""The main job, end to end, as local processes: `neon-hpc run configs/tiny_cpu.yaml`.
+
+One run (module fixture) with a rollout worker SIGKILLed mid-run; the tests then read what it
+left: every published shard consumed exactly once or still ready, weights published and
+loaded by the engine, versions recorded per token, staleness within the bound, nothing left
+running, and status/tail on the finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from neon_hpc.logs import read_metrics
+from neon_hpc.rundir import RunDir, read_json
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+NEON = [sys.executable, "-m", "neon_hpc.cli"]
+STEPS = 5
+
+
+def _procs_of(run_root: Path) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_root) in part for part in (p.info["cmdline"] or [])) and p.pid != os.getpid():
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e") / "run"
+    cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
+                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2"]
+    log = open(root.parent / "launcher.out", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    killed = None
+    deadline = time.monotonic() + 900
+    run = RunDir(root)
+    try:
+        # once the trainer has consumed data, SIGKILL rollout worker 0 in the middle of its work
+        while proc.poll() is None and time.monotonic() < deadline:
+            if killed is None and read_metrics(root, "trainer"):
+                hb = read_json(run.heartbeat_file("rollout", 0))
+                if hb and hb.get("pid") and not hb.get("stopped"):
+                    os.kill(int(hb["pid"]), signal.SIGKILL)
+                    killed = int(hb["pid"])
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+            pytest.fail(f"the run did not finish in 900 s; see {root.parent / 'launcher.out'}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return {"root": root, "rc": proc.returncode, "killed": killed,
+            "out": (root.parent / "launcher.out").read_text()}
+
+
+def test_run_completes_with_summary(finished_run):
+    assert finished_run["rc"] == 0, finished_run["out"][-3000:]
+    out = finished_run["out"]
+    assert "--- summary" in out and "versions spanned per trajectory" in out
+    trainer = read_metrics(finished_run["root"], "trainer")
+    assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
+    assert (finished_run["root"] / "plots" / "run.png").exists()
+
+
+def test_every_published_shard_consumed_exactly_once(finished_run):
+    from neon_hpc.store import read_shard
+    run = RunDir(finished_run["root"])
+    claimed = sorted(run.traj_claimed.glob("step_*/*.h5"))
+    ready = sorted(run.traj_ready.glob("*.h5"))
+    names = Counter(p.name for p in claimed + ready)
+    assert claimed and max(names.values()) == 1, names.most_common(3)
+    ids = Counter()
+    for p in claimed + ready:
+        for t in read_shard(p):  # validates schema, checksum, offsets
+            ids[t.metadata["uid"]] += 1
+    assert max(ids.values()) == 1, "a trajectory was published twice"
+    assert not list(run.traj_quarantine.glob("*.h5")), "a shard of a healthy run was quarantined"
+    assert not [p for p in run.traj_tmp.iterdir() if not p.name.startswith(".")]
+    trained = sum(r["trajectories"] for r in read_metrics(run.root, "trainer"))
+    claimed_trajs = sum(len(read_shard(p)) for p in claimed)
+    assert trained <= claimed_trajs  # stale ones are dropped at the claim, and counted
+
+
+def test_killed_worker_was_restarted(finished_run):
+    assert finished_run["killed"] is not None, "the worker was never killed; the test proved nothing"
+    events = read_metrics(finished_run["root"], "rollout-node")
+    assert any(e.get("event") == "worker_restart" and e.get("worker") == 0 for e in events)
+
+
+def test_weights_published_and_loaded_by_engine(finished_run):
+    run = RunDir(finished_run["root"])
+    assert run.weight_versions()[-1] >= STEPS - 1
+    assert run.latest_weights()[0] == run.weight_versions()[-1]
+    loaded = [e["version"] for e in read_metrics(run.root, "rollout-node") if e.get("event") == "weights_loaded"]
+    assert loaded and max(loaded) >= 2 and loaded == sorted(loaded)
+
+
+def test_versions_recorded_and_staleness_bounded(finished_run):
+    from neon_hpc import config
+    cfg = config.load(finished_run["root"] / "run.yaml")
+    rollout = [r for r in read_metrics(finished_run["root"], "rollout") if "event" not in r]
+    assert max(r["version_max"] for r in rollout) >= 1
+    trainer = read_metrics(finished_run["root"], "trainer")
+    assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in trainer), \
+        [r["staleness_max"] for r in trainer]
+
+
+def test_nothing_left_running(finished_run):
+    time.sleep(1.0)
+    assert _procs_of(finished_run["root"]) == []
+
+
+def test_status_and_tail_on_finished_run(finished_run):
+    root = str(finished_run["root"])
+    r = subprocess.run(NEON + ["status", root], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert f"step={STEPS}" in r.stdout and "heartbeats" in r.stdout
+    r = subprocess.run(NEON + ["tail", root, "--role", "trainer", "-n", "3"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "job=local trainer[0]" in r.stdout
