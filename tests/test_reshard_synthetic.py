@@ -1,0 +1,191 @@
+"""Fast path vs serial path, MPI ranks, and failure modes on a real torch_dist checkpoint.
+
+The checkpoint is saved once per session by megatron-core's ``dist_checkpointing.save`` from
+two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
+TP=2, vocab padded 250 -> 256, bf16 weights, fp32 router, fp32 optimizer state alongside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from neon_hpc.reshard import convert
+from neon_hpc.reshard.convert import ReshardError, build_plan
+from neon_hpc.reshard.serial import materialize
+from neon_hpc.reshard.synthetic import SynthSpec, generate
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MPIEXEC = str(Path(PY).parent / "mpiexec")
+SPEC = SynthSpec(layers=2, experts=4, hidden=32, moe_ffn=16, heads=4, groups=2, head_dim=8, vocab=250,
+                 tp=2, procs=2, optimizer_states=1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth")
+    generate(root / "ckpt", SPEC)
+    (root / "hf").mkdir()
+    (root / "hf" / "config.json").write_text(json.dumps(SPEC.hf_config()))
+    (root / "hf" / "tokenizer.json").write_text("{}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def serial_out(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial") / "hf"
+    convert(ckpt / "ckpt", out, hf_config_dir=ckpt / "hf", mode="serial")
+    return out
+
+
+def read_all(d: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    out = {}
+    for name, f in index["weight_map"].items():
+        with safe_open(str(d / f), "pt") as h:
+            out[name] = h.get_tensor(name)
+    return out
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = read_all(a), read_all(b)
+    assert sorted(ta) == sorted(tb)
+    for n in ta:
+        assert ta[n].dtype == tb[n].dtype and ta[n].shape == tb[n].shape, n
+        assert torch.equal(ta[n].view(torch.uint8), tb[n].view(torch.uint8)), n
+
+
+def run_cli(*args: str, n: int = 0) -> subprocess.CompletedProcess:
+    cmd = ([MPIEXEC, "-n", str(n)] if n else []) + [PY, str(REPO / "tools" / "reshard.py"), *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_fast_path_equals_serial_byte_for_byte_in_process(ckpt, serial_out, tmp_path, ranks):
+    stats = convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf", ranks=ranks)
+    assert stats["ranks"] == ranks and stats["files"] == ranks
+    assert_same_tensors(tmp_path / "hf", serial_out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+def test_fast_path_over_mpi_equals_serial(ckpt, serial_out, tmp_path, n):
+    r = run_cli("--src", str(ckpt / "ckpt"), "--dst", str(tmp_path / "hf"), "--hf-config-dir", str(ckpt / "hf"),
+                "--quiet", "--json", n=n)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["processes"] == n and stats["ranks"] == n and len(stats["peak_rss_bytes_per_process"]) == n
+    assert_same_tensors(tmp_path / "hf", serial_out)
+
+
+def test_outputs_match_independent_expectations(ckpt, serial_out):
+    """Rules checked against the global tensors read by torch's own DCP loader."""
+    plan, _, _ = build_plan(ckpt / "ckpt", ckpt / "hf")
+    full = materialize(plan)
+    out = read_all(serial_out)
+    emb = full["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 256 and torch.equal(out["model.embed_tokens.weight"], emb[:250])
+    qkv = full["decoder.layers.self_attention.linear_qkv.weight"][1].float().numpy()  # [2 groups*(2q+k+v)*8, H]
+    groups = qkv.reshape(2, 4, 8, -1)
+    np.testing.assert_array_equal(out["model.layers.1.self_attn.k_proj.weight"].float().numpy(),
+                                  groups[:, 2].reshape(16, -1))
+    np.testing.assert_array_equal(out["model.layers.1.self_attn.q_proj.weight"].float().numpy(),
+                                  groups[:, :2].reshape(32, -1))
+    fc1 = full["decoder.layers.mlp.experts.experts.linear_fc1.weight"][0, 3]
+    assert torch.equal(out["model.layers.0.mlp.experts.3.gate_proj.weight"], fc1[:16])
+    assert torch.equal(out["model.layers.0.mlp.experts.3.up_proj.weight"], fc1[16:])
+    assert out["model.layers.0.mlp.gate.weight"].dtype == torch.float32   # dtype never changes
+    assert not any("optimizer" in n for n in out)
+
+
+def test_output_directory_has_config_tokenizer_and_index(ckpt, tmp_path):
+    stats = convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf", verify=0)
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                     "tokenizer.json"]
+    assert stats["verified"]["tensors_compared"] == stats["tensors"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in read_all(tmp_path / "hf").values())
+    with pytest.raises(ReshardError, match="already exists"):
+        convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf")
+
+
+def _broken_copy(ckpt: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "ckpt", dst)
+    return dst
+
+
+def _assert_nothing_written(out_parent: Path) -> None:
+    assert [p.name for p in out_parent.iterdir()] == [], "no output and no staging folder may remain"
+
+
+def test_truncated_distcp_is_a_clear_error_and_leaves_nothing(ckpt, tmp_path):
+    src = _broken_copy(ckpt, tmp_path)
+    victim = src / "__1_1.distcp"
+    os.truncate(victim, victim.stat().st_size // 2)
+    (tmp_path / "out").mkdir()
+    r = run_cli("--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"))
+    assert r.returncode == 1 and "__1_1.distcp is truncated" in r.stderr
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_missing_distcp_is_a_clear_error_and_leaves_nothing(ckpt, tmp_path):
+    src = _broken_copy(ckpt, tmp_path)
+    (src / "__0_1.distcp").unlink()
+    (tmp_path / "out").mkdir()
+    with pytest.raises(Exception, match=r"__0_1.distcp is missing"):
+        convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_foreign_pickle_is_refused_and_leaves_nothing(ckpt, tmp_path):
+    src = _broken_copy(ckpt, tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x8c\x06system\x93.")
+    (tmp_path / "out").mkdir()
+    r = run_cli("--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"))
+    assert r.returncode == 1 and "refuses to unpickle global posix.system" in r.stderr
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path):
+    """Damage that metadata cannot show (bytes overwritten) fails the run and removes staging."""
+    src = _broken_copy(ckpt, tmp_path)
+    plan, _, _ = build_plan(src, ckpt / "hf")
+    _key, chunk = plan.tasks[-1].chunks[0]
+    with open(src / chunk.file, "r+b") as f:   # wipe the blob's zip directory (its last bytes)
+        f.seek(chunk.offset + chunk.length - 64)
+        f.write(b"\0" * 64)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ReshardError, match="not a loadable torch.save blob"):
+        convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", ranks=2)
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_dry_run_reads_metadata_only_and_never_imports_torch(ckpt):
+    code = ("import sys; from neon_hpc.reshard.cli import main; "
+            f"rc = main(['--src', {str(ckpt / 'ckpt')!r}, '--hf-config-dir', {str(ckpt / 'hf')!r}, '--dry-run', "
+            "'--ranks', '2']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "over 2 rank(s)" in r.stdout and "linear_fc1.weight@[1, 3, 24, 0]" in r.stdout
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in r.stdout
+
+
+def test_without_hf_config_the_arch_derives_one(ckpt, tmp_path):
+    stats = convert(ckpt / "ckpt", tmp_path / "hf", arch="qwen3_moe")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 8)
+    assert cfg["num_experts"] == 4 and cfg["num_hidden_layers"] == 2
+    assert "rope_theta" in stats["guessed_config_fields"]
