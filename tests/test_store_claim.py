@@ -109,14 +109,17 @@ def test_allow_partial_commits_what_arrived(tmp_path):
 
 
 def test_blocks_until_a_writer_publishes(tmp_path):
-    RunDir(tmp_path).create()
-    t = threading.Timer(0.3, _publish, args=(tmp_path, "late", 2))
+    rd = RunDir(tmp_path).create()
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        claim_step(tmp_path, 0, want=2, consumer="trainer-0", timeout_s=60, poll_s=0.05)))
     t.start()
-    try:
-        res = claim_step(tmp_path, 0, want=2, consumer="trainer-0", timeout_s=30, poll_s=0.05)
-    finally:
-        t.join()
-    assert _ids(res) == ["late-0", "late-1"] and res.waited_s > 0
+    while not rd.claimed_step(0).exists():   # the claim has started and found ready/ empty ...
+        time.sleep(0.01)
+    time.sleep(0.2)
+    _publish(tmp_path, "late", 2)            # ... and only now does a writer publish
+    t.join()
+    assert _ids(results[0]) == ["late-0", "late-1"] and results[0].waited_s > 0
 
 
 def test_stale_trajectories_are_dropped_counted_and_recorded(tmp_path):

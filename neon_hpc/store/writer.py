@@ -2,8 +2,8 @@
 
 Publishing: the file is written under ``trajectories/tmp/``, fsynced, renamed into
 ``trajectories/ready/`` and the directory fsynced. A crash at any point leaves either no
-file in ready/ or a complete one; leftovers in tmp/ are removed by the next writer with the
-same ``writer_id`` (the README says why that is safe).
+file in ready/ or a complete one; a leftover ``tmp/*.part`` is removed by the next writer
+with the same ``writer_id``, or by any writer once it is ``stale_tmp_s`` old (README).
 """
 
 from __future__ import annotations
