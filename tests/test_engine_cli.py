@@ -1,5 +1,4 @@
-"""``neon-hpc engine serve`` as a real process: serves, stops on SIGTERM, dies on SIGKILL."""
-import os
+"""``neon-hpc engine serve`` as a real process: serves, stops cleanly on SIGTERM."""
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ def _serve(path):
     return proc, line.split()[1]
 
 
-def test_serve_answers_then_stops_cleanly_on_sigterm_and_clients_see_sigkill(tmp_path):
+def test_serve_answers_then_stops_cleanly_on_sigterm(tmp_path):
     cfg = ModelConfig()
     hf.save_hf(hf.build_hf_model(cfg), cfg, tmp_path / "v_3")
     proc, url = _serve(tmp_path / "v_3")
@@ -31,12 +30,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm_and_clients_see_sigkill(tmp
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert not client.health(timeout=2)
-        proc, url = _serve(tmp_path / "v_3")
-        client = EngineClient(url, timeout=60)
-        assert client.health()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        with pytest.raises(ConnectionError):
+        with pytest.raises(ConnectionError):  # what a worker sees when its engine is gone
             client.generate([1, 2, 3], {"temperature": 0, "max_new_tokens": 2})
     finally:
         if proc.poll() is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _sglang_cmd(argv: list[str]) -> int:
@@ -31,6 +32,13 @@ def main(argv: list[str]) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--model")
+        model = pre.parse_known_args(rest)[0].model
+        if model and not (Path(model) / "config.json").exists():  # answer before importing torch
+            print(f"neon-hpc engine serve: {model}/config.json not found; point --model at an HF weights "
+                  f"folder such as RUN/weights/v_0", file=sys.stderr)
+            return 2
         from neon_hpc.rollout.engines.embedded import main as serve_main
         return serve_main(rest)
     if cmd == "sglang-cmd":
