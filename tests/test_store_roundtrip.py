@@ -16,6 +16,7 @@ from neon_hpc.store import ShardWriter, Trajectory, read_shard, ready_count, sha
 from neon_hpc.store import schema as S
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
+from neon_hpc.store.writer import tmp_name
 
 
 def _ragged(rng, lengths, **kw):
@@ -176,9 +177,9 @@ def test_restarted_writer_removes_its_predecessors_and_stale_tmp_files_only(tmp_
     rng = np.random.default_rng(10)
     ShardWriter(tmp_path, "rollout-2", StoreConfig(fsync=False))
     tmp = tmp_path / "trajectories" / "tmp"
-    mine = tmp / (str(S.ShardName(1, "rollout-2", "deadbeef", 0, 1)) + ".part")
-    other = tmp / (str(S.ShardName(1, "rollout-3", "deadbeef", 0, 1)) + ".part")
-    dead = tmp / (str(S.ShardName(1, "rollout-9", "0badcafe", 0, 1)) + ".part")
+    mine = tmp / tmp_name(str(S.ShardName(1, "rollout-2", "deadbeef", 0, 1)))
+    other = tmp / tmp_name(str(S.ShardName(1, "rollout-3", "deadbeef", 0, 1)))
+    dead = tmp / tmp_name(str(S.ShardName(1, "rollout-9", "0badcafe", 0, 1)))
     mine.write_bytes(b"torn")
     other.write_bytes(b"in progress")
     dead.write_bytes(b"torn long ago")

@@ -14,7 +14,7 @@ class StoreConfig:
     compression_chunk_tokens: int = 4096   # rows per chunk when compressed (contiguous otherwise)
     quarantine_invalid: bool = True    # False: a claim stops with ShardError on an invalid shard
     fsync: bool = True                 # fsync data + directory on publish (off only for tests/benchmarks)
-    stale_tmp_s: float = 3600.0        # a writer removes tmp/*.part files untouched this long (dead writers')
+    stale_tmp_s: float = 3600.0        # a writer removes tmp/.*.tmp.part files untouched this long
 
     def validate(self):
         errs = []

@@ -2,7 +2,7 @@
 
 Publishing: the file is written under ``trajectories/tmp/``, fsynced, renamed into
 ``trajectories/ready/`` and the directory fsynced. A crash at any point leaves either no
-file in ready/ or a complete one; a leftover ``tmp/*.part`` is removed by the next writer
+file in ready/ or a complete one; a leftover ``tmp/.<name>.tmp.part`` is removed by the next writer
 with the same ``writer_id``, or by any writer once it is ``stale_tmp_s`` old (README).
 """
 
@@ -26,6 +26,14 @@ from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
 
 log = logging.getLogger("neon_hpc.store")
+
+# Hidden, with ".tmp." inside: the run directory's convention for files in progress
+# (rundir.remove_stale_tmp and `neon-hpc status` treat them as such).
+TMP_SUFFIX = ".tmp.part"
+
+
+def tmp_name(shard_name: str) -> str:
+    return f".{shard_name}{TMP_SUFFIX}"
 
 
 @dataclass
@@ -241,7 +249,7 @@ class ShardWriter:
             return None
         name = str(S.ShardName(int(time.time() * 1000), self._name_writer, self._session,
                                self._seq, len(self._buf)))
-        tmp = self.rd.traj_tmp / f"{name}.part"
+        tmp = self.rd.traj_tmp / tmp_name(name)
         final = self.rd.traj_ready / name
         try:
             info = write_shard(tmp, self._buf, self.writer_id, self.job_id, self.cfg)
@@ -287,8 +295,8 @@ class ShardWriter:
         """Delete tmp/ files of crashed writers: any of an earlier process with our writer id,
         and anyone's untouched for ``stale_tmp_s`` (a live flush rewrites its file within seconds)."""
         now = time.time()
-        for p in self.rd.traj_tmp.glob("*.part"):
-            sn = S.parse_shard_name(p.name[:-len(".part")])
+        for p in self.rd.traj_tmp.glob(tmp_name("*")):
+            sn = S.parse_shard_name(p.name[1:-len(TMP_SUFFIX)])
             mine = sn is not None and sn.writer == self._name_writer and sn.session != self._session
             try:
                 stale = now - p.stat().st_mtime > self.cfg.stale_tmp_s
