@@ -52,13 +52,21 @@ def test_group_durations_take_the_slowest_episode_of_each_group():
 def test_consistent_run_falls_within_the_band(tmp_path):
     report = compare_with_run(write_run(tmp_path), seeds=3)
     assert report.steps == 12 and report.workers == 2 and report.groups == 26
-    assert report.row("trainer_idle").measured == pytest.approx(76 / 124)
-    assert report.row("trainer_idle").predicted == pytest.approx(0.6, abs=0.05)
+    # from step 2 on (start-up excluded): 6 s of every 10 s
+    assert report.row("trainer_idle").measured == pytest.approx(0.6)
+    assert report.row("trainer_idle").predicted == pytest.approx(0.6, abs=0.02)
     assert report.row("rollout_idle").measured == 0.0
     assert report.row("staleness_max").predicted == pytest.approx(1.0)
     assert report.ok, report.text()
     assert "within" in report.text()
     assert report.params.source("fixed_step_s").startswith("measured")
+
+
+def test_start_up_included_on_request(tmp_path):
+    report = compare_with_run(write_run(tmp_path), seeds=2, warmup_steps=0)
+    assert report.row("trainer_idle").measured == pytest.approx(76 / 124)     # 10 + 11 x 6 of 14 + 11 x 10
+    assert report.row("trainer_idle").predicted == pytest.approx(76 / 124, abs=0.02)
+    assert report.ok, report.text()
 
 
 def test_inconsistent_run_is_flagged(tmp_path):

@@ -51,6 +51,7 @@ class SimParams:
     export_bytes_per_s: float = 2.0e9
     # trainer
     trajectories_per_step: int = 16
+    consume_per_step: float = 0.0       # > 0: the trainer takes this many on average (measured runs)
     dp: int = 1
     pp: int = 1
     cp: int = 1

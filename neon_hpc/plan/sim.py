@@ -68,6 +68,9 @@ class SimResult:
     staleness: Counter             # staleness -> trajectories
     step_compute_s: list[float] = field(default_factory=list)
     step_end_s: list[float] = field(default_factory=list)
+    step_wait_s: list[float] = field(default_factory=list)
+    step_busy_s: list[float] = field(default_factory=list)
+    step_staleness: list[tuple[int, float, int]] = field(default_factory=list)
     rollout_phase_s: float = 0.0   # sync/one_step_off: time from batch start to batch complete
     versions_spanned_mean: float = 1.0
     aborted: int = 0               # trajectories stopped early for being beyond the bound (in dropped)
@@ -98,6 +101,22 @@ class SimResult:
     def dropped_frac(self) -> float:
         done = self.consumed + self.dropped
         return self.dropped / done if done else 0.0
+
+    def window(self, first_step: int) -> dict[str, float]:
+        """Idle fractions and staleness from step ``first_step`` (0-based) on: steady state
+        without the start-up, for comparing with a measured run."""
+        k = min(max(first_step, 0), max(len(self.step_end_s) - 1, 0))
+        t0 = self.step_end_s[k - 1] if k > 0 else 0.0
+        b0 = self.step_busy_s[k - 1] if k > 0 else 0.0
+        span = self.wall_s - t0
+        n = sum(x[0] for x in self.step_staleness[k:])
+        return {
+            "trainer_idle": sum(self.step_wait_s[k:]) / span if span > 0 else 0.0,
+            "rollout_idle": min(1.0, max(0.0, 1.0 - (self.rollout_busy_s - b0) / (self.slots * span)))
+            if span > 0 else 0.0,
+            "staleness_mean": sum(x[1] for x in self.step_staleness[k:]) / n if n else 0.0,
+            "staleness_max": float(max((x[2] for x in self.step_staleness[k:]), default=0)),
+        }
 
     def staleness_quantile(self, q: float) -> int:
         total = sum(self.staleness.values())
@@ -204,6 +223,9 @@ class _Sim:
         self.compute_s = self.publish_s = self.wait_s = self.rollout_phase_s = 0.0
         self.step_compute: list[float] = []
         self.step_end: list[float] = []
+        self.step_wait: list[float] = []
+        self.step_busy: list[float] = []      # rollout slot-seconds held, at each step's end
+        self.step_staleness: list[tuple[int, float, int]] = []   # (trajectories, token staleness sum, max)
         self._buf: list = []
         self._buf_i = self.CHUNK
         self._gbuf: list = []
@@ -419,24 +441,35 @@ class _Sim:
         self.ready = keep
 
     # ---- trainer ---------------------------------------------------------------------
+    def _need_now(self) -> int:
+        """Groups this step consumes: ``need``, or on average ``consume_per_step / G`` (a
+        measured run's trainer claims whole shards, so slightly more than one step's worth)."""
+        per_step = self.p.consume_per_step / self.G
+        if per_step <= 0:
+            return self.need
+        k = len(self.step_end)
+        return max(1, math.floor((k + 1) * per_step + 0.5) - math.floor(k * per_step + 0.5))
+
     def _take_batch(self):
         batch: list[_Group] = []
         t0 = self.env.now
-        while len(batch) < self.need:
-            while self.ready and len(batch) < self.need:
+        need = self._need_now()
+        while len(batch) < need:
+            while self.ready and len(batch) < need:
                 g = self.ready.popleft()
                 if self._stale(g):
                     self._discard(g)
                     continue
                 self._release(g)
                 batch.append(g)
-            if len(batch) < self.need:
-                self._want = self.need - len(batch)
+            if len(batch) < need:
+                self._want = need - len(batch)
                 self._waiter = self.env.event()
                 self._fill()            # a starved trainer lifts the 'oldest' admission rule
                 if self._waiter is not None:
                     yield self._waiter
         self.wait_s += self.env.now - t0
+        self.step_wait.append(self.env.now - t0)
         return batch
 
     def _trainer(self):
@@ -460,17 +493,26 @@ class _Sim:
                 self.step += 1
                 env.timeout(publish_s, value=self.step).callbacks.append(lambda e: self._publish(e.value))
             self.step_end.append(env.now)
+            self.step_busy.append(self._busy_until(env.now))
             self._abort_stale_inflight()
             self._purge_stale_ready()
             self._fill()
 
     def _account(self, batch: list[_Group]) -> None:
+        n_step, tok_step, max_step = 0, 0.0, 0
         for g in batch:
             n = len(g.lengths)
             self.consumed += n
             self.staleness[self.step - g.vmin] += n
-            self.token_staleness_sum += n * (self.step - 0.5 * (g.vmin + g.vmax))
+            tok = n * (self.step - 0.5 * (g.vmin + g.vmax))
+            self.token_staleness_sum += tok
             self.spanned_sum += n * (g.vmax - g.vmin + 1)
+            n_step, tok_step, max_step = n_step + n, tok_step + tok, max(max_step, self.step - g.vmin)
+        self.step_staleness.append((n_step, tok_step, max_step))
+
+    def _busy_until(self, t: float) -> float:
+        occupied = self.p.rollout_slots - self.idle_slots
+        return self.busy_s + occupied * t - self.occ_start_sum
 
     def _publish(self, version: int) -> None:
         if version <= self.version:
@@ -511,14 +553,14 @@ class _Sim:
             self._fill()
         env.run(until=trainer)
         end = env.now
-        occupied = self.p.rollout_slots - self.idle_slots
-        busy = self.busy_s + occupied * end - self.occ_start_sum
+        busy = self._busy_until(end)
         return SimResult(
             policy=self.p.policy, steps=self.p.steps, wall_s=end, compute_s=self.compute_s,
             publish_s=self.publish_s, wait_s=self.wait_s, rollout_busy_s=busy,
             slots=self.p.rollout_slots, consumed=self.consumed, dropped=self.dropped,
             started=self.started, staleness=self.staleness, step_compute_s=self.step_compute,
-            step_end_s=self.step_end, rollout_phase_s=self.rollout_phase_s,
+            step_end_s=self.step_end, step_wait_s=self.step_wait, step_busy_s=self.step_busy,
+            step_staleness=self.step_staleness, rollout_phase_s=self.rollout_phase_s,
             versions_spanned_mean=self.spanned_sum / self.consumed if self.consumed else 1.0,
             staleness_token_mean=self.token_staleness_sum / self.consumed if self.consumed else 0.0,
             engine_stall_mean=self.stall_sum / self.started if self.started else 0.0,
