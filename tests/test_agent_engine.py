@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models.config import ModelConfig
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.rollout.agent import run_episode, run_group
 from neon_hpc.rollout.agent.template import ChatTemplate
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.embedded import start_server
-from test_agent_episode import ToyEnv
+from test_agent_episode import ToyEnv, tiny_weights
 
 TOK = load_tokenizer()
 CFG = RolloutConfig(max_turns=3, max_new_tokens=6, max_total_tokens=256, temperature=1.0,
@@ -26,10 +25,8 @@ CFG = RolloutConfig(max_turns=3, max_new_tokens=6, max_total_tokens=256, tempera
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from neon_hpc.models.hf import build_hf_model, save_hf
-    cfg = ModelConfig()
-    path = save_hf(build_hf_model(cfg, seed=3), cfg, tmp_path_factory.mktemp("w") / "v_0")
+def served():
+    path = tiny_weights(3)
     handle = start_server(path, in_process=True)
     yield handle, path
     handle.stop()

@@ -155,3 +155,24 @@ def test_group_shares_a_group_id_and_grades_each_member():
     trajs = run_group(Alternating([]), ToyEnv(), TOK, replace(CFG, max_turns=1), group_size=4)
     assert len(trajs) == 4 and len({t.group_id for t in trajs}) == 1 and trajs[0].group_id
     assert sorted(t.reward for t in trajs) == [0.0, 0.0, 1.0, 1.0]
+
+
+_WEIGHTS: dict = {}
+
+
+def tiny_weights(seed: int = 3):
+    """HF weights of the tiny default model, built once per test process and shared by the
+    engine tests of test_agent_* and test_replay_* (building is the slow part here)."""
+    if seed not in _WEIGHTS:
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from neon_hpc.models.config import ModelConfig
+        from neon_hpc.models.hf import build_hf_model, save_hf
+        root = Path(tempfile.mkdtemp(prefix="neon-agent-tests-"))
+        atexit.register(shutil.rmtree, root, True)
+        cfg = ModelConfig()
+        _WEIGHTS[seed] = save_hf(build_hf_model(cfg, seed=seed), cfg, root / "v_0")  # version 0
+    return _WEIGHTS[seed]

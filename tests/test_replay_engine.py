@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import requests
 
-from neon_hpc.models.config import ModelConfig
 from neon_hpc.replay import ReplayConversation
 
 EngineClient = pytest.importorskip("neon_hpc.rollout.engines.client",
@@ -28,11 +27,11 @@ LAYERS, TOPK = 2, 2
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from neon_hpc.models.hf import build_hf_model, save_hf
+    import shutil
+    from test_agent_episode import tiny_weights
     root = tmp_path_factory.mktemp("weights")
-    cfg = ModelConfig()
-    save_hf(build_hf_model(cfg, seed=1), cfg, root / "v_0")
-    save_hf(build_hf_model(cfg, seed=2), cfg, root / "v_1")
+    shutil.copytree(tiny_weights(3), root / "v_0")        # the engine reads the version from v_N
+    shutil.copytree(tiny_weights(4), root / "v_1")
     return root
 
 

@@ -63,6 +63,7 @@ class RolloutConfig:
     tools: Literal["full", "minimal"] = "full"
     reward: Literal["success", "dense"] = "dense"   # which grader reward becomes Trajectory.reward
     force_answer: bool = True         # the last turn starts with <answer> (budget forcing)
+    answer_max_new_tokens: int = 0    # tokens for that forced answer (0 = max_new_tokens)
     prompt_style: Literal["auto", "compact", "full"] = "auto"  # auto: compact for the tiny preset
     max_tool_chars: int = 2000        # tool results are cut to this many characters
     request_retries: int = 2          # retries of one turn after a dropped response
@@ -83,6 +84,8 @@ class RolloutConfig:
             errs.append(("max_new_tokens", "must be >= 1"))
         if self.max_tool_chars < 16:
             errs.append(("max_tool_chars", "must be >= 16 (tool errors must stay readable)"))
+        if self.answer_max_new_tokens < 0:
+            errs.append(("answer_max_new_tokens", "must be >= 0 (0 = max_new_tokens)"))
         if self.request_retries < 0:
             errs.append(("request_retries", "must be >= 0"))
         return errs

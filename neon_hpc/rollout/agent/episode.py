@@ -113,12 +113,13 @@ class Episode:
                 self.finish = stop
                 break
             last = turn == self.cfg.max_turns - 1
-            if last and getattr(self.cfg, "force_answer", True):
+            forced = last and getattr(self.cfg, "force_answer", True)
+            if forced:
                 self.ledger.add_env(self.template.force_answer())
-            text = self._generate()
+            text = self._generate(getattr(self.cfg, "answer_max_new_tokens", 0) if forced else 0)
             if text is None:
                 break
-            if self._act(text, forced=last and getattr(self.cfg, "force_answer", True)):
+            if self._act(text, forced=forced):
                 break
         self.timings["episode_s"] = time.monotonic() - t0
         return self
@@ -130,8 +131,8 @@ class Episode:
             return "token_budget"
         return None
 
-    def _generate(self) -> str | None:
-        budget = min(self.cfg.max_new_tokens, self.cfg.max_total_tokens - len(self.ledger.tokens))
+    def _generate(self, cap: int = 0) -> str | None:
+        budget = min(cap or self.cfg.max_new_tokens, self.cfg.max_total_tokens - len(self.ledger.tokens))
         if budget <= 0:
             self.finish = "token_budget"
             return None

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=32, help="tasks per split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tools", choices=("full", "minimal"), default="full")
+    ap.add_argument("--prompt-style", choices=("auto", "compact", "full"), default="auto",
+                    help="auto: compact for the tiny preset (our tiny model), full otherwise")
     ap.add_argument("--tokenizer", default="xrd-tiny", help="generate API: 'xrd-tiny' or a local HF tokenizer dir")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-turns", type=int, default=None)
@@ -63,8 +65,8 @@ def rollout_config(args) -> RolloutConfig:
     if args.preset != "tiny":   # real models need room: more turns, longer outputs
         cfg = replace(cfg, max_turns=12, max_new_tokens=1024, max_total_tokens=32768, prompt_style="full")
     for field, value in (("max_turns", args.max_turns), ("max_new_tokens", args.max_new_tokens),
-                         ("max_total_tokens", args.max_total_tokens)):
-        if value is not None:
+                         ("max_total_tokens", args.max_total_tokens), ("prompt_style", args.prompt_style)):
+        if value is not None and value != "auto":
             cfg = replace(cfg, **{field: value})
     errs = cfg.validate()
     if errs:

@@ -14,7 +14,8 @@ def as_environment(task: Any, cfg: Any):
     if hasattr(task, "run_tool") and hasattr(task, "grade"):
         return task
     from neon_hpc.rollout.agent.xrd_env import XRDEnv
-    return XRDEnv(task, tools=cfg.tools, style=getattr(cfg, "prompt_style", "auto"))
+    return XRDEnv(task, tools=cfg.tools, style=getattr(cfg, "prompt_style", "auto"),
+                  max_tool_chars=getattr(cfg, "max_tool_chars", 2000))
 
 
 def run_episode(client: Any, task: Any, tokenizer: Any, cfg: Any,

@@ -1,0 +1,174 @@
+"""The XRD task as an agent environment: prompts, tools, answer reading, grading.
+
+Two prompt styles:
+
+- ``full`` (real models): a system prompt with the task, the answer format and the tools'
+  JSON schemas; a user message with the sample (elements, precursors, synthesis conditions,
+  date, a summary of the pattern with its strongest peaks, and a pointer to the lab's history,
+  reachable through tools).  Tool calls in JSON; answer ``<answer>phase fraction, ...</answer>``.
+- ``compact`` (the tiny model of ``configs/tiny_cpu.yaml``, vocabulary of 256 tokens): one
+  line, ``elements Ni O Ti peaks 27 37 43 54 63 candidates NiO 43 TiO2 27 TiO2 25 ...``: the
+  observed strongest peak positions and the candidate phases (those ``search_phases`` returns
+  for the sample's elements, distractors included) each with the position of its strongest
+  reflection, all as single tokens.  The answer names phases by those positions:
+  ``<answer>43 27</answer>`` -> the candidates whose strongest reflection is nearest to 43 and
+  to 27 (equal fractions).  A random policy already names *some* candidate with every number
+  token it emits, which is what lets a tiny model learn from reward alone; a name (formula or
+  id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.
+
+Tools are ``neon_hpc.xrd.tools`` (``--tools full|minimal``); their errors come back as
+``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.xrd.grader.grade``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from neon_hpc.rollout.agent.answer import parse_phase_answer
+from neon_hpc.rollout.agent.parse import ToolCall
+
+ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "
+                 "library id (from search_phases) or as 'formula spacegroup', with weight fractions "
+                 "summing to 1 (or percent), e.g. <answer>cur:TiO2_rutile 0.7, cur:ZnO_zincite 0.3</answer>.")
+COMPACT_MAX_PHASES = 3
+
+
+class XRDEnv:
+    """One XRD task (``neon_hpc.xrd.tasks.Task``) for one episode."""
+
+    def __init__(self, task: Any, tools: str = "full", style: str = "auto", max_tool_chars: int = 2000):
+        from neon_hpc.xrd.tasks import make_context
+        from neon_hpc.xrd.tools import toolset
+        self.task = task
+        self.task_id = str(task.id)
+        self.tools = toolset(tools)
+        self.style = ("compact" if task.preset == "tiny" else "full") if style == "auto" else style
+        self.max_tool_chars = max_tool_chars if self.style == "full" else min(max_tool_chars, 240)
+        self.ctx = make_context(task)
+        self._candidates: list[tuple[str, str, float]] | None = None   # (id, formula, strongest 2theta)
+
+    # --- prompts -----------------------------------------------------------------------
+    def system_text(self) -> str:
+        if self.style == "compact":
+            return "xrd"
+        schemas = json.dumps([t.openai_schema()["function"] for t in self.tools.values()], separators=(",", ":"))
+        return ("You identify the crystalline phases in a powder X-ray diffraction pattern and their weight "
+                "fractions. Use the tools to inspect the pattern, search candidate phases, simulate and fit "
+                "them. Call one tool per message as <tool_call>{\"name\": NAME, \"arguments\": {...}}"
+                "</tool_call>. " + ANSWER_FORMAT + " Tools: " + schemas)
+
+    def task_text(self) -> str:
+        return self._compact_task() if self.style == "compact" else self._full_task()
+
+    def _observed_peaks(self, n: int) -> list[tuple[float, float]]:
+        from neon_hpc.xrd.tools import observed_peaks
+        x, h, _ = observed_peaks(self.ctx.two_theta, self.ctx.intensity)
+        top = np.argsort(-h)[:n]
+        return sorted((float(x[i]), float(h[i])) for i in top)
+
+    def candidates(self) -> list[tuple[str, str, float]]:
+        if self._candidates is None:
+            from neon_hpc.xrd.tools import call_tool
+            res = call_tool("search_phases", {"elements": list(self.task.elements), "limit": 12}, self.ctx)
+            cands = []
+            for p in res.get("phases", []):
+                if p.get("strongest_peaks"):
+                    tt = max(p["strongest_peaks"], key=lambda z: z[1])[0]
+                    cands.append((p["id"], p["formula"], float(tt)))
+            self._candidates = cands
+        return self._candidates
+
+    def _compact_task(self) -> str:
+        peaks = " ".join(str(int(round(x))) for x, _ in self._observed_peaks(5))
+        cands = " ".join(f"{f} {int(round(tt))}" for _pid, f, tt in self.candidates())
+        return f"elements {' '.join(self.task.elements)} peaks {peaks} candidates {cands}"
+
+    def _full_task(self) -> str:
+        t = self.task
+        x = self.ctx.two_theta
+        peaks = ", ".join(f"{a:.2f} ({h:.0f}%)" for a, h in self._observed_peaks(10))
+        lines = [f"Sample {t.id}, measured {t.date}.",
+                 f"Elements: {', '.join(t.elements)}." if t.elements else "",
+                 f"Precursors: {', '.join(t.precursors)}." if t.precursors else "",
+                 f"Synthesis: {json.dumps(t.conditions)}." if t.conditions else "",
+                 f"Pattern: 2theta {x[0]:.1f}-{x[-1]:.1f} deg, {len(x)} points, wavelength "
+                 f"{self.ctx.instrument.wavelength} A. Strongest peaks (2theta, relative height): {peaks}.",
+                 "Earlier experiments of this lab (before this date) are available through search_history."
+                 if "search_history" in self.tools else "",
+                 "Which phases are present, and in what weight fractions?"]
+        return "\n".join(s for s in lines if s)
+
+    # --- tools -------------------------------------------------------------------------
+    def run_tool(self, call: ToolCall) -> dict:
+        from neon_hpc.xrd.tools import call_tool
+        spec = self.tools.get(call.name)
+        args = dict(call.arguments)
+        if call.positional:
+            if spec is None:
+                return {"error": f"unknown tool {call.name!r}; available: {', '.join(self.tools)}"}
+            bound = _bind_positional(spec.parameters, call.positional)
+            if isinstance(bound, str):
+                return {"error": f"{call.name}: {bound}"}
+            args = {**bound, **args}
+        return call_tool(call.name, args, self.ctx, self.tools)
+
+    def format_result(self, result: dict) -> str:
+        text = json.dumps(result, separators=(",", ":"), default=str)
+        if len(text) > self.max_tool_chars:
+            text = text[: self.max_tool_chars - 12] + "...(cut)"
+        return text
+
+    # --- answers -----------------------------------------------------------------------
+    def parse_answer(self, text: str | None) -> list[tuple[str, float]]:
+        if text is None:
+            return []
+        if self.style == "compact":
+            picked = self._compact_answer(text)
+            if picked:
+                return picked
+        return parse_phase_answer(text)
+
+    def _compact_answer(self, text: str) -> list[tuple[str, float]]:
+        cands = self.candidates()
+        if not cands:
+            return []
+        chosen: list[str] = []
+        for m in re.finditer(r"\d+(?:\.\d+)?", text):
+            x = float(m.group(0))
+            pid = min(cands, key=lambda c: abs(c[2] - x))[0]
+            if pid not in chosen:
+                chosen.append(pid)
+            if len(chosen) == COMPACT_MAX_PHASES:
+                break
+        return [(pid, 1.0 / len(chosen)) for pid in chosen]
+
+    def grade(self, predicted: list[tuple[str, float]]) -> tuple[float, float, dict]:
+        from neon_hpc.xrd.grader import grade
+        g = grade(predicted or [], self.task.truth)
+        details = dict(g.details)
+        details["phase_f1"] = details.get("f1_major")
+        details["weight_mae"] = details.get("mae")
+        return float(g.success), float(g.dense), details
+
+
+def _bind_positional(schema: dict, positional: list) -> dict | str:
+    """Compact calls: bare words go to the required parameters in order, or (no required
+    parameter) to the first array parameter, e.g. ``search_phases Ti O`` -> elements."""
+    props = schema.get("properties", {})
+    required = list(schema.get("required", []))
+    if required:
+        target = required[0]
+    else:
+        arrays = [k for k, v in props.items() if v.get("type") == "array"]
+        if not arrays:
+            return "takes no positional arguments; write key=value"
+        target = arrays[0]
+    if props.get(target, {}).get("type") == "array":
+        return {target: [str(p) if not isinstance(p, (int, float)) else p for p in positional]}
+    if len(positional) > len(required):
+        return f"too many positional arguments ({len(positional)}); parameters: {', '.join(required)}"
+    return dict(zip(required, positional))

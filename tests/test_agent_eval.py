@@ -1,0 +1,152 @@
+"""The evaluation harness can tell success from failure.
+
+A scripted endpoint (real HTTP, SGLang's /generate wire format and an OpenAI-style chat API)
+plays a policy that calls a tool and then answers from the ground truth: it must score 100%.
+One that answers nothing must score 0%.  Also: XRD episodes on the tiny preset against the
+embedded engine (real tools, real grader) keep exact books.
+"""
+import json
+import re
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from neon_hpc.models.tokenizer import load_tokenizer
+from neon_hpc.rollout.agent import eval_cli, run_group
+from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.rollout.engines import protocol
+from neon_hpc.xrd.tasks import load_tasks
+
+TOK = load_tokenizer()
+
+
+def truth_answer(task_id):
+    preset, split, seed, idx = re.match(r"^(\w+)-(\w+)-s(\d+)-(\d+)$", task_id).groups()
+    task = load_tasks(preset, split, int(seed), int(idx) + 1)[int(idx)]
+    return ", ".join(f"{pid} {wf}" for pid, _f, wf in task.truth)
+
+
+class Scripted(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, policy):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.policy, self.requests = policy, 0
+
+    def reply(self, conversation: str) -> str:
+        if self.policy == "silent":
+            return ""
+        if "<|tool|>" not in conversation and "Tool result" not in conversation:
+            return '<tool_call>{"name": "find_peaks", "arguments": {"max_peaks": 5}}</tool_call>'
+        task_id = re.search(r"Sample (\S+), measured", conversation).group(1)
+        answer = truth_answer(task_id)
+        return answer + "</answer>" if conversation.endswith("<answer>") else f"<answer>{answer}</answer>"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        out = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def do_GET(self):
+        self._send({"model_path": "scripted", "weight_version": "0", "num_moe_layers": 2, "moe_router_topk": 2})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests += 1
+        if self.path == "/generate":
+            ids = body["input_ids"]
+            out = TOK.encode(self.server.reply(TOK.decode(ids)))[: body["sampling_params"]["max_new_tokens"]]
+            meta = {"prompt_tokens": len(ids), "completion_tokens": len(out), "weight_version": "0",
+                    "finish_reason": {"type": "stop", "matched": 1},
+                    "output_token_logprobs": [[-0.5, t, None] for t in out]}
+            if body.get("return_routed_experts"):
+                rows = protocol.routed_rows(len(ids), len(out), body.get("routed_experts_start_len", 0))
+                meta["routed_experts"] = protocol.encode_routes(np.zeros((rows, 2, 2), np.int32))
+            return self._send({"output_ids": out, "meta_info": meta})
+        if self.path == "/v1/chat/completions":
+            convo = "\n".join(m["content"] for m in body["messages"])
+            text = self.server.reply(convo.replace("Last turn: answer now with <answer>...</answer>.", ""))
+            text = text.replace("</tool_call>", "").replace("</answer>", "")   # stop strings are trimmed
+            return self._send({"choices": [{"message": {"role": "assistant", "content": text},
+                                            "finish_reason": "stop"}],
+                               "usage": {"total_tokens": len(convo) // 4, "completion_tokens": len(text) // 4}})
+        self.send_error(404)
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def make(policy):
+        srv = Scripted(policy)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+    yield make
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.mark.parametrize("api", ["generate", "chat"])
+def test_truth_policy_scores_100_and_silent_policy_0(scripted, tmp_path, api):
+    common = ["--api", api, "--preset", "tiny", "--split", "test_id,test_ood", "--n", "3", "--prompt-style", "full",
+              "--max-turns", "3", "--max-new-tokens", "200", "--max-total-tokens", "20000", "--no-progress"]
+    assert eval_cli.main(["--endpoint", scripted("truth"), "--out", str(tmp_path / "good"), *common]) == 0
+    report = json.loads((tmp_path / "good" / "eval.json").read_text())
+    for split in ("test_id", "test_ood"):
+        s = report["summaries"][split]
+        assert s["success_rate"] == 1.0 and s["episodes"] == 3 and s["errors"] == 0
+        assert s["phase_f1"] == 1.0 and s["weight_mae"] < 1e-6 and s["tool_calls_mean"] == 1.0
+    assert "| test_ood | 3 | 100.0% |" in (tmp_path / "good" / "eval.md").read_text()
+    assert eval_cli.main(["--endpoint", scripted("silent"), "--out", str(tmp_path / "bad"), *common]) == 0
+    bad = json.loads((tmp_path / "bad" / "eval.json").read_text())["summaries"]["test_id"]
+    assert bad["success_rate"] == 0.0 and bad["success_ci95"][1] < 0.8
+
+
+def test_minimal_toolset_refuses_full_tools(scripted, tmp_path):
+    args = ["--endpoint", scripted("truth"), "--api", "generate", "--preset", "tiny", "--split", "test_id",
+            "--n", "2", "--tools", "minimal", "--prompt-style", "full", "--max-turns", "3",
+            "--max-new-tokens", "200", "--max-total-tokens", "20000", "--no-progress", "--out", str(tmp_path)]
+    assert eval_cli.main(args) == 0
+    s = json.loads((tmp_path / "eval.json").read_text())["summaries"]["test_id"]
+    assert s["tool_errors"] == 2 and s["success_rate"] == 1.0   # find_peaks is not in the minimal set
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from neon_hpc.rollout.engines.embedded import start_server
+    from test_agent_episode import tiny_weights
+    handle = start_server(tiny_weights(3), in_process=True)
+    yield handle
+    handle.stop()
+
+
+def test_tiny_xrd_group_on_the_embedded_engine(engine):
+    from neon_hpc.rollout.engines.client import EngineClient
+    task = load_tasks("tiny", "train", 0, 1)[0]
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=2, max_total_tokens=512)
+    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=4, seed=3)
+    assert len({t.group_id for t in trajs}) == 1
+    for t in trajs:
+        t.check()
+        assert t.task_id == task.id and t.metadata["finish"] == "answer"
+        assert 0.0 <= t.rewards["dense"] <= 1.0 and t.reward == t.rewards["dense"]
+        assert t.routed_experts.shape == (t.num_tokens, 2, 2)
+        assert np.all(t.loss_mask[t.turn_offsets[-1] - 2:] <= 1)
+        gen_last = t.loss_mask[t.turn_offsets[-2]:t.turn_offsets[-1]].sum()
+        assert gen_last <= 2                                   # the forced answer is short
+        assert TOK.decode(t.tokens[:t.turn_offsets[1]]).startswith("<|system|>xrd<|end|><|user|>elements ")
