@@ -92,19 +92,28 @@ def test_shard_for_rank_splits_by_query_group_and_expert():
     assert not any(".local_experts.2." in k for k in s)
 
 
-def test_megatron_logits_equal_hf_tp1(hf_dir, ids):
+def _same_experts(a, b):
+    # the set of chosen experts per token and layer (order within top-k is irrelevant to replay)
+    return np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1))
+
+
+def test_megatron_logits_and_routes_equal_hf_tp1(hf_dir, ids):
     from neon_hpc.models import parity
-    ref = parity.hf_logits(hf_dir, ids)
-    got, finite = parity.megatron_logits(hf_dir, ids, tp=1, ep=1)
+    ref, ref_routes = parity.hf_logits(hf_dir, ids, with_routes=True)
+    got, finite, routes = parity.megatron_logits(hf_dir, ids, tp=1, ep=1, with_routes=True)
     assert np.abs(ref).max() > 1.0  # the comparison is not between two near-zero tensors
     assert np.abs(ref - got).max() < LOGIT_TOL
+    assert routes.shape == ref_routes.shape == (2, 12, 2, 2)
+    assert _same_experts(routes, ref_routes)
+    assert len(np.unique(ref_routes)) == 4  # every expert is used: routing is not degenerate
     assert finite
 
 
 @pytest.mark.slow
-def test_megatron_logits_equal_hf_tp2_ep2(hf_dir, ids):
+def test_megatron_logits_and_routes_equal_hf_tp2_ep2(hf_dir, ids):
     from neon_hpc.models import parity
-    ref = parity.hf_logits(hf_dir, ids)
-    got, finite = parity.megatron_logits(hf_dir, ids, tp=2, ep=2)
+    ref, ref_routes = parity.hf_logits(hf_dir, ids, with_routes=True)
+    got, finite, routes = parity.megatron_logits(hf_dir, ids, tp=2, ep=2, with_routes=True)
     assert np.abs(ref - got).max() < LOGIT_TOL
+    assert _same_experts(routes, ref_routes)
     assert finite

@@ -185,8 +185,10 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
     b, s = input_ids.shape
-    position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s)
+    position_ids = torch.arange(s, dtype=torch.long, device=device).unsqueeze(0).expand(b, s)
     logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
     if ps.get_tensor_model_parallel_world_size() > 1:
         logits = gather_from_tensor_model_parallel_region(logits)

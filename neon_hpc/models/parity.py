@@ -27,22 +27,45 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, tp: int, ep: int, ids
     model_hf = hf.load_hf(hf_dir)
     cfg = hf.model_config_from_hf(model_hf.config)
     full = convert.hf_to_megatron(model_hf.state_dict(), cfg)
-    model = megatron.build_gpt_model(cfg, tp=tp, ep=ep)
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    RouterReplay.clear_global_router_replay_instances()
+    model = megatron.build_gpt_model(cfg, tp=tp, ep=ep, routing_replay=True)
     convert.load_into_megatron(model, convert.shard_for_rank(full, cfg, coords["tp_rank"], tp, coords["ep_rank"], ep))
     model.eval()
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
     logits = megatron.forward_logits(model, torch.from_numpy(ids))
+    routes = _gather_routes(RouterReplay.get_recorded_data(), ids.shape, tp)
     # A backward through the same graph: exercises the alltoall dispatcher's reverse path.
     logits.float().logsumexp(-1).mean().backward()
     grads_finite = all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
     if rank == 0:
-        np.savez(out, logits=logits.detach().numpy(), grads_finite=np.array(grads_finite))
+        np.savez(out, logits=logits.detach().numpy(), routes=routes, grads_finite=np.array(grads_finite))
     megatron.destroy_parallel()
 
 
-def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep: int = 1) -> tuple[np.ndarray, bool]:
+def _gather_routes(per_layer: list[torch.Tensor], shape: tuple[int, int], tp: int) -> np.ndarray:
+    """Recorded top-k ``[s_local*b, k]`` per layer -> ``[b, s, layers, k]`` (SP shards gathered)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    b, s = shape
+    layers = []
+    for idx in per_layer:
+        if tp > 1:  # sequence parallel: each TP rank routed a contiguous slice of the sequence
+            parts = [torch.empty_like(idx) for _ in range(tp)]
+            dist.all_gather(parts, idx.contiguous(), group=ps.get_tensor_model_parallel_group())
+            idx = torch.cat(parts, dim=0)
+        layers.append(idx.reshape(s, b, -1).transpose(0, 1))
+    return torch.stack(layers, dim=2).numpy().astype(np.int32)
+
+
+def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep: int = 1,
+                    with_routes: bool = False):
     """Logits of the megatron model (``max(tp, ep)`` gloo processes) built from ``hf_dir``.
 
-    Returns ``(logits [batch, seq, vocab], all gradients finite)``.
+    Returns ``(logits [batch, seq, vocab], all gradients finite)``, and with ``with_routes``
+    also the routers' top-k ``[batch, seq, layers, top_k]`` as a third element.
     """
     import torch.multiprocessing as mp
 
@@ -56,14 +79,28 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
         mp.start_processes(_worker, args=(world, _free_port(), str(hf_dir), tp, ep, np.asarray(ids, np.int64), out),
                            nprocs=world, join=True, start_method="spawn")
         with np.load(out) as z:
+            if with_routes:
+                return z["logits"], bool(z["grads_finite"]), z["routes"]
             return z["logits"], bool(z["grads_finite"])
 
 
-def hf_logits(hf_dir: str | os.PathLike, ids: np.ndarray) -> np.ndarray:
+def hf_logits(hf_dir: str | os.PathLike, ids: np.ndarray, with_routes: bool = False):
+    """HF logits ``[batch, seq, vocab]`` (and, with ``with_routes``, routes ``[batch, seq, layers, top_k]``)."""
     from neon_hpc.models import hf
     model = hf.load_hf(hf_dir)
+    found: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: found.append(o[2]))
+             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    ids_t = torch.from_numpy(np.asarray(ids, np.int64))
     with torch.no_grad():
-        return model(input_ids=torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()
+        logits = model(input_ids=ids_t).logits.numpy()
+    for h in hooks:
+        h.remove()
+    if not with_routes:
+        return logits
+    b, s = ids_t.shape
+    routes = torch.stack([r.reshape(b, s, -1) for r in found], dim=2).numpy().astype(np.int32)
+    return logits, routes
 
 
 def main(argv: list[str] | None = None) -> int:
