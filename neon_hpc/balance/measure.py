@@ -43,7 +43,7 @@ def build_model(model_cfg, seed: int = 0):
             outs, off = [], 0
             for start, end in pieces:
                 n = end - start
-                outs.append(_attend(q[off:off + n], k[off:off + n], v[off:off + n], start, H, G, d))
+                outs.append(attend(q[off:off + n], k[off:off + n], v[off:off + n], start, H, G, d))
                 off += n
             x = x + self.o(torch.cat(outs, dim=0))
             g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
@@ -68,8 +68,10 @@ def build_model(model_cfg, seed: int = 0):
     return Model(model_cfg)
 
 
-def _attend(q, k, v, start, H, G, d):
-    """Causal attention of queries at positions ``[start, start+n)`` over keys ``[0, start+n)``."""
+def attend(q, k, v, start, H, G, d, prefix=None):
+    """Causal attention of queries at positions ``[start, start+n)`` over keys ``[0, start+n)``.
+    ``q``: (n, H*d); ``k``, ``v``: (n, G*d) for the piece's own tokens; ``prefix``: optional
+    (K, V) of positions ``[0, start)`` shaped (1, H, start, d), random when not given."""
     import torch
     import torch.nn.functional as F
     n = q.shape[0]
@@ -86,8 +88,10 @@ def _attend(q, k, v, start, H, G, d):
         # attention does: scores against the prefix (no mask) and against the own chunk
         # (causal) in two flash calls, merged by their log-sum-exps.  (An explicit
         # lower-right causal mask would take the slow math kernel on CPU.)
-        kp = torch.randn(1, H, start, d, requires_grad=True)
-        vp = torch.randn(1, H, start, d, requires_grad=True)
+        if prefix is None:
+            prefix = (torch.randn(1, H, start, d, requires_grad=True),
+                      torch.randn(1, H, start, d, requires_grad=True))
+        kp, vp = prefix
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         o1, l1 = flash(q, kp, vp, 0.0, False)
         o2, l2 = flash(q, k, v, 0.0, True)

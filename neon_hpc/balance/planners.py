@@ -39,6 +39,10 @@ PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
 # (KK on 10k sequences x 1024 ranks takes seconds; at that size ours wins anyway)
 CANDIDATE_LIMIT = 200_000
 DEFAULT_TOKEN_CAP = 4096
+# the refinement stops once the slowest rank is within this fraction of the mean
+REFINE_TOLERANCE = 0.005
+CAP_HEADROOM = 0.85
+MAX_EXTRA_SLOTS = 3
 
 
 def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int = 1,
@@ -202,20 +206,32 @@ def _best_candidate(ours: Plan, others: list[Plan]) -> Plan:
 def _cost(ctx: _Ctx) -> Plan:
     lens = ctx.lens
     total_tokens = int(lens.sum())
-    m = max(ctx.m_min, math.ceil(total_tokens / (ctx.dp * ctx.cap)), 1)
+    # cost-balanced ranks hold unequal tokens (short-sequence ranks need more), so start
+    # with some headroom under the cap
+    m = max(ctx.m_min, math.ceil(total_tokens / (ctx.dp * ctx.cap * CAP_HEADROOM)), 1)
     # with one slot per sequence everything fits (a split sequence needs one slot), so
     # the retries end there
     m_max = max(m, len(ctx.active) + ctx.m_min)
     while True:
-        placed = _CostPacker(ctx, m).run()
+        packer = _CostPacker(ctx, m)
+        placed = packer.run()
         if placed is not None:
-            ranks, oversize = placed
-            return ctx.make_plan("cost", ranks, oversize)
-        if m >= m_max:
             break
+        if m >= m_max:
+            raise RuntimeError(f"cost planner: no packing found up to {m} micro-batches per rank "
+                               f"(token_cap={ctx.cap}); raise the cap")
         m = min(m_max, m + max(1, m // 8))
-    raise RuntimeError(f"cost planner: no packing found up to {m} micro-batches per rank "
-                       f"(token_cap={ctx.cap}); raise the cap")
+    # when the cap, not the cost, holds the fastest rank back, one more slot may balance better
+    for _ in range(MAX_EXTRA_SLOTS):
+        if packer.imbalance() <= 1 + REFINE_TOLERANCE or not packer.fastest_rank_is_full():
+            break
+        more = _CostPacker(ctx, packer.m + 1)
+        more_placed = more.run()
+        if more_placed is None or more.makespan() >= packer.makespan() * (1 - REFINE_TOLERANCE):
+            break
+        packer, placed = more, more_placed
+    ranks, oversize = placed
+    return ctx.make_plan("cost", ranks, oversize)
 
 
 class _CostPacker:
@@ -235,6 +251,22 @@ class _CostPacker:
     def rank_time(self, r: int) -> float:
         row = self.load[r]
         return (row.sum() + (self.ctx.p - 1) * row.max()) / self.ctx.p
+
+    def times(self) -> np.ndarray:
+        return self._row_times(self.load)
+
+    def makespan(self) -> float:
+        return float(self.times().max())
+
+    def imbalance(self) -> float:
+        t = self.times()
+        return float(t.max() / t.mean()) if t.mean() > 0 else 1.0
+
+    def fastest_rank_is_full(self) -> bool:
+        """True when the fastest rank has no slot with room for the shortest sequence."""
+        lo = int(np.argmin(self.times()))
+        shortest = int(self.ctx.lens[self.ctx.active].min()) if self.ctx.active else 1
+        return bool((self.toks[lo] + shortest > self.ctx.cap).all())
 
     def run(self):
         ctx = self.ctx
@@ -293,26 +325,29 @@ class _CostPacker:
 
     def _place_wholes(self, order: list[int]) -> bool:
         """Largest first onto the rank with the least predicted time, into its lightest slot
-        with room (LPT under the 1F1B time)."""
+        with room (LPT under the 1F1B time).  ``order`` is by cost, so by length too
+        (cost grows with length): a rank without room for this sequence is parked until
+        the sequences get short enough for its roomiest slot."""
         ctx = self.ctx
         heap = [(self.rank_time(r), r) for r in range(ctx.dp)]
         heapq.heapify(heap)
+        parked: list[tuple[int, int]] = []          # (-room, rank)
         for i in order:
             n, c = int(ctx.lens[i]), float(ctx.costs[i])
-            skipped = []
+            while parked and (-parked[0][0] >= n or n > ctx.cap):
+                _, r = heapq.heappop(parked)
+                heapq.heappush(heap, (self.rank_time(r), r))
             while heap:
                 t, r = heapq.heappop(heap)
                 j = self._lightest_slot_with_room(r, n)
                 if j is None:
-                    skipped.append((t, r))
+                    heapq.heappush(parked, (-int(ctx.cap - self.toks[r].min()), r))
                     continue
                 self._put_whole(r, j, i, n, c)
                 heapq.heappush(heap, (self.rank_time(r), r))
                 break
             else:
                 return False
-            for x in skipped:
-                heapq.heappush(heap, x)
         return True
 
     def _lightest_slot_with_room(self, r: int, n: int):
@@ -336,49 +371,101 @@ class _CostPacker:
         self.load[r, j] -= c
         self.toks[r, j] -= int(self.ctx.lens[i])
 
-    def _refine(self, max_moves: int | None = None) -> None:
+    def _refine(self) -> None:
         """Move whole sequences from the slowest rank to the fastest while the slower of the
-        two ends below the old maximum."""
+        two ends below the old maximum; when every move overshoots, cut one sequence between
+        them.  Stops once the slowest rank is within ``REFINE_TOLERANCE`` of the mean (each
+        cut is a real split with K/V traffic the model does not charge for)."""
         ctx = self.ctx
         if ctx.dp < 2:
             return
         times = np.array([self.rank_time(r) for r in range(ctx.dp)])
-        budget = max_moves if max_moves is not None else 4 * ctx.dp + 64
-        for _ in range(budget):
+        for _ in range(4 * ctx.dp + 64):
             hi, lo = int(np.argmax(times)), int(np.argmin(times))
-            if not self._best_move(hi, lo, times):
+            if times[hi] <= times.mean() * (1 + REFINE_TOLERANCE):
+                return
+            if not (self._best_move(hi, lo, times) or self._best_cut(hi, lo, times)):
                 return
 
+    def _whole_arrays(self, r: int):
+        w = self.whole[r]
+        c = np.array([x[0] for x in w], dtype=np.float64)
+        i = np.array([x[1] for x in w], dtype=np.int64)
+        j = np.array([x[2] for x in w], dtype=np.int64)
+        return c, i, j
+
+    def _row_times(self, rows: np.ndarray) -> np.ndarray:
+        p = self.ctx.p
+        return (rows.sum(axis=1) + (p - 1) * rows.max(axis=1)) / p
+
     def _best_move(self, hi: int, lo: int, times: np.ndarray) -> bool:
-        old = times[hi]
-        best = None
-        for idx, (c, i, _j) in enumerate(self.whole[hi]):
-            n = int(self.ctx.lens[i])
-            j = self._lightest_slot_with_room(lo, n)
-            if j is None:
-                continue
-            t_hi, t_lo = self._times_after_move(hi, lo, idx, j)
-            worst = max(t_hi, t_lo)
-            if worst < old * (1 - 1e-9) and (best is None or worst < best[0]):
-                best = (worst, idx, j)
-        if best is None:
+        """All whole sequences of ``hi`` evaluated at once; the move that leaves the slower of
+        the two ranks fastest wins."""
+        if not self.whole[hi]:
             return False
-        _, idx, j = best
-        c, i, _ = self.whole[hi][idx]
-        self._take_whole(hi, idx)
-        self._put_whole(lo, j, i, int(self.ctx.lens[i]), c)
+        ctx = self.ctx
+        c, seq, jh = self._whole_arrays(hi)
+        n = ctx.lens[seq]
+        k = len(c)
+        ar = np.arange(k)
+        toks_lo = self.toks[lo][None, :]
+        room = np.where((n > ctx.cap)[:, None], toks_lo == 0, toks_lo + n[:, None] <= ctx.cap)
+        ok = room.any(axis=1)
+        j = np.argmin(np.where(room, self.load[lo][None, :], np.inf), axis=1)
+        rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
+        rows_hi[ar, jh] -= c
+        rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
+        rows_lo[ar, j] += c
+        worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
+        worst[~ok] = np.inf
+        b = int(np.argmin(worst))
+        if not worst[b] < times[hi] * (1 - 1e-9):
+            return False
+        entry = self.whole[hi][b]
+        self._take_whole(hi, b)
+        self._put_whole(lo, int(j[b]), entry[1], int(n[b]), entry[0])
         times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
         return True
 
-    def _times_after_move(self, hi, lo, idx, j):
-        c, _i, jh = self.whole[hi][idx]
-        p = self.ctx.p
-        row_hi = self.load[hi].copy()
-        row_hi[jh] -= c
-        row_lo = self.load[lo].copy()
-        row_lo[j] += c
-        return ((row_hi.sum() + (p - 1) * row_hi.max()) / p,
-                (row_lo.sum() + (p - 1) * row_lo.max()) / p)
+    def _best_cut(self, hi: int, lo: int, times: np.ndarray) -> bool:
+        """When no whole move helps (each overshoots), cut one sequence of the slowest rank in
+        two at the token where both ranks end up even: the fastest rank takes the tail
+        ``[x, n)`` in the slot the sequence already occupies (attending to the head's K/V)."""
+        if not self.whole[hi]:
+            return False
+        ctx = self.ctx
+        a, b = ctx.cost.a, ctx.cost.b
+        c, seq, jh = self._whole_arrays(hi)
+        n = ctx.lens[seq].astype(np.float64)
+        k = len(c)
+        ar = np.arange(k)
+        target = (times[hi] - times[lo]) / 2
+        head = np.maximum(a * n + b * n * n - target, 0.0)      # cost of [0, x)
+        x = (-a + np.sqrt(a * a + 4 * b * head)) / (2 * b) if b > 0 else head / a
+        room = ctx.cap - self.toks[lo, jh]
+        x = np.maximum(np.maximum(np.rint(x), n - room), 1)
+        ok = (n >= 2) & (x < n) & (room >= 1) & (n <= ctx.cap)
+        tail = a * (n - x) + b * (n * n - x * x)
+        rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
+        rows_hi[ar, jh] -= tail
+        rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
+        rows_lo[ar, jh] += tail
+        worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
+        worst[~ok] = np.inf
+        best = int(np.argmin(worst))
+        if not worst[best] < times[hi] * (1 - 1e-6):
+            return False
+        cost_i, i, j = self.whole[hi][best]
+        xi, ni, t = int(x[best]), int(n[best]), float(tail[best])
+        self._take_whole(hi, best)
+        self.bins[hi][j].append(Piece(i, 0, xi))
+        self.load[hi, j] += cost_i - t
+        self.toks[hi, j] += xi
+        self.bins[lo][j].append(Piece(i, xi, ni))
+        self.load[lo, j] += t
+        self.toks[lo, j] += ni - xi
+        times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
+        return True
 
     def _emit(self):
         m = self.m
