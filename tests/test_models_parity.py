@@ -80,6 +80,15 @@ def test_hf_megatron_state_dict_roundtrip_is_exact():
         assert torch.equal(back[k], disk[k]), k
 
 
+def test_save_hf_accepts_a_full_megatron_state_dict(tmp_path):
+    cfg = ModelConfig()
+    model = _decisive_hf_model(cfg)
+    meg = convert.hf_to_megatron(model.state_dict(), cfg)
+    loaded = hf.load_hf(hf.save_hf(meg, cfg, tmp_path / "v_2"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+
+
 def test_shard_for_rank_splits_by_query_group_and_expert():
     cfg = ModelConfig()
     full = convert.hf_to_megatron(hf.build_hf_model(cfg).state_dict(), cfg)

@@ -132,12 +132,16 @@ def to_memory_state_dict(sd: Mapping[str, torch.Tensor], num_experts: int) -> di
 def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` + ``config.json`` to ``out_dir`` atomically; returns the path.
 
-    Accepts an HF model or a state dict in either spelling.  ``out_dir`` must not exist yet
-    (published directories are immutable, see :func:`neon_hpc.rundir.publish_dir`).
+    Accepts an HF model, an HF state dict in either spelling, or a full (unsharded) megatron
+    state dict (converted with :func:`neon_hpc.models.convert.megatron_to_hf`).  ``out_dir``
+    must not exist yet (published directories are immutable, see :func:`neon_hpc.rundir.publish_dir`).
     """
     from safetensors.torch import save_file
 
     sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else model_or_state_dict
+    if any(k.startswith(("decoder.", "embedding.")) for k in sd):
+        from neon_hpc.models.convert import megatron_to_hf
+        sd = megatron_to_hf(sd, cfg)
     disk = {k: v.detach().to("cpu").contiguous() for k, v in to_disk_state_dict(sd).items()}
     out_dir = Path(out_dir)
     staging = staging_dir_for(out_dir)
