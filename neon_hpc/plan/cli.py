@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.plan import calibrate, report
@@ -38,6 +39,10 @@ def main(argv: list[str]) -> int:
         if getattr(a, n) < 0:
             print(f"neon-hpc plan: --{n.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
+    if a.png and not Path(a.png).resolve().parent.is_dir():
+        print(f"neon-hpc plan: --png {a.png}: its folder does not exist; create it or pick another path",
+              file=sys.stderr)
+        return 2
     cfg = config.load(a.config, a.set)
     sourced = from_experiment(cfg, a.config)
     progress = None if a.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -50,31 +55,10 @@ def main(argv: list[str]) -> int:
             return 2
     p = sourced.params
     target = a.target_staleness if a.target_staleness >= 0 else p.max_staleness
-    steps = a.steps or p.steps
-
-    print(f"neon-hpc plan: {a.config} ({cfg.name})")
-    print(f"  rollout group {report.nodes_of(p.rollout_gpus, p.gpus_per_node)} nodes / {p.rollout_gpus} GPUs, "
-          f"trainer group {report.nodes_of(p.train_gpus, p.gpus_per_node)} nodes / {p.train_gpus} GPUs; "
-          f"{p.rollout_slots} concurrent episodes ({p.slot_mode} slots), {p.trajectories_per_step} trajectories/step")
-    for warning in _warnings(p):
-        print(f"  note: {warning}")
-    if cal is not None:
-        print("\ncalibration (RESULT lines):")
-        print("\n".join(cal.lines()) or "  nothing applicable")
-    print("\nparameters (value, source):")
-    print(report.params_table(sourced))
-
+    _print_inputs(a.config, cfg, sourced, cal)
     t0 = time.perf_counter()
-    variants = report.compare_policies(sourced, steps, progress)
-    print(f"\npolicies, {steps} simulated trainer steps each (step time: {variants[0].result.step_time_source}):")
-    print(report.table([(v.label, v.result) for v in variants]))
-    base, best_async = variants[0].result, variants[2].result
-    print(f"  async over sync throughput: {best_async.samples_per_hour / max(base.samples_per_hour, 1e-9):.2f}x; "
-          f"{variants[3].label.split()[2]} over {variants[2].label.split()[2]} time/step: "
-          f"{variants[3].result.time_per_step_s / max(best_async.time_per_step_s, 1e-9):.3f}x; "
-          f"{variants[4].label.split()[-1]} over {variants[2].label.split()[-1]} compute/step: "
-          f"{_ratio(variants[4].result, best_async):.3f}x")
-
+    variants = report.compare_policies(sourced, a.steps or p.steps, progress)
+    _print_policies(variants, a.steps or p.steps)
     points, chosen = None, None
     if a.sweep:
         sweep_steps = a.sweep_steps or cfg.plan.sweep_steps
@@ -89,6 +73,32 @@ def main(argv: list[str]) -> int:
         print(f"\nwrote {a.png}")
     print(f"simulated in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _print_inputs(path: str, cfg, sourced, cal) -> None:
+    p = sourced.params
+    print(f"neon-hpc plan: {path} ({cfg.name})")
+    print(f"  rollout group {report.nodes_of(p.rollout_gpus, p.gpus_per_node)} nodes / {p.rollout_gpus} GPUs, "
+          f"trainer group {report.nodes_of(p.train_gpus, p.gpus_per_node)} nodes / {p.train_gpus} GPUs; "
+          f"{p.rollout_slots} concurrent episodes ({p.slot_mode} slots), {p.trajectories_per_step} trajectories/step")
+    for warning in _warnings(p):
+        print(f"  note: {warning}")
+    if cal is not None:
+        print("\ncalibration (RESULT lines):")
+        print("\n".join(cal.lines()) or "  nothing applicable")
+    print("\nparameters (value, source):")
+    print(report.params_table(sourced))
+
+
+def _print_policies(variants, steps: int) -> None:
+    print(f"\npolicies, {steps} simulated trainer steps each (step time: {variants[0].result.step_time_source}):")
+    print(report.table([(v.label, v.result) for v in variants]))
+    sync, async_, other_replay, other_planner = (variants[i].result for i in (0, 2, 3, 4))
+    print(f"  async over sync throughput: {async_.samples_per_hour / max(sync.samples_per_hour, 1e-9):.2f}x; "
+          f"{variants[3].label.split()[2]} over {variants[2].label.split()[2]} time/step: "
+          f"{other_replay.time_per_step_s / max(async_.time_per_step_s, 1e-9):.3f}x; "
+          f"{variants[4].label.split()[-1]} over {variants[2].label.split()[-1]} compute/step: "
+          f"{_ratio(other_planner, async_):.3f}x")
 
 
 def _ratio(a, b) -> float:

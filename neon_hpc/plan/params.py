@@ -168,7 +168,7 @@ def cost_coefficients(cfg: Any, dense_layers: int) -> tuple[float, float, str]:
         return bal.cost_a, bal.cost_b, "config balance.cost_a/cost_b"
     try:
         from neon_hpc.balance import CostModel  # type: ignore[attr-defined]
-        cm = CostModel.from_model_config(cfg.model)
+        cm = CostModel.from_model_config(cfg.model, num_dense_layers=dense_layers if dense_layers >= 0 else None)
         return float(cm.a), float(cm.b), "derived (neon_hpc.balance.CostModel.from_model_config)"
     except (ImportError, AttributeError):
         a, b = local_cost_coefficients(cfg.model, dense_layers)
@@ -203,10 +203,25 @@ def _gpus(group: Any, gpn: int) -> int:
 
 def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     """Build the simulator's parameters from a resolved ``ExperimentConfig``."""
-    pc: PlanConfig = cfg.plan
     s = Sourced(SimParams())
     c = _source_namer(cfg, where)
-    L = cfg.launch
+    _layout(s, cfg, c)
+    _rollout(s, cfg, c)
+    _trainer(s, cfg, c)
+    pc: PlanConfig = cfg.plan
+    for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
+                 "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
+                 "policy", "admission", "slot_mode", "abort_stale", "seed"):
+        s.set(name, getattr(pc, name), c(f"plan.{name}"))
+    s.set("steps", pc.simulated_steps, c("plan.simulated_steps"))
+    if cfg.mode == "sync" and pc.policy == "async":
+        s.set("policy", "sync", c("mode"))
+    return s
+
+
+def _layout(s: Sourced, cfg: Any, c) -> None:
+    """GPUs of the two groups, and how many episodes run at once."""
+    pc, L, E = cfg.plan, cfg.launch, cfg.engine
     gpn = pc.gpus_per_node or L.train.gpus_per_node or L.rollout.gpus_per_node or 1
     s.set("gpus_per_node", gpn, c("plan.gpus_per_node") if pc.gpus_per_node else
           c("launch.train.gpus_per_node") if L.train.gpus_per_node else "derived (no GPUs: 1 per node)")
@@ -217,7 +232,6 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
         r = max(gpn, round(pc.total_gpus * share / gpn) * gpn)
         s.set("rollout_gpus", r, c("plan.total_gpus split like launch"))
         s.set("train_gpus", pc.total_gpus - r, c("plan.total_gpus split like launch"))
-    E = cfg.engine
     if pc.rollout_slots:
         s.set("rollout_slots", pc.rollout_slots, c("plan.rollout_slots"))
     elif pc.slot_mode == "worker":
@@ -225,29 +239,23 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
               c("rollout.num_workers x rollout.group_size"))
     else:
         s.set("rollout_slots", E.num_engines * E.max_batch_size, c("engine.num_engines x engine.max_batch_size"))
-    s.params.engine_slots = E.num_engines * E.max_batch_size
+    s.set("engine_slots", E.num_engines * E.max_batch_size, c("engine.num_engines x engine.max_batch_size"))
     s.set("num_engines", E.num_engines, c("engine.num_engines"))
 
-    R = cfg.rollout
-    for name, key in (("group_size", "group_size"), ("max_turns", "max_turns"),
-                      ("max_new_tokens", "max_new_tokens"), ("max_total_tokens", "max_total_tokens"),
-                      ("max_staleness", "max_staleness"), ("backpressure_steps", "backpressure_steps"),
-                      ("replay_mode", "replay_mode")):
-        s.set(name, getattr(R, key), c(f"rollout.{key}"))
-    _episode_shape(s, pc, R, c)
-    for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
-                 "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
-                 "policy", "admission", "slot_mode", "abort_stale", "seed"):
-        s.set(name, getattr(pc, name), c(f"plan.{name}"))
-    s.set("steps", pc.simulated_steps, c("plan.simulated_steps"))
 
-    M = cfg.model
+def _rollout(s: Sourced, cfg: Any, c) -> None:
+    R, M, pc = cfg.rollout, cfg.model, cfg.plan
+    for key in ("group_size", "max_turns", "max_new_tokens", "max_total_tokens", "max_staleness",
+                "backpressure_steps", "replay_mode"):
+        s.set(key, getattr(R, key), c(f"rollout.{key}"))
+    _episode_shape(s, pc, R, c)
     n_moe = moe_layers(M, pc.dense_layers)
     s.set("route_bytes_per_token", n_moe * M.moe_router_topk * ROUTE_BYTES_PER_ID,
           f"derived ({n_moe} MoE layers x top-{M.moe_router_topk} x int32 x base64 4/3)")
-    s.set("model_bytes", 2.0 * model_param_count(M, pc.dense_layers), "derived (bf16 x parameter count of model)")
 
-    T = cfg.train
+
+def _trainer(s: Sourced, cfg: Any, c) -> None:
+    T, pc = cfg.train, cfg.plan
     s.set("trajectories_per_step", T.trajectories_per_step, c("train.trajectories_per_step"))
     s.set("dp", T.data_parallel, c("train.data_parallel"))
     s.set("pp", T.pipeline_parallel, c("train.pipeline_parallel"))
@@ -257,13 +265,12 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     a, b, src = cost_coefficients(cfg, pc.dense_layers)
     s.set("cost_a", a, src)
     s.set("cost_b", b, src)
+    s.set("model_bytes", 2.0 * model_param_count(cfg.model, pc.dense_layers),
+          "derived (bf16 x parameter count of model)")
     if pc.publish_bytes_per_s:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
     else:
-        s.set("publish_bytes_per_s", 1e9 * L.train.nodes, "derived (1 GB/s per trainer node)")
-    if cfg.mode == "sync" and pc.policy == "async":
-        s.set("policy", "sync", c("mode"))
-    return s
+        s.set("publish_bytes_per_s", 1e9 * cfg.launch.train.nodes, "derived (1 GB/s per trainer node)")
 
 
 def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
