@@ -28,7 +28,7 @@ def _perturb(model, tp_rank: int, ep_rank: int) -> None:
     import torch
     for name, p in model.named_parameters():
         seed = zlib.crc32(name.encode())
-        if not getattr(p, "allreduce", True):        # expert weight: distinct per EP rank (expert TP = 1)
+        if ".experts." in name:   # expert weight: distinct per EP rank (expert TP = 1; replicated over expert-DP)
             seed += ep_rank * 104729
         elif getattr(p, "tensor_model_parallel", False):  # TP shard: distinct per TP rank
             seed += tp_rank * 7919
