@@ -66,3 +66,21 @@ def test_client_connection_errors_are_oserrors():
     assert not c.health(timeout=1)
     with pytest.raises(ConnectionError):
         c.model_info()
+
+
+def test_client_derives_route_shape_like_against_a_real_sglang(monkeypatch, tmp_path):
+    """SGLang's /get_model_info has model_path but no MoE shape: top-k from its config.json,
+    layers from the payload size."""
+    (tmp_path / "config.json").write_text('{"num_experts_per_tok": 2, "num_hidden_layers": 3}')
+    routes = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)
+
+    def fake(self, method, path, body=None, timeout=None):
+        if path == "/get_model_info":
+            return {"model_path": str(tmp_path), "is_generation": True, "weight_version": "default"}
+        return {"output_ids": [9, 8], "meta_info": {"prompt_tokens": 3, "weight_version": "default",
+                                                    "finish_reason": {"type": "length", "length": 2},
+                                                    "routed_experts": protocol.encode_routes(routes)}}
+
+    monkeypatch.setattr(EngineClient, "_request", fake)
+    res = EngineClient("http://x").generate([1, 2, 3], {}, return_logprob=False, return_routed_experts=True)
+    assert np.array_equal(res.routed_experts, routes) and res.output_logprobs is None

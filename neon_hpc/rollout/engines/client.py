@@ -3,10 +3,10 @@
 It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over plain HTTP
 with the standard library, so it has no dependency beyond numpy.
 
-Routes need the model's number of MoE layers and top-k to be reshaped; pass them
-(``num_moe_layers=``, ``top_k=``) for a real SGLang server, whose ``/get_model_info`` does
-not report them.  The embedded engine reports them, and the client asks once when they
-were not given.
+Routes need the model's top-k (and number of MoE layers) to be reshaped.  Pass them
+(``num_moe_layers=``, ``top_k=``) when you can; otherwise the client asks the engine once
+(ours reports both; a real SGLang server reports ``model_path``, whose ``config.json`` gives
+top-k) and derives the layer count from the payload size.
 
 Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
 errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``),
@@ -59,6 +59,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.num_moe_layers, self.top_k = num_moe_layers, top_k
+        self._info_cache: dict | None = None
 
     # --- transport ----------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
@@ -115,11 +116,12 @@ class EngineClient:
             raise EngineError(502, f"{len(logprobs)} logprobs for {len(output_ids)} output tokens", self.base_url)
         routes = None
         if meta.get("routed_experts") is not None:
-            layers, top_k = self._route_shape()
             prompt = int(meta.get("prompt_tokens", n_prompt))
             rows = protocol.routed_rows(prompt, len(output_ids), start)
-            if meta.get("finish_reason", {}) and meta["finish_reason"].get("type") == "abort":
-                rows = len(protocol.base64.b64decode(meta["routed_experts"])) // (4 * layers * top_k)
+            nbytes = len(protocol.base64.b64decode(meta["routed_experts"]))
+            layers, top_k = self._route_shape(nbytes, rows)
+            if (meta.get("finish_reason") or {}).get("type") == "abort":
+                rows = nbytes // (4 * layers * top_k)  # only what was forwarded before the abort
             routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k)
         version = meta.get("weight_version")
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
@@ -127,16 +129,32 @@ class EngineClient:
                               finish_reason=meta.get("finish_reason"),
                               prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta)
 
-    def _route_shape(self) -> tuple[int, int]:
-        if self.num_moe_layers is None or self.top_k is None:
-            info = self.model_info()
-            if "num_moe_layers" not in info or "moe_router_topk" not in info:
-                raise EngineError(0, "the engine does not report num_moe_layers/moe_router_topk (a real "
-                                     "SGLang server does not); construct EngineClient(url, num_moe_layers=..., "
-                                     "top_k=...) from the model config", self.base_url)
-            self.num_moe_layers = int(info["num_moe_layers"])
-            self.top_k = int(info["moe_router_topk"])
-        return self.num_moe_layers, self.top_k
+    def _route_shape(self, nbytes: int, rows: int) -> tuple[int, int]:
+        """(num_moe_layers, top_k): given, else from the engine, else from the payload itself.
+
+        Our engine reports both in ``/get_model_info``; a real SGLang server reports
+        ``model_path``, whose ``config.json`` (shared filesystem) has ``num_experts_per_tok``.
+        The layer count then follows from the payload size, which also absorbs SGLang
+        versions that count all layers rather than only MoE layers.
+        """
+        if self.top_k is None or self.num_moe_layers is None:
+            info = self._info_cache or self.model_info()
+            self._info_cache = info
+            if self.top_k is None:
+                self.top_k = info.get("moe_router_topk") or _topk_from_config(info.get("model_path"))
+            if self.num_moe_layers is None and info.get("num_moe_layers"):
+                self.num_moe_layers = int(info["num_moe_layers"])
+        if self.top_k is None:
+            raise EngineError(0, "cannot tell the router top-k of the served model (not in /get_model_info, "
+                                 "no readable config.json at its model_path); construct "
+                                 "EngineClient(url, num_moe_layers=..., top_k=...) from the model config", self.base_url)
+        top_k = int(self.top_k)
+        if self.num_moe_layers is not None:
+            return int(self.num_moe_layers), top_k
+        if rows <= 0 or nbytes % (4 * rows * top_k):
+            raise EngineError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows x top_k {top_k} "
+                                   f"int32; pass num_moe_layers= to EngineClient", self.base_url)
+        return nbytes // (4 * rows * top_k), top_k
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200 within ``timeout``."""
@@ -173,6 +191,18 @@ class EngineClient:
 
     def continue_generation(self) -> dict:
         return self._request("POST", "/continue_generation", {})
+
+
+def _topk_from_config(model_path: str | None) -> int | None:
+    if not model_path:
+        return None
+    try:
+        with open(f"{model_path}/config.json") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    return cfg.get("num_experts_per_tok")
 
 
 def _error_message(raw: bytes) -> str:
