@@ -56,8 +56,9 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     rollout = [r for r in events if "event" not in r]
     spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
                     if r.get("version_min", -1) >= 0)
-    wall = (max(r["time"] for r in trainer + rollout) - min(r["time"] for r in trainer + rollout)) \
-        if len(trainer + rollout) > 1 else 0.0
+    started = (read_json(run.state / "job.json", {}) or {}).get("started")
+    times = [r["time"] for r in trainer + rollout]
+    wall = (max(times) - (started or min(times))) if times else 0.0
     wait = sum(r.get("wait_s", 0.0) for r in trainer)
     busy = sum(r.get("step_time_s", 0.0) for r in trainer)
     workers = {r.get("worker") for r in rollout} or {0}
