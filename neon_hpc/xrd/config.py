@@ -10,6 +10,9 @@ class XRDConfig:
     num_tasks: int = 64
     seed: int = 0
     db: str = ""                        # SQLite path; "" = inside the run directory
+    toolset: Literal["full", "minimal"] = "full"   # minimal = raw pattern + simulation only
+    strict_grading: bool = False        # +-5 wt% instead of +-10 (see neon_hpc/xrd/grader.py)
+    real_data: str = ""                 # xrd-real folder; "" = $NEON_XRD_REAL_DATA or ../shared/data/xrd-real
 
     def validate(self):
         return [("num_tasks", "must be >= 1")] if self.num_tasks < 1 else []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -80,6 +81,7 @@ class Store:
 
     def __init__(self, conn: Any):
         self.conn = conn
+        self.lock = threading.RLock()      # one connection shared by a worker's threads
         self.paramstyle = "qmark" if isinstance(conn, sqlite3.Connection) else "format"
         cur = conn.cursor()
         for stmt in SCHEMA:
@@ -97,20 +99,21 @@ class Store:
         return sql if self.paramstyle == "qmark" else sql.replace("?", "%s")
 
     def execute(self, sql: str, params: tuple = ()) -> list[tuple]:
-        cur = self.conn.cursor()
-        cur.execute(self._sql(sql), params)
-        return cur.fetchall() if cur.description else []
+        with self.lock:
+            cur = self.conn.cursor()
+            cur.execute(self._sql(sql), params)
+            return cur.fetchall() if cur.description else []
 
     def add_experiments(self, records: Iterable[dict]) -> int:
         rows = [self._experiment_row(r) for r in records]
-        cur = self.conn.cursor()
         marks = ",".join("?" * len(EXPERIMENT_COLUMNS))
         sql = self._sql(f"INSERT OR REPLACE INTO experiments ({','.join(EXPERIMENT_COLUMNS)}) VALUES ({marks})") \
             if self.paramstyle == "qmark" else \
             self._sql(f"INSERT INTO experiments ({','.join(EXPERIMENT_COLUMNS)}) VALUES ({marks}) "
                       "ON CONFLICT (sample_id) DO NOTHING")
-        cur.executemany(sql, rows)
-        self.conn.commit()
+        with self.lock:
+            self.conn.cursor().executemany(sql, rows)
+            self.conn.commit()
         return len(rows)
 
     @staticmethod
@@ -132,11 +135,11 @@ class Store:
         rows = [(p.id, p.display_formula or p.formula, p.spacegroup, p.sg_number, p.chemsys,
                  json.dumps(list(p.elements)), p.year, f"{p.year:04d}-01-01", p.source, p.reference,
                  int(p.answer_eligible), p.density) for p in phases]
-        cur = self.conn.cursor()
         verb = "INSERT OR REPLACE INTO" if self.paramstyle == "qmark" else "INSERT INTO"
         tail = "" if self.paramstyle == "qmark" else " ON CONFLICT (id) DO NOTHING"
-        cur.executemany(self._sql(f"{verb} phases VALUES (?,?,?,?,?,?,?,?,?,?,?,?){tail}"), rows)
-        self.conn.commit()
+        with self.lock:
+            self.conn.cursor().executemany(self._sql(f"{verb} phases VALUES (?,?,?,?,?,?,?,?,?,?,?,?){tail}"), rows)
+            self.conn.commit()
         return len(rows)
 
     def count(self, table: str) -> int:
