@@ -16,6 +16,7 @@ import pytest
 
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.rollout.agent import eval_cli, run_group
+from neon_hpc.rollout.agent.xrd_env import sample_label
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.rollout.engines import protocol
 from neon_hpc.xrd.tasks import load_tasks
@@ -23,10 +24,8 @@ from neon_hpc.xrd.tasks import load_tasks
 TOK = load_tokenizer()
 
 
-def truth_answer(task_id):
-    preset, split, seed, idx = re.match(r"^(\w+)-(\w+)-s(\d+)-(\d+)$", task_id).groups()
-    task = load_tasks(preset, split, int(seed), int(idx) + 1)[int(idx)]
-    return ", ".join(f"{pid} {wf}" for pid, _f, wf in task.truth)
+TRUTH = {sample_label(t.id): ", ".join(f"{pid} {wf}" for pid, _f, wf in t.truth)
+         for split in ("test_id", "test_ood") for t in load_tasks("tiny", split, 0, 3)}
 
 
 class Scripted(ThreadingHTTPServer):
@@ -41,8 +40,7 @@ class Scripted(ThreadingHTTPServer):
             return ""
         if "<|tool|>" not in conversation and "Tool result" not in conversation:
             return '<tool_call>{"name": "find_peaks", "arguments": {"max_peaks": 5}}</tool_call>'
-        task_id = re.search(r"Sample (\S+), measured", conversation).group(1)
-        answer = truth_answer(task_id)
+        answer = TRUTH[re.search(r"Sample (\S+), measured", conversation).group(1)]
         return answer + "</answer>" if conversation.endswith("<answer>") else f"<answer>{answer}</answer>"
 
 

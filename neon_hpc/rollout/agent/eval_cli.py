@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=None, help="chat API key (or leave empty for local servers)")
     ap.add_argument("--judge", action="append", default=[], metavar="URL=MODEL",
                     help="an LLM judge (chat API); repeat for a panel (majority vote)")
-    ap.add_argument("--data", default="", help="real development set folder (for --split real)")
+    ap.add_argument("--data", default="", help="real data folder for --split real (default: the one xrd finds)")
     ap.add_argument("--out", default="eval_out", help="folder for eval.json and eval.md")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -87,11 +87,9 @@ def detect_api(endpoint: str) -> str:
 
 def load_split_tasks(args, split: str) -> list:
     from neon_hpc.xrd.tasks import load_tasks
-    if split == "real":
-        try:
-            return load_tasks(args.preset, "real", seed=args.seed, n=args.n, data=args.data or None)
-        except TypeError:
-            return load_tasks("real", "real", seed=args.seed, n=args.n)
+    if split == "real":    # the labelled real development set (precursor mixtures)
+        from neon_hpc.xrd.real import load_real_tasks
+        return load_real_tasks("precursor_mixture", data_dir=args.data or None)[:args.n]
     return load_tasks(args.preset, split, seed=args.seed, n=args.n)
 
 

@@ -91,7 +91,7 @@ class XRDEnv:
         t = self.task
         x = self.ctx.two_theta
         peaks = ", ".join(f"{a:.2f} ({h:.0f}%)" for a, h in self._observed_peaks(10))
-        lines = [f"Sample {t.id}, measured {t.date}.",
+        lines = [f"Sample {sample_label(t.id)}, measured {t.date}.",
                  f"Elements: {', '.join(t.elements)}." if t.elements else "",
                  f"Precursors: {', '.join(t.precursors)}." if t.precursors else "",
                  f"Synthesis: {json.dumps(t.conditions)}." if t.conditions else "",
@@ -153,6 +153,12 @@ class XRDEnv:
         details["phase_f1"] = details.get("f1_major")
         details["weight_mae"] = details.get("mae")
         return float(g.success), float(g.dense), details
+
+
+def sample_label(task_id: str) -> str:
+    """An opaque name for the prompt: real task ids are file names that spell out the answer."""
+    import hashlib
+    return "S" + hashlib.sha256(task_id.encode()).hexdigest()[:10]
 
 
 def _bind_positional(schema: dict, positional: list) -> dict | str:
