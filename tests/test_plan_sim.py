@@ -105,3 +105,22 @@ def test_aborting_stale_groups_keeps_the_bound_and_frees_workers_early():
 def test_abort_stale_in_episode_mode_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="slot_mode 'worker' only"):
         simulate(SimParams(abort_stale=True, slot_mode="episode", steps=2))
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bound=st.integers(0, 4), tail=st.floats(0.0, 0.5), workers=st.integers(1, 12), group=st.integers(1, 4),
+       step_s=st.floats(1.0, 120.0), admission=st.sampled_from(["steps_ahead", "oldest"]),
+       abort=st.booleans(), seed=st.integers(0, 1000))
+def test_property_bound_holds_and_every_step_gets_its_batch(bound, tail, workers, group, step_s, admission,
+                                                            abort, seed):
+    p = SimParams(policy="async", slot_mode="worker", admission=admission, abort_stale=abort, max_staleness=bound,
+                  tail_fraction=tail, max_turns=12, rollout_slots=workers * group, group_size=group,
+                  trajectories_per_step=2 * group, fixed_step_s=step_s, steps=25, backpressure_steps=2, seed=seed)
+    r = simulate(p)
+    assert r.staleness_max <= bound
+    assert r.consumed == p.steps * p.trajectories_per_step
+    assert 0.0 <= r.trainer_idle_frac <= 1.0 and 0.0 <= r.rollout_idle_frac <= 1.0
+    assert r.wall_s >= p.steps * step_s - 1e-6

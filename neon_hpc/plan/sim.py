@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import time
 from collections import Counter, deque
@@ -210,6 +211,7 @@ class _Sim:
         self._waiter: simpy.Event | None = None
         self._want = 0
         self._vmin_heap: list[int] = []
+        self.track_oldest = p.admission == "oldest" and not self.batch_mode
         self._vmin_count: Counter = Counter()
         # accounting
         self.busy_s = 0.0
@@ -288,9 +290,10 @@ class _Sim:
             self.inflight_groups[id(self.open)] = self.open
         if self.batch_mode:
             self.quota -= self.G
-        if self._vmin_count[v] == 0:
-            heapq.heappush(self._vmin_heap, v)
-        self._vmin_count[v] += 1
+        if self.track_oldest:
+            if self._vmin_count[v] == 0:
+                heapq.heappush(self._vmin_heap, v)
+            self._vmin_count[v] += 1
 
     def _start_episode(self) -> None:
         # the hot path (one call per simulated episode): locals, no helper calls
@@ -408,7 +411,8 @@ class _Sim:
         return not self.batch_mode and self.step - g.vmin > self.p.max_staleness
 
     def _release(self, g: _Group) -> None:
-        self._vmin_count[g.vmin] -= 1
+        if self.track_oldest:
+            self._vmin_count[g.vmin] -= 1
 
     def _discard(self, g: _Group) -> None:
         self._release(g)
@@ -479,7 +483,7 @@ class _Sim:
             batch = yield from self._take_batch()
             self._fill()                # consuming frees backpressure
             self._account(batch)
-            lengths = np.fromiter((n for g in batch for n in g.lengths), dtype=np.float64)
+            lengths = np.array(list(itertools.chain.from_iterable(g.lengths for g in batch)), dtype=np.float64)
             compute = self.step_model.step_seconds(lengths)
             self.step_compute.append(compute)
             self.compute_s += compute
