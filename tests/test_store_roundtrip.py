@@ -71,6 +71,12 @@ def test_mixed_presence_of_routes_and_empty_route_arrays_survive(tmp_path):
     assert out[3].routed_experts is None
 
 
+def test_a_shard_of_one_empty_trajectory_with_routes(tmp_path):
+    t = make_trajectory(np.random.default_rng(0), 0, moe_layers=61, top_k=8, num_experts=384)
+    (out,) = read_shard(_write(tmp_path, [t]))
+    assert out.same_as(t) and out.routed_experts.shape == (0, 61, 8)
+
+
 def test_int32_routes_stored_compactly_and_returned_as_int32(tmp_path):
     rng = np.random.default_rng(4)
     trajs = _ragged(rng, [300, 200], num_experts=200, routes_dtype=np.int32)

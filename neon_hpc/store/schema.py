@@ -103,6 +103,8 @@ class DatasetHash:
 
 
 def byte_view(a: np.ndarray) -> memoryview:
+    if a.size == 0:  # memoryview cannot cast a view with a zero in its shape
+        return memoryview(b"")
     return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
