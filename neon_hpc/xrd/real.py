@@ -33,8 +33,9 @@ REAL_PHASE_IDS = {
 }
 
 
-def real_data_dir() -> Path | None:
-    env = os.environ.get(ENV_VAR)
+def real_data_dir(override: str | Path | None = None) -> Path | None:
+    """The xrd-real folder: ``override`` (e.g. ``XRDConfig.real_data``), ``$NEON_XRD_REAL_DATA``, or beside the repo."""
+    env = str(override) if override else os.environ.get(ENV_VAR)
     repo_root = Path(__file__).resolve().parents[2]        # == Path(neon_hpc.__file__).parents[1]
     path = Path(env) if env else repo_root.parent / "shared" / "data" / "xrd-real"
     return path if path.is_dir() else None
