@@ -96,3 +96,20 @@ def test_neon_hpc_dispatches_plan():
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "policies, 10 simulated trainer steps" in r.stdout
+
+
+def test_real_benchmark_result_lines_are_sorted_into_used_and_not_used(tmp_path):
+    f = tmp_path / "all.txt"
+    f.write_text("RESULT balance_predicted_speedup_vs_tokenkk=1.31 balance_measured_speedup_vs_tokenkk=nan "
+                 "planner_s_10k_1024=0.41\n"
+                 "RESULT reshard_speedup_vs_serial=4.1 reshard_floor_efficiency=0.7\n"
+                 "RESULT mfu=nan decode_tokens_per_s=-3\n")
+    s = from_experiment(config.load(KIMI), KIMI)
+    before = s.params.mfu
+    cal = calibrate.apply(s, calibrate.read_results([str(f)]))
+    assert cal.applied == []
+    assert s.params.mfu == before and s.params.decode_tokens_per_s == 25.0
+    reasons = {k: why for k, _, why in cal.unused}
+    assert "runs the balancer's planner itself" in reasons["balance_predicted_speedup_vs_tokenkk"]
+    assert "positive finite" in reasons["mfu"] and "positive finite" in reasons["decode_tokens_per_s"]
+    assert set(reasons) >= {"planner_s_10k_1024", "reshard_speedup_vs_serial", "reshard_floor_efficiency"}

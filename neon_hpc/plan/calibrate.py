@@ -24,6 +24,7 @@ Keys understood:
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import sys
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ NOT_INPUTS = {
                      "(decode_tokens_per_s)",
     "sequential_tok_s": "the embedded engine's one-request baseline; set decode_tokens_per_s for a per-request rate",
     "delta_export_": "a flatness check of the replay benchmark",
+    "planner_s": "the balancer's own wall time; the simulator runs the planner itself",
+    "speedup": "a ratio of the embedded engine's batched vs sequential throughput",
+    "max_batch": "the embedded engine's batch size in its benchmark",
 }
 
 
@@ -139,8 +143,8 @@ def apply(sourced: Sourced, lines: list[ResultLine]) -> Calibration:
 
 
 def _set(sourced: Sourced, cal: Calibration, param: str, value: float, src: str) -> None:
-    if value <= 0:
-        cal.unused.append((param, src, f"non-positive value {value}"))
+    if not math.isfinite(value) or value <= 0:
+        cal.unused.append((param, src, f"not a positive finite value ({value})"))
         return
     sourced.set(param, value, src)
     cal.applied.append((param, value, src))
