@@ -38,6 +38,8 @@ class Scripted(ThreadingHTTPServer):
     def reply(self, conversation: str) -> str:
         if self.policy == "silent":
             return ""
+        if self.policy == "judge_yes":
+            return "YES"
         if "<|tool|>" not in conversation and "Tool result" not in conversation:
             return '<tool_call>{"name": "find_peaks", "arguments": {"max_peaks": 5}}</tool_call>'
         answer = TRUTH[re.search(r"Sample (\S+), measured", conversation).group(1)]
@@ -148,3 +150,15 @@ def test_tiny_xrd_group_on_the_embedded_engine(engine):
         gen_last = t.loss_mask[t.turn_offsets[-2]:t.turn_offsets[-1]].sum()
         assert gen_last <= 2                                   # the forced answer is short
         assert TOK.decode(t.tokens[:t.turn_offsets[1]]).startswith("<|system|>xrd<|end|><|user|>elements ")
+
+
+def test_judge_panel_and_the_neon_hpc_command(scripted, tmp_path):
+    from neon_hpc.cli import main as neon_hpc
+    judge = scripted("judge_yes")
+    args = ["xrd", "eval", "--endpoint", scripted("silent"), "--api", "generate", "--preset", "tiny",
+            "--split", "test_id", "--n", "2", "--judge", f"{judge}=j1", "--judge", f"{judge}=j2",
+            "--no-progress", "--out", str(tmp_path)]
+    assert neon_hpc(args) == 0                      # neon-hpc xrd eval --endpoint delegates here
+    s = json.loads((tmp_path / "eval.json").read_text())["summaries"]["test_id"]
+    assert s["success_rate"] == 0.0 and s["judge_success_rate"] == 1.0 and s["judge_agreement"] == 0.0
+    assert "judge agreement" in (tmp_path / "eval.md").read_text()
