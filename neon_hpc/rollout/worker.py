@@ -104,15 +104,15 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
         while not stop.requested and not (run.state / "finished.json").exists():
             verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
             if verdict != "ok":
-                t0 = time.monotonic()
+                reason, t0 = verdict, time.monotonic()
                 while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
                     run.beat("rollout", worker, in_flight=0, groups=groups, waiting=verdict)
                     writer.flush()  # let the trainer have what we hold
                     time.sleep(0.25)
                     verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
                 waited = time.monotonic() - t0
-                log.info("%s: waited %.1fs (steps of data ahead of the trainer: %.1f)", verdict, waited, ahead)
-                log.metrics(event=verdict, seconds=waited, worker=worker)
+                log.info("%s: waited %.1fs (steps of data ahead of the trainer: %.1f)", reason, waited, ahead)
+                log.metrics(event=reason, seconds=waited, worker=worker)
                 continue
             if groups % len(order) == 0:
                 rng.shuffle(order)
