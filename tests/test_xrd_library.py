@@ -80,3 +80,15 @@ def test_within_respects_elements_and_year(lib):
     assert all(set(p.elements) <= {"Ti", "O"} for p in got)
     assert all(p.year < 1980 for p in lib.within(["Ti", "O"], max_year=1980))
     assert "cur:TiO2_rutile" not in {p.id for p in lib.within(["Ti", "O"], max_year=1980)}
+
+
+def test_shipped_library_agrees_with_curated_entries(lib):
+    """data/phases.json is a build product of curated.py: rebuild it when they disagree."""
+    from neon_hpc.xrd.curated import CURATED
+    for e in CURATED:
+        p = lib.get(f"cur:{e['key']}")
+        assert p.sg_number == e["sg_number"] and p.year == e["year"], e["key"]
+        assert p.reference.startswith(e["ref"]), e["key"]
+        a, b, c, al, be, ga = p.lattice_params
+        assert sorted((a, b, c)) == pytest.approx(sorted(e["lattice"][:3]), rel=1e-4), \
+            f"{e['key']}: run `python -m neon_hpc.xrd.library` after editing curated.py"

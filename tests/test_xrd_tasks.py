@@ -1,4 +1,6 @@
 """Task sets: deterministic, splits hold out chemical systems and dates, files round-trip."""
+import json
+
 import numpy as np
 import pytest
 
@@ -40,7 +42,11 @@ def test_task_contents_per_preset():
         assert PRESETS[name].n_phases[0] <= len(t.truth) <= PRESETS[name].n_phases[1]
         assert set(t.elements) == set(t.chemical_system.split("-"))
         assert all(h["date"] < t.date for h in t.history)
-    assert len(load_tasks("tiny", "train", n=1)[0].pattern.two_theta) == 501
+    tiny = load_tasks("tiny", "train", n=1)[0]
+    assert len(tiny.pattern.two_theta) == 501
+    public = tiny.public_view()
+    assert public["n_points"] == 501 and "truth" not in public
+    assert not any(pid in json.dumps(public) for pid, _, _ in tiny.truth)
 
 
 def test_the_answer_is_in_the_store_but_hidden_by_the_cutoff():

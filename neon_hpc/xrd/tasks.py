@@ -100,6 +100,15 @@ class Task:
     instrument: dict = field(default_factory=dict)   # wavelength, wavelength2, ka2_ratio
     history: list[dict] = field(default_factory=list)  # experiment records for the store
 
+    def public_view(self) -> dict:
+        """What the agent may be told up front (no truth, no pattern arrays): for the prompt."""
+        x = self.pattern.two_theta
+        return {"task_id": self.id, "date": self.date, "chemical_system": self.chemical_system,
+                "elements": list(self.elements), "precursors": list(self.precursors),
+                "conditions": dict(self.conditions), "instrument": dict(self.instrument),
+                "two_theta_range": [round(float(x[0]), 3), round(float(x[-1]), 3)] if len(x) else [],
+                "n_points": int(len(x))}
+
     def records(self) -> list[dict]:
         """Store records of this task: its history, itself (labelled) and a later follow-up."""
         own = {"sample_id": self.id, "date": self.date, "elements": self.elements, "precursors": self.precursors,
