@@ -4,9 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from neon_hpc.xrd.store import Store
 from neon_hpc.xrd.tasks import (PRESETS, TRAIN_DATES, build_store, is_held_out, load_tasks, make_context,
-                                read_tasks, write_tasks)
+                                open_task_set, read_tasks, write_tasks)
 
 
 def test_tasks_are_deterministic_from_the_seed():
@@ -67,8 +66,14 @@ def test_write_and_read_task_files(tmp_path):
     assert [t.id for t in back] == [t.id for t in tasks]
     np.testing.assert_allclose(back[0].pattern.intensity, tasks[0].pattern.intensity, atol=0.01)
     assert back[0].truth == [(p, f, pytest.approx(w)) for p, f, w in tasks[0].truth]
-    store = Store.open(tmp_path / "set" / "experiments.sqlite")
+    again, store = open_task_set(tmp_path / "set")
+    assert [t.id for t in again] == [t.id for t in tasks]
     assert store.count("phases") > 300
+    ctx = make_context(again[0], store)
+    assert ctx.view.experiments(limit=100) == [] or all(r["date"] < again[0].date
+                                                        for r in ctx.view.experiments(limit=100))
+    with pytest.raises(FileNotFoundError, match="experiments.sqlite"):
+        open_task_set(tmp_path)
     (tmp_path / "broken.jsonl").write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="broken.jsonl:1"):
         read_tasks(tmp_path / "broken.jsonl")

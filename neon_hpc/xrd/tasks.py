@@ -307,6 +307,15 @@ def read_tasks(path: str | Path) -> list[Task]:
     return tasks
 
 
+def open_task_set(path: str | Path) -> tuple[list[Task], Store]:
+    """A folder written by :func:`write_tasks`: its tasks and its store (for ``make_context(task, store)``)."""
+    folder = Path(path)
+    db = folder / "experiments.sqlite"
+    if not db.exists():
+        raise FileNotFoundError(f"{db}: missing; write the task set with `neon-hpc xrd tasks ... --out {folder}`")
+    return read_tasks(folder), Store.open(db)
+
+
 def build_store(tasks: list[Task] = (), path: str | Path = ":memory:", include_real: bool = True,
                 library: Library | None = None) -> Store:
     store = Store.open(path)
