@@ -169,7 +169,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, default=384)
     p.add_argument("--per-shard", type=int, default=8, help="trajectories per shard (flush count)")
-    p.add_argument("--repeat", type=int, default=5, help="alternating raw/store repetitions (best and median reported)")
+    p.add_argument("--repeat", type=int, default=9, help="alternating raw/store repetitions (best and median reported)")
     p.add_argument("--compression", choices=["none", "gzip", "lzf"], default="none")
     p.add_argument("--realistic", action="store_true", help="64 x 8k-32k tokens (about 1.3 GB; minutes)")
     p.add_argument("--hot", action="store_true", help="read from the page cache instead of cold")
