@@ -213,19 +213,32 @@ def test_sigkill_then_sigusr1_resume_continues_exactly(tmp_path, dataset, refere
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [("train.tensor_parallel=2",), ("train.expert_parallel=2",)],
-                         ids=["tp2", "ep2_dp2"])
+                         ids=["tp2_sp", "ep2_dp2"])
 def test_parallel_layouts_match_tp1(tmp_path, dataset, reference, layout):
-    # Tolerance: losses to 1e-5 relative; weights after two Adam steps (lr 2e-3) to 1e-4
-    # (gloo and TP reductions sum in another order than TP=1).
-    run = new_run(tmp_path, dataset, "run", "train.steps=2", *layout)
+    """TP=2 (sequence parallel, experts replicated per TP rank) and EP=2 (two DP ranks, experts
+    split) train to the TP=1 reference's losses.
+
+    Tolerance: losses within 1e-5 relative.  Weights after two Adam steps: at most 0.1% of
+    the elements differ by more than 1e-5, none by more than 2 * lr * steps.  Why not tighter:
+    TP and DP sum gradients in another order (float32 rounding ~1e-7 relative), and Adam's
+    first steps move every weight by about +-lr whatever the gradient's size, so a gradient
+    that is ~0 up to rounding may flip the sign of its step.  A wrong reduction (e.g. expert
+    grads not summed over TP ranks) moves a third of the expert weights by 2 * lr.
+    """
+    lr, steps = 0.002, 2
+    run = new_run(tmp_path, dataset, "run", f"train.steps={steps}", *layout)
     add_shards(run, dataset, [1, 2])
     wait_ok(run, start(run, 2))
     got = losses(run)
     assert sorted(got) == [1, 2]
     for s in (1, 2):
         assert got[s] == pytest.approx(losses(reference)[s], rel=1e-5, abs=1e-7)
-    # The reference published v_2 after its step 2: the same update from the same data.
-    a, b = weights(run, 2), weights(reference, 2)
+    # weights/v_2 of both runs: the same two updates from the same data
+    a, b = weights(run, steps), weights(reference, steps)
     assert sorted(a) == sorted(b)
+    off, total, worst = 0, 0, 0.0
     for k in b:
-        np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-4, rtol=0, err_msg=k)
+        d = np.abs(a[k].numpy() - b[k].numpy())
+        off, total, worst = off + int((d > 1e-5).sum()), total + d.size, max(worst, float(d.max()))
+    assert off / total < 1e-3, f"{off} of {total} weights differ by > 1e-5"
+    assert worst <= 2 * lr * steps + 1e-6

@@ -96,6 +96,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
                            f"{len(RouterReplay.global_router_replay_instances)}")
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    _mark_tp_local_expert_grads(model, tp, ep)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -107,6 +108,27 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
                     dp_rank=coords["dp_rank"])
     return Backend(model_cfg=model_cfg, layout=layout, model=model, ddp=ddp, optimizer=optimizer, replay=replay)
+
+
+def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
+    """Make DDP sum expert grads over the TP ranks when TP > 1 and EP = 1 (expert TP = 1).
+
+    Under sequence parallelism each TP rank routes its own slice of the tokens through its
+    own full copy of the experts, so each rank's expert grads cover only its tokens.
+    megatron-core 0.16.1 marks expert weights ``allreduce=False`` (-> reduced over the
+    expert-data-parallel group, which here spans the TP ranks) only when EP > 1; with EP = 1
+    they count as dense and are reduced over DP alone, i.e. never summed over TP (measured:
+    TP=2 expert grads were each rank's half).  Marking them fixes the reduction; it must run
+    before DDP and the optimizer are built.  Returns the number of parameters marked.
+    """
+    if tp == 1 or ep > 1:
+        return 0
+    n = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
+            n += 1
+    return n
 
 
 def teardown() -> None:
