@@ -25,6 +25,7 @@ from the agent.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import threading
@@ -142,14 +143,38 @@ def is_held_out(system: str) -> bool:
     return int(hashlib.sha256(system.encode()).hexdigest()[:8], 16) % OOD_MODULUS == 0
 
 
+POOL_SIMILARITY_MAX = 0.9     # answers whose patterns are this alike are not both in a pool
+
+
 def answer_pool(preset: Preset, lib: Library) -> list[str]:
     if preset.name == "tiny":
         return list(TINY_POOL)
+    return list(_pool(preset.aflow_answers, lib.phases[0].id if lib.phases else ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(aflow_answers: bool, _library_key: str) -> tuple[str, ...]:
+    """Curated phases (+ AFLOW oxides), minus near-indistinguishable patterns (e.g. tridymite variants).
+
+    A pattern-level duplicate would make a task ill-posed: the grader tells the space groups
+    apart, the data cannot.  The first of each similar group (curated first) is kept.
+    """
+    lib = load_library()
     pool = [p.id for p in lib.phases if p.source == "curated" and p.answer_eligible]
-    if preset.aflow_answers:
+    if aflow_answers:
         pool += [p.id for p in lib.phases if p.source == "aflow" and "O" in p.elements and len(p.elements) <= 3
                  and len(p.species) <= 40]
-    return pool
+    x = np.arange(10.0, 90.0, 0.05)
+    inst = Instrument(ka2_ratio=0.0, U=0.0, V=0.0, W=0.04)
+    profiles = []
+    for pid in pool:
+        y = phase_pattern(phase_reflections(pid, 1.0), x, inst)
+        profiles.append(y / (np.linalg.norm(y) or 1.0))
+    kept: list[int] = []
+    for i, prof in enumerate(profiles):
+        if all(float(prof @ profiles[j]) < POOL_SIMILARITY_MAX for j in kept):
+            kept.append(i)
+    return tuple(pool[i] for i in kept)
 
 
 def _rng(preset: str, split: str, seed: int, index: int) -> np.random.Generator:
