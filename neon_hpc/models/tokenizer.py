@@ -183,7 +183,7 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
         self.name = str(path)
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self._tok = self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self._tok)
         self.eos_id = self._tok.eos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id

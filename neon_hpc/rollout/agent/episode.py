@@ -29,7 +29,7 @@ import numpy as np
 
 from neon_hpc.replay import ReplayConversation
 from neon_hpc.rollout.agent.parse import Answer, Malformed, Nothing, ToolCall, parse_action
-from neon_hpc.rollout.agent.template import ChatTemplate
+from neon_hpc.rollout.agent.template import ChatTemplate, make_template
 
 
 class Environment(Protocol):
@@ -96,7 +96,7 @@ class Episode:
     def __init__(self, client: Any, env: Environment, tokenizer: Any, cfg: Any,
                  version_of: Callable[[str], int] = int, seed: int | None = None):
         self.env, self.tok, self.cfg, self.seed = env, tokenizer, cfg, seed
-        self.template = ChatTemplate(tokenizer)
+        self.template = make_template(tokenizer)
         self.conv = ReplayConversation(client, mode=cfg.replay_mode, version_of=version_of,
                                        max_retries=getattr(cfg, "request_retries", 2))
         self.version_of = version_of
@@ -162,7 +162,8 @@ class Episode:
         if len(self.ledger.tokens) >= self.cfg.max_total_tokens:
             self.finish = "token_budget"
             return True
-        self.ledger.add_env(self.template.after_output("tool", content))
+        last = self.ledger.tokens[-1] if self.ledger.mask and self.ledger.mask[-1] else None
+        self.ledger.add_env(self.template.after_output("tool", content, last_token=last))
         return False
 
     def _respond(self, action) -> str:
