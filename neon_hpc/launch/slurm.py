@@ -34,8 +34,11 @@ echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostn
 "$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit 2
 RUN_YAML="$RUN_DIR/run.yaml"
 
-# torch.distributed rendezvous on the first node of the trainer group
-export MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_1}" | head -n 1)"
+# torch.distributed rendezvous on the first node of the trainer group, by its NodeAddr
+# (the node name need not resolve: emulated nodes, clusters with a separate fabric name)
+MASTER_NODE="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_1}" | head -n 1)"
+export MASTER_ADDR="$(scontrol show node "$MASTER_NODE" -o | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')"
+export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
 export MASTER_PORT="$((20000 + SLURM_JOB_ID %% 20000))"
 
 srun --het-group=0 --kill-on-bad-exit=1 --mpi=pmi2 \

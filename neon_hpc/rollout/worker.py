@@ -92,7 +92,8 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     if not tasks:
         log.error("no tasks for preset=%s split=%s; check the xrd section of the config", cfg.xrd.preset, cfg.xrd.split)
         return 2
-    client = EngineClient(engine_url)
+    # the route shape is ours to state: SGLang's model info does not report it
+    client = EngineClient(engine_url, num_moe_layers=cfg.model.num_layers, top_k=cfg.model.moe_router_topk)
     # a new writer id per incarnation: a restarted worker never reuses a dead one's file names
     writer_id = f"w{worker}-{job_id()}-{os.getpid()}"
     rng = random.Random(f"{cfg.xrd.seed}-{worker}-{os.getpid()}")
