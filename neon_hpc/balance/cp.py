@@ -4,7 +4,8 @@ A piece at least ``threshold`` tokens long is cut into ``2*cp`` equal-token chun
 rank ``q`` takes chunks ``q`` and ``2*cp-1-q`` (early + late, Megatron's zigzag): under
 causal attention the pairs cost the same, so the long documents load every CP rank
 evenly.  Shorter pieces stay whole (no K/V exchange for them) and go, largest first, to
-the CP rank with the least cost so far.  Deterministic.
+the CP rank with the least cost so far; if that leaves the CP ranks more than
+``CP_TOLERANCE`` apart, the largest whole piece is zigzagged too, and so on.  Deterministic.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from neon_hpc.balance.cost import CostModel
+
+# beyond this spread between CP ranks, long-enough pieces below the threshold are zigzagged too
+CP_TOLERANCE = 0.02
 
 
 def zigzag_bounds(start: int, end: int, parts: int) -> list[tuple[int, int]]:
@@ -59,19 +63,32 @@ def piece_cost(cost: CostModel, seq: int, start: int, end: int,
 
 
 def _assign(pieces, cost: CostModel, cp: int, threshold: int, images=None):
+    """Zigzag the long pieces, spread the others largest first; while the CP ranks stay
+    more than ``CP_TOLERANCE`` apart, zigzag the largest piece still whole as well."""
+    entries = sorted(((piece_cost(cost, p[0], p[1], p[2], images), p[0], p[1], p[2]) for p in pieces),
+                     key=lambda x: (-x[0], x[1], x[2]))
+    if cp == 1:
+        return [[(s, a, b) for _, s, a, b in entries]], [sum(x[0] for x in entries)]
+    zig = [x for x in entries if threshold and x[3] - x[2] >= max(threshold, 2 * cp)]
+    whole = [x for x in entries if x not in zig]
+    while True:
+        shards, loads = _spread(zig, whole, cost, cp, images)
+        mean = sum(loads) / cp
+        splittable = [x for x in whole if x[3] - x[2] >= 2 * cp]
+        if not splittable or max(loads) <= mean * (1 + CP_TOLERANCE):
+            return shards, loads
+        zig.append(splittable[0])
+        whole.remove(splittable[0])
+
+
+def _spread(zig, whole, cost, cp, images):
     shards: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
     loads = [0.0] * cp
-    whole = []
-    for p in pieces:
-        seq, s, e = p
-        if cp > 1 and threshold and e - s >= max(threshold, 2 * cp):
-            for q, unit in enumerate(zigzag_pairs(s, e, cp)):
-                for a, b in unit:
-                    shards[q].append((seq, a, b))
-                    loads[q] += piece_cost(cost, seq, a, b, images)
-        else:
-            whole.append((piece_cost(cost, seq, s, e, images), seq, s, e))
-    whole.sort(key=lambda x: (-x[0], x[1], x[2]))
+    for _, seq, s, e in zig:
+        for q, unit in enumerate(zigzag_pairs(s, e, cp)):
+            for a, b in unit:
+                shards[q].append((seq, a, b))
+                loads[q] += piece_cost(cost, seq, a, b, images)
     for c, seq, s, e in whole:
         q = min(range(cp), key=lambda i: (loads[i], i))
         shards[q].append((seq, s, e))

@@ -41,7 +41,7 @@ CANDIDATE_LIMIT = 200_000
 DEFAULT_TOKEN_CAP = 4096
 # the refinement stops once the slowest rank is within this fraction of the mean
 REFINE_TOLERANCE = 0.005
-CAP_HEADROOM = 0.85
+CAP_HEADROOM = 0.75
 MAX_EXTRA_SLOTS = 3
 
 
@@ -223,7 +223,7 @@ def _cost(ctx: _Ctx) -> Plan:
         m = min(m_max, m + max(1, m // 8))
     # when the cap, not the cost, holds the fastest rank back, one more slot may balance better
     for _ in range(MAX_EXTRA_SLOTS):
-        if packer.imbalance() <= 1 + REFINE_TOLERANCE or not packer.fastest_rank_is_full():
+        if packer.imbalance() <= 1 + 2 * REFINE_TOLERANCE or not packer.fastest_rank_is_full():
             break
         more = _CostPacker(ctx, packer.m + 1)
         more_placed = more.run()
@@ -244,13 +244,19 @@ class _CostPacker:
         self.load = np.zeros((dp, m))
         self.toks = np.zeros((dp, m), dtype=np.int64)
         self.bins: list[list[list[Piece]]] = [[[] for _ in range(m)] for _ in range(dp)]
-        self.whole: list[list[tuple[float, int, int]]] = [[] for _ in range(dp)]  # (cost, seq, slot)
+        # what each rank holds, as movable items: (cost, seq, slot, pieces, tokens, whole);
+        # a whole sequence may move to any slot, a split unit only to its own slot
+        self.items: list[list[tuple]] = [[] for _ in range(dp)]
         self.oversize: list[int] = []
 
     # -- the rank's predicted 1F1B time from its slot loads
     def rank_time(self, r: int) -> float:
+        if self.m == 1:                               # the common dp-only case, kept cheap
+            return float(self.load[r, 0])
         row = self.load[r]
-        return (row.sum() + (self.ctx.p - 1) * row.max()) / self.ctx.p
+        if self.ctx.p == 1:
+            return float(row.sum())
+        return float(row.sum() + (self.ctx.p - 1) * row.max()) / self.ctx.p
 
     def times(self) -> np.ndarray:
         return self._row_times(self.load)
@@ -317,10 +323,8 @@ class _CostPacker:
         col = np.where(fits, (self.load[ranks] + unit_cost[:, None]).max(axis=0), np.inf)
         j = int(np.argmin(col))
         for u, r in enumerate(ranks):
-            r = int(r)
-            self.bins[r][j].extend(Piece(i, s, e) for s, e in units[u])
-            self.load[r, j] += unit_cost[u]
-            self.toks[r, j] += unit_toks[u]
+            self._add_item(int(r), j, i, tuple(Piece(i, s, e) for s, e in units[u]),
+                           float(unit_cost[u]), whole=False)
         return True
 
     def _place_wholes(self, order: list[int]) -> bool:
@@ -351,6 +355,9 @@ class _CostPacker:
         return True
 
     def _lightest_slot_with_room(self, r: int, n: int):
+        if self.m == 1:
+            t = int(self.toks[r, 0])
+            return 0 if (t + n <= self.ctx.cap or (n > self.ctx.cap and t == 0)) else None
         if n > self.ctx.cap:                    # oversize (dp too small to split it): alone
             empty = np.flatnonzero(self.toks[r] == 0)
             return int(empty[0]) if empty.size else None
@@ -360,56 +367,67 @@ class _CostPacker:
         return int(np.argmin(np.where(room, self.load[r], np.inf)))
 
     def _put_whole(self, r, j, i, n, c):
-        self.bins[r][j].append(Piece(i, 0, n))
-        self.load[r, j] += c
-        self.toks[r, j] += n
-        self.whole[r].append((c, i, j))
+        self._add_item(r, j, i, (Piece(i, 0, n),), c, whole=True)
 
-    def _take_whole(self, r, idx):
-        c, i, j = self.whole[r].pop(idx)
-        self.bins[r][j].remove(Piece(i, 0, int(self.ctx.lens[i])))
+    def _add_item(self, r, j, seq, pieces, c, whole):
+        tokens = sum(p.end - p.start for p in pieces)
+        self.bins[r][j].extend(pieces)
+        self.load[r, j] += c
+        self.toks[r, j] += tokens
+        self.items[r].append((c, seq, j, pieces, tokens, whole))
+
+    def _take_item(self, r, idx):
+        item = self.items[r].pop(idx)
+        c, _seq, j, pieces, tokens, _whole = item
+        for p in pieces:
+            self.bins[r][j].remove(p)
         self.load[r, j] -= c
-        self.toks[r, j] -= int(self.ctx.lens[i])
+        self.toks[r, j] -= tokens
+        return item
 
     def _refine(self) -> None:
-        """Move whole sequences from the slowest rank to the fastest while the slower of the
-        two ends below the old maximum; when every move overshoots, cut one sequence between
-        them.  Stops once the slowest rank is within ``REFINE_TOLERANCE`` of the mean (each
-        cut is a real split with K/V traffic the model does not charge for)."""
+        """Move items from the slowest rank to the fastest while the slower of the two ends
+        below the old maximum; when every move overshoots, cut one piece between them, but
+        only while the slowest rank is more than ``REFINE_TOLERANCE`` over the mean (each cut
+        is a real split with K/V traffic the model does not charge for)."""
         ctx = self.ctx
         if ctx.dp < 2:
             return
         times = np.array([self.rank_time(r) for r in range(ctx.dp)])
         for _ in range(4 * ctx.dp + 64):
             hi, lo = int(np.argmax(times)), int(np.argmin(times))
-            if times[hi] <= times.mean() * (1 + REFINE_TOLERANCE):
-                return
-            if not (self._best_move(hi, lo, times) or self._best_cut(hi, lo, times)):
+            if self._best_move(hi, lo, times):
+                continue
+            if times[hi] <= times.mean() * (1 + REFINE_TOLERANCE) or not self._best_cut(hi, lo, times):
                 return
 
-    def _whole_arrays(self, r: int):
-        w = self.whole[r]
+    def _item_arrays(self, r: int, whole_only: bool = False):
+        w = [x for x in self.items[r] if x[5] or not whole_only]
+        idx = [k for k, x in enumerate(self.items[r]) if x[5] or not whole_only]
         c = np.array([x[0] for x in w], dtype=np.float64)
-        i = np.array([x[1] for x in w], dtype=np.int64)
-        j = np.array([x[2] for x in w], dtype=np.int64)
-        return c, i, j
+        slot = np.array([x[2] for x in w], dtype=np.int64)
+        tokens = np.array([x[4] for x in w], dtype=np.int64)
+        whole = np.array([x[5] for x in w], dtype=bool)
+        return np.array(idx, dtype=np.int64), c, slot, tokens, whole
 
     def _row_times(self, rows: np.ndarray) -> np.ndarray:
         p = self.ctx.p
         return (rows.sum(axis=1) + (p - 1) * rows.max(axis=1)) / p
 
     def _best_move(self, hi: int, lo: int, times: np.ndarray) -> bool:
-        """All whole sequences of ``hi`` evaluated at once; the move that leaves the slower of
+        """All items of ``hi`` evaluated at once (whole sequences into ``lo``'s lightest slot
+        with room, split units into their own slot); the move that leaves the slower of
         the two ranks fastest wins."""
-        if not self.whole[hi]:
+        if not self.items[hi]:
             return False
         ctx = self.ctx
-        c, seq, jh = self._whole_arrays(hi)
-        n = ctx.lens[seq]
+        idx, c, jh, n, whole = self._item_arrays(hi)
         k = len(c)
         ar = np.arange(k)
         toks_lo = self.toks[lo][None, :]
         room = np.where((n > ctx.cap)[:, None], toks_lo == 0, toks_lo + n[:, None] <= ctx.cap)
+        own_slot = np.arange(self.m)[None, :] == jh[:, None]
+        room &= whole[:, None] | own_slot
         ok = room.any(axis=1)
         j = np.argmin(np.where(room, self.load[lo][None, :], np.inf), axis=1)
         rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
@@ -421,31 +439,34 @@ class _CostPacker:
         b = int(np.argmin(worst))
         if not worst[b] < times[hi] * (1 - 1e-9):
             return False
-        entry = self.whole[hi][b]
-        self._take_whole(hi, b)
-        self._put_whole(lo, int(j[b]), entry[1], int(n[b]), entry[0])
+        cost_b, seq_b, _j, pieces, _t, whole_b = self._take_item(hi, int(idx[b]))
+        self._add_item(lo, int(j[b]), seq_b, pieces, cost_b, whole_b)
         times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
         return True
 
     def _best_cut(self, hi: int, lo: int, times: np.ndarray) -> bool:
-        """When no whole move helps (each overshoots), cut one sequence of the slowest rank in
-        two at the token where both ranks end up even: the fastest rank takes the tail
-        ``[x, n)`` in the slot the sequence already occupies (attending to the head's K/V)."""
-        if not self.whole[hi]:
+        """When no move helps (each overshoots), cut the last piece ``[s, e)`` of one of the
+        slowest rank's items at the token ``x`` where both ranks end up even: the fastest rank
+        takes ``[x, e)`` in the item's slot (attending to the K/V before ``x``), the slowest
+        keeps the rest."""
+        if not self.items[hi]:
             return False
         ctx = self.ctx
         a, b = ctx.cost.a, ctx.cost.b
-        c, seq, jh = self._whole_arrays(hi)
-        n = ctx.lens[seq].astype(np.float64)
-        k = len(c)
+        items = self.items[hi]
+        k = len(items)
         ar = np.arange(k)
+        jh = np.array([it[2] for it in items], dtype=np.int64)
+        s = np.array([it[3][-1].start for it in items], dtype=np.float64)
+        e = np.array([it[3][-1].end for it in items], dtype=np.float64)
         target = (times[hi] - times[lo]) / 2
-        head = np.maximum(a * n + b * n * n - target, 0.0)      # cost of [0, x)
-        x = (-a + np.sqrt(a * a + 4 * b * head)) / (2 * b) if b > 0 else head / a
+        # [x, e) costs target: a (e - x) + b (e^2 - x^2) = target
+        rhs = np.maximum(a * e + b * e * e - target, 0.0)
+        x = (-a + np.sqrt(a * a + 4 * b * rhs)) / (2 * b) if b > 0 else rhs / a
         room = ctx.cap - self.toks[lo, jh]
-        x = np.maximum(np.maximum(np.rint(x), n - room), 1)
-        ok = (n >= 2) & (x < n) & (room >= 1) & (n <= ctx.cap)
-        tail = a * (n - x) + b * (n * n - x * x)
+        x = np.maximum(np.maximum(np.rint(x), e - room), s + 1)
+        ok = (x < e) & (room >= 1) & (e - s <= ctx.cap)
+        tail = a * (e - x) + b * (e * e - x * x)
         rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
         rows_hi[ar, jh] -= tail
         rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
@@ -455,15 +476,11 @@ class _CostPacker:
         best = int(np.argmin(worst))
         if not worst[best] < times[hi] * (1 - 1e-6):
             return False
-        cost_i, i, j = self.whole[hi][best]
-        xi, ni, t = int(x[best]), int(n[best]), float(tail[best])
-        self._take_whole(hi, best)
-        self.bins[hi][j].append(Piece(i, 0, xi))
-        self.load[hi, j] += cost_i - t
-        self.toks[hi, j] += xi
-        self.bins[lo][j].append(Piece(i, xi, ni))
-        self.load[lo, j] += t
-        self.toks[lo, j] += ni - xi
+        xi, t = int(x[best]), float(tail[best])
+        cost_i, i, j, pieces, _t, _w = self._take_item(hi, best)
+        last = pieces[-1]
+        self._add_item(hi, j, i, pieces[:-1] + (Piece(i, last.start, xi),), cost_i - t, whole=False)
+        self._add_item(lo, j, i, (Piece(i, xi, last.end),), t, whole=False)
         times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
         return True
 
