@@ -102,3 +102,13 @@ def test_staleness_histogram_mixed_versions():
     assert hist == {"0": 2, "1": 2, "2": 1}
     mean, mx = staleness_stats(hist)
     assert mean == pytest.approx(4 / 5) and mx == 2
+
+
+def test_async_run_without_off_policy_correction_is_refused(tmp_path, capsys):
+    from neon_hpc.config import ExperimentConfig
+    from neon_hpc.train.loop import run_trainer
+    cfg = ExperimentConfig()
+    cfg.train.off_policy_correction = "none"      # built in code: the YAML loader refuses it earlier
+    assert run_trainer(cfg, str(tmp_path / "run")) == 2
+    assert "off_policy_correction" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

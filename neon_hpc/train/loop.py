@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,9 +284,17 @@ def _startup(run: RunDir, be, cfg: ExperimentConfig, log: RoleLogger) -> tuple[i
 
 
 def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
-    """Train until ``train.steps`` (or a preemption signal); returns the process exit code."""
-    check_config(cfg)
-    rank, world, _local = dist_env()
+    """Train until ``train.steps`` (or a preemption signal); returns the process exit code.
+
+    0: done, or preempted after a checkpoint (requeue and call again); 2: refused to start
+    or cannot continue (config, environment, no data within ``train.wait_for_data_s``).
+    """
+    try:
+        check_config(cfg)
+        rank, world, _local = dist_env()
+    except TrainerError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return 2
     run = RunDir(run_dir).create()
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
