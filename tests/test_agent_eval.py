@@ -162,3 +162,16 @@ def test_judge_panel_and_the_neon_hpc_command(scripted, tmp_path):
     s = json.loads((tmp_path / "eval.json").read_text())["summaries"]["test_id"]
     assert s["success_rate"] == 0.0 and s["judge_success_rate"] == 1.0 and s["judge_agreement"] == 0.0
     assert "judge agreement" in (tmp_path / "eval.md").read_text()
+
+
+def test_group_trajectories_survive_a_shard_round_trip_with_their_routes(engine, tmp_path):
+    from neon_hpc.rollout.engines.client import EngineClient
+    from neon_hpc.store import read_shard, write_shard
+    task = load_tasks("tiny", "train", 0, 2)[1]
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=6, answer_max_new_tokens=2, max_total_tokens=512)
+    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=2, seed=9)
+    write_shard(tmp_path / "s.h5", trajs, writer_id="test")
+    back = read_shard(tmp_path / "s.h5")
+    assert len(back) == 2 and all(a.same_as(b) for a, b in zip(trajs, back))
+    assert back[0].routed_experts.shape == (back[0].num_tokens, 2, 2)
+    assert back[0].metadata["route_versions"] == [[0, 0]]
