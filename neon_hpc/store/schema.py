@@ -43,11 +43,12 @@ INDEX_DTYPE = np.dtype("<i8")
 ROUTE_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
 
 # Checksum: XXH3-64 of each dataset's bytes (streamed in order, so the writer hashes each
-# trajectory as it writes it and the reader each slab as it reads it), all stored in one
+# trajectory's rows as it writes them without concatenating them), all stored in one
 # file attribute ``digests`` (JSON {dataset: hex}; one attribute, not one per dataset,
 # because each HDF5 attribute costs about a millisecond to write or read); the file
-# attribute ``checksum`` hashes the sorted (name, digest) pairs, covering ``digests`` itself. XXH3 runs at memory speed (measured ~12 GB/s per core here, against
-# ~1.5 GB/s for zlib's CRC-32), so validation stays close to the cost of the read itself.
+# attribute ``checksum`` hashes the sorted (name, digest) pairs, covering ``digests`` itself.
+# XXH3 runs at memory speed (measured ~12 GB/s per core here, against ~1.5 GB/s for zlib's
+# CRC-32), so validation stays close to the cost of the read itself.
 CHECKSUM_ALGO = "xxh3_64"
 DIGESTS_ATTR = "digests"
 
