@@ -3,12 +3,13 @@
 See README.md beside this file for the format and the semantics.
 """
 
+from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.store.reader import ShardError, read_shard, shard_summary
 from neon_hpc.store.writer import ShardInfo, ShardWriter, write_shard
 from neon_hpc.store.claim import (ClaimConflict, ClaimResult, ClaimTimeout, claim_step, claimed_steps,
                                   quarantine, ready_count, ready_shards, staleness_stats)
 
-__all__ = ["Trajectory", "ShardError", "read_shard", "shard_summary", "ShardInfo", "ShardWriter",
+__all__ = ["StoreConfig", "Trajectory", "ShardError", "read_shard", "shard_summary", "ShardInfo", "ShardWriter",
            "write_shard", "ClaimConflict", "ClaimResult", "ClaimTimeout", "claim_step", "claimed_steps",
            "quarantine", "ready_count", "ready_shards", "staleness_stats"]
