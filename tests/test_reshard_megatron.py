@@ -27,7 +27,9 @@ def saved(tmp_path_factory):
 
 def hf_logits(model_dir, ids: np.ndarray) -> np.ndarray:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(ids)).logits.float().numpy()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from neon_hpc.reshard.arch import ModelSpec, MappingError
 from neon_hpc.reshard.comm import get_comm
-from neon_hpc.reshard.execute import peak_rss_bytes, run_rank
+from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
 from neon_hpc.reshard.hfconfig import check_config_fits, derive_hf_config, load_hf_config, write_hf_side
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
@@ -74,7 +74,9 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
     final = comm.bcast(final)
     if "error" in final:
         raise ReshardError(final["error"])
+    ios = comm.allgather(proc_io())   # after rank 0's finish, so its index/config writes count
     stats = _stats(plan, mode, results, final, time.monotonic() - t0)
+    stats["proc_io"] = {k: sum(io.get(k, 0) for io in ios) for k in ("read_bytes", "write_bytes", "rchar", "wchar")}
     stats["guessed_config_fields"] = guessed
     return stats
 

@@ -37,6 +37,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def proc_io() -> dict[str, int]:
+    """This process's /proc/self/io counters (read_bytes/write_bytes = storage, rchar/wchar = syscalls)."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+    except OSError:
+        return {}
+
+
 class ChunkReader:
     """Reads chunk blobs by byte range; keeps one fd per ``.distcp`` file."""
 
