@@ -46,8 +46,12 @@ def shard_counts(run: RunDir) -> dict[str, int]:
         for step_dir in run.traj_claimed.iterdir():
             if step_dir.is_dir():
                 claimed += _count_dir(step_dir)
+    try:  # shards being written are hidden temporaries (".<name>.tmp.part")
+        writing = sum(1 for n in os.listdir(run.traj_tmp) if n.endswith(".tmp.part"))
+    except FileNotFoundError:
+        writing = 0
     return {"ready": _count_dir(run.traj_ready), "claimed": claimed,
-            "quarantined": _count_dir(run.traj_quarantine), "writing": _count_dir(run.traj_tmp)}
+            "quarantined": _count_dir(run.traj_quarantine), "writing": writing}
 
 
 _ERR = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")
