@@ -58,9 +58,15 @@ if ! kill -0 "$TRAINER" 2>/dev/null; then
   kill -TERM "$ROLLOUT" 2>/dev/null; wait "$ROLLOUT"
 else
   wait "$ROLLOUT"; RC=$?
-  echo "[neon-rl] rollout group ended first (exit ${RC}); stopping the trainer"
-  kill -TERM "$TRAINER" 2>/dev/null; wait "$TRAINER"
-  [ "$RC" -eq 0 ] && RC=1
+  if [ "$RC" -eq 0 ]; then
+    # a clean stop (SIGUSR1/SIGTERM): the trainer is checkpointing too; let it finish
+    wait "$TRAINER"; RC=$?
+  else
+    echo "[neon-rl] rollout group failed (exit ${RC}); stopping the trainer (it checkpoints first)"
+    kill -TERM "$TRAINER" 2>/dev/null; wait "$TRAINER"
+    # a failure is not a preemption: no requeue loop; rerunning the job resumes from the checkpoint
+    rm -f "$RUN_DIR/state/trainer_preempted.json"
+  fi
 fi
 
 if [ -e "$RUN_DIR/state/trainer_preempted.json" ]; then

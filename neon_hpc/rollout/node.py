@@ -94,7 +94,8 @@ class RolloutNode:
         for i in range(self.cfg.engine.num_engines):
             h = start_server(str(path), host=self.cfg.engine.host,
                              port=self.cfg.engine.port + i if self.cfg.engine.port else 0,
-                             max_batch_size=self.cfg.engine.max_batch_size)
+                             max_batch_size=self.cfg.engine.max_batch_size, weight_version=str(version),
+                             allowed_root=str(self.run.weights))  # weight loads stay inside the run
             self.engines.append(h)
             self.clients.append(EngineClient(h.url))
         self.loaded_version = version
@@ -112,8 +113,20 @@ class RolloutNode:
             return
         version, path = latest
         t0 = time.monotonic()
-        for c in self.clients:
-            c.update_weights_from_disk(str(path), str(version))
+        for i, c in enumerate(self.clients):
+            try:
+                c.update_weights_from_disk(str(path), str(version))
+            except (OSError, RuntimeError) as e:  # EngineError, ConnectionError, TimeoutError
+                if self.stopping:
+                    return
+                proc = getattr(self.engines[i], "process", None) if i < len(self.engines) else None
+                dead = proc is not None and proc.poll() is not None
+                self.failed = (f"engine {c.base_url if hasattr(c, 'base_url') else i} "
+                               f"{'died (exit code %s)' % proc.returncode if dead else 'refused'} loading "
+                               f"weights v_{version} from {path}: {e}. Check the weights folder and the engine log; "
+                               f"rerun to resume")
+                self.log.error("%s", self.failed)
+                return
         dt = time.monotonic() - t0
         self.log.info("engines loaded weights v_%d in %.2fs", version, dt)
         self.log.metrics(event="weights_loaded", version=version, seconds=dt)
@@ -178,7 +191,8 @@ class RolloutNode:
                 self.spawn(w)
             while not self.stopping and not (self.run.state / "finished.json").exists():
                 self.sync_weights()
-                self.check_workers()
+                if not self.failed:
+                    self.check_workers()
                 if self.failed:
                     return 1
                 self.run.beat("rollout-node", self.rank, version=self.loaded_version,

@@ -606,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"LISTENING {srv.url} weight_version={srv.scheduler.version}", flush=True)
     import signal
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=srv.shutdown, daemon=True).start())
+    # Slurm's pre-timeout SIGUSR1 reaches every process of a job step; it asks the trainer to
+    # checkpoint and workers to flush. An engine has nothing to save: its owner stops it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
