@@ -175,3 +175,10 @@ def test_group_trajectories_survive_a_shard_round_trip_with_their_routes(engine,
     assert len(back) == 2 and all(a.same_as(b) for a, b in zip(trajs, back))
     assert back[0].routed_experts.shape == (back[0].num_tokens, 2, 2)
     assert back[0].metadata["route_versions"] == [[0, 0]]
+
+
+def test_unreachable_endpoint_fails_fast_with_a_message(tmp_path, capsys):
+    rc = eval_cli.main(["--endpoint", "http://127.0.0.1:9", "--api", "generate", "--no-progress",
+                        "--out", str(tmp_path)])
+    assert rc == 2 and "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+    assert not (tmp_path / "eval.json").exists()

@@ -85,6 +85,17 @@ def detect_api(endpoint: str) -> str:
     return "chat"
 
 
+def reachable(endpoint: str, api: str) -> str | None:
+    """None when the server answers at all (any HTTP status); else why not."""
+    import requests
+    path = "/health" if api == "generate" else ("/models" if endpoint.rstrip("/").endswith("/v1") else "/v1/models")
+    try:
+        requests.get(endpoint.rstrip("/") + path, timeout=10)
+        return None
+    except requests.RequestException as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def load_split_tasks(args, split: str) -> list:
     from neon_hpc.xrd.tasks import load_tasks
     if split == "real":    # the labelled real development set (precursor mixtures)
@@ -202,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = rollout_config(args)
     api = detect_api(args.endpoint) if args.api == "auto" else args.api
+    why = reachable(args.endpoint, api)
+    if why:
+        print(f"neon-hpc xrd eval: cannot reach {args.endpoint} ({why}); is the server up?", file=sys.stderr)
+        return 2
     splits = [s.strip() for s in args.split.split(",") if s.strip()]
     for s in splits:
         if s not in SPLITS + ("real",):
