@@ -43,6 +43,8 @@ def test_junk_rules_are_applied(lib):
     assert "stable isotopes" in junk_reason(["Pu", "O"], 2.0, True)
     assert "unphysical" in junk_reason(["Ti", "O"], 0.3, True)
     assert junk_reason(["Ti", "O"], 1.9, True) is None
+    assert "molecular" in junk_reason(["C", "O"], 1.1, True, "CO")
+    assert not any(p.formula in ("CO", "H3S", "SiF4", "H3N") for p in lib.phases)
 
 
 def test_substituted_structures_are_distractors_only(lib):

@@ -11,7 +11,8 @@ Sources (each phase keeps ``source``, ``reference``, ``year`` and ``license``):
 | ``substitution`` | prototypes with their cation replaced, lattice scaled by ionic radii: distractors only, never answers (``answer_eligible=False``) | derived here |
 
 Junk is filtered by explicit rules (:func:`junk_reason`): noble gases and other elements that are
-gases at room temperature as elemental solids, elements without stable isotopes (except Th, U),
+gases at room temperature as elemental solids, molecular solids of gases (CO, NH3, SiF4, ...) and
+high-pressure-only phases (H3S), elements without stable isotopes (except Th, U),
 more than 4 distinct elements (alloy approximants), elements without X-ray form factors,
 atoms closer than 0.5 A.  Duplicates (same reduced formula and space-group number) keep the
 first by source priority curated > aflow > ase > substitution.
@@ -38,6 +39,8 @@ NOBLE_GASES = {"He", "Ne", "Ar", "Kr", "Xe", "Rn"}
 GASEOUS_ELEMENTS = {"H", "N", "O", "F", "Cl"} | NOBLE_GASES     # junk as elemental solids
 NO_STABLE_ISOTOPE = {"Tc", "Pm", "Po", "At", "Rn", "Fr", "Ra", "Ac", "Pa", "Np", "Pu", "Am", "Cm",
                      "Bk", "Cf", "Es", "Fm", "Md", "No", "Lr"}
+# molecular solids of room-temperature gases, and a high-pressure-only hydride: not lab phases
+MOLECULAR_OR_HIGH_PRESSURE = {"CO", "CO2", "H3N", "H3S", "H2S", "SiF4", "CNCl", "HC", "CH4", "HCl", "NO", "N2O"}
 MAX_ELEMENTS = 4
 MIN_DISTANCE_A = 0.5
 SOURCE_PRIORITY = {"curated": 0, "aflow": 1, "ase": 2, "substitution": 3}
@@ -225,9 +228,12 @@ def load_library(path: str | None = None) -> Library:
 # ----------------------------------------------------------------------------------------------
 # building (needs pymatgen / ase; run offline, result committed as data/phases.json)
 
-def junk_reason(elements: list[str], min_distance: float, has_form_factors: bool) -> str | None:
+def junk_reason(elements: list[str], min_distance: float, has_form_factors: bool,
+                formula: str = "") -> str | None:
     """Why a structure is excluded, or None.  The rules are explicit so reviewers can audit them."""
     els = set(elements)
+    if formula and formula in MOLECULAR_OR_HIGH_PRESSURE:
+        return "molecular solid of a gas, or a high-pressure-only phase"
     if els & NOBLE_GASES:
         return "contains a noble gas"
     if len(els) == 1 and els <= GASEOUS_ELEMENTS:
@@ -386,7 +392,7 @@ def build_library(verbose: bool = False) -> tuple[list[Phase], list[tuple[str, s
         if not s.is_ordered:
             dropped.append((kw["pid"], "partially occupied sites"))
             continue
-        reason = junk_reason(els, _min_distance(s), set(els) <= known_ff)
+        reason = junk_reason(els, _min_distance(s), set(els) <= known_ff, s.composition.reduced_formula)
         key = (s.composition.reduced_formula, kw["sg_number"])
         if reason is None and key in seen:
             reason = "duplicate of an earlier source (same formula and space group)"
