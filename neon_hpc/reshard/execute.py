@@ -140,6 +140,10 @@ class Progress:
 
 def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False) -> RankStats:
     """Write this rank's safetensors files into ``staging``; returns its stats."""
+    import torch
+    # Parallelism comes from ranks; intra-op threads only spin against each other (and against
+    # the other ranks on the same cores) for copies this small.
+    torch.set_num_threads(1)
     t0 = time.monotonic()
     stats = RankStats(rank)
     fds = _open_shards(plan, rank, staging)
@@ -179,6 +183,8 @@ def _open_shards(plan: Plan, rank: int, staging: Path) -> dict[str, int]:
 
 def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
     dtypes = {s.key: s.dtype for s in task.slabs}
+    if all(_streamable(s, task) for s in task.slabs):
+        return _stream_task(plan, task, reader, fds, dtypes)
     loaded = [(key, c, reader.read(key, c, dtypes[key])) for key, c in task.chunks]
     written = 0
     for slab in task.slabs:
@@ -188,4 +194,46 @@ def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) 
             fname, offset = plan.location[o.name]
             pwrite_all(fds[fname], data, offset)
             written += len(data)
+    return written
+
+
+def _intersects(slab: Slab, c: Chunk) -> bool:
+    return all(o <= i < o + s for i, o, s in zip(slab.index, c.offsets, c.sizes))
+
+
+def _streamable(slab: Slab, task: Task) -> bool:
+    """True when each chunk is a band of whole rows of the slab and every output is a row
+    range of it (copy, [gate; up] halves, vocab trim): then every chunk maps to contiguous
+    byte ranges of the outputs and can be written as soon as it is read, one at a time."""
+    n = len(slab.index)
+    return (all(o.op.kind in ("copy", "rows") for o in slab.outputs)
+            and all(c.sizes[n + 1:] == slab.shape[1:] for k, c in task.chunks if k == slab.key and _intersects(slab, c)))
+
+
+def _row_range(op, rows: int) -> tuple[int, int]:
+    return op.args if op.kind == "rows" else (0, rows)
+
+
+def _stream_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
+    """Read one chunk at a time and write its rows straight into every output they belong to."""
+    written = 0
+    for key, c in task.chunks:
+        t = reader.read(key, c, dtypes[key])
+        for slab in task.slabs:
+            if slab.key != key or not _intersects(slab, c):
+                continue
+            n = len(slab.index)
+            piece = t[tuple(i - o for i, o in zip(slab.index, c.offsets))]     # [chunk rows, ...]
+            r0, r1 = c.offsets[n], c.offsets[n] + c.sizes[n]
+            for o in slab.outputs:
+                a, b = _row_range(o.op, slab.shape[0])
+                lo, hi = max(a, r0), min(b, r1)
+                if lo >= hi:
+                    continue
+                data = tensor_bytes(piece[lo - r0:hi - r0])
+                row_bytes = len(data) // (hi - lo)
+                fname, offset = plan.location[o.name]
+                pwrite_all(fds[fname], data, offset + (lo - a) * row_bytes)
+                written += len(data)
+        del t
     return written

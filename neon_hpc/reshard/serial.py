@@ -18,6 +18,7 @@ def materialize(plan: Plan) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
+    torch.set_num_threads(1)   # same as the fast path: intra-op threads only oversubscribe the cores
     keys = sorted({s.key for t in plan.tasks for s in t.slabs})
     state = {k: torch.empty(plan.ckpt.tensors[k].shape, dtype=getattr(torch, plan.ckpt.tensors[k].dtype))
              for k in keys}
