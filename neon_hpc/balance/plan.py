@@ -59,7 +59,8 @@ class Plan:
     rank_time: list[float] = field(default_factory=list)
     makespan: float = 0.0
     imbalance: float = 1.0
-    shadow: dict[str, float] = field(default_factory=dict)
+    shadow: dict[str, float] = field(default_factory=dict)          # other planner -> makespan
+    shadow_imbalance: dict[str, float] = field(default_factory=dict)  # other planner -> max/mean
     oversize: list[int] = field(default_factory=list)   # sequences in a micro-batch over the cap
     chosen_from: str = ""                                # which candidate won (cost planner)
     planner_s: float = 0.0
@@ -110,7 +111,8 @@ class Plan:
             "microbatches": self.num_microbatches, "sequences": len(self.lengths),
             "split_sequences": len(self.split_sequences()), "oversize": list(self.oversize),
             "makespan": self.makespan, "imbalance": self.imbalance,
-            "shadow": dict(self.shadow), "planner_s": self.planner_s,
+            "shadow": dict(self.shadow), "shadow_imbalance": dict(self.shadow_imbalance),
+            "planner_s": self.planner_s,
         }
 
     def to_dict(self) -> dict:

@@ -81,6 +81,7 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
         plan = _best_candidate(plan, [plans["flopkk"], plans["tokenkk"]])
     if shadow:
         plan.shadow = {n: q.makespan for n, q in plans.items() if n != planner}
+        plan.shadow_imbalance = {n: q.imbalance for n, q in plans.items() if n != planner}
     plan.planner = planner
     if check:
         check_plan(plan)
