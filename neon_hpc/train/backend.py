@@ -260,7 +260,7 @@ def reduce_sums(values: dict[str, float], group=None) -> dict[str, float]:
         from megatron.core import parallel_state as ps
         group = ps.get_data_parallel_group()
     keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: CUDA tensors
     dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
 

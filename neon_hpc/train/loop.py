@@ -73,6 +73,13 @@ def dist_env() -> tuple[int, int, int]:
     return rank, world, int(env.get("LOCAL_RANK", "0"))
 
 
+def _select_device(local_rank: int) -> None:
+    """One GPU per rank (NCCL object collectives use the current device); nothing on CPU."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
 class Preemption:
     """Remembers SIGUSR1/SIGTERM; the loop polls it between steps."""
 
@@ -102,7 +109,8 @@ def _any_rank(flag: bool, world: int) -> bool:
         return flag
     import torch
     import torch.distributed as dist
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                     device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -143,38 +151,42 @@ class StepData:
 
 def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int, pre: Preemption,
            log: RoleLogger):
-    """Rank 0 claims (waiting in slices so heartbeats and signals stay live); then everyone reads it."""
+    """Rank 0 claims; then every rank reads the committed claim (the same trajectories).
+
+    Rank 0 waits for data in slices of ``CLAIM_SLICE_S`` and tells the others after each one,
+    so no collective stays open for long (a process-group timeout is minutes) and heartbeats
+    and preemption signals stay live on every rank while rollouts catch up.
+    """
     from neon_hpc.store import ClaimTimeout, claim_step
 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
                   quarantine_invalid=cfg.store.quarantine_invalid)
-    status: dict[str, Any] = {"ok": True}
-    if rank == 0:
-        t0, next_note = time.monotonic(), 10.0
-        while True:
+    t0, next_note = time.monotonic(), 10.0
+    while True:
+        status: dict[str, Any] = {"state": "waiting"}
+        if rank == 0:
             left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
             try:
                 claim_step(run.root, step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
-                break
+                status = {"state": "claimed"}
             except ClaimTimeout as e:
                 if pre.requested:
-                    status = {"ok": False, "preempted": True}
-                    break
-                if left <= CLAIM_SLICE_S:
-                    status = {"ok": False, "error": str(e)}
-                    break
-                waited = time.monotonic() - t0
-                run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=waited)
-                if waited >= next_note:
-                    log.info("waiting for data (%.0fs of %.0fs)", waited, cfg.train.wait_for_data_s)
-                    next_note += 30.0
-        status["waited_s"] = time.monotonic() - t0
-    status = _bcast(status, rank, world)
-    if not status["ok"]:
-        return status
-    res = claim_step(run.root, step, timeout_s=0.0, **kwargs)   # committed: the same trajectories
-    status["result"] = res
+                    status = {"state": "preempted"}
+                elif left <= CLAIM_SLICE_S:
+                    status = {"state": "error", "error": str(e)}
+            status["waited_s"] = time.monotonic() - t0
+        status = _bcast(status, rank, world)
+        if status["state"] == "waiting" and _any_rank(pre.requested, world):
+            status["state"] = "preempted"      # a signal reached some rank while rank 0 waited
+        if status["state"] != "waiting":
+            break
+        run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=status["waited_s"])
+        if rank == 0 and status["waited_s"] >= next_note:
+            log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
+            next_note += 30.0
+    if status["state"] == "claimed":
+        status["result"] = claim_step(run.root, step, timeout_s=0.0, **kwargs)
     return status
 
 
@@ -242,7 +254,9 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
         replay_missing += mb.routes_missing
         replayed += int(mb.routes is not None and bool(pieces))
         logp = forward_logp(be, mb)
-        loss, terms = policy_loss(logp, logp.detach(), mb.logp_behav, mb.advantages, mb.loss_mask, denom, lcfg)
+        dev = logp.device
+        loss, terms = policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
+                                  mb.loss_mask.to(dev), denom, lcfg)
         loss.backward()
         add_terms(sums, terms)
     sums["replay_docs_missing"] = float(replay_missing)
@@ -291,10 +305,11 @@ def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
     """
     try:
         check_config(cfg)
-        rank, world, _local = dist_env()
+        rank, world, local = dist_env()
     except TrainerError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
+    _select_device(local)
     run = RunDir(run_dir).create()
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
@@ -339,11 +354,11 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
         t0 = time.perf_counter()
         run.beat(ROLE, rank, step=step, version=step - 1, phase="claiming")
         claim = _claim(run, cfg, step, rank, world, pre, log)
-        if not claim["ok"]:
-            if claim.get("preempted"):
-                step -= 1
-                preempted = True
-                break
+        if claim["state"] == "preempted":
+            step -= 1
+            preempted = True
+            break
+        if claim["state"] == "error":
             raise TrainerError(claim["error"])
         res = claim["result"]
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
