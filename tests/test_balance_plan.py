@@ -228,3 +228,12 @@ def test_images_add_their_encoder_cost_to_the_piece_holding_token_zero():
     assert sum(plan.rank_time) == pytest.approx(320.0)
     first = [r for r, mbs in enumerate(plan.ranks) for mb in mbs for p in mb if p.seq == 0 and p.start == 0]
     assert plan.rank_time[first[0]] >= 300.0
+
+
+def test_split_false_keeps_every_sequence_whole_and_still_balances_cost():
+    L = mixture(256, seed=6)
+    plan = plan_step(L, dp=16, token_cap=131072, cost=KIMI_COST, split=False)
+    assert plan.split_sequences() == {}
+    assert plan.makespan <= plan.shadow["tokenkk"] * (1 + 1e-9)
+    with_splits = plan_step(L, dp=16, token_cap=131072, cost=KIMI_COST)
+    assert with_splits.split_sequences() and with_splits.makespan < plan.makespan

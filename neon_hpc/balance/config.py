@@ -13,6 +13,8 @@ class BalanceConfig:
     cost_b: float = 0.0                 # per-token-pair cost; 0 = derive from the model config (or cost_file)
     cost_file: str = ""                 # JSON written by `neon-hpc balance calibrate` (its cost_model is used)
     split_threshold_tokens: int = 0     # pieces this long are zigzagged across CP ranks; 0 = auto
+    split_sequences: bool = True        # let the cost planner split sequences across DP ranks
+                                        # (false: whole sequences only, for a trainer without split pieces)
 
     def validate(self):
         errs = []

@@ -49,7 +49,7 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
               token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
               planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
               images: Sequence[int] | None = None, cp_split_threshold: int = 0,
-              check: bool = True) -> Plan:
+              split: bool = True, check: bool = True) -> Plan:
     """Plan one training step.
 
     ``lengths``: tokens per sequence (zero-length ones are ignored).  ``dp``: data-parallel
@@ -60,7 +60,8 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     which a piece is zigzagged across them (0 = auto).  ``token_cap``: tokens per
     micro-batch of a DP rank (across its CP group).  ``cost``: defaults to the embedded
     model's FLOP cost.  ``shadow``: also plan with the other planners and report their
-    predicted makespans in ``plan.shadow``.
+    predicted makespans in ``plan.shadow``.  ``split=False``: the cost planner keeps every
+    sequence whole (for a trainer that cannot run split pieces yet).
     """
     t0 = time.perf_counter()
     lens = _validate(lengths, dp, pp_microbatches, cp, token_cap, planner, pp_stages, images)
@@ -68,7 +69,8 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     p = pp_stages if pp_stages is not None else pp_microbatches
     thr = cp_split_threshold or auto_threshold(token_cap, cp)
     imgs = tuple(int(x) for x in images) if images is not None else None
-    ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr, imgs)
+    ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr,
+               imgs, split)
 
     plans: dict[str, Plan] = {}
     want_candidates = planner == "cost" and len(lens) * dp <= CANDIDATE_LIMIT
@@ -93,8 +95,9 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
 # shared context and helpers
 
 class _Ctx:
-    def __init__(self, lens, costs, dp, m_min, p, cp, cap, cost, thr, images):
+    def __init__(self, lens, costs, dp, m_min, p, cp, cap, cost, thr, images, split=True):
         self.lens, self.costs = lens, costs
+        self.split = split
         self.dp, self.m_min, self.p, self.cp, self.cap = dp, max(1, m_min), p, cp, cap
         self.cost, self.thr, self.images = cost, thr, images
         self.active = [i for i in range(len(lens)) if lens[i] > 0]
@@ -299,6 +302,10 @@ class _CostPacker:
     def _pieces_needed(self, i: int, unit_target: float) -> int:
         ctx = self.ctx
         n, c = int(ctx.lens[i]), float(ctx.costs[i])
+        if not ctx.split:
+            if n > ctx.cap:
+                self.oversize.append(i)
+            return 1
         k = math.ceil(n / ctx.cap)
         if c > unit_target * (1 + 1e-9):
             k = max(k, math.ceil(c / unit_target - 1e-9))
@@ -399,7 +406,8 @@ class _CostPacker:
             hi, lo = int(np.argmax(times)), int(np.argmin(times))
             if self._best_move(hi, lo, times):
                 continue
-            if times[hi] <= times.mean() * (1 + REFINE_TOLERANCE) or not self._best_cut(hi, lo, times):
+            if (not ctx.split or times[hi] <= times.mean() * (1 + REFINE_TOLERANCE)
+                    or not self._best_cut(hi, lo, times)):
                 return
 
     def _item_arrays(self, r: int, whole_only: bool = False):
