@@ -73,17 +73,20 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
                imgs, split)
 
     plans: dict[str, Plan] = {}
-    want_candidates = planner == "cost" and len(lens) * dp <= CANDIDATE_LIMIT
-    names = [planner] + [n for n in PLANNERS if n != planner and (shadow or (
-        want_candidates and n in ("flopkk", "tokenkk")))]
+    names = [planner] + [n for n in PLANNERS if n != planner and shadow]
+    want_candidates = "cost" in names and len(lens) * dp <= CANDIDATE_LIMIT
+    if want_candidates:
+        names += [n for n in ("flopkk", "tokenkk") if n not in names]
     for name in names:
         plans[name] = _BUILDERS[name](ctx)
-    plan = plans[planner]
     if want_candidates:
-        plan = _best_candidate(plan, [plans["flopkk"], plans["tokenkk"]])
+        plans["cost"] = _best_candidate(plans["cost"], [plans["flopkk"], plans["tokenkk"]])
+    plan = plans[planner]
     if shadow:
         plan.shadow = {n: q.makespan for n, q in plans.items() if n != planner}
         plan.shadow_imbalance = {n: q.imbalance for n, q in plans.items() if n != planner}
+    else:
+        plan.shadow, plan.shadow_imbalance = {}, {}
     plan.planner = planner
     if check:
         check_plan(plan)
