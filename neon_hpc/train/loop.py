@@ -66,6 +66,13 @@ def dist_env() -> tuple[int, int, int]:
         env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_PORT" not in env:
+        # A single rank needs no agreed rendezvous: any free local port.
+        env["MASTER_ADDR"] = "127.0.0.1"
+        env["MASTER_PORT"] = str(_free_port())
+    elif "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+        # Every rank of one job derives the same port from the job id (the launcher may set it instead).
+        env["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
     if world > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
         raise TrainerError(f"rank {rank} of {world}: MASTER_ADDR and MASTER_PORT must be set for a "
                            f"multi-process trainer (the launcher exports them; by hand: "
@@ -78,6 +85,13 @@ def _select_device(local_rank: int) -> None:
     import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Preemption:
