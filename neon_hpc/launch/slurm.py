@@ -48,22 +48,28 @@ srun --het-group=1 --kill-on-bad-exit=1 --mpi=pmi2 \
   "$PY" -m neon_hpc.launch.roles trainer --config "$RUN_YAML" --run-dir "$RUN_DIR" &
 TRAINER=$!
 
-stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; wait; exit 143; }
+# Polled, not plain `wait`: a trapped signal interrupts wait and would look like an exit code.
+reap() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; wait "$1"; }
+
+stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; reap "$TRAINER"; reap "$ROLLOUT"; exit 143; }
 trap stop_all TERM INT
+# SIGUSR1 is for the steps (trainer checkpoints, workers flush); if it reaches this shell too
+# (scancel -s USR1 --batch, or --signal=B:USR1), it must not kill the job before they are done
+trap 'echo "[neon-rl] SIGUSR1: the trainer checkpoints, the rollout side flushes"' USR1
 
 # whichever group ends first decides; the other is stopped (SIGTERM: flush / checkpoint)
-wait -n "$TRAINER" "$ROLLOUT"
+while kill -0 "$TRAINER" 2>/dev/null && kill -0 "$ROLLOUT" 2>/dev/null; do sleep 1; done
 if ! kill -0 "$TRAINER" 2>/dev/null; then
-  wait "$TRAINER"; RC=$?
-  kill -TERM "$ROLLOUT" 2>/dev/null; wait "$ROLLOUT"
+  reap "$TRAINER"; RC=$?
+  kill -TERM "$ROLLOUT" 2>/dev/null; reap "$ROLLOUT"
 else
-  wait "$ROLLOUT"; RC=$?
+  reap "$ROLLOUT"; RC=$?
   if [ "$RC" -eq 0 ]; then
     # a clean stop (SIGUSR1/SIGTERM): the trainer is checkpointing too; let it finish
-    wait "$TRAINER"; RC=$?
+    reap "$TRAINER"; RC=$?
   else
     echo "[neon-rl] rollout group failed (exit ${RC}); stopping the trainer (it checkpoints first)"
-    kill -TERM "$TRAINER" 2>/dev/null; wait "$TRAINER"
+    kill -TERM "$TRAINER" 2>/dev/null; reap "$TRAINER"
     # a failure is not a preemption: no requeue loop; rerunning the job resumes from the checkpoint
     rm -f "$RUN_DIR/state/trainer_preempted.json"
   fi
