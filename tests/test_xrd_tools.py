@@ -1,11 +1,9 @@
 """Agent tools: readable errors instead of exceptions, the date cutoff, useful answers."""
 import json
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.xrd.store import Store
 from neon_hpc.xrd.tasks import build_store, load_tasks, make_context
 from neon_hpc.xrd.tools import TOOLS, TaskContext, call_tool, toolset
 

@@ -110,10 +110,13 @@ def compute_reflections(lattice: np.ndarray, species: list[str], frac_coords: np
     index = np.array([elements.index(sp) for sp in species])
     onehot = np.zeros((len(species), len(elements)))
     onehot[np.arange(len(species)), index] = 1.0
-    phase = 2.0 * np.pi * (hkl.astype(float) @ np.asarray(frac_coords, dtype=float).T)   # (n, atoms)
-    re = (np.cos(phase) @ onehot * ff).sum(axis=1)
-    im = (np.sin(phase) @ onehot * ff).sum(axis=1)
-    f2 = 2.0 * (re * re + im * im)
+    # exp(2 pi i (hx + ky + lz)) = ex[h] ey[k] ez[l]: three small tables and two complex products
+    # per entry instead of one complex exponential per (reflection, atom)
+    fc = np.asarray(frac_coords, dtype=float)
+    tables = [np.exp(2j * np.pi * np.outer(np.arange(-m, m + 1), fc[:, axis])) for axis, m in enumerate(hmax)]
+    phase = tables[0][hkl[:, 0] + hmax[0]] * tables[1][hkl[:, 1] + hmax[1]] * tables[2][hkl[:, 2] + hmax[2]]
+    F = ((phase @ onehot) * ff).sum(axis=1)
+    f2 = 2.0 * (F.real ** 2 + F.imag ** 2)
     return Reflections(d=1.0 / gn, f2=f2, hkl=hkl, g_unit=g / gn[:, None],
                        volume=float(abs(np.linalg.det(A))), recip=B)
 

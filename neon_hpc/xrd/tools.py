@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
-from neon_hpc.xrd.simulate import Instrument, Microstructure, phase_reflections, two_theta_of
+from neon_hpc.xrd.simulate import Instrument, phase_reflections, two_theta_of
 from neon_hpc.xrd.store import DatedView, Store
 
 MAX_FIT_PHASES = 6
