@@ -73,7 +73,9 @@ def run_cli(*args: str, n: int = 0) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_fast_path_equals_serial_byte_for_byte_in_process(ckpt, serial_out, tmp_path, ranks):
+    threads = torch.get_num_threads()
     stats = convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf", ranks=ranks)
+    assert torch.get_num_threads() == threads          # an in-process caller keeps its setting
     assert stats["ranks"] == ranks and stats["files"] == ranks
     assert_same_tensors(tmp_path / "hf", serial_out)
 

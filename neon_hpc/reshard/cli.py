@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("config fields guessed (no --hf-config-dir): " + ", ".join(guessed))
             return 0
         stats = convert(args.src, args.dst, args.hf_config_dir, args.arch, args.ranks, mode=args.mode,
-                        shard_cap=cap, verify=args.verify, progress=not args.quiet)
+                        shard_cap=cap, verify=args.verify, progress=not args.quiet, use_mpi=None)
     except (CheckpointError, ReshardError) as e:
         print(f"reshard: error: {e}", file=sys.stderr)
         return 1

@@ -42,14 +42,16 @@ def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
 
 def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | None = None, *,
             hf_config: dict | None = None, mode: str = "fast", shard_cap: int = DEFAULT_SHARD_CAP,
-            verify: int | None = None, progress: bool = False, use_mpi: bool | None = None) -> dict:
+            verify: int | None = None, progress: bool = False, use_mpi: bool | None = False) -> dict:
     """Convert torch_dist checkpoint ``src`` into HF safetensors directory ``dst``.
 
     ``ranks``: how many plan ranks (default: the MPI world size, 1 without MPI).  A process
     that is alone but asked for more ranks runs them one after another (same output files).
     ``mode``: "fast" (planned, streamed) or "serial" (materialize, convert, reshard).
     ``verify``: compare the output with the serial path before publishing: 0 = every tensor,
-    N = a sample of N tensors.  Returns stats (on every rank; rank 0's are complete).
+    N = a sample of N tensors.  ``use_mpi``: False (default, in-process: safe to call from one
+    rank of a trainer even under srun), True, or None = detect an MPI launcher (the CLI).
+    Returns stats (on every rank; rank 0's are complete).
     """
     t0 = time.monotonic()
     comm = get_comm(use_mpi)

@@ -9,6 +9,7 @@ slab, one layer's QKV, or the embedding), not by the model.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import resource
@@ -140,10 +141,25 @@ class Progress:
 
 def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False) -> RankStats:
     """Write this rank's safetensors files into ``staging``; returns its stats."""
+    with one_thread():
+        return _run_rank(plan, rank, staging, show_progress)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Parallelism comes from ranks; torch's intra-op threads only spin against each other (and
+    the other ranks on the same cores) for plain copies.  Restored after, so an in-process
+    caller (the trainer) keeps its own setting."""
     import torch
-    # Parallelism comes from ranks; intra-op threads only spin against each other (and against
-    # the other ranks on the same cores) for copies this small.
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool) -> RankStats:
     t0 = time.monotonic()
     stats = RankStats(rank)
     fds = _open_shards(plan, rank, staging)

@@ -18,13 +18,14 @@ def materialize(plan: Plan) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    torch.set_num_threads(1)   # same as the fast path: intra-op threads only oversubscribe the cores
     keys = sorted({s.key for t in plan.tasks for s in t.slabs})
     state = {k: torch.empty(plan.ckpt.tensors[k].shape, dtype=getattr(torch, plan.ckpt.tensors[k].dtype))
              for k in keys}
     # .metadata was already read by our restricted unpickler in make_plan, so DCP's own
     # (unrestricted) read of it happens only for a file we have checked.
-    dcp.load(state, checkpoint_id=str(plan.ckpt.path), no_dist=True)
+    from neon_hpc.reshard.execute import one_thread
+    with one_thread():   # same as the fast path: intra-op threads only oversubscribe the cores
+        dcp.load(state, checkpoint_id=str(plan.ckpt.path), no_dist=True)
     return state
 
 
