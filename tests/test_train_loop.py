@@ -242,3 +242,18 @@ def test_parallel_layouts_match_tp1(tmp_path, dataset, reference, layout):
         off, total, worst = off + int((d > 1e-5).sum()), total + d.size, max(worst, float(d.max()))
     assert off / total < 1e-3, f"{off} of {total} weights differ by > 1e-5"
     assert worst <= 2 * lr * steps + 1e-6
+
+
+@pytest.mark.slow
+def test_publish_via_reshard_equals_direct_export(tmp_path, dataset, reference):
+    # train.publish_via=reshard: checkpoint, then neon_hpc.reshard.convert of it -> weights/v_N.
+    run = new_run(tmp_path, dataset, "run", "train.steps=2", "train.publish_via=reshard")
+    add_shards(run, dataset, [1, 2])
+    wait_ok(run, start(run))
+    assert run.weight_versions() == [0, 1, 2] and run.latest_weights()[0] == 2
+    assert run.checkpoint_steps() == [0, 1, 2]          # one checkpoint per published version
+    for v in (0, 1, 2):
+        got, want = weights(run, v), weights(reference, v)
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=f"v_{v} {k}")

@@ -23,6 +23,7 @@ class TrainConfig:
     data_parallel: int = 1
     checkpoint_every: int = 4
     publish_every: int = 1
+    publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
     wait_for_data_s: float = 600.0
     seed: int = 1234
 

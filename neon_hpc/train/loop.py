@@ -217,8 +217,11 @@ def _plan(lengths: list[int], dp: int, cfg: ExperimentConfig, log: RoleLogger | 
             cost = CostModel(a=cfg.balance.cost_a, b=cfg.balance.cost_b)
         else:
             cost = CostModel.from_model_config(cfg.model)
-        p = plan_step(lengths, dp, pp_microbatches=1, cp=1, token_cap=cap, cost=cost,
-                      planner=cfg.balance.planner, shadow=False, cp_split_threshold=cap + 1)
+        kw = dict(pp_microbatches=1, cp=1, token_cap=cap, cost=cost, planner=cfg.balance.planner, shadow=False)
+        try:   # split=False: whole sequences only (this trainer has no context parallelism)
+            p = plan_step(lengths, dp, split=False, **kw)
+        except TypeError:
+            p = plan_step(lengths, dp, cp_split_threshold=cap + 1, **kw)
         plan = [[[(int(pc.seq), int(pc.start), int(pc.end)) for pc in mb] for mb in r] for r in p.ranks]
     except Exception as e:  # the balancer is an optimisation: never stop training for it
         if log:
@@ -355,8 +358,12 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
     log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s", be.layout.tp, be.layout.ep,
              be.layout.dp, world, be.replay, t.off_policy_correction)
     if not run.weight_versions() or run.latest_weights() is None:
-        _, secs, _ = publish_weights(run, be, cfg.model, last, step=last)
-        log.info("published initial weights v_%d in %.2fs", last, secs)
+        via = t.publish_via
+        if via == "reshard" and not run.checkpoint(last).is_dir():
+            ckpt.save(run, be, last, {"version": last, "cursor": {"next_step": last + 1}, "published": last})
+        _, secs, _ = publish_weights(run, be, cfg.model, last, step=last, via=via,
+                                     checkpoint_dir=run.checkpoint(last))
+        log.info("published initial weights v_%d in %.2fs (%s)", last, secs, via)
     lcfg = LossConfig(clip_eps=t.clip_eps, tis_cap=t.tis_cap, correction=t.off_policy_correction,
                       kl_coef=t.kl_coef)
     step = last
@@ -378,17 +385,27 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
         run.beat(ROLE, rank, step=step, version=step - 1, phase="training")
         m = train_step(be, data, lcfg)
-        published = None
-        if step % t.publish_every == 0 or step == t.steps:
-            _, pub_s, _ = publish_weights(run, be, cfg.model, step, step=step)
-            published, m["publish_s"] = step, pub_s
         stop = _any_rank(pre.requested, world)
-        if step % t.checkpoint_every == 0 or step == t.steps or stop:
+        publish_due = step % t.publish_every == 0 or step == t.steps
+        # The reshard path converts the checkpoint, so it needs one at every publish; the direct
+        # path publishes first, so engines get new weights without waiting for the checkpoint.
+        ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
+            (publish_due and t.publish_via == "reshard")
+        published = None
+        if publish_due and t.publish_via == "direct":
+            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step)
+            published = step
+        if ckpt_due:
             c0 = time.perf_counter()
             ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
-                                      "published": published, "claimed_shards": [p.name for p in res.shards]})
+                                      "published": step if publish_due else None,
+                                      "claimed_shards": [p.name for p in res.shards]})
             m["checkpoint_s"] = time.perf_counter() - c0
             saved_at = step
+        if publish_due and t.publish_via == "reshard":
+            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
+                                                   checkpoint_dir=run.checkpoint(step))
+            published = step
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
         if stop:
             preempted = True
