@@ -48,6 +48,7 @@ def test_expert_chunks_become_one_task_per_expert_with_gate_and_up():
         assert names == [f"model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
                          f"model.layers.{l}.mlp.experts.{e}.up_proj.weight"]
         assert all(o.shape == (I, H) for o in t.slabs[0].outputs)
+        assert t.streamable and t.memory_bytes == (I // 2) * H * 2   # one chunk in memory at a time
 
 
 def test_a_chunk_spanning_many_slabs_is_read_once():
@@ -90,6 +91,8 @@ def test_vocab_padding_is_trimmed_and_qkv_split_per_group():
     assert shapes["model.embed_tokens.weight"] == (250, H)
     assert shapes["model.layers.1.self_attn.q_proj.weight"] == (8, H)
     assert shapes["model.layers.1.self_attn.k_proj.weight"] == (4, H)
+    qkv_task = next(t for t in plan.tasks if "linear_qkv" in t.slabs[0].key)
+    assert not qkv_task.streamable      # q/k/v rows interleave per group: assembled per layer
 
 
 def test_qkv_op_takes_each_groups_rows():

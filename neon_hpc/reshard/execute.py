@@ -20,7 +20,7 @@ from pathlib import Path
 
 from neon_hpc.reshard.arch import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
-from neon_hpc.reshard.plan import Plan, Task
+from neon_hpc.reshard.plan import Plan, Task, intersects
 
 
 @dataclass
@@ -199,7 +199,7 @@ def _open_shards(plan: Plan, rank: int, staging: Path) -> dict[str, int]:
 
 def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
     dtypes = {s.key: s.dtype for s in task.slabs}
-    if all(_streamable(s, task) for s in task.slabs):
+    if task.streamable:
         return _stream_task(plan, task, reader, fds, dtypes)
     loaded = [(key, c, reader.read(key, c, dtypes[key])) for key, c in task.chunks]
     written = 0
@@ -213,19 +213,6 @@ def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) 
     return written
 
 
-def _intersects(slab: Slab, c: Chunk) -> bool:
-    return all(o <= i < o + s for i, o, s in zip(slab.index, c.offsets, c.sizes))
-
-
-def _streamable(slab: Slab, task: Task) -> bool:
-    """True when each chunk is a band of whole rows of the slab and every output is a row
-    range of it (copy, [gate; up] halves, vocab trim): then every chunk maps to contiguous
-    byte ranges of the outputs and can be written as soon as it is read, one at a time."""
-    n = len(slab.index)
-    return (all(o.op.kind in ("copy", "rows") for o in slab.outputs)
-            and all(c.sizes[n + 1:] == slab.shape[1:] for k, c in task.chunks if k == slab.key and _intersects(slab, c)))
-
-
 def _row_range(op, rows: int) -> tuple[int, int]:
     return op.args if op.kind == "rows" else (0, rows)
 
@@ -236,7 +223,7 @@ def _stream_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int
     for key, c in task.chunks:
         t = reader.read(key, c, dtypes[key])
         for slab in task.slabs:
-            if slab.key != key or not _intersects(slab, c):
+            if slab.key != key or not intersects(slab, c):
                 continue
             n = len(slab.index)
             piece = t[tuple(i - o for i, o in zip(slab.index, c.offsets))]     # [chunk rows, ...]

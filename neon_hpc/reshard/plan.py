@@ -49,11 +49,31 @@ class Task:
         return sum(out_nbytes(o) for s in self.slabs for o in s.outputs)
 
     @property
+    def streamable(self) -> bool:
+        """Each chunk is a band of whole rows of its slab and every output a row range of it
+        (copy, [gate; up] halves, vocab trim): then each chunk maps to contiguous byte ranges of
+        the outputs and is written as soon as it is read, one chunk in memory at a time."""
+        for s in self.slabs:
+            n = len(s.index)
+            if any(o.op.kind not in ("copy", "rows") for o in s.outputs):
+                return False
+            if any(c.sizes[n + 1:] != s.shape[1:] for k, c in self.chunks if k == s.key and intersects(s, c)):
+                return False
+        return True
+
+    @property
     def memory_bytes(self) -> int:
-        """Bytes held at once: the task's chunks plus one assembled slab."""
+        """Tensor bytes held at once: one chunk when streamed, else all chunks plus the slab."""
         dtype = {s.key: s.dtype for s in self.slabs}
-        slab = max(prod(s.shape) * DTYPE_BYTES[s.dtype] for s in self.slabs)
-        return sum(c.numel * DTYPE_BYTES[dtype[k]] for k, c in self.chunks) + slab
+        chunk_bytes = [c.numel * DTYPE_BYTES[dtype[k]] for k, c in self.chunks]
+        if self.streamable:
+            return max(chunk_bytes)
+        return sum(chunk_bytes) + max(prod(s.shape) * DTYPE_BYTES[s.dtype] for s in self.slabs)
+
+
+def intersects(slab: Slab, c: Chunk) -> bool:
+    """Whether chunk ``c`` of ``slab.key`` holds part of the slab (same leading indices)."""
+    return all(o <= i < o + n for i, o, n in zip(slab.index, c.offsets, c.sizes))
 
 
 @dataclass
@@ -103,7 +123,7 @@ class Plan:
     def summary(self) -> str:
         lines = [f"checkpoint {self.ckpt.path}: {len(self.ckpt.tensors)} tensor keys, arch {self.spec.arch}",
                  f"  {len(self.tasks)} tasks over {self.ranks} rank(s); read {_gb(self.read_bytes)}, "
-                 f"write {_gb(self.write_bytes)} in {len(self.shards)} file(s); largest task holds "
+                 f"write {_gb(self.write_bytes)} in {len(self.shards)} file(s); tensor memory per rank at most "
                  f"{_gb(max((t.memory_bytes for t in self.tasks), default=0))}"]
         for r in range(self.ranks):
             ts = self.tasks_of(r)
@@ -190,7 +210,7 @@ def _check_coverage(ckpt: Checkpoint, tasks: list[Task]) -> None:
             for key, c in t.chunks:
                 if key != s.key:
                     continue
-                if all(o <= i < o + n for i, o, n in zip(s.index, c.offsets, c.sizes)):
+                if intersects(s, c):
                     have += prod(c.sizes[n_lead:])
             if have != need:
                 raise CheckpointError(f"{ckpt.path}: chunks of {s.key} at index {list(s.index)} cover {have} of "
