@@ -12,7 +12,7 @@ import torch
 
 from neon_hpc import config
 from neon_hpc.balance import CostModel
-from neon_hpc.balance.calibrate import fit
+from neon_hpc.balance.calibrate import _features, fit, fit_microbatches
 from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, plan_for_config
 from neon_hpc.balance.measure import attend
 
@@ -36,6 +36,14 @@ def test_fit_recovers_known_coefficients():
         fit([64, 128], [1.0, 2.0])
 
 
+def test_fit_separates_microbatch_and_document_overheads():
+    mbs = [[(0, n)] for n in (64, 256, 1024, 2048)] + [[(0, 32)] * 16, [(0, 64)] * 8, [(0, 128)] * 4]
+    truth = np.array([2e-3, 5e-4, 1e-5, 2e-8])
+    t = [truth @ np.array(_features(mb)) for mb in mbs]
+    f = fit_microbatches(mbs, t)
+    assert [f["c0"], f["piece"], f["a"], f["b"]] == pytest.approx(list(truth), rel=1e-6)
+
+
 def test_chunk_attention_equals_masked_reference():
     # a piece [start, start+n) attends to the prefix K/V and causally to its own keys
     torch.manual_seed(0)
@@ -56,14 +64,16 @@ def test_chunk_attention_equals_masked_reference():
 
 def test_calibrate_command_writes_a_loadable_cost_file(tmp_path):
     out = tmp_path / "cost.json"
-    r = run("balance", "calibrate", "--lengths", "32,64,96,128", "--repeats", "1", "--out", str(out))
+    r = run("balance", "calibrate", "--lengths", "32,128,256,512", "--repeats", "1", "--out", str(out),
+            check=False)
+    assert r.returncode == 0, r.stderr
     assert "fit: t =" in r.stdout
     rep = json.loads(out.read_text())
     cm = load_cost_file(out)
-    assert cm.source == "calibration" and cm.a > 0
-    assert len(rep["fit"]["points"]) == 4
+    assert cm.source == "calibration" and cm.a + cm.b > 0
     assert np.isfinite(rep["fit"]["rel_rms"])
-    assert {c["case"].split()[0] for c in rep["checks"]} == {"8", "chunk", "zigzag"}
+    assert {c["case"].split()[0] for c in rep["checks"]} == {"6", "chunk", "zigzag"}
+    assert len(rep["fit"]["points"]) == 4 + 3                  # single sequences + packed
     # the config points at it
     cfg = config.load(None, [f"balance.cost_file={out}"])
     assert cost_model_for_config(cfg) == cm

@@ -113,3 +113,11 @@ def test_seq_costs_vectorised_matches_scalar():
     cm = CostModel.from_model_config(ModelConfig())
     lens = np.array([1, 17, 4096, 70000])
     assert np.allclose(cm.seq_costs(lens), [cm.seq_cost(int(n)) for n in lens], rtol=1e-12)
+
+
+def test_piece_overhead_makes_cutting_cost_something():
+    cm = CostModel(a=1.0, b=0.01, piece_overhead=5.0)
+    assert cm.seq_cost(100) == pytest.approx(5.0 + 100 + 100.0)
+    assert cm.cost([10, 0, 20]) == pytest.approx(cm.seq_cost(10) + cm.seq_cost(20))
+    assert cm.chunk_cost(0, 50) + cm.chunk_cost(50, 100) == pytest.approx(cm.seq_cost(100) + 5.0)
+    assert np.allclose(cm.seq_costs([10, 0, 20]), [cm.seq_cost(10), 0.0, cm.seq_cost(20)])

@@ -1,10 +1,11 @@
 """Fit the cost model to measured forward + backward times on this machine.
 
-Measures single-sequence micro-batches over a grid of lengths with the real compute of
-:mod:`neon_hpc.balance.measure`, fits ``t = c0 + a*n + b*n**2`` by non-negative least
-squares on *relative* errors (so short sequences count as much as long ones), then checks
-the fit on micro-batches it was not fitted on: packed short documents and a chunk of a
-split sequence.  ``c0`` becomes the cost model's ``mb_overhead``.
+Measures single-sequence micro-batches over a grid of lengths and a few packed micro-batches
+of short documents with the real compute of :mod:`neon_hpc.balance.measure`, fits
+``t = c0 + d*documents + a*tokens + b*sum(n**2)`` by non-negative least squares on
+*relative* errors (so short sequences count as much as long ones), then checks the fit on
+micro-batches it was not fitted on: other packed documents, a chunk of a split sequence and
+a zigzag pair.  ``c0`` becomes the cost model's ``mb_overhead``, ``d`` its ``piece_overhead``.
 """
 
 from __future__ import annotations
@@ -17,29 +18,48 @@ import numpy as np
 from neon_hpc.balance.cost import CostModel, flops_breakdown
 
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+# packed micro-batches of short documents, fitted with the single sequences so that the
+# per-micro-batch and per-document overheads separate
+PACKED = ((32, 16), (64, 8), (128, 4))
+
+
+def _features(pieces) -> list[float]:
+    """[1, pieces, tokens, sum(e^2 - s^2)]: what c0, piece_overhead, a and b multiply."""
+    return [1.0, float(len(pieces)), float(sum(e - s for s, e in pieces)),
+            float(sum(e * e - s * s for s, e in pieces))]
+
+
+def fit_microbatches(mbs: Sequence[Sequence[tuple[int, int]]], times: Sequence[float],
+                     per_piece: bool = True) -> dict:
+    """Non-negative least squares of ``t = c0 + d*pieces + a*tokens + b*sum(e^2 - s^2)`` over
+    measured micro-batches, rows scaled by ``1/t`` (relative error).  ``per_piece=False``
+    drops ``d`` (single-sequence data cannot tell it from ``c0``)."""
+    from scipy.optimize import nnls
+    t = np.asarray(times, dtype=np.float64)
+    X = np.array([_features(mb) for mb in mbs], dtype=np.float64)
+    if not per_piece:
+        X[:, 1] = 0.0
+    if len(t) < 3:
+        raise ValueError(f"calibrate: need at least 3 measured micro-batches to fit; got {len(t)}")
+    if (t <= 0).any():
+        raise ValueError("calibrate: a measured time is <= 0; the timer or the run is broken")
+    w = 1.0 / t
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(X / scale * w[:, None], t * w)
+    c0, d, a, b = coef / scale
+    pred = X @ np.array([c0, d, a, b])
+    rel = (pred - t) / t
+    return {"c0": float(c0), "piece": float(d), "a": float(a), "b": float(b),
+            "rel_rms": float(np.sqrt(np.mean(rel ** 2))), "rel_max": float(np.abs(rel).max()),
+            "points": [{"pieces": len(mb), "tokens": int(sum(e - s for s, e in mb)),
+                        "measured_s": float(y), "predicted_s": float(z)}
+                       for mb, y, z in zip(mbs, t, pred)]}
 
 
 def fit(lengths: Sequence[int], times: Sequence[float]) -> dict:
-    """Non-negative least squares of ``t = c0 + a n + b n^2``, rows scaled by ``1/t``."""
-    from scipy.optimize import nnls
-    n = np.asarray(lengths, dtype=np.float64)
-    t = np.asarray(times, dtype=np.float64)
-    if n.size < 3:
-        raise ValueError(f"calibrate: need at least 3 measured lengths to fit c0, a, b; got {n.size}")
-    if (t <= 0).any():
-        raise ValueError("calibrate: a measured time is <= 0; the timer or the run is broken")
-    X = np.stack([np.ones_like(n), n, n * n], axis=1)
-    w = 1.0 / t
-    # scale columns so nnls is well conditioned
-    scale = np.abs(X).max(axis=0)
-    coef, _ = nnls(X / scale * w[:, None], t * w)
-    c0, a, b = coef / scale
-    pred = c0 + a * n + b * n * n
-    rel = (pred - t) / t
-    return {"c0": float(c0), "a": float(a), "b": float(b),
-            "rel_rms": float(np.sqrt(np.mean(rel ** 2))), "rel_max": float(np.abs(rel).max()),
-            "points": [{"tokens": int(x), "measured_s": float(y), "predicted_s": float(z)}
-                       for x, y, z in zip(n, t, pred)]}
+    """``t = c0 + a*n + b*n^2`` from single sequences."""
+    return fit_microbatches([[(0, int(n))] for n in lengths], times, per_piece=False)
 
 
 def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
@@ -50,13 +70,15 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     say = progress or (lambda s: None)
     runner = Runner(model_cfg, threads=threads, clock=clock)
     runner.run([(0, min(lengths))])                      # warm-up: allocator, kernels
+    mbs = [[(0, int(n))] for n in lengths] + [[(0, n)] * k for n, k in PACKED]
     times = []
-    for i, n in enumerate(lengths):
-        t = runner.best_of([(0, int(n))], repeats)
+    for i, mb in enumerate(mbs):
+        t = runner.best_of(mb, repeats)
         times.append(t)
-        say(f"[{i + 1}/{len(lengths)}] {n} tokens: {t * 1e3:.2f} ms")
-    f = fit(lengths, times)
-    cm = CostModel(a=f["a"], b=f["b"], mb_overhead=f["c0"], source="calibration")
+        say(f"[{i + 1}/{len(mbs)}] {len(mb)} x {mb[0][1]} tokens: {t * 1e3:.2f} ms")
+    f = fit_microbatches(mbs, times)
+    cm = CostModel(a=f["a"], b=f["b"], mb_overhead=f["c0"], piece_overhead=f["piece"],
+                   source="calibration")
     checks = _validate(runner, cm, lengths, repeats, say)
     flops = flops_breakdown(model_cfg)
     return {
@@ -80,8 +102,9 @@ def _validate(runner, cm: CostModel, lengths, repeats, say) -> list[dict]:
     short, long_ = int(min(lengths)), int(max(lengths))
     half = long_ // 2
     q = long_ // 4
+    mid = max(short + 1, (3 * short) // 2)
     cases = {
-        f"8 x {short} packed": [(0, short)] * 8,
+        f"6 x {mid} packed": [(0, mid)] * 6,
         f"chunk [{half}, {long_})": [(half, long_)],
         f"zigzag pair of {long_}": [(0, q), (3 * q, long_)],
     }

@@ -81,7 +81,8 @@ def _calibrate(a) -> int:
     rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,
                     progress=lambda s: print(s, file=sys.stderr, flush=True))
     cm, f = rep["cost_model"], rep["fit"]
-    print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['a']:.3e}*n + {cm['b']:.3e}*n^2 s   "
+    print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['piece_overhead']:.3e}*docs + {cm['a']:.3e}*n "
+          f"+ {cm['b']:.3e}*n^2 s   "
           f"(relative residual rms {f['rel_rms']:.1%}, max {f['rel_max']:.1%}; "
           f"quadratic = linear at {rep['crossover_tokens']:.0f} tokens)")
     for chk in rep["checks"]:

@@ -19,7 +19,10 @@ whole.
 
 Units are whatever ``a`` and ``b`` are in: FLOPs from :meth:`CostModel.from_model_config`,
 seconds from ``neon-hpc balance calibrate``.  The planner only compares costs, so either
-works; predicted step times are in the same unit.
+works; predicted step times are in the same unit.  A calibrated model also carries
+``mb_overhead`` (per micro-batch) and ``piece_overhead`` (per document or piece: one
+attention call per layer), which make packing many tiny documents, and cutting, cost
+what they cost.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ class CostModel:
     b: float                          # per token pair (whole causal sequence: b * n**2)
     image_cost: float = 0.0           # per image (vision encoder), when present
     mb_overhead: float = 0.0          # per non-empty micro-batch (launch / framework cost)
+    piece_overhead: float = 0.0       # per document or piece (one attention call per layer)
     source: str = "manual"            # where the numbers came from (config, calibration, ...)
     detail: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        for name in ("a", "b", "image_cost", "mb_overhead"):
+        for name in ("a", "b", "image_cost", "mb_overhead", "piece_overhead"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
@@ -52,16 +56,21 @@ class CostModel:
     # ---- costs ------------------------------------------------------------------------
     def seq_cost(self, n: int, images: int = 0) -> float:
         """Cost of one whole sequence of ``n`` tokens (with ``images`` images)."""
-        return self.a * n + self.b * n * n + self.image_cost * images
+        if n <= 0:
+            return 0.0
+        return self.piece_overhead + self.a * n + self.b * n * n + self.image_cost * images
 
     def chunk_cost(self, start: int, end: int) -> float:
-        """Cost of tokens ``[start, end)`` of a sequence, attending to its prefix ``[0, end)``."""
-        return self.a * (end - start) + self.b * (end * end - start * start)
+        """Cost of tokens ``[start, end)`` of a sequence, attending to its prefix ``[0, end)``
+        (each piece pays ``piece_overhead`` once: cutting a sequence is not free)."""
+        if end <= start:
+            return 0.0
+        return self.piece_overhead + self.a * (end - start) + self.b * (end * end - start * start)
 
     def cost(self, lengths: Sequence[int], images: Sequence[int] | None = None) -> float:
         """Cost of a packed micro-batch: the sum of its documents' costs (no cross-document attention)."""
         n = np.asarray(lengths, dtype=np.float64)
-        total = float(self.a * n.sum() + self.b * (n * n).sum())
+        total = float(self.a * n.sum() + self.b * (n * n).sum() + self.piece_overhead * (n > 0).sum())
         if images is not None:
             total += self.image_cost * float(np.sum(images))
         return total
@@ -69,7 +78,7 @@ class CostModel:
     def seq_costs(self, lengths: Sequence[int], images: Sequence[int] | None = None) -> np.ndarray:
         """Vectorised :meth:`seq_cost` over many sequences."""
         n = np.asarray(lengths, dtype=np.float64)
-        c = self.a * n + self.b * n * n
+        c = self.a * n + self.b * n * n + self.piece_overhead * (n > 0)
         if images is not None:
             c = c + self.image_cost * np.asarray(images, dtype=np.float64)
         return c
@@ -83,7 +92,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "<cost model>") -> "CostModel":
-        known = {"a", "b", "image_cost", "mb_overhead", "source", "detail"}
+        known = {"a", "b", "image_cost", "mb_overhead", "piece_overhead", "source", "detail"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"{where}: unknown cost-model keys {sorted(unknown)}; valid: {sorted(known)}")

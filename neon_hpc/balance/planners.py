@@ -11,9 +11,11 @@ Planners (all deterministic, metadata only):
                 blind to the pipeline's bubbles.
 ``cost``        ours (below): splits what no single micro-batch can balance, places split
                 units in one micro-batch slot across distinct ranks, fills the rest largest-first
-                under the 1F1B time of each rank, then moves sequences off the slowest rank while
-                that helps.  On small problems it also scores the flopkk/tokenkk plans and keeps
-                the best, so its predicted step time is never worse than theirs there.
+                under the 1F1B time of each rank, then moves items off the slowest rank while
+                that helps and, when every move overshoots, cuts a piece between the slowest and
+                the fastest rank at the cost-even token.  On small problems it also scores the
+                flopkk/tokenkk plans and keeps the best, so its predicted step time is never
+                worse than theirs there.
 
 Baselines never split a sequence: one longer than the cap sits alone in its micro-batch and is
 listed in ``plan.oversize`` (ours splits it across DP ranks instead, and lists it only when
@@ -478,11 +480,12 @@ class _CostPacker:
         room = ctx.cap - self.toks[lo, jh]
         x = np.maximum(np.maximum(np.rint(x), e - room), s + 1)
         ok = (x < e) & (room >= 1) & (e - s <= ctx.cap)
-        tail = a * (e - x) + b * (e * e - x * x)
+        tail = a * (e - x) + b * (e * e - x * x)             # what the head no longer computes
+        tail_lo = tail + ctx.cost.piece_overhead              # the new piece's cost
         rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
         rows_hi[ar, jh] -= tail
         rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
-        rows_lo[ar, jh] += tail
+        rows_lo[ar, jh] += tail_lo
         worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
         worst[~ok] = np.inf
         best = int(np.argmin(worst))
@@ -492,7 +495,7 @@ class _CostPacker:
         cost_i, i, j, pieces, _t, _w = self._take_item(hi, best)
         last = pieces[-1]
         self._add_item(hi, j, i, pieces[:-1] + (Piece(i, last.start, xi),), cost_i - t, whole=False)
-        self._add_item(lo, j, i, (Piece(i, xi, last.end),), t, whole=False)
+        self._add_item(lo, j, i, (Piece(i, xi, last.end),), t + ctx.cost.piece_overhead, whole=False)
         times[hi], times[lo] = self.rank_time(hi), self.rank_time(lo)
         return True
 
