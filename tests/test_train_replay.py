@@ -125,3 +125,40 @@ def test_free_routing_mismatch_with_same_weights_is_reported(trainer):
     on = mb.loss_mask[0] > 0
     if differ == 0:
         assert (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item() < 1e-4
+
+
+def test_routes_and_logprobs_from_the_embedded_engine_over_http(trainer, tmp_path):
+    """Sampled generations from the real embedded engine (SGLang wire format): the trainer's
+    replayed forward picks the engine's experts at every forwarded position, and its logprobs
+    equal the engine's decode-time logprobs."""
+    from neon_hpc.models.hf import save_hf
+    from neon_hpc.rollout.engines.client import EngineClient
+    from neon_hpc.rollout.engines.embedded import start_server
+
+    be, engine, _ = trainer
+    path = save_hf(engine, CFG, tmp_path / "v_0")
+    rng = np.random.default_rng(4)
+    trajs = []
+    with start_server(path, in_process=True) as srv:
+        client = EngineClient(srv.url)
+        for i in range(3):
+            prompt = rng.integers(0, CFG.vocab_size, 5 + 3 * i).tolist()
+            out = client.generate(prompt, {"temperature": 1.0, "max_new_tokens": 8, "seed": 10 + i},
+                                  return_logprob=True, return_routed_experts=True)
+            tokens = np.array(prompt + out.output_ids, np.int32)
+            n, p = len(tokens), len(prompt)
+            assert out.routed_experts.shape == (n - 1, CFG.num_layers, CFG.moe_router_topk)
+            routes = np.concatenate([out.routed_experts, np.zeros((1, CFG.num_layers, CFG.moe_router_topk),
+                                                                  np.int32)])   # placeholder last row
+            mask = np.r_[np.zeros(p), np.ones(n - p)].astype(np.uint8)
+            lp = np.r_[np.zeros(p), out.output_logprobs].astype(np.float32)
+            trajs.append(Trajectory(tokens=tokens, loss_mask=mask, logprobs=lp,
+                                    versions=np.where(mask > 0, int(out.weight_version), -1).astype(np.int32),
+                                    routed_experts=routes, task_id=f"e{i}", group_id="g"))
+    mb = build(trajs)
+    logp, maps = forward_with_routing_maps(be, mb, replay=True)
+    for layer, rmap in enumerate(maps):
+        assert torch.equal(rmap.bool(), one_hot_rows(mb.routes[:, layer]))
+    on = mb.loss_mask[0] > 0
+    diff = (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item()
+    assert diff < 1e-4, f"trainer vs embedded engine logprob max |diff| {diff:.2e}"
