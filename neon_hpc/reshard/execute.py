@@ -47,6 +47,41 @@ def proc_io() -> dict[str, int]:
         return {}
 
 
+class _Window(io.RawIOBase):
+    """A read-only file view of bytes ``[start, start + length)`` of an open fd (pread based).
+
+    torch.load reads the blob's zip records straight through it, so a chunk's bytes land once,
+    in the tensor, instead of first in a bytes object and then in the tensor."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._len - self._pos))
+        if n == 0:
+            return 0
+        got = os.preadv(self._fd, [memoryview(buf)[:n]], self._start + self._pos)
+        self._pos += got
+        self.bytes_read += got
+        return got
+
+
 class ChunkReader:
     """Reads chunk blobs by byte range; keeps one fd per ``.distcp`` file."""
 
@@ -66,16 +101,18 @@ class ChunkReader:
 
     def read(self, key: str, c: Chunk, dtype: str):
         import torch
-        blob = os.pread(self._fd(c.file), c.length, c.offset)
-        if len(blob) != c.length:
+        fd = self._fd(c.file)
+        if os.fstat(fd).st_size < c.offset + c.length:
             raise CheckpointError(f"{self.ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs "
-                                  f"{c.length} bytes at {c.offset}, got {len(blob)}")
-        self.bytes_read += len(blob)
+                                  f"bytes [{c.offset}, {c.offset + c.length}), the file has {os.fstat(fd).st_size}")
+        window = _Window(fd, c.offset, c.length)
         try:
-            t = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+            t = torch.load(window, weights_only=True, map_location="cpu")
         except Exception as e:
             raise CheckpointError(f"{self.ckpt.path / c.file}[{c.offset}:{c.offset + c.length}] ({key}@"
                                   f"{list(c.offsets)}): not a loadable torch.save blob ({e})") from e
+        finally:
+            self.bytes_read += window.bytes_read
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or str(t.dtype).removeprefix("torch.") != dtype:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CheckpointError(f"{self.ckpt.path / c.file}: chunk {key}@{list(c.offsets)} holds {got}, "
