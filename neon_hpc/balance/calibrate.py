@@ -17,7 +17,7 @@ import numpy as np
 
 from neon_hpc.balance.cost import CostModel, flops_breakdown
 
-DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # packed micro-batches of short documents, fitted with the single sequences so that the
 # per-micro-batch and per-document overheads separate
 PACKED = ((32, 16), (64, 8), (128, 4))

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     c = sub.add_parser("calibrate", help="fit a and b to measured forward+backward times of the model's shape")
     _config_args(c)
     c.add_argument("--lengths", default="", help="comma-separated sequence lengths to time "
-                   "(default 64..2048)")
+                   "(default 64..4096; cover the lengths you will plan)")
     c.add_argument("--repeats", type=int, default=3, help="best of N timings per length")
     c.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     c.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
