@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from neon_hpc.reshard import convert
-from neon_hpc.reshard.fixtures import layout_name, save_layouts
+from neon_hpc.reshard.fixtures import LAYOUTS, layout_name, shared
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 TOL = 1e-4
 
 pytestmark = pytest.mark.slow
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return save_layouts(tmp_path_factory.mktemp("megatron"), LAYOUTS)
+    return shared(tmp_path_factory) / "layouts"
 
 
 def hf_logits(model_dir, ids: np.ndarray) -> np.ndarray:

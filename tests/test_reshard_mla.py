@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from neon_hpc.reshard import convert
-from neon_hpc.reshard.fixtures import save_mla
+from neon_hpc.reshard.fixtures import shared
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return save_mla(tmp_path_factory.mktemp("mla"))
+    return shared(tmp_path_factory) / "mla"
 
 
 def test_mla_checkpoint_has_per_layer_keys_and_router_bias(saved):

@@ -1,7 +1,7 @@
 """Fast path vs serial path, MPI ranks, and failure modes on a real torch_dist checkpoint.
 
-The checkpoint is saved once per session by megatron-core's ``dist_checkpointing.save`` from
-two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
+The checkpoint is saved once per session (with the other reshard fixtures, see
+``neon_hpc/reshard/fixtures.py``) by megatron-core's ``dist_checkpointing.save`` from two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
 TP=2, vocab padded 250 -> 256, bf16 weights, fp32 router, fp32 optimizer state alongside).
 """
 
@@ -21,24 +21,18 @@ from safetensors import safe_open
 
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.convert import ReshardError, build_plan
+from neon_hpc.reshard.fixtures import shared
 from neon_hpc.reshard.serial import materialize
-from neon_hpc.reshard.synthetic import SynthSpec, generate
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")
-SPEC = SynthSpec(layers=2, experts=4, hidden=32, moe_ffn=16, heads=4, groups=2, head_dim=8, vocab=250,
-                 tp=2, procs=2, optimizer_states=1)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("synth")
-    generate(root / "ckpt", SPEC)
-    (root / "hf").mkdir()
-    (root / "hf" / "config.json").write_text(json.dumps(SPEC.hf_config()))
-    (root / "hf" / "tokenizer.json").write_text("{}")
-    return root
+    """fixtures.small_synth_spec(): layers 2, experts 4, hidden 32, moe_ffn 16, 4 heads / 2 groups x 8."""
+    return shared(tmp_path_factory) / "synth"
 
 
 @pytest.fixture(scope="module")

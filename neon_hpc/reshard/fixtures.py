@@ -37,16 +37,28 @@ def _perturb(model, tp_rank: int, ep_rank: int) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-def _worker(rank: int, world: int, port: int, out: str, layouts: list, seq: int) -> None:
+def _start(rank: int, world: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, out: str, layouts: list, seq: int) -> None:
+    _start(rank, world, port)
+    _layouts_in_group(out, layouts, seq)
+    from neon_hpc.models import megatron
+    megatron.destroy_parallel()
+
+
+def _layouts_in_group(out: str, layouts: list, seq: int) -> None:
+    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from neon_hpc.models import hf, megatron
     from neon_hpc.models.config import ModelConfig
 
     cfg = ModelConfig()
+    rank = dist.get_rank()
     out_p = Path(out)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, seq))
     if rank == 0:
@@ -66,7 +78,6 @@ def _worker(rank: int, world: int, port: int, out: str, layouts: list, seq: int)
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), str(d / "ckpt"))
         dist.barrier()
-    megatron.destroy_parallel()
 
 
 def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2, 2)), seq: int = 8) -> Path:
@@ -138,9 +149,18 @@ def _mla_config():
         gradient_accumulation_fusion=False, params_dtype=torch.float32, use_cpu_initialization=True)
 
 
-def _mla_worker(_rank: int, out: str, seq: int) -> None:
+def _mla_worker(rank: int, out: str, seq: int) -> None:
+    from neon_hpc.models import megatron
+    from neon_hpc.models.megatron import _free_port
+    _start(rank, 1, _free_port())
+    _mla_in_group(out, seq)
+    megatron.destroy_parallel()
+
+
+def _mla_in_group(out: str, seq: int) -> None:
+    """Build, run and save the MLA model on every rank of the group (TP=1: ranks are DP replicas)."""
     import torch
-    torch.set_num_threads(1)
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from neon_hpc.models import megatron
     megatron.init_parallel(tp=1, ep=1)
@@ -166,19 +186,79 @@ def _mla_worker(_rank: int, out: str, seq: int) -> None:
     with torch.no_grad():
         logits = megatron.forward_logits(model, torch.from_numpy(ids))
     out_p = Path(out)
-    (out_p / "ckpt").mkdir(parents=True)
-    np.save(out_p / "ids.npy", ids)
-    np.save(out_p / "logits.npy", logits.float().numpy())
+    if dist.get_rank() == 0:
+        (out_p / "ckpt").mkdir(parents=True)
+        np.save(out_p / "ids.npy", ids)
+        np.save(out_p / "logits.npy", logits.float().numpy())
+    dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(out_p / "ckpt"))
-    megatron.destroy_parallel()
+    dist.barrier()
 
 
 def save_mla(out_dir: str | os.PathLike, seq: int = 8) -> Path:
     """Save the MLA model's checkpoint, logits and HF ``config.json`` (``hf_config/``) under ``out_dir``."""
-    import json
     import torch.multiprocessing as mp
     out = Path(out_dir)
-    (out / "hf_config").mkdir(parents=True, exist_ok=True)
-    (out / "hf_config" / "config.json").write_text(json.dumps(MLA_HF_CONFIG, indent=1))
+    _write_mla_config(out)
     mp.start_processes(_mla_worker, args=(str(out), seq), nprocs=1, join=True, start_method="spawn")
     return out
+
+
+def _write_mla_config(out: Path) -> None:
+    import json
+    (out / "hf_config").mkdir(parents=True, exist_ok=True)
+    (out / "hf_config" / "config.json").write_text(json.dumps(MLA_HF_CONFIG, indent=1))
+
+
+# ---------------------------------------------------------------------------------------
+# everything at once: one pair of processes (megatron-core imports once per process)
+
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
+
+
+def _all_worker(rank: int, world: int, port: int, out: str, synth: dict, seq: int) -> None:
+    _start(rank, world, port)
+    import torch.distributed as dist
+    from neon_hpc.models import megatron
+    from neon_hpc.reshard.synthetic import SynthSpec, save_in_group
+    megatron.init_parallel(tp=1, ep=1)              # the gloo group every part below shares
+    save_in_group(Path(out) / "synth" / "ckpt", SynthSpec(**synth))
+    _layouts_in_group(str(Path(out) / "layouts"), list(LAYOUTS), seq)
+    _mla_in_group(str(Path(out) / "mla"), seq)
+    dist.barrier()
+    megatron.destroy_parallel()
+
+
+def build_all(out_dir: str | os.PathLike, synth, seq: int = 8) -> Path:
+    """The synthetic checkpoint (``synth/``), the Qwen3-MoE layouts (``layouts/``) and the MLA
+    model (``mla/``), saved by one pair of gloo processes.  Cached: a second call returns at once."""
+    import json
+    from dataclasses import asdict
+    import torch.multiprocessing as mp
+    from neon_hpc.models.megatron import _free_port
+    out = Path(out_dir)
+    if (out / "DONE").exists():
+        return out
+    if synth.procs != 2:
+        raise ValueError("build_all saves from 2 processes; use a SynthSpec with procs=2")
+    (out / "synth" / "ckpt").mkdir(parents=True)
+    (out / "synth" / "hf").mkdir()
+    (out / "synth" / "hf" / "config.json").write_text(json.dumps(synth.hf_config()))
+    (out / "synth" / "hf" / "tokenizer.json").write_text("{}")
+    _write_mla_config(out / "mla")
+    mp.start_processes(_all_worker, args=(2, _free_port(), str(out), asdict(synth), seq), nprocs=2,
+                       join=True, start_method="spawn")
+    (out / "DONE").write_text("ok\n")
+    return out
+
+
+def small_synth_spec():
+    """The small synthetic checkpoint the tests use (bf16, TP=2 fragments, vocab 250 padded to 256)."""
+    from neon_hpc.reshard.synthetic import SynthSpec
+    return SynthSpec(layers=2, experts=4, hidden=32, moe_ffn=16, heads=4, groups=2, head_dim=8, vocab=250,
+                     tp=2, procs=2, optimizer_states=1)
+
+
+def shared(tmp_path_factory) -> Path:
+    """pytest helper: every reshard test module shares one :func:`build_all` per session."""
+    return build_all(tmp_path_factory.getbasetemp() / "reshard_fixtures", small_synth_spec())

@@ -87,14 +87,24 @@ def _local_shape(global_shape, offsets, n_prepend: int):
 
 
 def _save_worker(rank: int, path: str, spec_d: dict, port: int) -> None:
-    import torch
     import torch.distributed as dist
-    spec = SynthSpec(**spec_d)
     _cpu_patch()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=spec.procs)
+    dist.init_process_group("gloo", rank=rank, world_size=spec_d["procs"])
+    save_in_group(path, SynthSpec(**spec_d))
+    dist.destroy_process_group()
+
+
+def save_in_group(path: str | os.PathLike, spec: SynthSpec) -> None:
+    """Save from every rank of an initialised torch.distributed group of ``spec.procs`` ranks
+    (each rank saves every ``procs``-th chunk); ``path`` must exist and be empty."""
+    import torch
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    rank = dist.get_rank()
+    if dist.get_world_size() != spec.procs:
+        raise ValueError(f"spec.procs={spec.procs} but the process group has {dist.get_world_size()} ranks")
     gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
     sd, n = {}, 0
     for key, gshape, pieces in _sharded_pieces(spec):
@@ -110,10 +120,8 @@ def _save_worker(rank: int, path: str, spec_d: dict, port: int) -> None:
                 sd[f"o{n}_{s}"] = ShardedTensor.from_rank_offsets(
                     f"optimizer.state.state{s}.{key}", local.float(), *offsets, replica_id=0,
                     prepend_axis_num=npre)
-
-    dist_checkpointing.save(sd, path)
+    dist_checkpointing.save(sd, str(path))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _cpu_patch() -> None:
