@@ -14,8 +14,9 @@
    SDPA attention + SwiGLU MLP + LM head of the embedded model's shape, forward + backward,
    CPU time of one thread); the slowest rank is the step time.  With PP > 1 the measured
    micro-batch times are composed by the 1F1B formula (one CPU cannot run a pipeline).
-   The tiny model's measured quadratic/linear crossover (~1.4k tokens) is close to
-   Kimi-K2's (~51k) scaled by 1/32 (1.6k), which is why the scale is 32.
+   The tiny model's measured quadratic/linear crossover (0.6-0.9k tokens here) is of the
+   order of Kimi-K2's (~51k) scaled by 1/32 (1.6k), which is why the scale is 32
+   (attention weighs somewhat more here than there).
 
 Last line: ``RESULT balance_predicted_speedup_vs_tokenkk=... balance_measured_speedup_vs_tokenkk=...
 balance_imbalance=... planner_s_10k_1024=...`` (predicted numbers: mixture, DP=64, PP=1).
@@ -102,8 +103,8 @@ def measured(args) -> dict:
     rep = calibrate(cfg, lengths=(64, 128, 256, 512, 1024, 2048, 3072, 4096), repeats=2,
                     threads=args.threads)
     cm = CostModel.from_dict(rep["cost_model"])
-    say(f"   t = {cm.mb_overhead:.2e} + {cm.a:.2e} n + {cm.b:.2e} n^2 s; residual rms "
-        f"{rep['fit']['rel_rms']:.1%}; crossover {cm.crossover_tokens():.0f} tokens")
+    say(f"   t = {cm.mb_overhead:.2e} + {cm.piece_overhead:.2e} docs + {cm.a:.2e} n + {cm.b:.2e} n^2 s; "
+        f"residual rms {rep['fit']['rel_rms']:.1%}; crossover {cm.crossover_tokens():.0f} tokens")
     runner = Runner(cfg, threads=args.threads)
     runner.run([(0, 64)])
     L = lengths("mixture", args.measure_seqs, args.seed + 2, scale=args.scale)
