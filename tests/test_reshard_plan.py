@@ -143,3 +143,9 @@ def test_foreign_pickle_in_metadata_is_refused_without_running_it(tmp_path, monk
 def test_missing_metadata_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"\.metadata is missing"):
         read_checkpoint(tmp_path)
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(MappingError, match="unknown architecture 'llama'"):
+        ModelSpec.from_hf_config({"model_type": "llama", "num_attention_heads": 4, "hidden_size": 8})
+    assert ModelSpec.from_hf_config({"model_type": "kimi_k2"}).arch == "deepseek_v3"
