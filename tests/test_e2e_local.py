@@ -44,7 +44,9 @@ def _procs_of(run_root: Path) -> list[psutil.Process]:
 def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e") / "run"
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
-                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2"]
+                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
+                  # two turns: a weight update can land between them (versions spanned)
+                  "--set", "rollout.max_turns=2"]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None

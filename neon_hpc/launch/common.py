@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,24 +21,42 @@ def resolve_run_dir(cfg: ExperimentConfig, run_dir: str | None) -> Path:
     return Path(run_dir or cfg.run_dir).absolute()
 
 
-def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str, job_id: str = "local") -> RunDir:
-    """Create the run directory (or find the one to resume) and write run.yaml once.
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
 
-    Resuming with a different model section is refused: checkpoints and weights in the
-    directory belong to the model it was started with.
+
+def write_run_yaml(cfg: ExperimentConfig, run_dir: str | None) -> tuple[RunDir, ExperimentConfig, list[str]]:
+    """Create the run directory and write run.yaml once; return the config that governs the run.
+
+    run.yaml is the run's resolved config, written at its first launch: a resumed or
+    requeued run reads it back, so ``--set`` overrides given at launch survive a requeue.
+    A config that differs from it is reported (the keys), never silently mixed in.
     """
     root = resolve_run_dir(cfg, run_dir)
     cfg.run_dir = str(root)
     run = RunDir(root)
     if run.run_yaml.exists():
-        old = config.load(run.run_yaml)
-        if old.model != cfg.model:
-            raise ConfigError(f"{run.run_yaml}: this run directory was started with a different model section; "
-                              f"use a new --run-dir (or the same config) to resume")
-    else:
-        run.create()
-        atomic_write_text(run.run_yaml, config.dump(cfg))
+        kept = config.load(run.run_yaml)
+        kept.run_dir = str(root)
+        return run.create(), kept, _diff(config.to_dict(kept), config.to_dict(cfg))
     run.create()
+    atomic_write_text(run.run_yaml, config.dump(cfg))
+    return run, cfg, []
+
+
+def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
+                job_id: str = "local") -> tuple[RunDir, ExperimentConfig]:
+    """Create (or resume) the run directory; returns it and the config in force (run.yaml)."""
+    run, cfg, diffs = write_run_yaml(cfg, run_dir)
+    if diffs:
+        print(f"neon-hpc: resuming {run.root} with its run.yaml; the given config differs in "
+              f"{', '.join(diffs)} and is not used for those keys (start a new --run-dir to change them)",
+              file=sys.stderr)
     # leftovers of writers killed mid-write are hidden temporaries; sweep them before anyone starts
     remove_stale_tmp(run.traj_tmp)
     for p in (run.state / "finished.json", run.state / "trainer_preempted.json"):
@@ -46,7 +65,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str, job_id
     starts = int(job.get("starts", 0)) + 1
     atomic_write_json(run.state / "job.json", {"job_id": job_id, "backend": backend, "host": socket.gethostname(),
                                                "started": time.time(), "starts": starts})
-    return run
+    return run, cfg
 
 
 def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -110,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-id", default="local")
     a = p.parse_args(argv)
     try:
-        run = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id)
+        run, _cfg = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id)
     except ConfigError as e:
         print(f"neon-hpc: config error: {e}", file=sys.stderr)
         return 2

@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     cfg_path = a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
     cfg = config.load(cfg_path, a.set)
-    run = prepare_run(cfg, a.run_dir, backend="local")
+    run, cfg = prepare_run(cfg, a.run_dir, backend="local")
     lr = LocalRun(cfg, run, quiet=a.quiet)
     signal.signal(signal.SIGINT, lr._on_signal)
     signal.signal(signal.SIGTERM, lr._on_signal)

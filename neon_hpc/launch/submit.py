@@ -18,14 +18,20 @@ import time
 from pathlib import Path
 
 from neon_hpc import config
-from neon_hpc.launch.common import resolve_run_dir
+from neon_hpc.launch.common import resolve_run_dir, write_run_yaml
 from neon_hpc.launch.slurm import quote, render_sbatch, sbatch_command
 from neon_hpc.rundir import atomic_write_text
 
 
 def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tuple[str, Path]:
     """Write the rendered script into RUN/launch/ and sbatch it; returns (job id, script)."""
-    cfg.run_dir = str(run_dir)
+    # run.yaml before sbatch: the job (and every requeue of it) runs with the resolved config,
+    # --set overrides included
+    run, cfg, diffs = write_run_yaml(cfg, str(run_dir))
+    if diffs:
+        print(f"neon-hpc launch: {run_dir} already has a run.yaml; it wins over the given config for "
+              f"{', '.join(diffs)}", file=sys.stderr)
+    config_path = str(run.run_yaml)
     launch_dir = run_dir / "launch"
     launch_dir.mkdir(parents=True, exist_ok=True)
     script = launch_dir / f"neon_rl.{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
