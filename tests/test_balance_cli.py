@@ -96,6 +96,11 @@ def test_dry_run_errors_name_the_problem(tmp_path):
     assert r.returncode == 2 and "--lengths" in r.stderr
     r = run("balance", "dry-run", "--lengths", "5", "--cost-file", str(tmp_path / "nope.json"), check=False)
     assert r.returncode == 2 and "neon-hpc balance calibrate" in r.stderr
+    r = run("balance", "dry-run", "--lengths-file", str(tmp_path / "missing.txt"), check=False)
+    assert r.returncode == 2 and "cannot read it" in r.stderr
+    (tmp_path / "l.json").write_text('[900, "x"]')
+    r = run("balance", "dry-run", "--lengths-file", str(tmp_path / "l.json"), check=False)
+    assert r.returncode == 2 and "list of integers" in r.stderr
     r = run("balance", "dry-run", "--lengths", "5", "--set", "balance.tokens_per_microbatch=0", check=False)
     assert r.returncode == 2 and "balance.tokens_per_microbatch" in r.stderr
 

@@ -95,6 +95,22 @@ def _calibrate(a) -> int:
     return 0
 
 
+def _read_lengths_file(path: str) -> list[int]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--lengths-file {path}: cannot read it ({e.strerror})") from None
+    if text.lstrip().startswith("["):
+        try:
+            vals = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lengths-file {path}: not valid JSON ({e})") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            raise ValueError(f"--lengths-file {path}: expected a JSON list of integers")
+        return vals
+    return _int_list(text, f"--lengths-file {path}")
+
+
 def synthetic_lengths(spec: str, seed: int = 0) -> np.ndarray:
     """``mixture:N``: 94% in 2k-16k, 6% in 32k-128k (issue 7); ``lognormal:N``: median 4k, sigma 1,
     clipped to 128..131072."""
@@ -120,8 +136,7 @@ def _dry_run(a) -> int:
     if a.lengths:
         lengths = _int_list(a.lengths, "--lengths")
     elif a.lengths_file:
-        text = Path(a.lengths_file).read_text()
-        lengths = json.loads(text) if text.lstrip().startswith("[") else _int_list(text, a.lengths_file)
+        lengths = _read_lengths_file(a.lengths_file)
     else:
         lengths = synthetic_lengths(a.synthetic, a.seed)
     over = {k: v for k, v in (("dp", a.dp), ("cp", a.cp), ("token_cap", a.token_cap),
