@@ -11,7 +11,7 @@ import pytest
 
 from neon_hpc.balance import CostModel, Piece, check_plan, pipeline_time, plan_step
 from neon_hpc.balance.cp import cp_shards, zigzag_pairs
-from neon_hpc.balance.kk import karmarkar_karp
+from neon_hpc.balance.kk import _karmarkar_karp_lists, _karmarkar_karp_np, karmarkar_karp
 
 KIMI_COST = CostModel(a=1.9e11, b=3.75e6)
 
@@ -237,3 +237,12 @@ def test_split_false_keeps_every_sequence_whole_and_still_balances_cost():
     assert plan.makespan <= plan.shadow["tokenkk"] * (1 + 1e-9)
     with_splits = plan_step(L, dp=16, token_cap=131072, cost=KIMI_COST)
     assert with_splits.split_sequences() and with_splits.makespan < plan.makespan
+
+
+def test_vectorised_karmarkar_karp_gives_the_same_sums():
+    w = np.random.default_rng(7).lognormal(8, 1, 900)
+    for k in (3, 64, 300):
+        fast = _karmarkar_karp_np(w, k)
+        assert sorted(i for p in fast for i in p) == list(range(900))
+        assert np.allclose(sorted(w[p].sum() for p in fast),
+                           sorted(w[p].sum() for p in _karmarkar_karp_lists(w, k)))
