@@ -154,6 +154,22 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+class WriteBehind:
+    """Start the kernel's writeback of our output every ``every`` bytes, so the final fsync
+    finds little left to flush and writing overlaps reading (Linux: fadvise DONTNEED on dirty
+    pages starts their writeback without waiting; clean pages also leave the page cache)."""
+
+    def __init__(self, fds: dict[str, int], every: int = 64 << 20):
+        self.fds, self.every, self.pending = fds, every, 0
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= self.every and hasattr(os, "posix_fadvise"):
+            for fd in self.fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self.pending = 0
+
+
 class Progress:
     """Rank 0's progress line: bytes done of its share, bytes/s, ETA (stderr, ~1/s)."""
 
@@ -204,8 +220,10 @@ def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool) -> Rank
     tasks = plan.tasks_of(rank)
     progress = Progress(sum(t.read_bytes + t.write_bytes for t in tasks), show_progress)
     try:
+        flusher = WriteBehind(fds)
         for task in tasks:
             written = _run_task(plan, task, reader, fds)
+            flusher.wrote(written)
             stats.tasks += 1
             stats.write_bytes += written
             progress.add(task.read_bytes + written)
