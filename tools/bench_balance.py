@@ -62,7 +62,7 @@ def predicted(args, cost: CostModel) -> dict:
     say("== predicted (Kimi-K2-class cost model, token cap 131072)")
     say(f"{'dist':<10}{'dp':>5}{'pp':>3}  {'ours imb':>8}  " + "".join(f"{b:>11}" for b in BASELINES)
         + f"  {'tokenkk imb':>11}{'splits':>7}{'plan s':>8}")
-    say("(plan s includes the shadow baselines; Karmarkar-Karp over 1024 ranks takes seconds)")
+    say("(plan s includes the three shadow baselines: Karmarkar-Karp over 1024 ranks is most of it)")
     rows = {}
     for kind in ("lognormal", "mixture"):
         for dp in args.dps:
