@@ -45,3 +45,15 @@ def test_mla_converted_checkpoint_gives_megatron_logits(saved, tmp_path):
     ref = np.load(saved / "logits.npy")
     err = float(np.abs(got - ref).max())
     assert err < 1e-4, f"max |logits_hf - logits_megatron| = {err}"
+
+
+def test_mla_config_derived_from_shapes_matches_the_model(saved, tmp_path):
+    from neon_hpc.reshard.fixtures import MLA_HF_CONFIG
+    stats = convert(saved / "ckpt", tmp_path / "hf", arch="deepseek_v3")
+    import json
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for k in ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+              "v_head_dim", "n_routed_experts", "first_k_dense_replace", "intermediate_size",
+              "moe_intermediate_size", "n_shared_experts", "num_hidden_layers", "vocab_size", "hidden_size"):
+        assert cfg[k] == MLA_HF_CONFIG[k], k
+    assert "rope_theta" in stats["guessed_config_fields"]

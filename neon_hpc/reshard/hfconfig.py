@@ -91,12 +91,48 @@ def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
                    num_experts=fc1[0] if fc1 is not None and len(fc1) == 3 else None,
                    intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=True)
     elif arch == "deepseek_v3":
-        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                   n_routed_experts=fc1[0] if fc1 is not None else None)
-        guessed += ["num_attention_heads", "MLA ranks and head dims"]
+        cfg.update(_derive_mla(ckpt, proj, fc1))
+        guessed += ["routed_scaling_factor", "n_group", "topk_group"]
     else:
         raise MappingError(f"unknown architecture {arch!r}; supported: qwen3_moe, deepseek_v3")
     return cfg, guessed
+
+
+def _dense_layers(ckpt: Checkpoint) -> list[int]:
+    return sorted(int(k.split(".")[2]) for k in ckpt.tensors
+                  if k.startswith("decoder.layers.") and k.endswith(".mlp.linear_fc1.weight") and k.split(".")[2].isdigit())
+
+
+def _derive_mla(ckpt: Checkpoint, proj, fc1) -> dict:
+    """DeepSeek-V3 fields from MLA shapes.  With h heads, nope/rope/v head dims n/r/v:
+    q_up rows = h(n+r), kv_up rows = h(n+v), linear_proj cols = h*v, kv_down rows = kv_rank + r."""
+    kv_norm = _layer_key_shape(ckpt, "self_attention.kv_layernorm.weight") or \
+        _layer_key_shape(ckpt, "self_attention.linear_kv_up_proj.layer_norm_weight")
+    kv_down = _layer_key_shape(ckpt, "self_attention.linear_kv_down_proj.weight")
+    kv_up = _layer_key_shape(ckpt, "self_attention.linear_kv_up_proj.weight")
+    q_up = _layer_key_shape(ckpt, "self_attention.linear_q_up_proj.weight") or \
+        _layer_key_shape(ckpt, "self_attention.linear_q_proj.weight")
+    q_down = _layer_key_shape(ckpt, "self_attention.linear_q_down_proj.weight")
+    if None in (kv_norm, kv_down, kv_up, q_up, proj):
+        raise MappingError(f"{ckpt.path}: cannot derive the MLA dimensions (missing kv_layernorm, "
+                           f"linear_kv_down_proj, linear_kv_up_proj, linear_q_up_proj or linear_proj); "
+                           f"pass --hf-config-dir")
+    kv_rank = kv_norm[0]
+    rope = kv_down[0] - kv_rank
+    h_nope = kv_up[0] - proj[-1]
+    heads = (q_up[0] - h_nope) // rope
+    dense = _dense_layers(ckpt)
+    dense_fc1 = ckpt.tensors[f"decoder.layers.{dense[0]}.mlp.linear_fc1.weight"].shape if dense else None
+    shared = _layer_key_shape(ckpt, "mlp.shared_experts.linear_fc1.weight")
+    moe_i = fc1[-2] // 2 if fc1 is not None else None
+    return dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_attention_heads=heads,
+                num_key_value_heads=heads, q_lora_rank=q_down[0] if q_down is not None else None,
+                kv_lora_rank=kv_rank, qk_rope_head_dim=rope, qk_nope_head_dim=h_nope // heads,
+                v_head_dim=proj[-1] // heads, n_routed_experts=fc1[0] if fc1 is not None else None,
+                first_k_dense_replace=len(dense),
+                intermediate_size=dense_fc1[0] // 2 if dense_fc1 else moe_i,
+                n_shared_experts=(shared[0] // 2) // moe_i if shared is not None and moe_i else 0,
+                rope_interleave=True, norm_topk_prob=True)
 
 
 def check_config_fits(cfg: dict, ckpt: Checkpoint) -> None:
