@@ -172,7 +172,7 @@ def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path):
 def test_dry_run_reads_metadata_only_and_never_imports_torch(ckpt):
     code = ("import sys; from neon_hpc.reshard.cli import main; "
             f"rc = main(['--src', {str(ckpt / 'ckpt')!r}, '--hf-config-dir', {str(ckpt / 'hf')!r}, '--dry-run', "
-            "'--ranks', '2']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+            "'--ranks', '2', '--tasks', '-1']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "over 2 rank(s)" in r.stdout and "linear_fc1.weight@[1, 3, 24, 0]" in r.stdout
@@ -185,3 +185,23 @@ def test_without_hf_config_the_arch_derives_one(ckpt, tmp_path):
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 8)
     assert cfg["num_experts"] == 4 and cfg["num_hidden_layers"] == 2
     assert "rope_theta" in stats["guessed_config_fields"]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_under_mpi_fails_all_and_leaves_nothing(ckpt, tmp_path):
+    src = _broken_copy(ckpt, tmp_path)
+    plan, _, _ = build_plan(src, ckpt / "hf", ranks=2)
+    _key, chunk = plan.tasks_of(1)[0].chunks[0]          # damage only what rank 1 reads
+    with open(src / chunk.file, "r+b") as f:
+        f.seek(chunk.offset + chunk.length - 64)
+        f.write(b"\0" * 64)
+    (tmp_path / "out").mkdir()
+    r = run_cli("--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"),
+                "--quiet", n=2)
+    assert r.returncode != 0 and "not a loadable torch.save blob" in r.stderr
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_neon_hpc_cli_dispatches_reshard():
+    r = subprocess.run([PY, "-m", "neon_hpc.cli", "reshard", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "--hf-config-dir" in r.stdout

@@ -25,6 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--verify", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="compare with the serial path before publishing: every tensor, or a sample of N")
     p.add_argument("--dry-run", action="store_true", help="print the plan (metadata only) and write nothing")
+    p.add_argument("--tasks", type=int, default=20, metavar="N",
+                   help="with --dry-run: list the first N tasks' byte ranges and outputs (-1: all)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--json", action="store_true", help="print stats as one JSON line")
     args = p.parse_args(argv)
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dry_run:
             plan, _cfg, guessed = build_plan(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap)
-            print(plan.describe())
+            print(plan.describe(max_tasks=None if args.tasks < 0 else args.tasks))
             if guessed:
                 print("config fields guessed (no --hf-config-dir): " + ", ".join(guessed))
             return 0

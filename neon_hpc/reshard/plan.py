@@ -132,10 +132,14 @@ class Plan:
                          f"{', '.join(s.name for s in self.shards_of(r)) or '-'}")
         return "\n".join(lines)
 
-    def describe(self) -> str:
-        """Full dry-run listing: every task, its byte ranges and the HF tensors it writes."""
+    def describe(self, max_tasks: int | None = None) -> str:
+        """Dry-run listing: the summary, then tasks with their byte ranges and HF tensors."""
         lines = [self.summary()]
-        for t in sorted(self.tasks, key=lambda t: (t.rank, t.id)):
+        tasks = sorted(self.tasks, key=lambda t: (t.rank, t.id))
+        if max_tasks is not None and len(tasks) > max_tasks:
+            lines.append(f"  (first {max_tasks} of {len(tasks)} tasks; --tasks -1 lists all)")
+            tasks = tasks[:max_tasks]
+        for t in tasks:
             lines.append(f"task {t.id} rank {t.rank}: read {t.read_bytes} B from {len(t.chunks)} chunk(s)")
             for key, c in t.chunks:
                 lines.append(f"    {c.file}[{c.offset}:{c.offset + c.length}]  {key}@{list(c.offsets)}+{list(c.sizes)}")
