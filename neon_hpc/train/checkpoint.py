@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,38 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
         get_cuda_rng_tracker().set_states(tracker)
 
 
+_SHIELDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def shield_writer_processes() -> None:
+    """Start megatron's checkpoint-writer helper process with Slurm's signals blocked.
+
+    Slurm delivers ``--signal=USR1@T`` (and a cancel's SIGTERM) to every process of the job
+    step. megatron-core's async writer keeps a ``spawn``-ed multiprocessing Manager for its
+    results queue; a freshly spawned process has default dispositions, so that signal kills
+    it and the very checkpoint the signal asked for fails (EOFError in the queue). A blocked
+    signal stays blocked across fork/exec: the helper never sees it, the trainer (which
+    unblocks right after) still does. Idempotent; a no-op if megatron's layout changes.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    getter = getattr(fa, "_get_write_results_queue", None)
+    if getter is None or getattr(fa, "_results_queue", None) is not None:
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
+    try:
+        getter()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     """Collective: write ``checkpoints/step_{step}`` (all ranks call it; rank 0 publishes)."""
     from megatron.core import dist_checkpointing
+
+    shield_writer_processes()
 
     lay = be.layout
     final = run.checkpoint(step)
