@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from neon_hpc.reshard import convert
-from neon_hpc.reshard.convert import ReshardError, build_plan
+from neon_hpc.reshard.pipeline import ReshardError, build_plan
 from neon_hpc.reshard.fixtures import shared
 from neon_hpc.reshard.serial import materialize
 

@@ -103,7 +103,7 @@ def run_converter(ckpt: Path, out: Path, mode: str, n: int) -> dict:
 
 def floor_run(ckpt: Path, out_dir: Path, out_bytes: int) -> dict:
     """Read exactly the needed byte ranges (file order) and write the output's size, fsynced."""
-    from neon_hpc.reshard.convert import build_plan
+    from neon_hpc.reshard.pipeline import build_plan
     plan, _, _ = build_plan(ckpt / "ckpt", ckpt / "hf")
     ranges = sorted((c.file, c.offset, c.length) for t in plan.tasks for _, c in t.chunks)
     drop_cache(ckpt_files(ckpt))

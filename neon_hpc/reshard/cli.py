@@ -37,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from neon_hpc.reshard.convert import ReshardError, build_plan, convert
+    from neon_hpc.reshard.pipeline import ReshardError, build_plan, convert
     from neon_hpc.reshard.metadata import CheckpointError
     cap = int(args.shard_size_gb * 1e9)
     try:

@@ -69,7 +69,7 @@ def _reshard(be: Backend, model_cfg: ModelConfig, checkpoint_dir: Path, final: P
     if be.layout.rank == 0 and not final.exists():
         from neon_hpc.models.hf import hf_config
         # the function, not the package attribute: importing the submodule rebinds that name
-        from neon_hpc.reshard.convert import convert
+        from neon_hpc.reshard.pipeline import convert
         convert(str(checkpoint_dir), str(final), hf_config=hf_config(model_cfg).to_dict(), use_mpi=False)
         written = True
     if be.layout.world > 1:
