@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from neon_hpc.reshard.synthetic import SynthSpec  # noqa: E402  (no torch/megatron at import)
+from benchlib import drop_cache  # tools/ is on sys.path when a script runs
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")
@@ -68,16 +69,6 @@ def ensure_checkpoint(workdir: Path, spec: SynthSpec) -> Path:
     (ckpt / "DONE").write_text(json.dumps(asdict(spec)))
     print(f"  generated in {time.monotonic() - t:.0f}s", flush=True)
     return ckpt
-
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def ckpt_files(ckpt: Path) -> list[Path]:

@@ -31,6 +31,7 @@ import numpy as np
 from neon_hpc.store import ShardWriter, Trajectory, read_shard
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.writer import write_shard
+from benchlib import drop_cache  # tools/ is on sys.path when a script runs
 
 
 def make_load(a: argparse.Namespace) -> list[Trajectory]:
@@ -57,16 +58,6 @@ def make_load(a: argparse.Namespace) -> list[Trajectory]:
 def payload_chunks(t: Trajectory) -> list[memoryview]:
     arrays = [t.tokens, t.loss_mask, t.logprobs, t.versions, t.routed_experts]
     return [memoryview(np.ascontiguousarray(x)).cast("B") for x in arrays]
-
-
-def drop_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def batches(trajs: list[Trajectory], per_shard: int) -> list[list[Trajectory]]:
