@@ -21,7 +21,7 @@ def test_kimi_config_maps_to_the_1300_gpu_layout_with_sources():
     s = from_experiment(config.load(KIMI), KIMI)
     p = s.params
     assert (p.rollout_gpus, p.train_gpus) == (99 * 8, 64 * 8)
-    assert p.rollout_slots == 96 * 8 and p.engine_slots == 12 * 256
+    assert p.rollout_slots == 384 * 8 and p.engine_slots == 12 * 256   # workers fill the engines
     assert p.route_bytes_per_token == pytest.approx(60 * 8 * 4 * 4 / 3)   # first layer dense
     assert "kimi_k2_1300xh200.yaml: launch.rollout" in s.source("rollout_gpus")
     assert s.source("decode_tokens_per_s") == "default plan.decode_tokens_per_s"
