@@ -121,12 +121,10 @@ class RolloutNode:
                     return
                 proc = getattr(self.engines[i], "process", None) if i < len(self.engines) else None
                 dead = proc is not None and proc.poll() is not None
-                self.failed = (f"engine {c.base_url if hasattr(c, 'base_url') else i} "
-                               f"{'died (exit code %s)' % proc.returncode if dead else 'refused'} loading "
-                               f"weights v_{version} from {path}: {e}. Check the weights folder and the engine log; "
-                               f"rerun to resume")
-                self.log.error("%s", self.failed)
-                return
+                return self._fail(f"engine {c.base_url} "
+                                  f"{'died (exit code %s)' % proc.returncode if dead else 'refused'} loading "
+                                  f"weights v_{version} from {path}: {e}. Check the weights folder and the "
+                                  f"engine log; rerun to resume")
         dt = time.monotonic() - t0
         self.log.info("engines loaded weights v_%d in %.2fs", version, dt)
         self.log.metrics(event="weights_loaded", version=version, seconds=dt)
@@ -141,6 +139,11 @@ class RolloutNode:
         self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err)
         self.started_at[w] = time.monotonic()
         self.log.info("started rollout worker %d (pid %d) on %s", w, self.workers[w].pid, url)
+
+    def _fail(self, message: str) -> None:
+        """Remember why the node must stop; run_forever exits non-zero, failing the job step."""
+        self.failed = message
+        self.log.error("%s", message)
 
     def check_workers(self) -> None:
         now = time.monotonic()
@@ -163,12 +166,10 @@ class RolloutNode:
             fast = now - self.started_at.get(w, 0.0) < CRASH_WINDOW_S
             self.fast_deaths[w] = self.fast_deaths.get(w, 0) + 1 if fast else 0
             if self.fast_deaths[w] >= MAX_FAST_DEATHS:
-                self.failed = (f"rollout worker {w} died {MAX_FAST_DEATHS} times in a row within "
-                               f"{CRASH_WINDOW_S:.0f}s of starting ({how}): that is a bug or a bad config, not "
-                               f"bad luck. Read {stderr} (or `neon-hpc tail {self.run.root} --role rollout --rank {w}`), "
-                               f"fix it, and rerun to resume")
-                self.log.error("%s", self.failed)
-                return
+                return self._fail(f"rollout worker {w} died {MAX_FAST_DEATHS} times in a row within "
+                                  f"{CRASH_WINDOW_S:.0f}s of starting ({how}): that is a bug or a bad config, "
+                                  f"not bad luck. Read {stderr} (or `neon-hpc tail {self.run.root} --role rollout "
+                                  f"--rank {w}`), fix it, and rerun to resume")
             delay = min(30.0, 2.0 ** self.fast_deaths[w]) if fast else 0.0
             self.restarts += 1
             self.log.warning("rollout worker %d died (%s); restarting it in %.0fs (restart #%d); its stderr: %s",
