@@ -124,6 +124,21 @@ def test_versions_recorded_and_staleness_bounded(finished_run):
         [r["staleness_max"] for r in trainer]
 
 
+def test_a_trajectory_spans_two_versions_token_by_token(finished_run):
+    """Weights land between the turns of an episode: later tokens record the newer version."""
+    from neon_hpc.store import read_shard
+    run = RunDir(finished_run["root"])
+    spanning = 0
+    for p in sorted(run.traj_claimed.glob("step_*/*.h5")) + sorted(run.traj_ready.glob("*.h5")):
+        for t in read_shard(p):
+            gen = t.versions[t.loss_mask.astype(bool)]
+            assert (gen >= 0).all() and (t.versions[~t.loss_mask.astype(bool)] == -1).all()
+            assert (gen[1:] >= gen[:-1]).all(), "versions went backwards inside a trajectory"
+            spanning += len(set(gen.tolist())) >= 2
+    # ~7% of two-turn episodes span a weight update in this run; none at all would be a bug
+    assert spanning >= 1
+
+
 def test_nothing_left_running(finished_run):
     time.sleep(1.0)
     assert _procs_of(finished_run["root"]) == []
