@@ -50,11 +50,17 @@ def finished_run(tmp_path_factory):
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None
+    live = {}
     deadline = time.monotonic() + 900
     run = RunDir(root)
     try:
         # once the trainer has consumed data, SIGKILL rollout worker 0 in the middle of its work
         while proc.poll() is None and time.monotonic() < deadline:
+            if not live and read_metrics(root, "trainer"):
+                # what an operator sees while the job runs
+                live["status"] = subprocess.run(NEON + ["status", str(root)], capture_output=True, text=True)
+                live["tail"] = subprocess.run(NEON + ["tail", str(root), "--role", "rollout", "-n", "2"],
+                                              capture_output=True, text=True)
             if killed is None and read_metrics(root, "trainer"):
                 hb = read_json(run.heartbeat_file("rollout", 0))
                 if hb and hb.get("pid") and not hb.get("stopped"):
@@ -68,7 +74,7 @@ def finished_run(tmp_path_factory):
     finally:
         if proc.poll() is None:
             proc.kill()
-    return {"root": root, "rc": proc.returncode, "killed": killed,
+    return {"root": root, "rc": proc.returncode, "killed": killed, "live": live,
             "out": (root.parent / "launcher.out").read_text()}
 
 
@@ -142,6 +148,13 @@ def test_a_trajectory_spans_two_versions_token_by_token(finished_run):
 def test_nothing_left_running(finished_run):
     time.sleep(1.0)
     assert _procs_of(finished_run["root"]) == []
+
+
+def test_status_and_tail_on_live_run(finished_run):
+    st, tl = finished_run["live"]["status"], finished_run["live"]["tail"]
+    assert st.returncode == 0, st.stderr
+    assert "trainer   step=" in st.stdout and "rollout" in st.stdout and "age=" in st.stdout
+    assert tl.returncode == 0 and "[0] " in tl.stdout and "[1] " in tl.stdout  # both workers' logs
 
 
 def test_status_and_tail_on_finished_run(finished_run):

@@ -72,3 +72,37 @@ def test_het_job_preempted_requeued_and_resumed(slurm_cluster, tmp_path):
     assert slurm_cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip() == ""
     left = [p for p in psutil.process_iter(["cmdline"]) if str(root) in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_dead_trainer_fails_the_job_fast_and_the_run_resumes(slurm_cluster, tmp_path):
+    """SIGKILL the trainer rank: the job fails (no hang), nothing is left, and launching the
+    same run again resumes from its newest checkpoint and finishes."""
+    root = tmp_path / "run"
+    launch = NEON + ["launch", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
+                     "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=1"]
+    r = subprocess.run(launch, capture_output=True, text=True, env=slurm_cluster.env, cwd=REPO, timeout=120)
+    job = re.search(r"submitted heterogeneous job (\d+)", r.stdout).group(1)
+    run = RunDir(root)
+    try:
+        _wait(lambda: run.latest_checkpoint() is not None, 600, "first checkpoint")
+        hb = read_json(run.heartbeat_file("trainer", 0))
+        psutil.Process(int(hb["pid"])).kill()
+        _wait(lambda: slurm_cluster.state(job) in ("FAILED", "COMPLETED", "CANCELLED"), 120, "job end after the kill")
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
+    assert slurm_cluster.state(job) == "FAILED"
+    time.sleep(1.0)
+    assert [p for p in psutil.process_iter(["cmdline"]) if str(root) in " ".join(p.info["cmdline"] or [])] == []
+    done_before = run.latest_checkpoint()
+
+    r = subprocess.run(launch, capture_output=True, text=True, env=slurm_cluster.env, cwd=REPO, timeout=120)
+    job2 = re.search(r"submitted heterogeneous job (\d+)", r.stdout).group(1)
+    try:
+        _wait(lambda: slurm_cluster.state(job2) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "resumed job end", poll=2)
+    finally:
+        slurm_cluster.run("scancel", job2, check=False)
+    assert slurm_cluster.state(job2) == "COMPLETED"
+    log = (run.log_dir("trainer") / "0.log").read_text()
+    assert f"resumed from {run.checkpoint(done_before)}" in log
+    steps = [r["step"] for r in read_metrics(root, "trainer")]
+    assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1))
