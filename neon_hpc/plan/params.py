@@ -74,6 +74,11 @@ class SimParams:
     abort_stale: bool = False           # stop in-flight groups once they are beyond the bound
     max_staleness: int = 2
     backpressure_steps: int = 4
+    # polling latencies of the real processes (they poll the shared filesystem, no inotify):
+    # a refused worker re-checks admission every admission_poll_s, a waiting trainer looks at
+    # ready/ every claim_poll_s. Negligible at cluster scale (minute-long steps), not on a laptop.
+    admission_poll_s: float = 0.0
+    claim_poll_s: float = 0.0
     steps: int = 1000
     seed: int = 0
 

@@ -472,6 +472,8 @@ class _Sim:
                 self._fill()            # a starved trainer lifts the 'oldest' admission rule
                 if self._waiter is not None:
                     yield self._waiter
+                    if self.p.claim_poll_s > 0:      # the trainer sees new shards at its next poll
+                        yield self.env.timeout(self.p.claim_poll_s / 2)
         self.wait_s += self.env.now - t0
         self.step_wait.append(self.env.now - t0)
         return batch
@@ -481,7 +483,10 @@ class _Sim:
         publish_s = p.publish_s
         for _ in range(p.steps):
             batch = yield from self._take_batch()
-            self._fill()                # consuming frees backpressure
+            if p.admission_poll_s > 0:  # refused workers notice the freed room at their next poll
+                env.timeout(p.admission_poll_s / 2).callbacks.append(lambda _e: self._fill())
+            else:
+                self._fill()            # consuming frees backpressure
             self._account(batch)
             lengths = np.array(list(itertools.chain.from_iterable(g.lengths for g in batch)), dtype=np.float64)
             compute = self.step_model.step_seconds(lengths)

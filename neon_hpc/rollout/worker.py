@@ -29,6 +29,9 @@ from neon_hpc.logs import RoleLogger, job_id
 from neon_hpc.rundir import RunDir, read_json
 
 
+ADMISSION_POLL_S = 0.25   # a refused worker re-checks admission this often (the planner models it)
+
+
 class _Stop:
     def __init__(self) -> None:
         self.requested = False
@@ -48,6 +51,11 @@ def pending_trajectories(run: RunDir) -> tuple[int, int]:
         if hb.get("role") == "rollout" and hb.get("age_s", 1e9) < 60:
             inflight += int(hb.get("in_flight", 0))
     return ready, inflight
+
+
+def ready_trajectories(run: RunDir) -> int:
+    from neon_hpc.store import ready_count
+    return ready_count(run.root)[1]
 
 
 def admission(run: RunDir, cfg: ExperimentConfig, group: int) -> tuple[str, float]:
@@ -107,9 +115,9 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
             if verdict != "ok":
                 reason, t0 = verdict, time.monotonic()
                 while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
-                    run.beat("rollout", worker, in_flight=0, groups=groups, waiting=verdict)
                     writer.flush()  # let the trainer have what we hold
-                    time.sleep(0.25)
+                    run.beat("rollout", worker, in_flight=0, groups=groups, waiting=verdict)
+                    time.sleep(ADMISSION_POLL_S)
                     verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
                 waited = time.monotonic() - t0
                 log.info("%s: waited %.1fs (steps of data ahead of the trainer: %.1f)", reason, waited, ahead)
@@ -118,8 +126,9 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
             if groups % len(order) == 0:
                 rng.shuffle(order)
             task = tasks[order[groups % len(order)]]
-            run.beat("rollout", worker, in_flight=cfg.rollout.group_size, groups=groups, episodes=episodes,
-                     tokens=tokens, task=task.id)
+            # in flight = the group about to run plus what the writer holds unpublished
+            run.beat("rollout", worker, in_flight=cfg.rollout.group_size + writer.pending, groups=groups,
+                     episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
             trajs = run_group(client, task, tokenizer, cfg.rollout, cfg.rollout.group_size)
             dt = time.monotonic() - t0
@@ -134,6 +143,10 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
                 log.metrics(worker=worker, task_id=tr.task_id, tokens=int(len(tr.tokens)), gen_tokens=gen,
                             episode_s=float(tr.timings.get("episode_s", dt)), version_min=vmin,
                             version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1))
+            # a hungry trainer gets what we hold now rather than at the next full shard:
+            # trajectories in a writer's buffer are invisible to the trainer and to admission
+            if ready_trajectories(run) < cfg.train.trajectories_per_step:
+                writer.flush()
             episodes += len(trajs)
             groups += 1
             log.set(version=max((_versions(t)[1] for t in trajs), default=None))

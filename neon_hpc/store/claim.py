@@ -43,6 +43,9 @@ DROPPED_FILE = "dropped_stale.json"
 REASON_SUFFIX = ".reason.txt"
 
 
+DEFAULT_POLL_S = 0.2   # how often a waiting claim looks at ready/ (the planner models it)
+
+
 class ClaimTimeout(TimeoutError):
     """Not enough trajectories arrived in ready/ before the timeout."""
 
@@ -272,7 +275,7 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
 
 
 def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,
-               max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = 0.2,
+               max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S,
                allow_partial: bool = False, quarantine_invalid: bool = True) -> ClaimResult:
     """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
 

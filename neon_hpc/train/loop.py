@@ -177,19 +177,23 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
                   trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
                   quarantine_invalid=cfg.store.quarantine_invalid)
     t0, next_note = time.monotonic(), 10.0
+    waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
         status: dict[str, Any] = {"state": "waiting"}
         if rank == 0:
             left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
+            t_slice = time.monotonic()
             try:
-                claim_step(run.root, step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
+                res = claim_step(run.root, step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
+                waited += res.waited_s
                 status = {"state": "claimed"}
             except ClaimTimeout as e:
+                waited += time.monotonic() - t_slice
                 if pre.requested:
                     status = {"state": "preempted"}
                 elif left <= CLAIM_SLICE_S:
                     status = {"state": "error", "error": str(e)}
-            status["waited_s"] = time.monotonic() - t0
+            status["waited_s"] = waited
         status = _bcast(status, rank, world)
         if status["state"] == "waiting" and _any_rank(pre.requested, world):
             status["state"] = "preempted"      # a signal reached some rank while rank 0 waited
