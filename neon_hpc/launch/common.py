@@ -63,8 +63,10 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
         p.unlink(missing_ok=True)
     job = read_json(run.state / "job.json", {}) or {}
     starts = int(job.get("starts", 0)) + 1
+    now = time.time()
     atomic_write_json(run.state / "job.json", {"job_id": job_id, "backend": backend, "host": socket.gethostname(),
-                                               "started": time.time(), "starts": starts})
+                                               "started": now, "first_started": job.get("first_started", now),
+                                               "starts": starts})
     return run, cfg
 
 
@@ -75,9 +77,10 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     rollout = [r for r in events if "event" not in r]
     spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
                     if r.get("version_min", -1) >= 0)
-    started = (read_json(run.state / "job.json", {}) or {}).get("started")
+    job = read_json(run.state / "job.json", {}) or {}
+    started = job.get("first_started", job.get("started"))
     times = [r["time"] for r in trainer + rollout]
-    wall = (max(times) - (started or min(times))) if times else 0.0
+    wall = (max(times) - min([started] + times if started else times)) if times else 0.0
     wait = sum(r.get("wait_s", 0.0) for r in trainer)
     busy = sum(r.get("step_time_s", 0.0) for r in trainer)
     workers = {r.get("worker") for r in rollout} or {0}

@@ -86,7 +86,9 @@ class LocalRun:
         return len(recs)
 
     def wait(self) -> int:
-        seen = 0
+        seen = len(read_metrics(self.run.root, "trainer"))   # a resumed run: only new steps
+        if seen:
+            self.say(f"resuming: {seen} step(s) already done in {self.run.root}")
         rc = None
         while True:
             seen = self.progress(seen)
