@@ -3,9 +3,10 @@ heterogeneous Slurm job of a run.
 
 How it talks to Slurm, and why: submitit 1.5.4 renders one set of ``#SBATCH`` lines and has
 no heterogeneous-job support. Rather than subclass its private script renderer, we render
-the het job ourselves (``neon_hpc.launch.slurm``, golden-tested), submit it with ``sbatch``,
-and track it through submitit's own job object (``submitit.SlurmJob``: state from sacct, the
-same object a submitit user already knows). ``--render`` prints the script instead.
+the het job ourselves (``neon_hpc.launch.slurm``, golden-tested) and submit it with
+``sbatch``. Its job objects cannot track a het job either (``submitit.SlurmJob`` reads
+``JOBID`` from sacct, which lists only ``JOBID+0`` and ``JOBID+1``, and reports UNKNOWN
+forever), so ``--wait`` reads the components' states itself. ``--render`` prints the script.
 """
 
 from __future__ import annotations
@@ -45,10 +46,23 @@ def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tup
     return r.stdout.strip().split(";")[0], script
 
 
-def track(job_id: str, folder: Path):
-    """A submitit job object for an already submitted job (state from squeue/sacct)."""
-    import submitit
-    return submitit.SlurmJob(folder=folder, job_id=job_id)
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")
+
+
+def het_job_state(job_id: str) -> str:
+    """One state for a heterogeneous job: live from squeue; once ended, COMPLETED only if every
+    component completed, else the first component state that is not COMPLETED."""
+    live = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.split()
+    if live:
+        return "RUNNING" if "RUNNING" in live else live[0]
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"],
+                         capture_output=True, text=True).stdout.split()
+    states = [line.split("|")[1].split()[0] for line in out if "|" in line]
+    if not states:
+        return "UNKNOWN"
+    bad = [s for s in states if s != "COMPLETED"]
+    return bad[0] if bad else "COMPLETED"
 
 
 def main(argv: list[str]) -> int:
@@ -69,13 +83,12 @@ def main(argv: list[str]) -> int:
     print(f"follow it: neon-hpc status {run_dir}   neon-hpc tail {run_dir} --role trainer -f")
     if not a.wait:
         return 0
-    job = track(job_id, run_dir / "launch")
     last = None
     while True:
-        st = job.state
+        st = het_job_state(job_id)
         if st != last:
             print(f"job {job_id}: {st}", flush=True)
             last = st
-        if st in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") or st.startswith("CANCELLED"):
+        if st in FINAL:
             return 0 if st == "COMPLETED" else 1
-        time.sleep(5)
+        time.sleep(2)
