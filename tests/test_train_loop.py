@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from neon_hpc import config as C
 from neon_hpc.logs import read_metrics
+from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, read_json
 
 STEPS, PER_STEP = 4, 8
@@ -84,14 +84,8 @@ def add_shards(run: RunDir, dataset, steps) -> None:
         os.rename(run.traj_ready / f".{src.name}.tmp", run.traj_ready / src.name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(run: RunDir, world: int = 1, *sets: str) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,8 @@ from pathlib import Path
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, render_summary, summarize
 from neon_hpc.logs import RoleLogger, read_metrics
+from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_world_size(cfg: config.ExperimentConfig) -> int:

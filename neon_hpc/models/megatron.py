@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from neon_hpc.models import cpu_shim
 from neon_hpc.models.config import ModelConfig
+from neon_hpc.netutil import free_port
 
 
 def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
@@ -41,7 +42,7 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             rank, world = 0, 1
         else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -74,13 +75,6 @@ def destroy_parallel() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,

@@ -69,14 +69,14 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
     """
     import torch.multiprocessing as mp
 
-    from neon_hpc.models.megatron import _free_port
+    from neon_hpc.netutil import free_port
 
     world = max(tp, ep)
     if world % tp or world % ep:
         raise ValueError(f"tp={tp} and ep={ep}: one must divide the other")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.npz")
-        mp.start_processes(_worker, args=(world, _free_port(), str(hf_dir), tp, ep, np.asarray(ids, np.int64), out),
+        mp.start_processes(_worker, args=(world, free_port(), str(hf_dir), tp, ep, np.asarray(ids, np.int64), out),
                            nprocs=world, join=True, start_method="spawn")
         with np.load(out) as z:
             if with_routes:

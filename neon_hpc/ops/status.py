@@ -50,7 +50,8 @@ def shard_counts(run: RunDir) -> dict[str, int]:
         writing = sum(1 for n in os.listdir(run.traj_tmp) if n.endswith(".tmp.part"))
     except FileNotFoundError:
         writing = 0
-    return {"ready": _count_dir(run.traj_ready), "claimed": claimed,
+    from neon_hpc.store import ready_count  # the store's own definition of a published shard
+    return {"ready": ready_count(run.root)[0], "claimed": claimed,
             "quarantined": _count_dir(run.traj_quarantine), "writing": writing}
 
 

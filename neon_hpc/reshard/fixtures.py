@@ -83,10 +83,10 @@ def _layouts_in_group(out: str, layouts: list, seq: int) -> None:
 def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2, 2)), seq: int = 8) -> Path:
     """Save one checkpoint per (tp, ep) layout from two gloo processes; returns ``out_dir``."""
     import torch.multiprocessing as mp
-    from neon_hpc.models.megatron import _free_port
+    from neon_hpc.netutil import free_port
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(2, _free_port(), str(out), [tuple(x) for x in layouts], seq),
+    mp.start_processes(_worker, args=(2, free_port(), str(out), [tuple(x) for x in layouts], seq),
                        nprocs=2, join=True, start_method="spawn")
     return out
 
@@ -151,8 +151,8 @@ def _mla_config():
 
 def _mla_worker(rank: int, out: str, seq: int) -> None:
     from neon_hpc.models import megatron
-    from neon_hpc.models.megatron import _free_port
-    _start(rank, 1, _free_port())
+    from neon_hpc.netutil import free_port
+    _start(rank, 1, free_port())
     _mla_in_group(out, seq)
     megatron.destroy_parallel()
 
@@ -235,7 +235,7 @@ def build_all(out_dir: str | os.PathLike, synth, seq: int = 8) -> Path:
     import json
     from dataclasses import asdict
     import torch.multiprocessing as mp
-    from neon_hpc.models.megatron import _free_port
+    from neon_hpc.netutil import free_port
     out = Path(out_dir)
     if (out / "DONE").exists():
         return out
@@ -246,7 +246,7 @@ def build_all(out_dir: str | os.PathLike, synth, seq: int = 8) -> Path:
     (out / "synth" / "hf" / "config.json").write_text(json.dumps(synth.hf_config()))
     (out / "synth" / "hf" / "tokenizer.json").write_text("{}")
     _write_mla_config(out / "mla")
-    mp.start_processes(_all_worker, args=(2, _free_port(), str(out), asdict(synth), seq), nprocs=2,
+    mp.start_processes(_all_worker, args=(2, free_port(), str(out), asdict(synth), seq), nprocs=2,
                        join=True, start_method="spawn")
     (out / "DONE").write_text("ok\n")
     return out

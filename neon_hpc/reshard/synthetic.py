@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from neon_hpc.netutil import free_port
+
 
 @dataclass
 class SynthSpec:
@@ -132,18 +134,11 @@ def _cpu_patch() -> None:
         torch.cuda.synchronize = lambda *a, **k: None
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def generate(path: str | os.PathLike, spec: SynthSpec | None = None, port: int | None = None) -> SynthSpec:
     """Write a synthetic checkpoint to ``path`` (created; must not exist) from ``spec.procs`` processes."""
     import torch.multiprocessing as mp
     spec = spec or SynthSpec()
-    port = port or _free_port()
+    port = port or free_port()
     os.makedirs(path)
     mp.start_processes(_save_worker, args=(str(path), asdict(spec), port), nprocs=spec.procs,
                        join=True, start_method="spawn")

@@ -42,20 +42,20 @@ class _Stop:
         self.signal = signal.Signals(signum).name
 
 
+def ready_trajectories(run: RunDir) -> int:
+    """Trajectories published in ready/ (from shard names: no file is opened)."""
+    from neon_hpc.store import ready_count
+    return ready_count(run.root)[1]
+
+
 def pending_trajectories(run: RunDir) -> tuple[int, int]:
     """(trajectories ready in ready/, trajectories in flight across live workers)."""
-    from neon_hpc.store import ready_count
-    _shards, ready = ready_count(run.root)
+    ready = ready_trajectories(run)
     inflight = 0
     for hb in run.heartbeats():
         if hb.get("role") == "rollout" and hb.get("age_s", 1e9) < 60:
             inflight += int(hb.get("in_flight", 0))
     return ready, inflight
-
-
-def ready_trajectories(run: RunDir) -> int:
-    from neon_hpc.store import ready_count
-    return ready_count(run.root)[1]
 
 
 def admission(run: RunDir, cfg: ExperimentConfig, group: int) -> tuple[str, float]:

@@ -36,6 +36,7 @@ import numpy as np
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
+from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.batch import build_microbatch, input_lengths, plain_plan
@@ -69,7 +70,7 @@ def dist_env() -> tuple[int, int, int]:
     if world == 1 and "MASTER_PORT" not in env:
         # A single rank needs no agreed rendezvous: any free local port.
         env["MASTER_ADDR"] = "127.0.0.1"
-        env["MASTER_PORT"] = str(_free_port())
+        env["MASTER_PORT"] = str(free_port())
     elif "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
         # Every rank of one job derives the same port from the job id (the launcher may set it instead).
         env["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
@@ -85,13 +86,6 @@ def _select_device(local_rank: int) -> None:
     import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Preemption:

@@ -8,19 +8,9 @@ and optionally ``judge`` (panel verdict, 0/1).
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion (well-behaved at 0 and n)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+from neon_hpc.xrd.evaluate import wilson_interval  # one interval for both reports
 
 
 def _mean(xs: Iterable[float | None]) -> float | None:
