@@ -67,7 +67,25 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if cfg.train.tensor_parallel > 1 and cfg.model.num_query_groups % cfg.train.tensor_parallel:
         errs.append(("train.tensor_parallel",
                      f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
+    if cfg.engine.kind == "sglang":
+        from neon_hpc.rollout.engines.sglang_launch import layout
+        lay = layout(cfg)
+        if cfg.launch.rollout.nodes < lay.nodes_needed:
+            errs.append(("launch.rollout.nodes",
+                         f"{cfg.engine.num_engines} engine(s) of {lay.gpus_per_engine} GPUs "
+                         f"(engine.tp_size x dp_size) need {lay.nodes_needed} node(s) of "
+                         f"{lay.gpus_per_node} GPUs, the rollout group has {cfg.launch.rollout.nodes}: "
+                         f"raise launch.rollout.nodes or lower engine.num_engines"))
+        if cfg.engine.pd_disaggregation and is_loopback(cfg.engine.host) and lay.nodes_needed > 1:
+            errs.append(("engine.host",
+                         f"{cfg.engine.host} is reachable from its own node only, but the PD router and "
+                         f"the engines of this layout are on {lay.nodes_needed} nodes: set engine.host: "
+                         f"0.0.0.0 (or the nodes' fabric address)"))
     return errs
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 # --------------------------------------------------------------------------------------

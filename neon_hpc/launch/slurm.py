@@ -57,10 +57,21 @@ trap stop_all TERM INT
 # (scancel -s USR1 --batch, or --signal=B:USR1), it must not kill the job before they are done
 trap 'echo "[neon-rl] SIGUSR1: the trainer checkpoints, the rollout side flushes"' USR1
 
+mark_finished() {
+  "$PY" -c 'import sys, time; from neon_hpc.rundir import atomic_write_json; atomic_write_json(sys.argv[1], {"time": time.time()})' \
+    "$RUN_DIR/state/finished.json"
+}
+
 # whichever group ends first decides; the other is stopped (SIGTERM: flush / checkpoint)
 while kill -0 "$TRAINER" 2>/dev/null && kill -0 "$ROLLOUT" 2>/dev/null; do sleep 1; done
 if ! kill -0 "$TRAINER" 2>/dev/null; then
   reap "$TRAINER"; RC=$?
+  if [ "$RC" -eq 0 ] && [ ! -e "$RUN_DIR/state/trainer_preempted.json" ]; then
+    # all steps done: the rollout nodes see finished.json and stop their workers and engines
+    # themselves; signalling srun instead would make Slurm kill the step's tasks outright
+    mark_finished
+    for _ in $(seq 60); do kill -0 "$ROLLOUT" 2>/dev/null || break; sleep 1; done
+  fi
   kill -TERM "$ROLLOUT" 2>/dev/null; reap "$ROLLOUT"
 else
   reap "$ROLLOUT"; RC=$?
@@ -81,8 +92,7 @@ if [ -e "$RUN_DIR/state/trainer_preempted.json" ]; then
   exit 0
 fi
 if [ "$RC" -eq 0 ]; then
-  "$PY" -c 'import sys, time; from neon_hpc.rundir import atomic_write_json; atomic_write_json(sys.argv[1], {"time": time.time()})' \
-    "$RUN_DIR/state/finished.json"
+  mark_finished
 fi
 echo "[neon-rl] done (exit ${RC})"
 exit "$RC"

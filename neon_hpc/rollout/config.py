@@ -22,6 +22,11 @@ class EngineConfig:
     model_path: str = ""              # weights the engines start on; "" = RUN/weights/v_0
     enable_return_routed_experts: bool = True
     extra_args: list[str] = field(default_factory=list)
+    # kind=sglang: the interpreter that has SGLang installed ("" = the one running neon-hpc),
+    # and how long an engine (or the PD router) may take to answer /health after its start:
+    # a trillion-parameter model loads for many minutes
+    python: str = ""
+    startup_timeout_s: float = 1800.0
 
     def validate(self):
         errs = []
@@ -43,6 +48,8 @@ class EngineConfig:
             errs.append(("prefill_engines", f"must be in 0..num_engines-1 ({self.num_engines - 1}); 0 = a quarter"))
         if not 0 < self.router_port < 65536:
             errs.append(("router_port", "must be in 1..65535"))
+        if self.startup_timeout_s <= 0:
+            errs.append(("startup_timeout_s", "must be > 0 seconds"))
         return errs
 
 

@@ -1,9 +1,11 @@
 """The rollout node: engines, weight pickup, and a supervised set of rollout workers.
 
 One per node of the rollout group (one Slurm task per node; ``neon-hpc run`` starts one).
-It starts the inference engine(s) of the node once ``weights/LATEST`` exists, health-checks
-them, starts ``rollout.num_workers`` worker processes (split over the nodes of the group),
-and then, until told to stop:
+It starts the inference engine(s) of the node once ``weights/LATEST`` exists (the embedded
+engine, or SGLang servers placed over the group's nodes by ``engines/fleet.py``; or none when
+``NEON_ENGINE_URLS`` names engines started elsewhere), health-checks them, starts
+``rollout.num_workers`` worker processes (split over the nodes that serve engines), and
+then, until told to stop:
 
 * polls ``weights/LATEST`` and tells each engine to load a newer version
   (``/update_weights_from_disk``). Engines swap weights between forward passes, so an
@@ -11,6 +13,8 @@ and then, until told to stop:
 * restarts a worker that died (``rollout.restart_dead_workers``), logging the exit code;
   the worker's flushed shards are already published, its unflushed group is lost (never a
   partial shard: the store publishes by rename);
+* fails (exit 1, which fails the job step) when one of its engine processes dies: the
+  engines' state is gone, and the run resumes from the run directory when relaunched;
 * beats a heartbeat with the loaded version and worker states.
 
 SIGTERM/SIGUSR1 are forwarded to the workers (they flush and exit); then the engines stop.
@@ -66,8 +70,9 @@ class RolloutNode:
         self.rank = _node_rank()
         self.log = RoleLogger.open(self.run.root, "rollout-node", self.rank, echo=False)
         self.stopping = False
-        self.engines = []     # ServerHandle
-        self.clients = []
+        self.engines = []     # ServerHandle (embedded engines)
+        self.fleet = None     # engines.fleet.Fleet (SGLang servers)
+        self.clients = []     # one per engine whose weights this node updates
         self.loaded_version = -1
         self.workers: dict[int, subprocess.Popen] = {}
         self.started_at: dict[int, float] = {}
@@ -81,15 +86,32 @@ class RolloutNode:
         self.stopping = True
 
     def my_workers(self) -> list[int]:
-        n, k = self.cfg.rollout.num_workers, _node_count()
-        return [w for w in range(n) if w % k == self.rank]
+        n = self.cfg.rollout.num_workers
+        nodes = self.fleet.worker_nodes() if self.fleet else list(range(_node_count()))
+        return [w for w in range(n) if nodes[w % len(nodes)] == self.rank]
 
-    def start_engines(self, version: int, path: Path) -> None:
+    def start_engines(self, version: int, path: Path) -> bool:
+        """Start and health-check this node's engines; False if stopped (or failed) meanwhile."""
         from neon_hpc.rollout.engines.client import EngineClient
-        if self.cfg.engine.kind != "embedded":
-            raise NotImplementedError("engine.kind=sglang: start SGLang with the command lines of "
-                                      "`neon-hpc engine sglang-cmd CONFIG` in the sbatch script and set "
-                                      "NEON_ENGINE_URLS; the embedded engine is the only one this node starts itself")
+        if self.cfg.engine.kind == "sglang":
+            from neon_hpc.rollout.engines.fleet import Fleet, FleetError
+            try:
+                self.fleet = Fleet(self.cfg, self.run, self.rank, _node_count(), self.log)
+                self.fleet.start(version, path)
+                if not self.fleet.wait_ready(lambda: self.stopping):
+                    return False
+            except FleetError as e:
+                self._fail(str(e))
+                return False
+            self.clients = [EngineClient(u) for u in self.fleet.head_urls()]
+            self.loaded_version = self.fleet.version
+            atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
+                              {"urls": self.fleet.head_urls(), "version": self.loaded_version, "pid": os.getpid(),
+                               "kind": "sglang", "workers_url": self.fleet.router_url()
+                               if self.cfg.engine.pd_disaggregation else None})
+            self.log.info("SGLang engines of node %d ready: %s", self.rank,
+                          ", ".join(self.fleet.head_urls()) or "none serving here (another node's engine)")
+            return True
         from neon_hpc.rollout.engines.embedded import start_server
         for i in range(self.cfg.engine.num_engines):
             h = start_server(str(path), host=self.cfg.engine.host,
@@ -102,12 +124,30 @@ class RolloutNode:
         atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
                           {"urls": [h.url for h in self.engines], "version": version, "pid": os.getpid()})
         self.log.info("engines up at %s with weights v_%d", ", ".join(h.url for h in self.engines), version)
+        return True
 
-    def engine_urls(self) -> list[str]:
+    def worker_url(self, w: int) -> str:
         ext = os.environ.get("NEON_ENGINE_URLS")
-        return ext.split(",") if ext else [h.url for h in self.engines]
+        if ext:
+            urls = ext.split(",")
+            return urls[w % len(urls)]
+        if self.fleet:
+            return self.fleet.worker_url(w)
+        return self.engines[w % len(self.engines)].url
+
+    def engine_death(self) -> str | None:
+        """Why an engine process of this node is gone, or None."""
+        if self.fleet:
+            return self.fleet.dead()
+        for i, h in enumerate(self.engines):
+            rc = h.process.poll() if h.process is not None else None
+            if rc is not None:
+                return f"embedded engine {i} at {h.url} exited (exit code {rc})"
+        return None
 
     def sync_weights(self) -> None:
+        if not self.clients:
+            return   # no engine endpoint on this node (another node of a multi-node engine)
         latest = self.run.latest_weights()
         if not latest or latest[0] <= self.loaded_version:
             return
@@ -119,20 +159,17 @@ class RolloutNode:
             except (OSError, RuntimeError) as e:  # EngineError, ConnectionError, TimeoutError
                 if self.stopping:
                     return
-                proc = getattr(self.engines[i], "process", None) if i < len(self.engines) else None
-                dead = proc is not None and proc.poll() is not None
-                return self._fail(f"engine {c.base_url} "
-                                  f"{'died (exit code %s)' % proc.returncode if dead else 'refused'} loading "
-                                  f"weights v_{version} from {path}: {e}. Check the weights folder and the "
-                                  f"engine log; rerun to resume")
+                dead = self.engine_death()
+                return self._fail(f"engine {c.base_url} {'died' if dead else 'refused'} loading weights "
+                                  f"v_{version} from {path}: {e}. {dead + '. ' if dead else ''}Check the weights "
+                                  f"folder and the engine log; rerun to resume")
         dt = time.monotonic() - t0
         self.log.info("engines loaded weights v_%d in %.2fs", version, dt)
         self.log.metrics(event="weights_loaded", version=version, seconds=dt)
         self.loaded_version = version
 
     def spawn(self, w: int) -> None:
-        urls = self.engine_urls()
-        url = urls[w % len(urls)]
+        url = self.worker_url(w)
         cmd = [sys.executable, "-m", "neon_hpc.launch.roles", "rollout-worker", "--config", str(self.run.run_yaml),
                "--run-dir", str(self.run.root), "--rank", str(w), "--engine-url", url]
         err = open(self.run.log_dir("rollout") / f"{w}.stderr", "ab")
@@ -186,11 +223,19 @@ class RolloutNode:
             latest = wait_for_weights(self.run, self.log, self.cfg.train.wait_for_data_s, lambda: self.stopping)
             if latest is None:
                 return 0
-            if not os.environ.get("NEON_ENGINE_URLS"):
-                self.start_engines(*latest)
+            if not os.environ.get("NEON_ENGINE_URLS") and not self.start_engines(*latest):
+                return 1 if self.failed else 0
             for w in self.my_workers():
                 self.spawn(w)
             while not self.stopping and not (self.run.state / "finished.json").exists():
+                dead = self.engine_death()
+                if dead:
+                    time.sleep(0.5)   # a job-wide SIGTERM reaches the engines and this node together
+                    if self.stopping:
+                        break
+                    self._fail(f"{dead}\nThe job step fails so the run can be relaunched; rerun to resume "
+                               f"from the newest checkpoint")
+                    return 1
                 self.sync_weights()
                 if not self.failed:
                     self.check_workers()
@@ -218,4 +263,6 @@ class RolloutNode:
                 p.wait()
         for h in self.engines:
             h.stop()
+        if self.fleet:
+            self.fleet.stop()
         self.log.info("rollout node %d stopped", self.rank)
