@@ -96,6 +96,8 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
         "reward_last": trainer[-1].get("reward_mean") if trainer else None,
         "finished": read_json(run.state / "finished.json"),
         "errors": last_errors(run),
+        "engines": [read_json(f) or {} for f in sorted((run.state / "engines").glob("node*.json"),
+                                                        key=lambda f: int(f.stem[4:] or 0))],
     }
     return info
 
@@ -126,6 +128,11 @@ def render(info: dict[str, Any]) -> str:
     if info["staleness_hist"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(info["staleness_hist"].items(), key=lambda kv: int(kv[0])))
         lines.append(f"staleness {hist}   (trainer version - token version: token count)")
+    serving = [(i, e) for i, e in enumerate(info.get("engines", [])) if e.get("urls")]
+    if serving:
+        lines.append("engines   " + "; ".join(
+            f"node {i}: {' '.join(e['urls'])} ({e.get('kind', 'embedded')})" for i, e in serving) +
+            (f"; workers via {serving[0][1]['workers_url']}" if serving[0][1].get("workers_url") else ""))
     lines.append("heartbeats")
     now_note = "" if not info["finished"] else " (run finished: ages are expected to grow)"
     for hb in info["heartbeats"]:

@@ -241,9 +241,9 @@ class RolloutNode:
                     self.check_workers()
                 if self.failed:
                     return 1
-                self.run.beat("rollout-node", self.rank, version=self.loaded_version,
-                              workers=len([p for p in self.workers.values() if p.poll() is None]),
-                              restarts=self.restarts)
+                beat = {"version": self.loaded_version} if self.clients else {}   # engines whose weights it updates
+                self.run.beat("rollout-node", self.rank, workers=len([p for p in self.workers.values() if p.poll() is None]),
+                              restarts=self.restarts, **beat)
                 time.sleep(0.5)
         finally:
             self.shutdown()
