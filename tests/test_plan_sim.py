@@ -124,3 +124,41 @@ def test_property_bound_holds_and_every_step_gets_its_batch(bound, tail, workers
     assert r.consumed == p.steps * p.trajectories_per_step
     assert 0.0 <= r.trainer_idle_frac <= 1.0 and 0.0 <= r.rollout_idle_frac <= 1.0
     assert r.wall_s >= p.steps * step_s - 1e-6
+
+
+# ---- the real processes' buffering and latencies (worker mode) ----------------------------
+
+def test_buffered_shards_make_the_trainer_take_whole_shards():
+    """One fast worker (groups of 1 s), a slow trainer (10 s steps, 1 group each): once ready/
+    holds a step, the worker buffers 3 groups per shard, and the claim takes whole shards."""
+    base = constant(slot_mode="worker", rollout_slots=1, group_size=1, trajectories_per_step=1, decode_tokens_per_s=100.0,
+                    fixed_step_s=10.0, steps=60, max_staleness=1000, backpressure_steps=1000)
+    plain = simulate(base)
+    buffered = simulate(dataclasses.replace(base, flush_trajectories=3))
+    assert plain.consumed == 60                        # a shard per group: exactly one per step
+    assert buffered.consumed / buffered.steps == pytest.approx(3.0, abs=0.1)
+
+
+def test_a_short_claim_waits_whole_polls():
+    p = constant(slot_mode="worker", rollout_slots=2, group_size=1, trajectories_per_step=2, fixed_step_s=1.0,
+                 steps=50, claim_poll_s=0.3, backpressure_steps=2, max_staleness=2)
+    r = simulate(p)
+    assert r.wait_s > 0
+    assert all(abs(w / 0.3 - round(w / 0.3)) < 1e-6 for w in r.step_wait_s)
+
+
+def test_engines_load_weights_only_at_the_nodes_checks():
+    """Groups start on the engines' version: a check every 10 s plus a 0.5 s load against 1 s
+    steps, the engines lag the trainer by 0.5 s (the load) plus on average half the 10.5 s
+    cycle: the data is about 0.5 + 10.5 / 2 versions staler than with instant pickup."""
+    from neon_hpc.plan.sim import _Sim
+    base = constant(slot_mode="worker", rollout_slots=8, group_size=2, trajectories_per_step=4, fixed_step_s=1.0,
+                    decode_tokens_per_s=1000.0, steps=200, max_staleness=1000, backpressure_steps=4)
+    instant = simulate(base)
+    sim = _Sim(dataclasses.replace(base, weight_poll_s=10.0, weight_load_s=0.5))
+    lagged = sim.run()
+    assert lagged.staleness_mean - instant.staleness_mean == pytest.approx(0.5 + 10.5 / 2, abs=0.5)
+    assert lagged.consumed == instant.consumed == 200 * 4
+    gaps = [b - a for a, b in zip(sim.load_times, sim.load_times[1:])]
+    assert gaps and all(g == pytest.approx(10.5) for g in gaps)   # check every 10 s after a 0.5 s load
+    assert sim.load_versions == sorted(sim.load_versions) and sim.load_versions[-1] >= 190

@@ -6,11 +6,12 @@ waits 6 s of each 10 s step (the first: 10 s of 14); workers never wait (the tra
 faster); a group started at 10k s saw version k-1 and is trained at step k+1 from version k.
 """
 import json
+import os
 
 import pytest
 
 from neon_hpc import config
-from neon_hpc.plan.validate import RunDataError, compare_with_run, group_durations
+from neon_hpc.plan.validate import BANDS, RunDataError, compare_with_run, group_durations
 
 
 def write_run(root, episode_s=10.0, steps=12, trainer_waits=True, staleness_mean=0.5, staleness_max=1):
@@ -80,3 +81,41 @@ def test_inconsistent_run_is_flagged(tmp_path):
 def test_missing_run_yaml_names_the_file(tmp_path):
     with pytest.raises(RunDataError, match="run.yaml"):
         compare_with_run(tmp_path)
+
+
+REAL_STEPS = 30
+
+
+@pytest.mark.slow
+def test_real_tiny_run_within_bands(tmp_path):
+    """The real thing: `neon-hpc run configs/tiny_cpu.yaml` (30 of its 40 steps, 2 workers,
+    embedded engine on CPU), then its measured trainer/rollout idle and staleness against the
+    simulation of the same configuration with the run's component measurements."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "run"
+    out = tmp_path / "run.out"
+    cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(repo / "configs" / "tiny_cpu.yaml"),
+           "--run-dir", str(root), "--set", f"train.steps={REAL_STEPS}"]
+    with open(out, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(60)
+            pytest.fail(f"the tiny run did not finish in 240 s; see {out}")
+    assert rc == 0, out.read_text()[-3000:]
+    report = compare_with_run(root, seeds=8)
+    print(report.text())
+    assert report.steps == REAL_STEPS and report.workers == 2
+    # the process model is in: latencies from the code, the weight load measured, the flush from the config
+    assert report.params.source("weight_load_s").startswith("measured")
+    assert report.params.params.flush_trajectories == 2        # store.flush_trajectories 8 / groups of 4
+    # the bands are the stated ones (a 30-step prediction is not noisy enough to widen them)
+    assert all(r.band <= 1.5 * BANDS[r.name] for r in report.rows), report.text()
+    assert report.ok, report.text()

@@ -63,6 +63,10 @@ class SimParams:
     mfu: float = 0.3
     step_overhead_s: float = 0.0
     fixed_step_s: float = 0.0           # > 0: every step takes exactly this (measured runs, tests)
+    # measured runs: step k computes step_seconds[k] then publishes, then blocks for
+    # after_publish_seconds[k] (the checkpoint the real trainer writes after its publish); cycled
+    step_seconds: tuple = ()
+    after_publish_seconds: tuple = ()
     model_bytes: float = 0.0
     publish_bytes_per_s: float = 1e9
     publish_blocks_trainer: bool = True
@@ -77,8 +81,20 @@ class SimParams:
     # polling latencies of the real processes (they poll the shared filesystem, no inotify):
     # a refused worker re-checks admission every admission_poll_s, a waiting trainer looks at
     # ready/ every claim_poll_s. Negligible at cluster scale (minute-long steps), not on a laptop.
-    admission_poll_s: float = 0.0
+    admission_poll_s: float = 0.0       # worker mode, async
     claim_poll_s: float = 0.0
+    # weight pickup: the rollout node checks weights/LATEST every weight_poll_s and loads a newer
+    # version into its engines (weight_load_s); a new group starts on the engines' version, not
+    # the trainer's. 0/0 = engines have every version the moment it is published.
+    weight_poll_s: float = 0.0
+    weight_load_s: float = 0.0
+    # the worker's shard writer (neon_hpc.store.ShardWriter + neon_hpc.rollout.worker): a finished
+    # group is buffered and published (visible to the trainer and to admission) when the buffer
+    # holds flush_trajectories, when its oldest is flush_seconds old (checked when a group is
+    # added), after any group while ready/ holds less than one step, or when admission refuses
+    # the worker. 0 = every group is published the moment it ends.
+    flush_trajectories: int = 0
+    flush_seconds: float = 0.0
     steps: int = 1000
     seed: int = 0
 
@@ -118,7 +134,7 @@ class Sourced:
         rows = []
         for f in dataclasses.fields(self.params):
             v = getattr(self.params, f.name)
-            if f.name in ("episode_seconds", "episode_tokens"):
+            if f.name in ("episode_seconds", "episode_tokens", "step_seconds", "after_publish_seconds"):
                 v = f"{len(v)} samples" if v else "-"
             elif isinstance(v, float):
                 v = f"{v:.4g}"
@@ -212,6 +228,13 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     c = _source_namer(cfg, where)
     _layout(s, cfg, c)
     _rollout(s, cfg, c)
+    s.set("flush_trajectories", cfg.store.flush_trajectories, c("store.flush_trajectories"))
+    s.set("flush_seconds", cfg.store.flush_seconds, c("store.flush_seconds"))
+    for name, what in (("admission_poll_s", "the worker's admission poll"), ("claim_poll_s", "the claim's poll"),
+                       ("weight_poll_s", "the rollout node's weight check")):
+        s.set(name, 0.0, f"planner: 0 ({what} is under a second; python -m neon_hpc.plan.validate sets it)")
+    s.set("weight_load_s", 0.0, "planner: 0 (engines' load time not measured for this layout; "
+                                "a RESULT line weight_load_s=... sets it (--calibrate); validate measures it)")
     _trainer(s, cfg, c)
     pc: PlanConfig = cfg.plan
     for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",

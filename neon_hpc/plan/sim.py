@@ -20,15 +20,30 @@ Policies (``SimParams.policy``):
   already ``S`` versions behind the trainer, unless the trainer is starved: otherwise the
   two would wait for each other).  Backpressure: no new group while ``ready`` holds more
   than ``backpressure_steps`` steps of data.  A group whose staleness exceeds ``S`` is dropped
-  (counted) when it completes or when the trainer reaches it, so the trainer never consumes
-  data beyond the bound.  With ``abort_stale`` (worker mode) an in-flight group is stopped as
-  soon as it is beyond the bound, giving its worker back early.
+  (counted) when the trainer's claim takes it (what ``neon_hpc.store`` does; until then it
+  counts against admission and backpressure), so the trainer never consumes data beyond the
+  bound.  With ``abort_stale`` (worker mode) an in-flight group is stopped as soon as it is
+  beyond the bound, giving its worker back early, and stale data is dropped at once.
 
 Rollout slots (``slot_mode``): ``worker`` = like ``neon_hpc.rollout.worker``, a worker
 holds ``G`` slots and starts its next group only when its whole group is done (a long
 episode keeps its siblings' slots idle); ``episode`` = each slot starts a new episode as soon
 as its own finishes (an engine-level request pool).  Rollout idle = slot-time not held by
 any group or episode.
+
+What the real processes add (worker mode; each is a parameter, 0 = ideal):
+
+* the worker's shard writer (``flush_trajectories``, ``flush_seconds``): a finished group
+  sits in its worker's buffer, invisible to the trainer and to admission, until the worker
+  publishes a shard (``neon_hpc.rollout.worker``'s flush policy, see ``_group_ended``);
+* heartbeats: admission counts the ``in_flight`` each worker last *beat* (``G`` + its
+  unflushed trajectories, at group start; 0 while refused), not what it holds now;
+* the store: stale data is dropped when a claim takes it (it counts against admission and
+  backpressure until then); the trainer claims whole shards, in publish order;
+* polling: refused workers re-check admission every ``admission_poll_s``, a short claim
+  re-looks every ``claim_poll_s`` (its wait is whole polls), the rollout node checks for new
+  weights every ``weight_poll_s`` and loads them in ``weight_load_s``: groups start on the
+  engines' version, which lags the trainer's.
 
 Staleness of a consumed trajectory = the trainer's step (= the weight version it trains from)
 minus the oldest version any of its tokens came from (the version when its group started).
@@ -153,16 +168,27 @@ class SimResult:
 
 
 class _Group:
-    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted")
+    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker")
 
     def __init__(self, size: int, version: int, batch: int, t_start: float):
         self.t_start = t_start
         self.aborted = False
+        self.worker: _Worker | None = None
         self.remaining = size
         self.vmin = version
         self.vmax = version
         self.lengths: list[float] = []
         self.batch = batch
+
+
+class _Worker:
+    """One rollout worker (worker mode): its writer's unpublished groups and its heartbeat."""
+    __slots__ = ("buf", "buf_first", "hb")
+
+    def __init__(self) -> None:
+        self.buf: list[_Group] = []     # finished groups not yet published as a shard
+        self.buf_first = 0.0            # when the oldest of them was added
+        self.hb = 0                     # in_flight of its last heartbeat (trajectories)
 
 
 class _Sim:
@@ -185,9 +211,12 @@ class _Sim:
         self.batch_mode = p.policy != "async"
         # state
         self.step = 0                       # completed trainer steps = trainer's weight version
-        self.version = 0                    # newest version the engines can load
-        self.publish_times: list[float] = []
-        self.ready: deque[_Group] = deque()
+        self.published = 0                  # newest version the trainer has published
+        self.version = 0                    # version the engines have loaded (new groups start on it)
+        self.load_times: list[float] = []   # when the engines loaded ...
+        self.load_versions: list[int] = []  # ... which version
+        self.ready: deque[list[_Group]] = deque()   # published shards, in publish order
+        self.ready_n = 0                    # groups in them
         self.worker_mode = p.slot_mode == "worker"
         self.abort_stale = p.abort_stale and p.policy == "async"
         if self.abort_stale and not self.worker_mode:
@@ -197,6 +226,16 @@ class _Sim:
         if self.worker_mode and p.rollout_slots < self.G:
             raise ValueError(f"slot_mode 'worker' needs rollout_slots ({p.rollout_slots}) >= group_size ({self.G})")
         self.idle_slots = p.rollout_slots
+        self.eager_drop = self.abort_stale    # else stale data is dropped when claimed (the store)
+        self.flush_at = max(p.flush_trajectories, 0)
+        self.worker_poll = p.admission_poll_s if (self.worker_mode and not self.batch_mode) else 0.0
+        self.workers = [_Worker() for _ in range(p.rollout_slots // self.G)] if self.worker_mode else []
+        self.waiting: deque[_Worker] = deque(self.workers)   # idle workers refused by admission
+        self.hb_total = 0                   # sum of the workers' heartbeat in_flight
+        self._starved = False               # the trainer is waiting for data
+        self._node_busy = False             # a weight check or load is scheduled
+        self._node_anchor = -float(np.random.default_rng(p.seed + 2).uniform(0.0, p.weight_poll_s)) \
+            if p.weight_poll_s > 0 else 0.0
         self.in_flight = 0
         self.occ_start_sum = 0.0
         self.groups_open = 0
@@ -209,7 +248,6 @@ class _Sim:
         self._batch_event: simpy.Event | None = None
         self._version_event: simpy.Event | None = None
         self._waiter: simpy.Event | None = None
-        self._want = 0
         self._vmin_heap: list[int] = []
         self.track_oldest = p.admission == "oldest" and not self.batch_mode
         self._vmin_count: Counter = Counter()
@@ -240,15 +278,16 @@ class _Sim:
         p = self.p
         if self.batch_mode:
             return self.quota > 0
-        ready = len(self.ready) * self.G
+        ready = self.ready_n * self.G
         if ready > p.backpressure_steps * p.trajectories_per_step:
             return False
         if p.admission == "steps_ahead":     # neon_hpc.rollout.worker.admission
-            pending = ready + self.groups_open * self.G + self.G
+            # in flight: what the workers' heartbeats say (worker mode), else what is running
+            inflight = self.hb_total if self.worker_mode else self.groups_open * self.G
+            pending = ready + inflight + self.G
             return math.ceil(pending / p.trajectories_per_step) - 1 <= p.max_staleness
         oldest = self._oldest_unconsumed()
-        starved = self._waiter is not None
-        return oldest is None or self.step - oldest < p.max_staleness or starved
+        return oldest is None or self.step - oldest < p.max_staleness or self._starved
 
     def _oldest_unconsumed(self) -> int | None:
         h = self._vmin_heap
@@ -258,10 +297,10 @@ class _Sim:
 
     def _fill(self) -> None:
         if self.worker_mode:           # a worker (G slots) runs one whole group at a time
-            while self.idle_slots >= self.G and self._admit_new_group():
-                self._open_group()
-                self._occupy(self.G)
-                self._start_group()
+            if self.worker_poll > 0:   # refused workers re-check on their own polls
+                return
+            while self.waiting and self._admit_new_group():
+                self._start_worker(self.waiting.popleft())
             return
         while self.idle_slots > 0:
             if self.open_left == 0:
@@ -270,6 +309,54 @@ class _Sim:
                 self._open_group()
             self._occupy(1)
             self._start_episode()
+
+    # ---- workers (worker mode): admission, heartbeat, shard writer ----------------------
+    def _start_worker(self, w: _Worker) -> None:
+        """The worker beats ``in_flight = G + its unflushed trajectories`` and starts a group."""
+        hb = self.G * (1 + len(w.buf))
+        self.hb_total += hb - w.hb
+        w.hb = hb
+        self._open_group()
+        self.open.worker = w
+        self._occupy(self.G)
+        self._start_group()
+
+    def _worker_check(self, w: _Worker) -> None:
+        """The worker's admission check (its loop top, or a poll while refused)."""
+        if self._admit_new_group():
+            self._start_worker(w)
+            return
+        self._flush(w)                 # refused: let the trainer have what it holds ...
+        self.hb_total -= w.hb          # ... and beat in_flight = 0
+        w.hb = 0
+        if self.worker_poll > 0:
+            self.env.timeout(self.worker_poll).callbacks.append(lambda _e, w=w: self._worker_check(w))
+        else:
+            self.waiting.append(w)
+
+    def _flush(self, w: _Worker) -> None:
+        if not w.buf:
+            return
+        self.ready.append(w.buf)
+        self.ready_n += len(w.buf)
+        w.buf = []
+        if self._waiter is not None:
+            self._waiter.succeed()
+            self._waiter = None
+
+    def _group_ended(self, g: _Group) -> None:
+        """``neon_hpc.rollout.worker``: add the group to the writer (a shard is published when
+        the buffer reaches ``flush_trajectories`` or its oldest is ``flush_seconds`` old), flush
+        anyway while ready/ holds less than one step, then go back to the admission check."""
+        w = g.worker
+        if not w.buf:
+            w.buf_first = self.env._now
+        w.buf.append(g)
+        p = self.p
+        if (len(w.buf) * self.G >= self.flush_at
+                or (p.flush_seconds > 0 and self.env._now - w.buf_first >= p.flush_seconds)
+                or self.ready_n * self.G < p.trajectories_per_step):
+            self._flush(w)
 
     def _occupy(self, n: int) -> None:
         self.idle_slots -= n
@@ -365,11 +452,16 @@ class _Sim:
         if self.abort_stale:
             del self.inflight_groups[id(g)]
         self.in_flight -= self.G
-        if not self.batch_mode and self.publish_times:
-            g.vmax = max(g.vmax, bisect.bisect_right(self.publish_times, t_last_turn))
+        if not self.batch_mode and self.load_times:
+            g.vmax = max(g.vmax, self._version_at(t_last_turn))
         g.remaining = 0
         self._group_done(g)
+        self._worker_check(g.worker)
         self._fill()
+
+    def _version_at(self, t: float) -> int:
+        i = bisect.bisect_right(self.load_times, t)
+        return self.load_versions[i - 1] if i else 0
 
     def _refill(self) -> None:
         ep = sample_episodes(self.p, self.CHUNK, self.rng)
@@ -382,8 +474,8 @@ class _Sim:
         if not self.worker_mode:
             self._vacate(1, t0)
         g.lengths.append(seq)
-        if not self.batch_mode and self.publish_times:   # in-flight updates: the last turn ran on the newest version then
-            v_last = bisect.bisect_right(self.publish_times, self.env._now - dur * last_frac)
+        if not self.batch_mode and self.load_times:   # in-flight updates: the last turn ran on the newest version then
+            v_last = self._version_at(self.env._now - dur * last_frac)
             if v_last > g.vmax:
                 g.vmax = v_last
         g.remaining -= 1
@@ -399,11 +491,15 @@ class _Sim:
             self.batch_done += 1
             if self.batch_done == self.need and self._batch_event is not None:
                 self._batch_event.succeed()
-        if self._stale(g):
+        if self.eager_drop and self._stale(g):
             self._discard(g)
             return
-        self.ready.append(g)
-        if self._waiter is not None and len(self.ready) >= self._want:
+        if self.worker_mode:
+            self._group_ended(g)
+            return
+        self.ready.append([g])
+        self.ready_n += 1
+        if self._waiter is not None:
             self._waiter.succeed()
             self._waiter = None
 
@@ -432,17 +528,25 @@ class _Sim:
                 self._vacate(self.G, g.t_start)
                 self._discard(g)
                 self.aborted_groups += 1
+                self._worker_check(g.worker)
 
     def _purge_stale_ready(self) -> None:
-        if self.batch_mode or not self.ready:
+        """``abort_stale`` only: drop stale published data at once (the store drops it when a
+        claim takes it, so without this it counts against admission until then)."""
+        if self.batch_mode or not self.ready or not self.eager_drop:
             return
-        keep = deque()
-        for g in self.ready:
-            if self._stale(g):
-                self._discard(g)
-            else:
-                keep.append(g)
+        keep: deque[list[_Group]] = deque()
+        for shard in self.ready:
+            live = []
+            for g in shard:
+                if self._stale(g):
+                    self._discard(g)
+                else:
+                    live.append(g)
+            if live:
+                keep.append(live)
         self.ready = keep
+        self.ready_n = sum(len(s) for s in keep)
 
     # ---- trainer ---------------------------------------------------------------------
     def _need_now(self) -> int:
@@ -454,26 +558,35 @@ class _Sim:
         k = len(self.step_end)
         return max(1, math.floor((k + 1) * per_step + 0.5) - math.floor(k * per_step + 0.5))
 
+    def _take(self, batch: list[_Group], need: int) -> None:
+        """``neon_hpc.store.claim_step``: whole shards in publish order until ``need`` groups
+        are kept; stale ones are dropped as they are taken."""
+        while self.ready and len(batch) < need:
+            shard = self.ready.popleft()
+            self.ready_n -= len(shard)
+            for g in shard:
+                if self._stale(g):
+                    self._discard(g)
+                else:
+                    self._release(g)
+                    batch.append(g)
+
     def _take_batch(self):
         batch: list[_Group] = []
         t0 = self.env.now
         need = self._need_now()
+        poll = self.p.claim_poll_s
+        self._take(batch, need)
         while len(batch) < need:
-            while self.ready and len(batch) < need:
-                g = self.ready.popleft()
-                if self._stale(g):
-                    self._discard(g)
-                    continue
-                self._release(g)
-                batch.append(g)
-            if len(batch) < need:
-                self._want = need - len(batch)
+            self._starved = True
+            self._fill()                # a starved trainer lifts the 'oldest' admission rule
+            if poll > 0:                # the claim looks at ready/ again after a poll
+                yield self.env.timeout(poll)
+            else:
                 self._waiter = self.env.event()
-                self._fill()            # a starved trainer lifts the 'oldest' admission rule
-                if self._waiter is not None:
-                    yield self._waiter
-                    if self.p.claim_poll_s > 0:      # the trainer sees new shards at its next poll
-                        yield self.env.timeout(self.p.claim_poll_s / 2)
+                yield self._waiter
+            self._take(batch, need)
+        self._starved = False
         self.wait_s += self.env.now - t0
         self.step_wait.append(self.env.now - t0)
         return batch
@@ -483,24 +596,28 @@ class _Sim:
         publish_s = p.publish_s
         for _ in range(p.steps):
             batch = yield from self._take_batch()
-            if p.admission_poll_s > 0:  # refused workers notice the freed room at their next poll
-                env.timeout(p.admission_poll_s / 2).callbacks.append(lambda _e: self._fill())
-            else:
-                self._fill()            # consuming frees backpressure
+            self._fill()                # consuming frees backpressure (polling workers see it themselves)
             self._account(batch)
-            lengths = np.array(list(itertools.chain.from_iterable(g.lengths for g in batch)), dtype=np.float64)
-            compute = self.step_model.step_seconds(lengths)
-            self.step_compute.append(compute)
-            self.compute_s += compute
+            k = len(self.step_end)
+            if p.step_seconds:          # a measured run's own step times, in order
+                compute = float(p.step_seconds[k % len(p.step_seconds)])
+            else:
+                lengths = np.array(list(itertools.chain.from_iterable(g.lengths for g in batch)), dtype=np.float64)
+                compute = self.step_model.step_seconds(lengths)
+            after = float(p.after_publish_seconds[k % len(p.after_publish_seconds)]) if p.after_publish_seconds else 0.0
+            self.step_compute.append(compute + after)
+            self.compute_s += compute + after
             yield env.timeout(compute)
             if p.publish_blocks_trainer:
                 yield env.timeout(publish_s)
                 self.publish_s += publish_s
                 self.step += 1
-                self._publish(self.step)
+                self._published(self.step)
             else:
                 self.step += 1
-                env.timeout(publish_s, value=self.step).callbacks.append(lambda e: self._publish(e.value))
+                env.timeout(publish_s, value=self.step).callbacks.append(lambda e: self._published(e.value))
+            if after > 0:
+                yield env.timeout(after)
             self.step_end.append(env.now)
             self.step_busy.append(self._busy_until(env.now))
             self._abort_stale_inflight()
@@ -523,11 +640,47 @@ class _Sim:
         occupied = self.p.rollout_slots - self.idle_slots
         return self.busy_s + occupied * t - self.occ_start_sum
 
-    def _publish(self, version: int) -> None:
+    # ---- weight pickup (the rollout node) -------------------------------------------------
+    def _published(self, version: int) -> None:
+        """The trainer published ``version``: the engines load it at the node's next weight
+        check (every ``weight_poll_s``), taking ``weight_load_s``; at once when both are 0."""
+        if version <= self.published:
+            return
+        self.published = version
+        p = self.p
+        if p.weight_poll_s <= 0 and p.weight_load_s <= 0:
+            self._loaded(version)
+        elif not self._node_busy:
+            self._schedule_check()
+
+    def _schedule_check(self) -> None:
+        """The node checks at ``anchor + k * weight_poll_s`` (k >= 1; anchor = the end of its
+        last load): it sleeps ``weight_poll_s`` after every check."""
+        P, now = self.p.weight_poll_s, self.env._now
+        delay = 0.0
+        if P > 0:
+            k = max(1, math.ceil((now - self._node_anchor) / P - 1e-9))
+            delay = self._node_anchor + k * P - now
+        self._node_busy = True
+        self.env.timeout(delay).callbacks.append(self._node_check)
+
+    def _node_check(self, _e) -> None:
+        v = self.published
+        self.env.timeout(self.p.weight_load_s, value=v).callbacks.append(self._node_loaded)
+
+    def _node_loaded(self, e) -> None:
+        self._node_anchor = self.env._now
+        self._node_busy = False
+        self._loaded(e.value)
+        if self.published > self.version:
+            self._schedule_check()
+
+    def _loaded(self, version: int) -> None:
         if version <= self.version:
             return
         self.version = version
-        self.publish_times.append(self.env.now)
+        self.load_times.append(self.env.now)
+        self.load_versions.append(version)
         if self._version_event is not None:
             ev, self._version_event = self._version_event, None
             ev.succeed()
@@ -558,6 +711,9 @@ class _Sim:
         trainer = env.process(self._trainer())
         if self.batch_mode:
             env.process(self._batches())
+        elif self.worker_poll > 0:      # every worker starts with its own admission check
+            while self.waiting:
+                self._worker_check(self.waiting.popleft())
         else:
             self._fill()
         env.run(until=trainer)

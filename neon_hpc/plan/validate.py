@@ -9,7 +9,10 @@ time including ``wait_s``, the time blocked waiting for data; ``staleness_mean``
 ``seconds`` in the rollout role counts as waiting).
 
 It then simulates the same configuration with the run's *component* measurements (the
-durations of its GRPO groups, resampled; its mean step time without the wait) and compares
+durations of its GRPO groups, resampled; each step's time without the wait, in order; the
+weight load time of ``RUN/logs/rollout-node/metrics.jsonl``) and the real processes'
+buffering and polling (shard flush policy from the config, poll intervals from the code:
+see ``PROCESS_PARAMS`` and ``sim.py``), and compares
 the *system* quantities that emerge from their interplay, which the simulation has to get
 right on its own: trainer idle fraction, rollout idle fraction, staleness mean and max.
 A worker runs one group at a time, so the simulation uses one slot per worker and treats a
@@ -36,8 +39,22 @@ from neon_hpc.plan.sim import simulate
 
 BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "staleness_max": 1.0}
 # every rollout-role event record with seconds is a worker waiting (the contract names
-# idle | backpressure | admission_wait; worker.py currently logs the verdict after the wait, "ok")
+# idle | backpressure | admission_wait; worker.py logs the reason it waited)
 NOT_WAITS = ("weights_loaded", "worker_restart")
+
+
+def weight_poll() -> tuple[float, str]:
+    """How often the rollout node checks weights/LATEST (seconds, source)."""
+    from neon_hpc.rollout import node
+    if hasattr(node, "WEIGHT_POLL_S"):
+        return float(node.WEIGHT_POLL_S), "neon_hpc.rollout.node.WEIGHT_POLL_S"
+    return 0.5, "neon_hpc.rollout.node (run_forever sleeps 0.5 s between weight checks)"
+
+
+# the real processes' latencies and buffering the simulation models (see sim.py); printed with
+# their sources in every report
+PROCESS_PARAMS = ("admission_poll_s", "claim_poll_s", "weight_poll_s", "weight_load_s", "flush_trajectories",
+                  "flush_seconds")
 
 
 class RunDataError(ValueError):
@@ -181,19 +198,24 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     compute = [max(float(r["step_time_s"]) - float(r["wait_s"]), 0.0) for r in all_steps]
     consumed = statistics.fmean(max(int(r.get("trajectories", cfg.train.trajectories_per_step)), 1)
                                 for r in all_steps)
+    dropped = sum(int(r.get("dropped_stale", 0) or 0) for r in all_steps)
     where = f"measured {run_dir}/logs"
     per_step_groups = max(1, math.ceil(cfg.train.trajectories_per_step / G))
     # a group is the unit of work: one slot per worker, one "episode" per group
     sourced.set("group_size", 1, f"{where} (a group = one unit of work)")
     sourced.set("trajectories_per_step", per_step_groups, f"config {run_dir}/run.yaml (in groups per step)")
-    sourced.set("consume_per_step", consumed / G, f"{where}/trainer/metrics.jsonl trajectories (mean, in groups)")
     sourced.set("rollout_slots", workers, f"{where} (distinct rollout workers)")
     sourced.set("slot_mode", "worker", "neon_hpc.rollout.worker (one group at a time)")
     factor = busy_per_group_factor(rollout, durations)
     sourced.set("episode_seconds", tuple(d * factor for d in durations),
                 f"{where}/rollout/metrics.jsonl episode_s (slowest per group) x {factor:.2f} "
                 f"(workers' busy time per group, overhead between groups included)")
-    sourced.set("fixed_step_s", statistics.fmean(compute), f"{where}/trainer/metrics.jsonl step_time_s - wait_s")
+    sourced.set("fixed_step_s", statistics.fmean(compute), f"{where}/trainer/metrics.jsonl step_time_s - wait_s (mean)")
+    ckpt = [float(r.get("checkpoint_s", 0.0) or 0.0) for r in all_steps]
+    sourced.set("step_seconds", tuple(max(c - k, 0.0) for c, k in zip(compute, ckpt)),
+                f"{where}/trainer/metrics.jsonl step_time_s - wait_s - checkpoint_s, per step in order")
+    sourced.set("after_publish_seconds", tuple(min(k, c) for c, k in zip(compute, ckpt)),
+                f"{where}/trainer/metrics.jsonl checkpoint_s (written after the publish), per step")
     sourced.set("model_bytes", 0.0, "included in the measured step time")
     sourced.set("replay_mode", "off", "included in the measured episode times")
     sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_dir}/run.yaml: mode")
@@ -202,14 +224,33 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     from neon_hpc.store.claim import DEFAULT_POLL_S
     sourced.set("admission_poll_s", ADMISSION_POLL_S, "neon_hpc.rollout.worker.ADMISSION_POLL_S")
     sourced.set("claim_poll_s", DEFAULT_POLL_S, "neon_hpc.store.claim.DEFAULT_POLL_S")
+    sourced.set("flush_trajectories", math.ceil(cfg.store.flush_trajectories / G),
+                f"config {run_dir}/run.yaml: store.flush_trajectories / rollout.group_size (in groups)")
+    sourced.set("weight_poll_s", *weight_poll())
+    loads = [float(r["seconds"]) for r in read_metrics(run_dir, "rollout-node")
+             if r.get("event") == "weights_loaded" and "seconds" in r]
+    if loads:
+        sourced.set("weight_load_s", statistics.fmean(loads),
+                    f"{where}/rollout-node/metrics.jsonl weights_loaded seconds (mean of {len(loads)})")
 
     preds: dict[str, list[float]] = {k: [] for k in BANDS}
+    per_step, drop_frac = [], []
     for seed in range(seeds):
-        w = simulate(dataclasses.replace(sourced.params, seed=seed)).window(warmup)
+        r = simulate(dataclasses.replace(sourced.params, seed=seed))
+        w = r.window(warmup)
         for name in preds:
             preds[name].append(w[name])
+        per_step.append(G * r.consumed / max(r.steps, 1))
+        drop_frac.append(r.dropped_frac)
     report = ValidationReport(str(run_dir), len(all_steps), workers, len(durations), params=sourced)
     report.notes.append(f"compared from step {warmup + 1} on (start-up excluded in both)")
+    report.notes.append(f"not banded, whole run: trajectories per step (whole shards) measured {consumed:.1f}, "
+                        f"predicted {statistics.fmean(per_step):.1f}; dropped as stale measured "
+                        f"{dropped / max(dropped + consumed * len(all_steps), 1):.2f}, predicted "
+                        f"{statistics.fmean(drop_frac):.2f}")
+    for name in PROCESS_PARAMS:
+        value = getattr(sourced.params, name)
+        report.notes.append(f"process model: {name} = {value:.4g} <- {sourced.source(name)}")
     for name, values in preds.items():
         spread = statistics.pstdev(values) if len(values) > 1 else 0.0
         report.rows.append(Comparison(name, measured[name], statistics.fmean(values),
