@@ -193,7 +193,7 @@ def test_pd_disaggregation_goes_through_the_router(tmp_path):
     assert "started rollout worker 0 (pid" in node and f"on http://127.0.0.1:" in node
     from neon_hpc.ops.status import collect, render
     text = render(collect(root))
-    assert re.search(r"engines   node 0: http://127.0.0.1:\d+ http://127.0.0.1:\d+ \(sglang\); workers via "
+    assert re.search(r"engines   node 0: http://127.0.0.1:\d+ http://127.0.0.1:\d+ \(sglang, v_\d+\); workers via "
                      r"http://127.0.0.1:\d+", text), text
     assert _left(root) == []
 

@@ -131,7 +131,7 @@ def render(info: dict[str, Any]) -> str:
     serving = [(i, e) for i, e in enumerate(info.get("engines", [])) if e.get("urls")]
     if serving:
         lines.append("engines   " + "; ".join(
-            f"node {i}: {' '.join(e['urls'])} ({e.get('kind', 'embedded')})" for i, e in serving) +
+            f"node {i}: {' '.join(e['urls'])} ({e.get('kind', 'embedded')}, v_{e.get('version', '?')})" for i, e in serving) +
             (f"; workers via {serving[0][1]['workers_url']}" if serving[0][1].get("workers_url") else ""))
     lines.append("heartbeats")
     now_note = "" if not info["finished"] else " (run finished: ages are expected to grow)"

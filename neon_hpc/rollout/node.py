@@ -59,6 +59,7 @@ def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop) -> tu
     return None
 
 
+WEIGHT_POLL_S = 0.5      # how often the node checks weights/LATEST (the planner models the lag)
 CRASH_WINDOW_S = 60.0   # a worker that dies sooner than this after its start "crashed fast"
 MAX_FAST_DEATHS = 5      # ... this many times in a row: a bug, not bad luck; fail the node
 
@@ -72,6 +73,7 @@ class RolloutNode:
         self.stopping = False
         self.engines = []     # ServerHandle (embedded engines)
         self.fleet = None     # engines.fleet.Fleet (SGLang servers)
+        self.engine_state: dict = {}
         self.clients = []     # one per engine whose weights this node updates
         self.loaded_version = -1
         self.workers: dict[int, subprocess.Popen] = {}
@@ -105,10 +107,9 @@ class RolloutNode:
                 return False
             self.clients = [EngineClient(u) for u in self.fleet.head_urls()]
             self.loaded_version = self.fleet.version
-            atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
-                              {"urls": self.fleet.head_urls(), "version": self.loaded_version, "pid": os.getpid(),
-                               "kind": "sglang", "workers_url": self.fleet.router_url()
-                               if self.cfg.engine.pd_disaggregation else None})
+            self.engine_state = {"urls": self.fleet.head_urls(), "kind": "sglang", "workers_url":
+                                 self.fleet.router_url() if self.cfg.engine.pd_disaggregation else None}
+            self._write_engine_state()
             self.log.info("SGLang engines of node %d ready: %s", self.rank,
                           ", ".join(self.fleet.head_urls()) or "none serving here (another node's engine)")
             return True
@@ -121,10 +122,16 @@ class RolloutNode:
             self.engines.append(h)
             self.clients.append(EngineClient(h.url))
         self.loaded_version = version
-        atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
-                          {"urls": [h.url for h in self.engines], "version": version, "pid": os.getpid()})
+        self.engine_state = {"urls": [h.url for h in self.engines], "kind": "embedded"}
+        self._write_engine_state()
         self.log.info("engines up at %s with weights v_%d", ", ".join(h.url for h in self.engines), version)
         return True
+
+    def _write_engine_state(self) -> None:
+        """``state/engines/node<r>.json``: where this node's engines serve and the version they
+        hold (workers add the lag to their staleness estimate; ``neon-hpc status`` shows it)."""
+        atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
+                          dict(self.engine_state, version=self.loaded_version, pid=os.getpid(), time=time.time()))
 
     def worker_url(self, w: int) -> str:
         ext = os.environ.get("NEON_ENGINE_URLS")
@@ -167,13 +174,14 @@ class RolloutNode:
         self.log.info("engines loaded weights v_%d in %.2fs", version, dt)
         self.log.metrics(event="weights_loaded", version=version, seconds=dt)
         self.loaded_version = version
+        self._write_engine_state()
 
     def spawn(self, w: int) -> None:
         url = self.worker_url(w)
         cmd = [sys.executable, "-m", "neon_hpc.launch.roles", "rollout-worker", "--config", str(self.run.run_yaml),
                "--run-dir", str(self.run.root), "--rank", str(w), "--engine-url", url]
         err = open(self.run.log_dir("rollout") / f"{w}.stderr", "ab")
-        self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err)
+        self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err, env=dict(os.environ, NEON_NODE_RANK=str(self.rank)))
         self.started_at[w] = time.monotonic()
         self.log.info("started rollout worker %d (pid %d) on %s", w, self.workers[w].pid, url)
 
@@ -244,7 +252,7 @@ class RolloutNode:
                 beat = {"version": self.loaded_version} if self.clients else {}   # engines whose weights it updates
                 self.run.beat("rollout-node", self.rank, workers=len([p for p in self.workers.values() if p.poll() is None]),
                               restarts=self.restarts, **beat)
-                time.sleep(0.5)
+                time.sleep(WEIGHT_POLL_S)
         finally:
             self.shutdown()
         return 0

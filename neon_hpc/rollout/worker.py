@@ -5,9 +5,11 @@ for the trainer, except where the run asks it to:
 
 * **bounded staleness (admission control)**: before starting a group, the worker estimates
   how many trainer steps will pass before the group is consumed (trajectories ready plus in
-  flight across all workers, over trajectories per step). If the group's oldest token would
-  then be more than ``rollout.max_staleness`` versions behind, it waits. The trainer's claim
-  still drops anything too stale (counted), so the bound holds even when the estimate is off.
+  flight across all workers, over trajectories per step), plus how many versions its engines'
+  weights are behind the version the trainer's next claim trains (engines load new weights
+  between requests, some time after they are published; a step in progress is one more). If the group's oldest token would then be more than ``rollout.max_staleness``
+  versions behind, it waits. The trainer's claim still drops anything too stale (counted),
+  so the bound holds even when the estimate is off.
 * **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
   data, the worker waits: producing more would only make it stale.
 
@@ -30,6 +32,7 @@ from neon_hpc.rundir import RunDir, read_json
 
 
 ADMISSION_POLL_S = 0.25   # a refused worker re-checks admission this often (the planner models it)
+HEARTBEAT_S = 10.0        # a worker in a long group re-beats this often (admission ignores beats > 60 s old)
 
 
 class _Stop:
@@ -58,17 +61,75 @@ def pending_trajectories(run: RunDir) -> tuple[int, int]:
     return ready, inflight
 
 
-def admission(run: RunDir, cfg: ExperimentConfig, group: int) -> tuple[str, float]:
-    """('ok' | 'backpressure' | 'admission_wait', steps_ahead) for starting one more group now."""
+def version_gap(run: RunDir, node: int | None = None) -> int:
+    """Versions between the weights the trainer's *next* claim trains and what this node's
+    engines serve now: a group admitted now is that stale even if consumed at once.
+
+    The trainer's next claim trains ``v_N`` once step ``N`` has claimed its data (heartbeat
+    phase ``training``/``stepped``/``done``) and ``v_{N-1}`` while step ``N`` still claims
+    (``claiming``/``waiting_for_data``); without a trainer heartbeat, ``weights/LATEST``.
+    The rollout node records the version its engines loaded in ``state/engines/node<r>.json``
+    (before it starts workers, and after every load); engines started elsewhere
+    (``NEON_ENGINE_URLS``) have no record and count as serving ``LATEST``.
+    """
+    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
+    latest = run.latest_weights()
+    published = latest[0] if latest else 0
+    hb = read_json(run.heartbeat_file("trainer", 0)) or {}
+    step = hb.get("step")
+    if isinstance(step, int):
+        trains = step - 1 if hb.get("phase") in ("claiming", "waiting_for_data") else step
+    else:
+        trains = published
+    st = read_json(run.state / "engines" / f"node{node}.json") or {}
+    serving = st["version"] if isinstance(st.get("version"), int) and st["version"] >= 0 else published
+    return max(0, trains - serving)
+
+
+def admission(run: RunDir, cfg: ExperimentConfig, group: int, lag: int = 0) -> tuple[str, float]:
+    """('ok' | 'backpressure' | 'admission_wait', staleness estimate) for starting one more group now.
+
+    The estimate is the trainer steps that pass before the group is consumed plus ``lag``,
+    the :func:`version_gap` between the trainer's next claim and the engines.
+    """
     ready, inflight = pending_trajectories(run)
     per_step = cfg.train.trajectories_per_step
     if ready > cfg.rollout.backpressure_steps * per_step:
         return "backpressure", ready / per_step
     # the trainer consumes FIFO by publish order: this group lands after everything pending
     steps_ahead = math.ceil((ready + inflight + group) / per_step) - 1
-    if steps_ahead > cfg.rollout.max_staleness:
-        return "admission_wait", float(steps_ahead)
-    return "ok", float(steps_ahead)
+    if steps_ahead + lag > cfg.rollout.max_staleness:
+        return "admission_wait", float(steps_ahead + lag)
+    return "ok", float(steps_ahead + lag)
+
+
+class _Beater:
+    """The worker's heartbeat: written at each state change, and every HEARTBEAT_S seconds
+    from a thread while a group runs (an hour-long episode must not look dead, neither to
+    ``neon-hpc status`` nor to the other workers' admission, which drops beats over 60 s)."""
+
+    def __init__(self, run: RunDir, worker: int):
+        import threading
+        self.run, self.worker, self.fields = run, worker, {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def beat(self, **fields) -> None:
+        with self.lock:
+            self.fields = fields
+            self.run.beat("rollout", self.worker, **fields)
+
+    def _loop(self) -> None:
+        while not self.done.wait(HEARTBEAT_S):
+            with self.lock:
+                if self.fields:
+                    self.run.beat("rollout", self.worker, **self.fields)
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
 
 
 def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str) -> int:
@@ -109,26 +170,30 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     groups = episodes = tokens = 0
     log.info("rollout worker %d up: engine %s, %d tasks (%s/%s), writer %s", worker, engine_url,
              len(tasks), cfg.xrd.preset, cfg.xrd.split, writer_id)
+    beater = _Beater(run, worker)
     with ShardWriter(run.root, writer_id, cfg.store) as writer:
         while not stop.requested and not (run.state / "finished.json").exists():
-            verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
+            lag = version_gap(run)
+            verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
             if verdict != "ok":
                 reason, t0 = verdict, time.monotonic()
                 while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
                     writer.flush()  # let the trainer have what we hold
-                    run.beat("rollout", worker, in_flight=0, groups=groups, waiting=verdict)
+                    beater.beat(in_flight=0, groups=groups, waiting=verdict)
                     time.sleep(ADMISSION_POLL_S)
-                    verdict, ahead = admission(run, cfg, cfg.rollout.group_size)
+                    lag = version_gap(run)
+                    verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
                 waited = time.monotonic() - t0
-                log.info("%s: waited %.1fs (steps of data ahead of the trainer: %.1f)", reason, waited, ahead)
+                log.info("%s: waited %.1fs (staleness estimate %.1f, of which trainer-engine version gap %d)",
+                         reason, waited, ahead, lag)
                 log.metrics(event=reason, seconds=waited, worker=worker)
                 continue
             if groups % len(order) == 0:
                 rng.shuffle(order)
             task = tasks[order[groups % len(order)]]
             # in flight = the group about to run plus what the writer holds unpublished
-            run.beat("rollout", worker, in_flight=cfg.rollout.group_size + writer.pending, groups=groups,
-                     episodes=episodes, tokens=tokens, task=task.id)
+            beater.beat(in_flight=cfg.rollout.group_size + writer.pending, groups=groups,
+                        episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
             trajs = run_group(client, task, tokenizer, cfg.rollout, cfg.rollout.group_size)
             dt = time.monotonic() - t0
@@ -154,7 +219,8 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
                      len(trajs), dt, sum(t.reward for t in trajs) / max(len(trajs), 1),
                      sorted({v for t in trajs for v in _versions(t)}))
         writer.flush()
-    run.beat("rollout", worker, in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
+    beater.beat(in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
+    beater.close()
     log.info("rollout worker %d stopping (%s): %d groups, %d episodes, %d tokens", worker,
              stop.signal or "run finished", groups, episodes, tokens)
     return 0
