@@ -26,7 +26,7 @@ from neon_hpc.rundir import RunDir, read_json
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
-STEPS = 5
+STEPS = 8
 
 
 def _procs_of(run_root: Path) -> list[psutil.Process]:
@@ -45,8 +45,11 @@ def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e") / "run"
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
                   "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-                  # two turns: a weight update can land between them (versions spanned)
-                  "--set", "rollout.max_turns=2"]
+                  # two longer turns: a weight update can land between them (versions spanned);
+                  # small steps, so the trainer publishes while episodes are in flight rather
+                  # than while admission holds the workers (the staleness bound gates there)
+                  "--set", "rollout.max_turns=2", "--set", "train.trajectories_per_step=8",
+                  "--set", "rollout.max_new_tokens=24"]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None
@@ -141,7 +144,7 @@ def test_a_trajectory_spans_two_versions_token_by_token(finished_run):
             assert (gen >= 0).all() and (t.versions[~t.loss_mask.astype(bool)] == -1).all()
             assert (gen[1:] >= gen[:-1]).all(), "versions went backwards inside a trajectory"
             spanning += len(set(gen.tolist())) >= 2
-    # ~7% of two-turn episodes span a weight update in this run; none at all would be a bug
+    # 5-15% of these two-turn episodes span a weight update (5/88 and 13/92 in trials); none would be a bug
     assert spanning >= 1
 
 

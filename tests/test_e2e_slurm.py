@@ -32,6 +32,16 @@ def _wait(pred, timeout: float, what: str, poll: float = 1.0):
     raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
 
 
+def _diagnose(cluster, job: str, root: Path, out: str) -> str:
+    """What an operator would look at when a job ended in the wrong state."""
+    acct = cluster.run("sacct", "-D", "-j", job, "-o", "JobID,State,ExitCode,Start,End", "-P", check=False).stdout
+    tails = []
+    for role in ("trainer", "rollout-node", "launcher"):
+        for f in sorted((root / "logs" / role).glob("*.log")) + sorted((root / "logs" / role).glob("*.stderr")):
+            tails.append(f"--- {f.relative_to(root)}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:]))
+    return f"sacct:\n{acct}\nbatch output:\n{out[-3000:]}\n" + "\n".join(tails)
+
+
 def test_het_job_preempted_requeued_and_resumed(slurm_cluster, tmp_path):
     root = tmp_path / "run"
     r = subprocess.run(NEON + ["launch", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
@@ -47,13 +57,20 @@ def test_het_job_preempted_requeued_and_resumed(slurm_cluster, tmp_path):
         slurm_cluster.run("scancel", "--signal=USR1", job)
         _wait(lambda: (read_json(run.state / "job.json") or {}).get("starts", 0) >= 2 or
               "PENDING" in slurm_cluster.state(job), 300, "requeue")
-        # a requeued job waits for its BeginTime (~2 min); let it go now
+        # A requeued job waits for its BeginTime (~2 min); let it go sooner, but only once its
+        # last incarnation has finished completing on every node: a restart that races the old
+        # one's clean-up fails to launch (seen here as FAILED 1:0 with a CANCELLED batch step),
+        # which the BeginTime delay exists to prevent on a real cluster.
+        _wait(lambda: slurm_cluster.run("squeue", "-h", "-t", "CG", "-o", "%i", check=False).stdout.strip() == ""
+              and "comp" not in slurm_cluster.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout,
+              120, "the requeued job's nodes to finish completing")
+        time.sleep(2)
         slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
         _wait(lambda: slurm_cluster.state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 900, "job end", poll=2)
     finally:
         slurm_cluster.run("scancel", job, check=False)
     out = "".join(p.read_text() for p in (root / "launch").glob("neon-rl-*.out"))
-    assert slurm_cluster.state(job) == "COMPLETED", out[-3000:]
+    assert slurm_cluster.state(job) == "COMPLETED", _diagnose(slurm_cluster, job, root, out)
     assert read_json(run.state / "job.json")["starts"] >= 2
     assert "requeueing job" in out
 
