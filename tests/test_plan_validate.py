@@ -116,6 +116,7 @@ def test_real_tiny_run_within_bands(tmp_path):
     # the process model is in: latencies from the code, the weight load measured, the flush from the config
     assert report.params.source("weight_load_s").startswith("measured")
     assert report.params.params.flush_trajectories == 2        # store.flush_trajectories 8 / groups of 4
+    assert report.params.params.version_gap                    # the worker's admission counts the engines' lag
     # the bands are the stated ones (a 30-step prediction is not noisy enough to widen them)
     assert all(r.band <= 1.5 * BANDS[r.name] for r in report.rows), report.text()
     assert report.ok, report.text()

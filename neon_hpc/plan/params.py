@@ -74,6 +74,10 @@ class SimParams:
     # policy and run
     policy: str = "async"               # async | one_step_off | sync
     admission: str = "steps_ahead"      # steps_ahead | oldest
+    # steps_ahead admission adds the version gap (neon_hpc.rollout.worker.version_gap): the
+    # version the trainer's next claim trains minus the engines' loaded version. False = the
+    # worker's rule before it counted the gap (steps of data ahead only), for comparison.
+    version_gap: bool = True
     slot_mode: str = "worker"           # worker | episode
     abort_stale: bool = False           # stop in-flight groups once they are beyond the bound
     max_staleness: int = 2
@@ -233,6 +237,8 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     for name, what in (("admission_poll_s", "the worker's admission poll"), ("claim_poll_s", "the claim's poll"),
                        ("weight_poll_s", "the rollout node's weight check")):
         s.set(name, 0.0, f"planner: 0 ({what} is under a second; python -m neon_hpc.plan.validate sets it)")
+    s.set("version_gap", True, "neon_hpc.rollout.worker.version_gap (steps_ahead admission adds the engines' "
+                               "lag behind the trainer's next claim)")
     s.set("weight_load_s", 0.0, "planner: 0 (engines' load time not measured for this layout; "
                                 "a RESULT line weight_load_s=... sets it (--calibrate); validate measures it)")
     _trainer(s, cfg, c)

@@ -15,15 +15,17 @@ Policies (``SimParams.policy``):
 * ``async``: every free rollout slot starts an episode as soon as admission allows; engines
   pick up each new version between turns (in-flight updates), so a trajectory spans
   versions.  Admission: ``steps_ahead`` (the rollout worker's rule: no new group when the
-  data ready plus in flight plus this group is more than ``S`` steps ahead of the trainer)
-  or ``oldest`` (no new group while the oldest unconsumed group is
-  already ``S`` versions behind the trainer, unless the trainer is starved: otherwise the
-  two would wait for each other).  Backpressure: no new group while ``ready`` holds more
-  than ``backpressure_steps`` steps of data.  A group whose staleness exceeds ``S`` is dropped
-  (counted) when the trainer's claim takes it (what ``neon_hpc.store`` does; until then it
-  counts against admission and backpressure), so the trainer never consumes data beyond the
-  bound.  With ``abort_stale`` (worker mode) an in-flight group is stopped as soon as it is
-  beyond the bound, giving its worker back early, and stale data is dropped at once.
+  steps of data ahead of the trainer -- ready plus in flight plus this group -- plus the
+  version gap between the trainer's next claim and the engines' loaded weights are more
+  than ``S``; ``version_gap=False`` leaves the gap out) or ``oldest`` (no new group while
+  the oldest unconsumed group is already ``S`` versions behind the trainer, unless the
+  trainer is starved: otherwise the two would wait for each other).  Backpressure: no new
+  group while ``ready`` holds more than ``backpressure_steps`` steps of data.  A group whose
+  staleness exceeds ``S`` is dropped (counted) when the trainer's claim takes it (what
+  ``neon_hpc.store`` does; until then it counts against admission and backpressure), so the
+  trainer never consumes data beyond the bound.  With ``abort_stale`` (worker mode) an
+  in-flight group is stopped as soon as it is beyond the bound, giving its worker back
+  early, and stale data is dropped at once.
 
 Rollout slots (``slot_mode``): ``worker`` = like ``neon_hpc.rollout.worker``, a worker
 holds ``G`` slots and starts its next group only when its whole group is done (a long
@@ -213,6 +215,8 @@ class _Sim:
         self.step = 0                       # completed trainer steps = trainer's weight version
         self.published = 0                  # newest version the trainer has published
         self.version = 0                    # version the engines have loaded (new groups start on it)
+        self.trains = 0                     # version the trainer's next claim trains (see _admit_new_group)
+        self.use_gap = p.version_gap and p.admission == "steps_ahead"
         self.load_times: list[float] = []   # when the engines loaded ...
         self.load_versions: list[int] = []  # ... which version
         self.ready: deque[list[_Group]] = deque()   # published shards, in publish order
@@ -285,7 +289,12 @@ class _Sim:
             # in flight: what the workers' heartbeats say (worker mode), else what is running
             inflight = self.hb_total if self.worker_mode else self.groups_open * self.G
             pending = ready + inflight + self.G
-            return math.ceil(pending / p.trajectories_per_step) - 1 <= p.max_staleness
+            estimate = math.ceil(pending / p.trajectories_per_step) - 1
+            if self.use_gap and self.trains > self.version:
+                # neon_hpc.rollout.worker.version_gap: the group starts on the engines' version,
+                # behind the one the trainer's next claim trains (a step in progress is one more)
+                estimate += self.trains - self.version
+            return estimate <= p.max_staleness
         oldest = self._oldest_unconsumed()
         return oldest is None or self.step - oldest < p.max_staleness or self._starved
 
@@ -596,6 +605,9 @@ class _Sim:
         publish_s = p.publish_s
         for _ in range(p.steps):
             batch = yield from self._take_batch()
+            # the trainer has its data (heartbeat phase 'training'): its next claim trains this
+            # step's version, one more than the one it trains now
+            self.trains = self.step + 1
             self._fill()                # consuming frees backpressure (polling workers see it themselves)
             self._account(batch)
             k = len(self.step_end)

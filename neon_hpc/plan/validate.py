@@ -220,7 +220,11 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     sourced.set("replay_mode", "off", "included in the measured episode times")
     sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_dir}/run.yaml: mode")
     sourced.set("steps", len(all_steps), f"{where} (steps in the run)")
+    from neon_hpc.rollout import worker
     from neon_hpc.rollout.worker import ADMISSION_POLL_S
+    gap = hasattr(worker, "version_gap")
+    sourced.set("version_gap", gap, "neon_hpc.rollout.worker.version_gap (admission adds the engines' version lag)"
+                if gap else "neon_hpc.rollout.worker (no version_gap: admission counts steps of data ahead only)")
     from neon_hpc.store.claim import DEFAULT_POLL_S
     sourced.set("admission_poll_s", ADMISSION_POLL_S, "neon_hpc.rollout.worker.ADMISSION_POLL_S")
     sourced.set("claim_poll_s", DEFAULT_POLL_S, "neon_hpc.store.claim.DEFAULT_POLL_S")
@@ -251,6 +255,7 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     for name in PROCESS_PARAMS:
         value = getattr(sourced.params, name)
         report.notes.append(f"process model: {name} = {value:.4g} <- {sourced.source(name)}")
+    report.notes.append(f"admission: version_gap = {sourced.params.version_gap} <- {sourced.source('version_gap')}")
     for name, values in preds.items():
         spread = statistics.pstdev(values) if len(values) > 1 else 0.0
         report.rows.append(Comparison(name, measured[name], statistics.fmean(values),
