@@ -78,3 +78,16 @@ def test_a_stale_heartbeat_stops_counting_and_the_beater_keeps_it_fresh(run, mon
         assert worker.admission(run, cfg, 4)[0] == "admission_wait"
     finally:
         beater.close()
+
+
+def test_wake_key_moves_with_the_trainers_claim_and_the_engines_load(run):
+    run.beat("trainer", 0, step=3, version=2, phase="claiming")
+    _engines_hold(run, 0, 2)
+    k0 = worker.wake_key(run, 0)
+    run.beat("rollout", 5, in_flight=4)          # other workers' beats do not wake a refused worker
+    assert worker.wake_key(run, 0) == k0
+    run.beat("trainer", 0, step=3, version=2, phase="training")
+    k1 = worker.wake_key(run, 0)
+    assert k1 != k0
+    _engines_hold(run, 0, 3)
+    assert worker.wake_key(run, 0) != k1

@@ -33,6 +33,7 @@ from neon_hpc.rundir import RunDir, read_json
 
 ADMISSION_POLL_S = 0.25   # a refused worker re-checks admission this often (the planner models it)
 HEARTBEAT_S = 10.0        # a worker in a long group re-beats this often (admission ignores beats > 60 s old)
+FULL_RECHECK_S = 5.0      # a refused worker re-reads everything at least this often (dead workers' beats expire)
 
 
 class _Stop:
@@ -101,6 +102,22 @@ def admission(run: RunDir, cfg: ExperimentConfig, group: int, lag: int = 0) -> t
     if steps_ahead + lag > cfg.rollout.max_staleness:
         return "admission_wait", float(steps_ahead + lag)
     return "ok", float(steps_ahead + lag)
+
+
+def wake_key(run: RunDir, node: int | None = None) -> tuple:
+    """What must change before a refused worker can be admitted: the trainer's step/phase
+    (its claim empties ready/ and moves the version it trains) and the engines' version.
+
+    Data ahead only shrinks when the trainer claims (other workers finishing groups move
+    trajectories from in flight to ready, which leaves the sum alone), so a refused worker
+    watches these two small files instead of re-reading every heartbeat and listing ready/
+    each poll: at 384 workers that would be ~10^5-10^6 metadata operations a second on the
+    shared filesystem.
+    """
+    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
+    hb = read_json(run.heartbeat_file("trainer", 0)) or {}
+    st = read_json(run.state / "engines" / f"node{node}.json") or {}
+    return hb.get("step"), hb.get("phase"), st.get("version")
 
 
 class _Beater:
@@ -177,10 +194,15 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
             verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
             if verdict != "ok":
                 reason, t0 = verdict, time.monotonic()
+                writer.flush()  # let the trainer have what we hold
+                beater.beat(in_flight=0, groups=groups, waiting=verdict)
+                key, checked = wake_key(run), time.monotonic()
                 while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
-                    writer.flush()  # let the trainer have what we hold
-                    beater.beat(in_flight=0, groups=groups, waiting=verdict)
                     time.sleep(ADMISSION_POLL_S)
+                    now_key = wake_key(run)
+                    if now_key == key and time.monotonic() - checked < FULL_RECHECK_S:
+                        continue
+                    key, checked = now_key, time.monotonic()
                     lag = version_gap(run)
                     verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
                 waited = time.monotonic() - t0

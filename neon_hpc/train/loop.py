@@ -380,8 +380,9 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
         if claim["state"] == "error":
             raise TrainerError(claim["error"])
         res = claim["result"]
-        data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
+        # right after the claim: rollout workers waiting for admission watch this phase change
         run.beat(ROLE, rank, step=step, version=step - 1, phase="training")
+        data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
         m = train_step(be, data, lcfg)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
