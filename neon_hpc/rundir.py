@@ -237,9 +237,9 @@ class RunDir:
                           {"role": role, "rank": rank, "time": time.time(), "pid": os.getpid(),
                            "host": socket.gethostname(), **fields})
 
-    def heartbeats(self) -> list[dict[str, Any]]:
+    def heartbeats(self, role: str | None = None) -> list[dict[str, Any]]:
         out = []
-        for p in sorted((self.state / "heartbeats").glob("*.json")):
+        for p in sorted((self.state / "heartbeats").glob(f"{role}.*.json" if role else "*.json")):
             obj = read_json(p)
             if obj is not None:
                 obj["age_s"] = time.time() - float(obj.get("time", 0))

@@ -56,7 +56,7 @@ def pending_trajectories(run: RunDir) -> tuple[int, int]:
     """(trajectories ready in ready/, trajectories in flight across live workers)."""
     ready = ready_trajectories(run)
     inflight = 0
-    for hb in run.heartbeats():
+    for hb in run.heartbeats("rollout"):   # not the trainer ranks' or nodes' (hundreds at scale)
         if hb.get("role") == "rollout" and hb.get("age_s", 1e9) < 60:
             inflight += int(hb.get("in_flight", 0))
     return ready, inflight
