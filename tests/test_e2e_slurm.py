@@ -109,7 +109,9 @@ def test_dead_trainer_fails_the_job_fast_and_the_run_resumes(slurm_cluster, tmp_
         slurm_cluster.run("scancel", job, check=False)
     assert slurm_cluster.state(job) == "FAILED"
     time.sleep(1.0)
-    assert [p for p in psutil.process_iter(["cmdline"]) if str(root) in " ".join(p.info["cmdline"] or [])] == []
+    left = [(p.pid, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])
+            if str(root) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], _diagnose(slurm_cluster, job, root, "")
     done_before = run.latest_checkpoint()
 
     # the same launch again, this time waiting for the job like a user would (a job left by a

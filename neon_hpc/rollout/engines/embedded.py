@@ -568,7 +568,8 @@ def start_server(model_path: str | os.PathLike, host: str = "127.0.0.1", port: i
         cmd += ["--weight-version", str(weight_version)]
     if allowed_root is not None:
         cmd += ["--allowed-root", str(allowed_root)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    from neon_hpc.procutil import child_setup
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=child_setup())  # dies with its owner
     deadline = time.monotonic() + startup_timeout
     url = None
     while time.monotonic() < deadline:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc.config import is_loopback
+from neon_hpc.procutil import child_setup
 from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands, layout, render_commands
 
 
@@ -95,10 +95,6 @@ def _slurm_addresses(nodelist: str, count: int) -> list[str]:
         m = re.search(r"\bNodeAddr=(\S+)", out)
         addrs.append(m.group(1) if m else name)
     return addrs
-
-
-def _ignore_usr1() -> None:  # runs in the child between fork and exec
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 @dataclass
@@ -205,7 +201,9 @@ class Fleet:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_ignore_usr1)
+        # SIGUSR1 ignored (Slurm's pre-timeout signal is for the trainer); SIGTERM when this node dies
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                             preexec_fn=child_setup(ignore_usr1=True))
         out.close()
         self.procs.append(Proc(name, p, path, url))
         self.log.info("started %s (pid %d)%s: log %s", name, p.pid, f" at {url}" if url else "", path)
