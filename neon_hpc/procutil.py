@@ -5,6 +5,13 @@ their parents: a child whose parent is SIGKILLed is re-parented to init and esca
 :func:`child_setup` returns a ``preexec_fn`` that asks the kernel to send the child a signal
 when its parent dies (Linux ``PR_SET_PDEATHSIG``), so engines and rollout workers end with
 the rollout node that started them however it ends.
+
+The trainer's own helpers come from megatron-core, not from us: checkpoint writers forked
+during a save, and a ``spawn``-ed multiprocessing Manager. :func:`forked_children_die_with_me`
+covers the forks (an at-fork hook); a spawned child re-imports the parent's ``-m`` module as
+``__mp_main__``, where :func:`spawned_child_hook` arms the same signal. A SIGKILLed trainer
+then leaves none of them behind (the resource tracker ends when they do). The signal fires
+when the parent *thread* ends; megatron forks and spawns these from the main thread.
 """
 
 from __future__ import annotations
@@ -31,3 +38,30 @@ def child_setup(death_signal: int = signal.SIGTERM, ignore_usr1: bool = False):
                 os.kill(os.getpid(), death_signal)
 
     return setup
+
+
+def die_with_parent(death_signal: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send this process ``death_signal`` when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+    if os.getppid() == 1:                    # orphaned already, before prctl took effect
+        os.kill(os.getpid(), death_signal)
+
+
+_FORK_HOOKED = False
+
+
+def forked_children_die_with_me(death_signal: int = signal.SIGKILL) -> None:
+    """Every ``os.fork()`` child of this process (not fork+exec) dies with it. Idempotent."""
+    global _FORK_HOOKED
+    if not _FORK_HOOKED and sys.platform.startswith("linux"):
+        os.register_at_fork(after_in_child=lambda: die_with_parent(death_signal))
+        _FORK_HOOKED = True
+
+
+def spawned_child_hook(module_name: str, death_signal: int = signal.SIGKILL) -> None:
+    """Call at the top level of a role's ``-m`` module with ``__name__``: in a multiprocessing
+    child spawned by that role (``__mp_main__``), die with the role process."""
+    if module_name == "__mp_main__":
+        die_with_parent(death_signal)

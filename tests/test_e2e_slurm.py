@@ -103,7 +103,11 @@ def test_dead_trainer_fails_the_job_fast_and_the_run_resumes(slurm_cluster, tmp_
     try:
         _wait(lambda: run.latest_checkpoint() is not None, 600, "first checkpoint")
         hb = read_json(run.heartbeat_file("trainer", 0))
-        psutil.Process(int(hb["pid"])).kill()
+        trainer = psutil.Process(int(hb["pid"]))
+        # megatron's helpers (a spawned Manager, forked writers) do not carry the run dir in
+        # their command line: check them by ancestry
+        helpers = trainer.children(recursive=True)
+        trainer.kill()
         _wait(lambda: slurm_cluster.state(job) in ("FAILED", "COMPLETED", "CANCELLED"), 120, "job end after the kill")
     finally:
         slurm_cluster.run("scancel", job, check=False)
@@ -112,6 +116,8 @@ def test_dead_trainer_fails_the_job_fast_and_the_run_resumes(slurm_cluster, tmp_
     left = [(p.pid, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])
             if str(root) in " ".join(p.info["cmdline"] or [])]
     assert left == [], _diagnose(slurm_cluster, job, root, "")
+    alive = [(h.pid, " ".join(h.cmdline())) for h in helpers if h.is_running() and h.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"the killed trainer's helpers outlived the job: {alive}"
     done_before = run.latest_checkpoint()
 
     # the same launch again, this time waiting for the job like a user would (a job left by a

@@ -41,3 +41,66 @@ def test_child_ends_when_its_parent_is_killed(mode):
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+FORKER = r"""
+import os, sys, time
+from neon_hpc.procutil import forked_children_die_with_me
+forked_children_die_with_me()
+pid = os.fork()
+if pid == 0:
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(120)
+"""
+
+SPAWNER = r"""
+import multiprocessing as mp
+import time
+from neon_hpc.procutil import spawned_child_hook
+spawned_child_hook(__name__)
+
+
+def sleeper():
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=sleeper)
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _child_dies_with(cmd, env=None):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    child = psutil.Process(int(parent.stdout.readline()))
+    try:
+        time.sleep(0.5)    # the spawned child has imported the parent's module by now
+        parent.kill()
+        parent.wait()
+        child.wait(timeout=10)
+    finally:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_forked_children_die_with_a_killed_parent():
+    """What megatron's checkpoint writers are: os.fork() children of the trainer."""
+    _child_dies_with([sys.executable, "-c", FORKER])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_spawned_children_of_a_module_die_with_a_killed_parent(tmp_path):
+    """What megatron's results-queue Manager is: a spawn child, which re-imports the parent's
+    ``-m`` module as ``__mp_main__`` (as neon_hpc.launch.roles is)."""
+    (tmp_path / "spawnparent.py").write_text(SPAWNER)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]))
+    _child_dies_with([sys.executable, "-m", "spawnparent"], env=env)

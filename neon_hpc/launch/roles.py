@@ -15,6 +15,10 @@ import os
 import sys
 
 from neon_hpc import config
+from neon_hpc.procutil import forked_children_die_with_me, spawned_child_hook
+
+# megatron's spawned checkpoint helper imports this module as __mp_main__: it dies with us
+spawned_child_hook(__name__)
 
 
 def _trainer_env() -> None:
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config.load(a.config)
     if a.role == "trainer":
         _trainer_env()
+        forked_children_die_with_me()   # megatron's forked checkpoint writers
         from neon_hpc.train.loop import run_trainer
         return run_trainer(cfg, a.run_dir)
     if a.role == "rollout-node":
