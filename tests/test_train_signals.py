@@ -24,6 +24,11 @@ try:
     q.put("x"); print("alive", q.get())
 except Exception as e:
     print("dead", type(e).__name__)
+for k in kids:   # a shielded helper ignores the SIGTERM multiprocessing ends it with: leave nothing behind
+    try:
+        os.kill(k, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 """
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from neon_hpc.procutil import forked_children_die_with_me, spawned_child_hook
+
+# megatron's spawned checkpoint helper imports this module as __mp_main__: it dies with us
+spawned_child_hook(__name__)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m neon_hpc.train",
@@ -21,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
     from neon_hpc.train.loop import run_trainer
+    forked_children_die_with_me()   # megatron's forked checkpoint writers
     return run_trainer(cfg, args.run_dir)
 
 
