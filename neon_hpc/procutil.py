@@ -8,10 +8,11 @@ the rollout node that started them however it ends.
 
 The trainer's own helpers come from megatron-core, not from us: checkpoint writers forked
 during a save, and a ``spawn``-ed multiprocessing Manager. :func:`forked_children_die_with_me`
-covers the forks (an at-fork hook); a spawned child re-imports the parent's ``-m`` module as
-``__mp_main__``, where :func:`spawned_child_hook` arms the same signal. A SIGKILLed trainer
-then leaves none of them behind (the resource tracker ends when they do). The signal fires
-when the parent *thread* ends; megatron forks and spawns these from the main thread.
+covers the forks (an at-fork hook); the Manager is started by
+``train.checkpoint.shield_writer_processes`` with :func:`die_with_parent` as its initializer.
+A SIGKILLed trainer then leaves none of them behind (the resource tracker ends when they
+do). The signal fires when the parent *thread* ends; megatron forks these from the main
+thread.
 """
 
 from __future__ import annotations
@@ -58,10 +59,3 @@ def forked_children_die_with_me(death_signal: int = signal.SIGKILL) -> None:
     if not _FORK_HOOKED and sys.platform.startswith("linux"):
         os.register_at_fork(after_in_child=lambda: die_with_parent(death_signal))
         _FORK_HOOKED = True
-
-
-def spawned_child_hook(module_name: str, death_signal: int = signal.SIGKILL) -> None:
-    """Call at the top level of a role's ``-m`` module with ``__name__``: in a multiprocessing
-    child spawned by that role (``__mp_main__``), die with the role process."""
-    if module_name == "__mp_main__":
-        die_with_parent(death_signal)

@@ -55,22 +55,14 @@ print(pid, flush=True)
 time.sleep(120)
 """
 
-SPAWNER = r"""
-import multiprocessing as mp
-import time
-from neon_hpc.procutil import spawned_child_hook
-spawned_child_hook(__name__)
-
-
-def sleeper():
-    time.sleep(120)
-
-
-if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=sleeper)
-    p.start()
-    print(p.pid, flush=True)
-    time.sleep(120)
+SHIELDED = r"""
+import multiprocessing, time
+from neon_hpc.train.checkpoint import shield_writer_processes
+before = {p.pid for p in multiprocessing.active_children()}
+shield_writer_processes()
+new = [p.pid for p in multiprocessing.active_children() if p.pid not in before]
+print(new[0], flush=True)
+time.sleep(120)
 """
 
 
@@ -97,10 +89,7 @@ def test_forked_children_die_with_a_killed_parent():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_spawned_children_of_a_module_die_with_a_killed_parent(tmp_path):
-    """What megatron's results-queue Manager is: a spawn child, which re-imports the parent's
-    ``-m`` module as ``__mp_main__`` (as neon_hpc.launch.roles is)."""
-    (tmp_path / "spawnparent.py").write_text(SPAWNER)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]))
-    _child_dies_with([sys.executable, "-m", "spawnparent"], env=env)
+def test_megatrons_checkpoint_helper_dies_with_a_killed_trainer():
+    """The spawned results-queue Manager that shield_writer_processes starts for megatron
+    (with SIGTERM blocked, so only the kernel's SIGKILL can end it once its owner is gone)."""
+    _child_dies_with([sys.executable, "-c", SHIELDED])

@@ -15,10 +15,7 @@ import os
 import sys
 
 from neon_hpc import config
-from neon_hpc.procutil import forked_children_die_with_me, spawned_child_hook
-
-# megatron's spawned checkpoint helper imports this module as __mp_main__: it dies with us
-spawned_child_hook(__name__)
+from neon_hpc.procutil import forked_children_die_with_me
 
 
 def _trainer_env() -> None:

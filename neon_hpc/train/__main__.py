@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from neon_hpc.procutil import forked_children_die_with_me, spawned_child_hook
-
-# megatron's spawned checkpoint helper imports this module as __mp_main__: it dies with us
-spawned_child_hook(__name__)
+from neon_hpc.procutil import forked_children_die_with_me
 
 
 def main(argv: list[str] | None = None) -> int:

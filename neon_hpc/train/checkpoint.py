@@ -90,18 +90,28 @@ def shield_writer_processes() -> None:
     results queue; a freshly spawned process has default dispositions, so that signal kills
     it and the very checkpoint the signal asked for fails (EOFError in the queue). A blocked
     signal stays blocked across fork/exec: the helper never sees it, the trainer (which
-    unblocks right after) still does. Idempotent; a no-op if megatron's layout changes.
+    unblocks right after) still does. Blocked signals also mean it cannot be stopped
+    politely, so it is started with ``procutil.die_with_parent`` as its initializer.
+    Idempotent; a no-op if megatron's layout changes.
     """
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
         return
-    getter = getattr(fa, "_get_write_results_queue", None)
-    if getter is None or getattr(fa, "_results_queue", None) is not None:
+    if not hasattr(fa, "_get_write_results_queue") or getattr(fa, "_results_queue", None) is not None:
         return
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from neon_hpc.procutil import die_with_parent
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
     try:
-        getter()
+        # what megatron's _get_write_results_queue builds (a spawn-context Manager's Queue),
+        # plus an initializer: the helper gets SIGKILL when this process dies, however it
+        # dies (it cannot see SIGTERM, and a killed trainer never shuts it down)
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        fa._results_queue = manager.Queue()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
