@@ -23,31 +23,35 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# loaded before any fork: children only call into it
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(death_signal: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Ask the kernel to send this process ``death_signal`` when its parent dies (Linux).
+
+    ``parent``: the pid the parent had (a child checks it has not been orphaned already,
+    before the request took effect); without it, re-parenting to init counts as orphaned.
+    """
+    if _LIBC is None:
+        return
+    _LIBC.prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+    ppid = os.getppid()
+    orphaned = ppid != parent if parent is not None else ppid == 1
+    if orphaned:
+        os.kill(os.getpid(), death_signal)
 
 
 def child_setup(death_signal: int = signal.SIGTERM, ignore_usr1: bool = False):
     """A ``preexec_fn`` for ``subprocess.Popen`` (runs in the child between fork and exec)."""
     parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
     def setup() -> None:
         if ignore_usr1:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
-            if os.getppid() != parent:      # the parent died before prctl took effect
-                os.kill(os.getpid(), death_signal)
+        die_with_parent(death_signal, parent)
 
     return setup
-
-
-def die_with_parent(death_signal: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send this process ``death_signal`` when its parent dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
-    if os.getppid() == 1:                    # orphaned already, before prctl took effect
-        os.kill(os.getpid(), death_signal)
 
 
 _FORK_HOOKED = False
@@ -56,6 +60,6 @@ _FORK_HOOKED = False
 def forked_children_die_with_me(death_signal: int = signal.SIGKILL) -> None:
     """Every ``os.fork()`` child of this process (not fork+exec) dies with it. Idempotent."""
     global _FORK_HOOKED
-    if not _FORK_HOOKED and sys.platform.startswith("linux"):
+    if not _FORK_HOOKED and _LIBC is not None:
         os.register_at_fork(after_in_child=lambda: die_with_parent(death_signal))
         _FORK_HOOKED = True

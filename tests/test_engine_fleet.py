@@ -22,7 +22,7 @@ from neon_hpc import config
 from neon_hpc.logs import RoleLogger, read_metrics
 from neon_hpc.netutil import free_port
 from neon_hpc.rollout.engines.fleet import Fleet, FleetError, node_addresses, resolve
-from neon_hpc.rollout.engines.sglang_launch import layout
+from neon_hpc.rollout.engines.sglang_launch import layout, render_commands
 from neon_hpc.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,8 +65,7 @@ def test_pd_fleet_addresses_and_worker_urls(tmp_path):
     assert f.router_url() == "http://10.0.0.0:8000"
     assert f.worker_url(5) == f.router_url()                    # PD: every worker goes through the router
     assert f.local_heads() == [1] and f.head_urls() == ["http://10.0.0.8:30001"]
-    argv = f._argv(__import__("neon_hpc.rollout.engines.sglang_launch", fromlist=["x"]).render_commands(cfg)[1],
-                   1, 7, Path("/runs/k/weights/v_7"))
+    argv = f._argv(render_commands(cfg)[1], 1, 7, Path("/runs/k/weights/v_7"))
     assert argv[0] == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[argv.index("--node-rank") + 1] == "1"
     assert argv[argv.index("--dist-init-addr") + 1] == "10.0.0.8:20001"
@@ -190,7 +189,7 @@ def test_pd_disaggregation_goes_through_the_router(tmp_path):
         assert "weight version 2" in text
     node = (root / "logs" / "rollout-node" / "0.log").read_text()
     assert node.index("engine 1 at") < node.index("started router") < node.index("router at")
-    assert "started rollout worker 0 (pid" in node and f"on http://127.0.0.1:" in node
+    assert "started rollout worker 0 (pid" in node and "on http://127.0.0.1:" in node
     from neon_hpc.ops.status import collect, render
     text = render(collect(root))
     assert re.search(r"engines   node 0: http://127.0.0.1:\d+ http://127.0.0.1:\d+ \(sglang, v_\d+\); workers via "

@@ -43,14 +43,6 @@ BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "st
 NOT_WAITS = ("weights_loaded", "worker_restart")
 
 
-def weight_poll() -> tuple[float, str]:
-    """How often the rollout node checks weights/LATEST (seconds, source)."""
-    from neon_hpc.rollout import node
-    if hasattr(node, "WEIGHT_POLL_S"):
-        return float(node.WEIGHT_POLL_S), "neon_hpc.rollout.node.WEIGHT_POLL_S"
-    return 0.5, "neon_hpc.rollout.node (run_forever sleeps 0.5 s between weight checks)"
-
-
 # the real processes' latencies and buffering the simulation models (see sim.py); printed with
 # their sources in every report
 PROCESS_PARAMS = ("admission_poll_s", "claim_poll_s", "weight_poll_s", "weight_load_s", "flush_trajectories",
@@ -220,17 +212,15 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     sourced.set("replay_mode", "off", "included in the measured episode times")
     sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_dir}/run.yaml: mode")
     sourced.set("steps", len(all_steps), f"{where} (steps in the run)")
-    from neon_hpc.rollout import worker
+    from neon_hpc.rollout.node import WEIGHT_POLL_S
     from neon_hpc.rollout.worker import ADMISSION_POLL_S
-    gap = hasattr(worker, "version_gap")
-    sourced.set("version_gap", gap, "neon_hpc.rollout.worker.version_gap (admission adds the engines' version lag)"
-                if gap else "neon_hpc.rollout.worker (no version_gap: admission counts steps of data ahead only)")
     from neon_hpc.store.claim import DEFAULT_POLL_S
+    sourced.set("version_gap", True, "neon_hpc.rollout.worker.version_gap (admission adds the engines' version lag)")
     sourced.set("admission_poll_s", ADMISSION_POLL_S, "neon_hpc.rollout.worker.ADMISSION_POLL_S")
     sourced.set("claim_poll_s", DEFAULT_POLL_S, "neon_hpc.store.claim.DEFAULT_POLL_S")
     sourced.set("flush_trajectories", math.ceil(cfg.store.flush_trajectories / G),
                 f"config {run_dir}/run.yaml: store.flush_trajectories / rollout.group_size (in groups)")
-    sourced.set("weight_poll_s", *weight_poll())
+    sourced.set("weight_poll_s", WEIGHT_POLL_S, "neon_hpc.rollout.node.WEIGHT_POLL_S")
     loads = [float(r["seconds"]) for r in read_metrics(run_dir, "rollout-node")
              if r.get("event") == "weights_loaded" and "seconds" in r]
     if loads:

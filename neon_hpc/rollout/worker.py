@@ -7,8 +7,9 @@ for the trainer, except where the run asks it to:
   how many trainer steps will pass before the group is consumed (trajectories ready plus in
   flight across all workers, over trajectories per step), plus how many versions its engines'
   weights are behind the version the trainer's next claim trains (engines load new weights
-  between requests, some time after they are published; a step in progress is one more). If the group's oldest token would then be more than ``rollout.max_staleness``
-  versions behind, it waits. The trainer's claim still drops anything too stale (counted),
+  between requests, some time after they are published; a step in progress is one more).
+  If the group's oldest token would then be more than ``rollout.max_staleness`` versions
+  behind, it waits. The trainer's claim still drops anything too stale (counted),
   so the bound holds even when the estimate is off.
 * **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
   data, the worker waits: producing more would only make it stale.
@@ -24,7 +25,6 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger, job_id
@@ -57,9 +57,16 @@ def pending_trajectories(run: RunDir) -> tuple[int, int]:
     ready = ready_trajectories(run)
     inflight = 0
     for hb in run.heartbeats("rollout"):   # not the trainer ranks' or nodes' (hundreds at scale)
-        if hb.get("role") == "rollout" and hb.get("age_s", 1e9) < 60:
+        if hb.get("age_s", 1e9) < 60:
             inflight += int(hb.get("in_flight", 0))
     return ready, inflight
+
+
+def _trainer_and_engines(run: RunDir, node: int | None) -> tuple[dict, dict]:
+    """The trainer's (rank 0) heartbeat and this node's engine record (``{}`` when absent)."""
+    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
+    return (read_json(run.heartbeat_file("trainer", 0)) or {},
+            read_json(run.state / "engines" / f"node{node}.json") or {})
 
 
 def version_gap(run: RunDir, node: int | None = None) -> int:
@@ -73,16 +80,14 @@ def version_gap(run: RunDir, node: int | None = None) -> int:
     (before it starts workers, and after every load); engines started elsewhere
     (``NEON_ENGINE_URLS``) have no record and count as serving ``LATEST``.
     """
-    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
+    hb, st = _trainer_and_engines(run, node)
     latest = run.latest_weights()
     published = latest[0] if latest else 0
-    hb = read_json(run.heartbeat_file("trainer", 0)) or {}
     step = hb.get("step")
     if isinstance(step, int):
         trains = step - 1 if hb.get("phase") in ("claiming", "waiting_for_data") else step
     else:
         trains = published
-    st = read_json(run.state / "engines" / f"node{node}.json") or {}
     serving = st["version"] if isinstance(st.get("version"), int) and st["version"] >= 0 else published
     return max(0, trains - serving)
 
@@ -114,9 +119,7 @@ def wake_key(run: RunDir, node: int | None = None) -> tuple:
     each poll: at 384 workers that would be ~10^5-10^6 metadata operations a second on the
     shared filesystem.
     """
-    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
-    hb = read_json(run.heartbeat_file("trainer", 0)) or {}
-    st = read_json(run.state / "engines" / f"node{node}.json") or {}
+    hb, st = _trainer_and_engines(run, node)
     return hb.get("step"), hb.get("phase"), st.get("version")
 
 

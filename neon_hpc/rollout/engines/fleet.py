@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc.config import is_loopback
+from neon_hpc.ops.tail import last_lines
 from neon_hpc.procutil import child_setup
 from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands, layout, render_commands
 
@@ -102,22 +103,17 @@ class Proc:
     name: str                  # "engine 3", "engine 3 node 1", "router"
     popen: subprocess.Popen
     log: Path
-    url: str | None = None     # the HTTP endpoint it serves, if any
 
     def exit_message(self) -> str | None:
         rc = self.popen.poll()
         if rc is None:
             return None
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-        return f"{self.name} exited ({how}); its log {self.log} ends with:\n{_tail(self.log)}"
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "  (no log)"
-    return "\n".join("  | " + x for x in lines[-n:]) or "  (empty)"
+        try:
+            tail = "\n".join("  | " + x for x in last_lines(self.log, 15)) or "  (empty)"
+        except OSError:
+            tail = "  (no log)"
+        return f"{self.name} exited ({how}); its log {self.log} ends with:\n{tail}"
 
 
 def _healthy(url: str, timeout: float = 5.0) -> bool:
@@ -169,6 +165,9 @@ class Fleet:
     def head_urls(self) -> list[str]:
         return [self.engine_url(i) for i in self.local_heads()]
 
+    def _named(self, engines) -> dict[str, str]:
+        return {self.engine_url(i): f"engine {i}" for i in engines}
+
     def worker_nodes(self) -> list[int]:
         """Nodes that run rollout workers: those serving an engine endpoint."""
         return self.lay.head_nodes()
@@ -205,7 +204,7 @@ class Fleet:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                              preexec_fn=child_setup(ignore_usr1=True))
         out.close()
-        self.procs.append(Proc(name, p, path, url))
+        self.procs.append(Proc(name, p, path))
         self.log.info("started %s (pid %d)%s: log %s", name, p.pid, f" at {url}" if url else "", path)
 
     def start(self, version: int, path: Path) -> None:
@@ -257,18 +256,16 @@ class Fleet:
         e = self.cfg.engine
         deadline = time.monotonic() + e.startup_timeout_s
         if not e.pd_disaggregation:
-            return self._wait_healthy({self.engine_url(i): f"engine {i}" for i in self.local_heads()}, stop, deadline)
+            return self._wait_healthy(self._named(self.local_heads()), stop, deadline)
         if self.node == 0:
-            if not self._wait_healthy({self.engine_url(i): f"engine {i}" for i in range(e.num_engines)},
-                                      stop, deadline):
+            if not self._wait_healthy(self._named(range(e.num_engines)), stop, deadline):
                 return False
             self._spawn("router", self._argv(render_commands(self.cfg)[-1], 0, self.version, Path()), "router.log",
                         None, self.router_url())
             return self._wait_healthy({self.router_url(): "router"}, stop, deadline)
         if self.node not in self.worker_nodes():
             return True   # a multi-node engine's other node: nothing here serves HTTP
-        urls = {self.engine_url(i): f"engine {i}" for i in self.local_heads()}
-        urls[self.router_url()] = "router"
+        urls = dict(self._named(self.local_heads()), **{self.router_url(): "router"})
         return self._wait_healthy(urls, stop, deadline)
 
     def stop(self, timeout: float = 30.0) -> None:

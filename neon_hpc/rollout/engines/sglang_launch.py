@@ -95,10 +95,6 @@ def layout(cfg) -> Layout:
     return Layout(e.num_engines, gpus, per_node, math.ceil(gpus / per_node), 1)
 
 
-def _node_count(cfg, gpus: int) -> int:
-    return layout(cfg).nodes_per_engine
-
-
 def engine_roles(cfg) -> list[str]:
     """``serve`` for every engine, or ``prefill``/``decode`` under PD disaggregation."""
     e = cfg.engine
@@ -130,7 +126,7 @@ def _engine_command(cfg, i: int, role: str) -> list[str]:
         cmd += ["--ep-size", str(e.ep_size), "--moe-a2a-backend", "deepep", "--deepep-mode", "auto"]
         if e.dp_size > 1:
             cmd += ["--enable-dp-lm-head"]
-    nodes = _node_count(cfg, gpus)
+    nodes = layout(cfg).nodes_per_engine
     if nodes > 1:
         cmd += ["--nnodes", str(nodes), "--node-rank", "${NEON_NODE_RANK}",
                 "--dist-init-addr", f"${{NEON_ENGINE{i}_HOST}}:{DIST_INIT_PORT + i}"]
