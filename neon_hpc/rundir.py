@@ -1,6 +1,6 @@
 """The run directory: the only contract between rollout and training.
 
-Layout (see DESIGN.md, "The run directory")::
+Layout (the contract is written out in ``docs/rundir.md``)::
 
     RUN/
       run.yaml                     resolved config, written once at launch
