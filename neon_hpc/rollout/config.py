@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from neon_hpc.constraints import Rule, above, at_least, between
+
 
 @dataclass
 class EngineConfig:
@@ -27,30 +29,28 @@ class EngineConfig:
     # a trillion-parameter model loads for many minutes
     python: str = ""
     startup_timeout_s: float = 1800.0
+    # How a new weight version reaches running engines: "in_place" pauses generation with
+    # SGLang's in_place mode (requests keep their KV cache), loads, continues; a response in
+    # flight then carries tokens of both versions (meta_info.weight_versions spans).
+    # "between_requests": the load waits for running requests; every response is one version.
+    weight_update: Literal["in_place", "between_requests"] = "in_place"
 
-    def validate(self):
-        errs = []
-        if not 0 <= self.port < 65536:
-            errs.append(("port", "must be in 0..65535 (0 picks a free port)"))
-        if self.num_engines < 1:
-            errs.append(("num_engines", "must be >= 1"))
-        if self.max_batch_size < 1:
-            errs.append(("max_batch_size", "must be >= 1"))
-        for k in ("tp_size", "dp_size", "ep_size"):
-            if getattr(self, k) < 1:
-                errs.append((k, "must be >= 1"))
-        if self.ep_size not in (1, self.tp_size * self.dp_size):
-            errs.append(("ep_size", f"must be 1 or tp_size * dp_size ({self.tp_size * self.dp_size}): "
-                                    f"SGLang spreads experts over all GPUs of an engine"))
-        if self.pd_disaggregation and self.num_engines < 2:
-            errs.append(("num_engines", "PD disaggregation needs >= 2 engines (prefill + decode)"))
-        if self.prefill_engines < 0 or (self.pd_disaggregation and self.prefill_engines >= self.num_engines):
-            errs.append(("prefill_engines", f"must be in 0..num_engines-1 ({self.num_engines - 1}); 0 = a quarter"))
-        if not 0 < self.router_port < 65536:
-            errs.append(("router_port", "must be in 1..65535"))
-        if self.startup_timeout_s <= 0:
-            errs.append(("startup_timeout_s", "must be > 0 seconds"))
-        return errs
+    CHECKS = {
+        "port": between(0, 65535, "0 picks a free port"),
+        **{k: at_least(1) for k in ("num_engines", "max_batch_size", "tp_size", "dp_size", "ep_size")},
+        "prefill_engines": at_least(0, "0 = a quarter of num_engines"),
+        "router_port": between(1, 65535),
+        "startup_timeout_s": above(0, note="seconds"),
+    }
+    RULES = (
+        Rule("ep_size", lambda c: c.ep_size in (1, c.tp_size * c.dp_size),
+             lambda c: f"1 or tp_size * dp_size ({c.tp_size * c.dp_size}): SGLang spreads experts over "
+                       f"all GPUs of an engine"),
+        Rule("num_engines", lambda c: not c.pd_disaggregation or c.num_engines >= 2,
+             ">= 2 with pd_disaggregation (prefill + decode)"),
+        Rule("prefill_engines", lambda c: not c.pd_disaggregation or c.prefill_engines < c.num_engines,
+             lambda c: f"in 0..num_engines-1 ({c.num_engines - 1}); 0 = a quarter"),
+    )
 
 
 @dataclass
@@ -64,6 +64,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_staleness: int = 2            # versions a token may lag the trainer
+    # What the trainer's claim does with tokens older than max_staleness: "mask" gives them
+    # loss weight 0 (they stay in the context) and drops a trajectory only when none of its
+    # generated tokens is within the bound; "drop" drops a trajectory whose oldest token is over
+    stale_policy: Literal["mask", "drop"] = "mask"
     backpressure_steps: int = 4       # stop when ready/ holds more than this many steps of data
     replay_mode: Literal["delta", "full", "off"] = "delta"
     restart_dead_workers: bool = True
@@ -75,24 +79,14 @@ class RolloutConfig:
     max_tool_chars: int = 2000        # tool results are cut to this many characters
     request_retries: int = 2          # retries of one turn after a dropped response
 
-    def validate(self):
-        errs = []
-        if self.group_size < 1:
-            errs.append(("group_size", "must be >= 1"))
-        if self.max_staleness < 0:
-            errs.append(("max_staleness", "must be >= 0 (0 = on-policy)"))
-        if not 0.0 < self.top_p <= 1.0:
-            errs.append(("top_p", "must be in (0, 1]"))
-        if self.temperature < 0:
-            errs.append(("temperature", "must be >= 0"))
-        if self.max_turns < 1:
-            errs.append(("max_turns", "must be >= 1"))
-        if self.max_new_tokens < 1:
-            errs.append(("max_new_tokens", "must be >= 1"))
-        if self.max_tool_chars < 16:
-            errs.append(("max_tool_chars", "must be >= 16 (tool errors must stay readable)"))
-        if self.answer_max_new_tokens < 0:
-            errs.append(("answer_max_new_tokens", "must be >= 0 (0 = max_new_tokens)"))
-        if self.request_retries < 0:
-            errs.append(("request_retries", "must be >= 0"))
-        return errs
+    CHECKS = {
+        **{k: at_least(1) for k in ("num_workers", "group_size", "max_turns", "max_new_tokens",
+                                    "max_total_tokens")},
+        "episode_timeout_s": above(0, note="seconds"),
+        "temperature": at_least(0, "0 = greedy"),
+        "top_p": above(0, le=1.0),
+        "max_staleness": at_least(0, "0 = on-policy"),
+        "max_tool_chars": at_least(16, "tool errors must stay readable"),
+        "answer_max_new_tokens": at_least(0, "0 = max_new_tokens"),
+        "request_retries": at_least(0),
+    }

@@ -16,6 +16,19 @@ Protocol for step N (the README has the full argument)::
   from them was handed out (handing out happens only after the commit), so it validates
   them, claims more from ready/ if needed, and commits.
 * No file locks anywhere: rename and mkdir are atomic on POSIX filesystems, NFS, Lustre, GPFS.
+
+Staleness (with ``trainer_version`` and ``max_staleness`` given), per ``stale_policy``:
+
+* ``mask`` (the config's default): a generated token whose version is more than
+  ``max_staleness`` behind ``trainer_version`` gets loss weight 0: the trajectory the claim
+  hands out has it cleared in ``loss_mask`` (it stays in ``tokens``, so it is still context
+  for the tokens after it). A trajectory is dropped only when none of its generated tokens is
+  within the bound. The shard on disk keeps the engine's mask; a resumed claim re-applies
+  the rule from CLAIM.json, so the same tokens train.
+* ``drop``: a trajectory whose *oldest* generated token is over the bound is dropped whole.
+
+Either way the waste is counted in generated tokens (``masked_stale_tokens``,
+``dropped_stale_tokens`` over ``generated_tokens``, all in CLAIM.json).
 """
 
 from __future__ import annotations
@@ -44,6 +57,16 @@ REASON_SUFFIX = ".reason.txt"
 
 
 DEFAULT_POLL_S = 0.2   # how often a waiting claim looks at ready/ (the planner models it)
+STALE_POLICIES = ("mask", "drop")
+
+
+def stale_token_mask(loss_mask, versions, trainer_version: int, max_staleness: int):
+    """The trainable tokens: generated (``loss_mask != 0``) and at most ``max_staleness``
+    versions behind ``trainer_version``. uint8, the shape of ``loss_mask``."""
+    import numpy as np
+    gen = np.asarray(loss_mask) != 0
+    fresh = np.asarray(versions) >= trainer_version - max_staleness
+    return (gen & fresh).astype(np.uint8)
 
 
 class ClaimTimeout(TimeoutError):
@@ -64,6 +87,15 @@ class ClaimResult:
     waited_s: float                      # time spent sleeping for shards to arrive
     claim_s: float = 0.0                 # whole call: waiting, renaming, reading, validating
     resumed: bool = False                # True: read back from a claim committed earlier
+    generated_tokens: int = 0            # generated tokens of every trajectory read (kept or dropped)
+    masked_stale_tokens: int = 0         # generated tokens of kept trajectories given loss weight 0
+    dropped_stale_tokens: int = 0        # generated tokens of the dropped trajectories
+
+    @property
+    def wasted_rollout_tokens(self) -> float:
+        """(dropped + masked) generated tokens over all generated tokens read (0 when none)."""
+        n = self.generated_tokens
+        return (self.masked_stale_tokens + self.dropped_stale_tokens) / n if n else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -141,11 +173,14 @@ class _Claim:
     trainer_version: int | None
     max_staleness: int | None
     quarantine_invalid: bool
+    stale_policy: str = "drop"
     shards: list[Path] = field(default_factory=list)
     kept_index: dict[str, list[int]] = field(default_factory=dict)
     trajectories: list[Trajectory] = field(default_factory=list)
     dropped: list[dict] = field(default_factory=list)
     quarantined: list[Path] = field(default_factory=list)
+    generated: int = 0
+    masked: int = 0
 
     @property
     def dir(self) -> Path:
@@ -217,12 +252,16 @@ class _Claim:
             return
         keep = []
         for i, t in enumerate(trajs):
+            gen = t.num_generated
+            self.generated += gen
             stale = self._staleness(t)
-            if stale is not None and stale > self.max_staleness:
+            masked = _apply_stale_policy(t, self.trainer_version, self.max_staleness, self.stale_policy)
+            if masked is None:
                 self.dropped.append({"shard": path.name, "index": i, "task_id": t.task_id,
                                      "group_id": t.group_id, "version_min": t.version_min,
-                                     "staleness": stale})
+                                     "staleness": stale, "tokens": gen})
             else:
+                self.masked += masked
                 keep.append(i)
         self.shards.append(path)
         self.kept_index[path.name] = keep
@@ -237,7 +276,9 @@ class _Claim:
     def commit(self, want: int, waited_s: float, claim_s: float) -> ClaimResult:
         atomic_write_json(self.dir / DROPPED_FILE, {"step": self.step, "trainer_version": self.trainer_version,
                                                     "max_staleness": self.max_staleness,
+                                                    "stale_policy": self.stale_policy,
                                                     "dropped": self.dropped})
+        dropped_tokens = sum(int(d.get("tokens", 0)) for d in self.dropped)
         record = {
             "step": self.step, "consumer": self.consumer, "time": time.time(), "want": want,
             "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
@@ -245,7 +286,9 @@ class _Claim:
             "trajectories": len(self.trajectories),
             "tokens": sum(t.num_tokens for t in self.trajectories),
             "dropped_stale": len(self.dropped), "quarantined": [p.name for p in self.quarantined],
-            "waited_s": waited_s, "claim_s": claim_s,
+            "waited_s": waited_s, "claim_s": claim_s, "stale_policy": self.stale_policy,
+            "generated_tokens": self.generated, "masked_stale_tokens": self.masked,
+            "dropped_stale_tokens": dropped_tokens,
         }
         atomic_write_json(self.dir / CLAIM_FILE, record)
         if self.dropped:
@@ -253,7 +296,27 @@ class _Claim:
                         self.step, len(self.dropped), self.max_staleness, self.trainer_version,
                         self.dir / DROPPED_FILE)
         return ClaimResult(self.step, self.trajectories, self.shards, len(self.dropped),
-                           self.quarantined, waited_s, claim_s)
+                           self.quarantined, waited_s, claim_s, generated_tokens=self.generated,
+                           masked_stale_tokens=self.masked, dropped_stale_tokens=dropped_tokens)
+
+
+def _apply_stale_policy(t: Trajectory, trainer_version: int | None, max_staleness: int | None,
+                        policy: str) -> int | None:
+    """None: drop ``t``; else the number of its generated tokens masked (``t.loss_mask`` updated)."""
+    if trainer_version is None or max_staleness is None or t.num_generated == 0:
+        return 0
+    if policy == "drop":
+        return None if t.staleness(trainer_version) > max_staleness else 0
+    if policy != "mask":
+        raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {policy!r}")
+    train = stale_token_mask(t.loss_mask, t.versions, trainer_version, max_staleness)
+    kept = int(train.sum())
+    if kept == 0:
+        return None
+    masked = t.num_generated - kept
+    if masked:
+        t.loss_mask = train
+    return masked
 
 
 def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
@@ -270,22 +333,34 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
         got = read_shard(path)
         trajs.extend(got[i] for i in entry["kept"])
         shards.append(path)
+    policy = record.get("stale_policy", "drop")
+    if policy == "mask":   # the same tokens train as at the commit
+        for t in trajs:
+            _apply_stale_policy(t, record.get("trainer_version"), record.get("max_staleness"), policy)
     q = [rd.traj_quarantine / n for n in record.get("quarantined", [])]
-    return ClaimResult(step, trajs, shards, int(record.get("dropped_stale", 0)), q, 0.0, 0.0, resumed=True)
+    return ClaimResult(step, trajs, shards, int(record.get("dropped_stale", 0)), q, 0.0, 0.0, resumed=True,
+                       generated_tokens=int(record.get("generated_tokens", 0)),
+                       masked_stale_tokens=int(record.get("masked_stale_tokens", 0)),
+                       dropped_stale_tokens=int(record.get("dropped_stale_tokens", 0)))
 
 
 def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,
                max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S,
-               allow_partial: bool = False, quarantine_invalid: bool = True) -> ClaimResult:
+               allow_partial: bool = False, quarantine_invalid: bool = True,
+               stale_policy: str = "drop") -> ClaimResult:
     """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
 
     Blocks, polling ready/ every ``poll_s``, up to ``timeout_s``; then raises
     :class:`ClaimTimeout` (or, with ``allow_partial`` and something claimed, commits what it
     has). A step already committed returns the same trajectories again (``resumed=True``).
     Invalid shards go to quarantine/ with a reason file; with ``trainer_version`` and
-    ``max_staleness`` set, trajectories whose oldest generated token is more than
-    ``max_staleness`` versions old are dropped and listed in ``dropped_stale.json``.
+    ``max_staleness`` set, ``stale_policy`` says what happens to tokens more than
+    ``max_staleness`` versions old (module docstring): ``drop`` drops their trajectory,
+    ``mask`` clears them from ``loss_mask`` and drops a trajectory only when nothing of it is
+    left to train; dropped ones are listed in ``dropped_stale.json``.
     """
+    if stale_policy not in STALE_POLICIES:
+        raise ValueError(f"claim_step: stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
     rd = _rundir(run_dir)
     if step < 0 or want < 0:
         raise ValueError(f"claim_step: step ({step}) and want ({want}) must be >= 0")
@@ -295,7 +370,7 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
     for d in (rd.traj_ready, rd.traj_claimed, rd.traj_quarantine):
         d.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(rd.traj_claimed, older_than_s=3600.0)  # staging dirs of consumers that crashed
-    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid)
+    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid, stale_policy)
     claim.open()
     claim.absorb_existing()
     t0, waited = time.monotonic(), 0.0
@@ -315,7 +390,8 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
             time.sleep(poll_s)
             waited += poll_s
     result = claim.commit(want, waited, time.monotonic() - t0)
-    log.info("step %d: claimed %d shards, %d trajectories (%d stale dropped, %d quarantined) in %.2fs "
-             "(%.2fs waiting)", step, len(result.shards), len(result.trajectories), result.dropped_stale,
-             len(result.quarantined), result.claim_s, result.waited_s)
+    log.info("step %d: claimed %d shards, %d trajectories (%d stale dropped, %d stale tokens masked, "
+             "%d quarantined) in %.2fs (%.2fs waiting)", step, len(result.shards), len(result.trajectories),
+             result.dropped_stale, result.masked_stale_tokens, len(result.quarantined), result.claim_s,
+             result.waited_s)
     return result

@@ -25,6 +25,19 @@ behaviour importance weight truncated from above, as in truncated importance sam
 train/inference mismatch.  The optional KL term pulls the policy toward the policy that
 generated the data (no reference model is kept).
 
+Stale tokens (``rollout.stale_policy: mask``, applied by the claim: ``neon_hpc.store.claim``):
+a generated token more than ``max_staleness`` versions behind the trainer has ``mask == 0``
+here, exactly like a prompt token: it contributes nothing to the loss, the terms or
+``denom``, and its gradient is zero; it still conditions the tokens after it (it stays in
+the input). The in-bound tokens of the same trajectory train with the per-token TIS above.
+
+Group advantages with part of a group masked: the advantage is a property of the whole
+trajectory (its reward against its group's), so :func:`group_advantages` runs over every
+trajectory the claim kept, partly masked or not, with its full reward; the masked tokens
+simply do not carry it. A trajectory with no trainable token left was dropped by the claim
+and is not in its group: the group's mean/std are taken over the members present, and a
+group left with one member gets advantage 0 (no preference signal), as any group of one.
+
 Normalisation: the per-token losses are *summed* and divided by ``denom``, the number of
 generated tokens in the whole global batch (all micro-batches, all data-parallel ranks), so
 every token weighs the same however the batch is split; :func:`policy_loss` never averages
@@ -186,3 +199,14 @@ def staleness_stats(hist: dict[str, int]) -> tuple[float, int]:
         return math.nan, 0
     mean = sum(int(k) * c for k, c in hist.items()) / n
     return mean, max(int(k) for k in hist)
+
+
+def version_span_histogram(versions: Iterable[np.ndarray]) -> dict[str, int]:
+    """Count trajectories by how many distinct weight versions their generated tokens span."""
+    hist: dict[int, int] = defaultdict(int)
+    for v in versions:
+        v = np.asarray(v)
+        n = int(np.unique(v[v >= 0]).size)
+        if n:
+            hist[n] += 1
+    return {str(k): hist[k] for k in sorted(hist)}

@@ -1,0 +1,111 @@
+"""Per-token staleness (rollout.stale_policy): the claim masks tokens over the bound and drops a
+trajectory only when nothing of it is left to train; the loss then trains exactly the in-bound
+tokens (checked by hand, gradients of masked tokens are zero); waste is counted in tokens."""
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from neon_hpc.rundir import RunDir
+from neon_hpc.store import ShardWriter, claim_step
+from neon_hpc.store.claim import CLAIM_FILE, stale_token_mask
+from neon_hpc.store.config import StoreConfig
+from neon_hpc.store.trajectory import Trajectory
+from neon_hpc.train.loss import LossConfig, group_advantages, policy_loss, version_span_histogram
+
+CFG = StoreConfig(fsync=False)
+
+
+def _traj(task, versions, prompt=3, reward=1.0, group="g"):
+    """``prompt`` env tokens, then one generated token per entry of ``versions``."""
+    n = prompt + len(versions)
+    mask = np.array([0] * prompt + [1] * len(versions), np.uint8)
+    vers = np.array([-1] * prompt + list(versions), np.int32)
+    lp = np.array([0.0] * prompt + [-0.5 - 0.1 * i for i in range(len(versions))], np.float32)
+    return Trajectory(tokens=np.arange(n, dtype=np.int32) % 50, loss_mask=mask, logprobs=lp, versions=vers,
+                      reward=reward, task_id=task, group_id=group)
+
+
+def _publish(run, tag, trajs):
+    with ShardWriter(run, f"w-{tag}", CFG) as w:
+        for t in trajs:
+            w.add(t)
+
+
+def test_mask_policy_keeps_in_bound_tokens_and_drops_only_fully_stale(tmp_path):
+    v = 10   # trainer version; bound 2 -> versions >= 8 train
+    _publish(tmp_path, "a", [_traj("mixed", [v - 5, v - 5, v - 1, v - 1, v - 1]),   # 2 masked, 3 train
+                             _traj("fresh", [v, v]),
+                             _traj("old", [v - 4, v - 3])])                       # nothing in bound
+    res = claim_step(tmp_path, 1, want=2, consumer="trainer-0", trainer_version=v, max_staleness=2,
+                     timeout_s=0, stale_policy="mask")
+    by = {t.task_id: t for t in res.trajectories}
+    assert sorted(by) == ["fresh", "mixed"] and res.dropped_stale == 1
+    assert by["mixed"].loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert len(by["mixed"].tokens) == 8          # masked tokens stay in the context
+    assert res.generated_tokens == 9 and res.masked_stale_tokens == 2 and res.dropped_stale_tokens == 2
+    assert math.isclose(res.wasted_rollout_tokens, 4 / 9)
+    rec = json.loads((RunDir(tmp_path).claimed_step(1) / CLAIM_FILE).read_text())
+    assert rec["stale_policy"] == "mask" and rec["masked_stale_tokens"] == 2 and rec["dropped_stale_tokens"] == 2
+    # a resumed claim trains the same tokens (the shard keeps the engine's mask; the rule is re-applied)
+    again = claim_step(tmp_path, 1, want=2, consumer="trainer-0", trainer_version=v, max_staleness=2,
+                       timeout_s=0, stale_policy="mask")
+    assert again.resumed
+    assert {t.task_id: t.loss_mask.tolist() for t in again.trajectories} == \
+        {k: t.loss_mask.tolist() for k, t in by.items()}
+    assert again.masked_stale_tokens == 2 and math.isclose(again.wasted_rollout_tokens, 4 / 9)
+
+
+def test_drop_policy_drops_the_whole_trajectory_and_counts_its_tokens(tmp_path):
+    v = 10
+    _publish(tmp_path, "a", [_traj("mixed", [v - 5, v - 1, v - 1]), _traj("fresh", [v, v])])
+    res = claim_step(tmp_path, 1, want=1, consumer="trainer-0", trainer_version=v, max_staleness=2,
+                     timeout_s=0, stale_policy="drop")
+    assert [t.task_id for t in res.trajectories] == ["fresh"]
+    assert res.dropped_stale_tokens == 3 and res.masked_stale_tokens == 0 and res.generated_tokens == 5
+    assert math.isclose(res.wasted_rollout_tokens, 3 / 5)
+
+
+def test_loss_trains_only_in_bound_tokens_by_hand_and_masked_tokens_get_no_gradient():
+    # versions [v-5, v-1] under a bound of 2 at trainer version v: the v-5 token is masked
+    v = 7
+    versions = np.array([-1, v - 5, v - 1])
+    gen = np.array([0, 1, 1])
+    train = stale_token_mask(gen, versions, v, 2)
+    assert train.tolist() == [0, 0, 1]
+    logp = torch.tensor([0.0, -1.0, -0.4], dtype=torch.float64, requires_grad=True)
+    behav = torch.tensor([0.0, -1.3, -0.4 - math.log(1.5)], dtype=torch.float64)
+    adv = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
+    cfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.1)
+    loss, terms = policy_loss(logp, logp.detach(), behav, adv, torch.tensor(train, dtype=torch.float64),
+                              denom=float(train.sum()), cfg=cfg)
+    # the one trained token: w = min(exp(prox - behav), 2) = 1.5, rho = 1 -> pg = -1.5 * A;
+    # k3 = exp(d) - d - 1 with d = logp - behav = log 1.5
+    d = math.log(1.5)
+    want = -1.5 * 1.0 + 0.1 * (math.exp(d) - d - 1.0)
+    assert math.isclose(float(loss.detach()), want, rel_tol=1e-12)
+    assert float(terms["tokens"]) == 1.0
+    loss.backward()
+    g = logp.grad.tolist()
+    assert g[0] == 0.0 and g[1] == 0.0          # prompt and stale token: zero gradient
+    # d loss / d logp of the trained token: -w * A * rho + kl * (exp(d) - 1)
+    assert math.isclose(g[2], -1.5 + 0.1 * (1.5 - 1.0), rel_tol=1e-12)
+    # had the stale token trained, the loss would differ (the mask is what makes the difference)
+    loss_all, _ = policy_loss(logp.detach(), logp.detach(), behav, adv, torch.tensor(gen, dtype=torch.float64),
+                              denom=1.0, cfg=cfg)
+    assert not math.isclose(float(loss_all), want)
+
+
+def test_group_advantages_of_a_partly_masked_group_use_every_kept_member():
+    # a partly masked member keeps its full reward in its group's baseline
+    adv = group_advantages([1.0, 0.0, 0.5], ["g", "g", "g"], eps=0.0)
+    assert np.all(np.isfinite(adv)) and math.isclose(float(adv.sum()), 0.0, abs_tol=1e-12)
+    # a group reduced to one member by drops carries no preference: advantage 0
+    assert group_advantages([1.0], ["g"]).tolist() == [0.0]
+
+
+def test_version_span_histogram_counts_distinct_versions_of_generated_tokens():
+    assert version_span_histogram([np.array([-1, 3, 3, 4]), np.array([-1, 5]), np.array([-1, -1])]) == \
+        {"1": 1, "2": 1}
