@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent set-up for a fresh Debian/Ubuntu machine (laptop, CI, a login node you own):
-#   1. Debian packages for a real single-machine Slurm cluster (+ accounting) and HDF5 tools;
+#   1. Debian packages for a real single-machine Slurm cluster (+ accounting), HDF5 tools and the
+#      PostgreSQL server (the tests run the XRD system of record on it);
 #   2. the virtualenv .venv with neon-hpc and its pinned dependencies.
 # Safe to run twice: it skips what is already there.
 #
@@ -12,7 +13,8 @@ PY="${NEON_PYTHON:-python3}"
 VENV="${NEON_VENV:-$ROOT/.venv}"
 log() { printf '[setup %(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-APT_PKGS=(slurmctld slurmd slurm-client munge libpmix2 slurmdbd mariadb-server hdf5-tools)
+# postgresql: the server the tests start a throwaway cluster of (tests/pgcluster.py); not started here
+APT_PKGS=(slurmctld slurmd slurm-client munge libpmix2 slurmdbd mariadb-server hdf5-tools postgresql)
 
 if [[ -z "${NEON_SKIP_APT:-}" ]]; then
   missing=()

@@ -88,3 +88,14 @@ def slurm_cluster():
     if started and not os.environ.get("NEON_KEEP_CLUSTER"):
         subprocess.run(["bash", str(REPO / "env" / "cluster.sh"), "stop"],
                        env=dict(os.environ, NEON_CLUSTER_DIR=str(root)))
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (tests/pgcluster.py), stopped and removed after."""
+    from pgcluster import PgCluster, server_bin
+    if server_bin() is None:
+        pytest.skip("PostgreSQL server not installed (run `bash env/setup.sh`, which installs Debian's postgresql)")
+    pg = PgCluster().start()
+    yield pg
+    pg.stop()

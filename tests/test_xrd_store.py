@@ -1,12 +1,13 @@
-"""The dated store: nothing dated on or after the cutoff ever comes back (property tests)."""
+"""The dated store: nothing dated on or after the cutoff ever comes back (property tests), on SQLite
+and on a real PostgreSQL server (a throwaway cluster from tests/pgcluster.py)."""
 import datetime as dt
 import sqlite3
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from neon_hpc.xrd.library import load_library
-from neon_hpc.xrd.store import Store, chemical_system, iso_date
+from neon_hpc.xrd.store import Store, StoreError, chemical_system, iso_date
 
 ELEMENTS = ["Ni", "O", "Ti", "Zn", "La", "H", "Li", "C"]
 DAY0 = dt.date(2015, 1, 1)
@@ -25,12 +26,32 @@ record_st = st.lists(st.tuples(st.integers(0, 4000), st.lists(st.sampled_from(EL
                                                                unique=True)), min_size=1, max_size=40)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_store(request):
+    """A function returning an empty store on the parametrised backend."""
+    if request.param == "sqlite":
+        yield lambda: Store.open(":memory:")
+        return
+    pg = request.getfixturevalue("postgres")
+    opened = []
+
+    def fresh():
+        s = Store.open(pg.dsn())
+        s.execute("DELETE FROM experiments")
+        s.execute("DELETE FROM phases")
+        opened.append(s)
+        return s
+    yield fresh
+    for s in opened:
+        s.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(records=record_st, cutoff_days=st.integers(-10, 4010),
        query=st.one_of(st.none(), st.lists(st.sampled_from(ELEMENTS), min_size=1, max_size=5, unique=True)),
        mode=st.sampled_from(["subset", "any", "system", "all"]), limit=st.integers(0, 60))
-def test_no_record_on_or_after_the_cutoff_is_ever_returned(records, cutoff_days, query, mode, limit):
-    store = Store.open(":memory:")
+def test_no_record_on_or_after_the_cutoff_is_ever_returned(empty_store, records, cutoff_days, query, mode, limit):
+    store = empty_store()
     recs = _records(records)
     store.add_experiments(recs)
     cutoff = (DAY0 + dt.timedelta(days=cutoff_days)).isoformat()
@@ -56,10 +77,10 @@ def test_no_record_on_or_after_the_cutoff_is_ever_returned(records, cutoff_days,
     assert {r["sample_id"] for r in rows} <= {r["sample_id"] for r in expect}
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(year=st.integers(1900, 2030), els=st.lists(st.sampled_from(ELEMENTS), min_size=1, max_size=4, unique=True))
-def test_phases_published_on_or_after_the_cutoff_are_hidden(year, els):
-    store = _phase_store()
+def test_phases_published_on_or_after_the_cutoff_are_hidden(phase_store, year, els):
+    store = phase_store
     cutoff = f"{year}-06-01"
     rows = store.view(cutoff).phases(elements=els, limit=1000)
     assert all(r["available_from"] < cutoff and r["year"] <= year for r in rows)
@@ -68,15 +89,15 @@ def test_phases_published_on_or_after_the_cutoff_are_hidden(year, els):
     assert {r["id"] for r in rows} == expect
 
 
-_STORE = {}
-
-
-def _phase_store():
-    if "s" not in _STORE:
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def phase_store(request):
+    if request.param == "sqlite":
         s = Store.open(":memory:")
-        s.add_phases(load_library().phases)
-        _STORE["s"] = s
-    return _STORE["s"]
+    else:
+        s = Store.open(request.getfixturevalue("postgres").create_db("phases_only"))
+    s.add_phases(load_library().phases)
+    yield s
+    s.close()
 
 
 def test_store_file_survives_reopen_and_validates_dates(tmp_path):
@@ -92,3 +113,67 @@ def test_store_file_survives_reopen_and_validates_dates(tmp_path):
         s2.view("yesterday")
     assert iso_date("2020-02-29") == "2020-02-29"
     assert isinstance(s2.conn, sqlite3.Connection)
+
+
+def _write_batch(target, worker, n):
+    s = Store.open(target)
+    s.add_experiments([{"sample_id": f"w{worker}-{i}", "date": "2020-01-01", "elements": ["Ni", "O"],
+                        "source": "test"} for i in range(n)])
+    # the same record from every writer: an upsert, never a duplicate or an error
+    s.add_experiments([{"sample_id": "shared", "date": "2019-01-01", "elements": ["O"], "source": f"w{worker}"}])
+    s.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_concurrent_writers_from_separate_processes(backend, tmp_path, request):
+    import multiprocessing as mp
+    target = str(tmp_path / "exp.sqlite") if backend == "sqlite" else request.getfixturevalue("postgres").create_db("concurrent")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_batch, args=(target, w, 200)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    s = Store.open(target)
+    assert s.count("experiments") == 4 * 200 + 1
+    assert len(s.view("2020-01-02").experiments(limit=10_000)) == 801
+    assert s.view("2019-06-01").experiments(limit=10)[0]["source"] in {f"w{w}" for w in range(4)}
+
+
+def test_postgres_errors_name_the_server_and_the_fix(postgres):
+    from neon_hpc.netutil import free_port
+    dead = f"postgresql://neon:secret@127.0.0.1:{free_port()}/postgres"
+    with pytest.raises(StoreError, match="cannot connect") as e:
+        Store.open(dead)
+    assert "secret" not in str(e.value) and "server is running" in str(e.value)
+    with pytest.raises(StoreError, match="cannot connect"):
+        Store.open(postgres.dsn("no_such_database"))
+
+
+def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
+    import subprocess
+    import sys
+    from neon_hpc.xrd.tasks import open_task_set
+    dsn = postgres.create_db("taskset")
+    out = tmp_path / "set"
+    r = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "xrd", "tasks", "--preset", "tiny", "--split", "train",
+                        "--n", "3", "--no-real", "--out", str(out), "--db", dsn],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "experiments.sqlite").exists() and (out / "store.json").exists()
+    tasks, store = open_task_set(out)
+    assert len(tasks) == 3 and store.paramstyle == "format"
+    assert store.count("phases") == len(load_library().phases)
+    # the task's own record and its follow-up are in the server, and hidden by the task's date
+    t = tasks[0]
+    ids = {r[0] for r in store.execute("SELECT sample_id FROM experiments")}
+    assert {t.id, f"{t.id}-followup"} <= ids
+    visible = store.view(t.date).experiments(limit=10_000)
+    assert visible and all(r["date"] < t.date for r in visible)
+    assert not {t.id, f"{t.id}-followup"} & {r["sample_id"] for r in visible}
+    store.close()
+    bad = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "xrd", "tasks", "--preset", "tiny", "--split",
+                          "train", "--n", "1", "--no-real", "--out", str(tmp_path / "x"),
+                          "--db", postgres.dsn("missing_db")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "cannot connect to the system of record" in bad.stderr

@@ -1,7 +1,7 @@
 """``neon-hpc xrd ...``: library listing, task files, evaluation.
 
     neon-hpc xrd library [--list] [--elements Ti,O] [--source curated]
-    neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR
+    neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR [--db postgresql://...]
     neon-hpc xrd eval --solver baseline --preset easy --split test_id [--n 20] [--json OUT]
     neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min]
     neon-hpc xrd eval --endpoint URL ...      (LLM agent: neon_hpc.rollout.agent.eval_cli)
@@ -40,13 +40,19 @@ def _cmd_library(args) -> int:
 
 
 def _cmd_tasks(args) -> int:
+    from neon_hpc.xrd.store import StoreError
     from neon_hpc.xrd.tasks import load_tasks, write_tasks
     splits = [s for s in SPLIT_CHOICES if s != "all"] if args.split == "all" else [args.split]
     for split in splits:
         tasks = load_tasks(args.preset, split, args.seed, args.n)
         out = Path(args.out) / f"{args.preset}-{split}-s{args.seed}" if len(splits) > 1 else Path(args.out)
-        info = write_tasks(tasks, out, include_real=not args.no_real)
-        print(f"wrote {info['tasks']} tasks and {info['experiments']} experiment records to {info['dir']}")
+        try:
+            info = write_tasks(tasks, out, include_real=not args.no_real, db=args.db)
+        except (StoreError, ValueError) as e:
+            print(f"neon-hpc xrd tasks: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {info['tasks']} tasks to {info['dir']} and {info['experiments']} experiment records "
+              f"to {info['store']}")
     return 0
 
 
@@ -111,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--n", type=int, default=None)
     tk.add_argument("--out", required=True)
     tk.add_argument("--no-real", action="store_true", help="leave the real patterns out of the store")
+    tk.add_argument("--db", help="postgresql://USER@HOST:PORT/DB: write the experiments there instead of "
+                                 "DIR/experiments.sqlite (the folder records the DSN, without its password)")
     ev = sub.add_parser("eval", help="evaluate a solver (or an LLM agent with --endpoint)")
     ev.add_argument("--solver", default="baseline")
     ev.add_argument("--preset", default="easy", choices=("tiny", "easy", "medium", "realistic"))

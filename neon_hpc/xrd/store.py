@@ -2,8 +2,10 @@
 
 Schema (portable: only TEXT / INTEGER / DOUBLE PRECISION, JSON kept as TEXT, ISO dates as
 TEXT 'YYYY-MM-DD' so string order is date order).  SQLite is the embedded default; the same
-DDL runs on PostgreSQL (pass a psycopg connection: placeholders are rewritten for its
-``format`` paramstyle).  Tables:
+DDL and the same statements run on PostgreSQL: :meth:`Store.connect` takes a file path or a
+``postgresql://`` DSN (psycopg 3; placeholders are rewritten for its ``format`` paramstyle).
+Both are tested, including the date cutoff and concurrent writers (``tests/test_xrd_store.py``
+against a throwaway PostgreSQL cluster).  Tables:
 
 ``experiments``: sample_id (key), date, chemical_system ("La-Ni-O-Ti", sorted), elements
 (JSON list), precursors (JSON list), conditions (JSON object), two_theta / intensity (JSON
@@ -20,6 +22,7 @@ queries).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import sqlite3
@@ -76,6 +79,40 @@ def chemical_system(elements: Iterable[str]) -> str:
     return "-".join(sorted(set(elements)))
 
 
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+_SCHEMA_LOCK_KEY = 0x6E656F6E  # any constant: the advisory lock that serialises schema creation
+
+
+class StoreError(RuntimeError):
+    """The system of record cannot be opened; the message names it and what to do."""
+
+
+def is_postgres(target: str | Path) -> bool:
+    return str(target).startswith(POSTGRES_SCHEMES)
+
+
+def redact_dsn(dsn: str) -> str:
+    """A DSN fit for logs and task folders: the password (if any) removed."""
+    from urllib.parse import urlsplit, urlunsplit
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    host = parts.hostname or ""
+    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _upsert(table: str, columns: tuple[str, ...], key: str) -> str:
+    """One INSERT that replaces an existing row, in syntax SQLite (>= 3.24) and PostgreSQL share."""
+    updates = ",".join(f"{c}=excluded.{c}" for c in columns if c != key)
+    return (f"INSERT INTO {table} ({','.join(columns)}) VALUES ({','.join('?' * len(columns))}) "
+            f"ON CONFLICT ({key}) DO UPDATE SET {updates}")
+
+
+PHASE_COLUMNS = ("id", "formula", "spacegroup", "sg_number", "chemical_system", "elements", "year",
+                 "available_from", "source", "reference", "answer_eligible", "density")
+
+
 class Store:
     """A connection plus the schema; writes go here, reads for agents go through :meth:`view`."""
 
@@ -84,36 +121,67 @@ class Store:
         self.lock = threading.RLock()      # one connection shared by a worker's threads
         self.paramstyle = "qmark" if isinstance(conn, sqlite3.Connection) else "format"
         cur = conn.cursor()
+        if self.paramstyle == "format":
+            # concurrent CREATE TABLE IF NOT EXISTS races in PostgreSQL's catalog: serialise it
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
         for stmt in SCHEMA:
             cur.execute(stmt)
         conn.commit()
 
     @classmethod
     def open(cls, path: str | Path = ":memory:") -> "Store":
+        """A file path (or ``:memory:``) opens SQLite; a ``postgresql://`` DSN opens PostgreSQL."""
+        if is_postgres(path):
+            return cls.connect_postgres(str(path))
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(str(path), check_same_thread=False)
+        # timeout: concurrent writers (several task builders, workers) wait for SQLite's lock
+        conn = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
+        return cls(conn)
+
+    @classmethod
+    def connect_postgres(cls, dsn: str, connect_timeout_s: int = 10) -> "Store":
+        try:
+            import psycopg
+        except ImportError as e:  # declared in pyproject; only a broken venv lacks it
+            raise StoreError(f"{redact_dsn(dsn)}: PostgreSQL needs psycopg ({e}); run `bash env/setup.sh`") from None
+        try:
+            conn = psycopg.connect(dsn, connect_timeout=connect_timeout_s)
+        except psycopg.OperationalError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StoreError(f"cannot connect to the system of record {redact_dsn(dsn)}: {first}. Check that the "
+                             f"server is running and reachable, and the user, password (PGPASSWORD or ~/.pgpass) "
+                             f"and database in the DSN") from None
+        except psycopg.ProgrammingError as e:
+            raise StoreError(f"{redact_dsn(dsn)} is not a valid PostgreSQL DSN ({e}); write "
+                             f"postgresql://USER@HOST:PORT/DBNAME") from None
         return cls(conn)
 
     def _sql(self, sql: str) -> str:
         return sql if self.paramstyle == "qmark" else sql.replace("?", "%s")
 
     def execute(self, sql: str, params: tuple = ()) -> list[tuple]:
-        with self.lock:
-            cur = self.conn.cursor()
+        with self.lock, self._transaction() as cur:
             cur.execute(self._sql(sql), params)
             return cur.fetchall() if cur.description else []
 
+    @contextlib.contextmanager
+    def _transaction(self):
+        """A cursor whose work is committed on success and rolled back on error (a failed
+        statement leaves a PostgreSQL transaction aborted until then)."""
+        cur = self.conn.cursor()
+        try:
+            yield cur
+        except BaseException:
+            self.conn.rollback()
+            raise
+        self.conn.commit()
+
     def add_experiments(self, records: Iterable[dict]) -> int:
         rows = [self._experiment_row(r) for r in records]
-        marks = ",".join("?" * len(EXPERIMENT_COLUMNS))
-        sql = self._sql(f"INSERT OR REPLACE INTO experiments ({','.join(EXPERIMENT_COLUMNS)}) VALUES ({marks})") \
-            if self.paramstyle == "qmark" else \
-            self._sql(f"INSERT INTO experiments ({','.join(EXPERIMENT_COLUMNS)}) VALUES ({marks}) "
-                      "ON CONFLICT (sample_id) DO NOTHING")
-        with self.lock:
-            self.conn.cursor().executemany(sql, rows)
-            self.conn.commit()
+        sql = self._sql(_upsert("experiments", EXPERIMENT_COLUMNS, "sample_id"))
+        with self.lock, self._transaction() as cur:
+            cur.executemany(sql, rows)
         return len(rows)
 
     @staticmethod
@@ -135,11 +203,8 @@ class Store:
         rows = [(p.id, p.display_formula or p.formula, p.spacegroup, p.sg_number, p.chemsys,
                  json.dumps(list(p.elements)), p.year, f"{p.year:04d}-01-01", p.source, p.reference,
                  int(p.answer_eligible), p.density) for p in phases]
-        verb = "INSERT OR REPLACE INTO" if self.paramstyle == "qmark" else "INSERT INTO"
-        tail = "" if self.paramstyle == "qmark" else " ON CONFLICT (id) DO NOTHING"
-        with self.lock:
-            self.conn.cursor().executemany(self._sql(f"{verb} phases VALUES (?,?,?,?,?,?,?,?,?,?,?,?){tail}"), rows)
-            self.conn.commit()
+        with self.lock, self._transaction() as cur:
+            cur.executemany(self._sql(_upsert("phases", PHASE_COLUMNS, "id")), rows)
         return len(rows)
 
     def count(self, table: str) -> int:
@@ -212,16 +277,13 @@ class DatedView:
     def phases(self, elements: Iterable[str] | None = None, chemical_system_: str | None = None,
                formula: str | None = None, limit: int = 50) -> list[dict]:
         """Library phases published before the cutoff (subset of ``elements``, or exact system)."""
-        sql = "SELECT id, formula, spacegroup, sg_number, chemical_system, elements, year, available_from, " \
-              "source, reference, answer_eligible, density FROM phases WHERE available_from < ?"
+        sql = f"SELECT {','.join(PHASE_COLUMNS)} FROM phases WHERE available_from < ?"
         params: list[Any] = [self.cutoff]
         if chemical_system_:
             sql += " AND chemical_system = ?"
             params.append(chemical_system(chemical_system_.split("-")))
         sql += " ORDER BY answer_eligible DESC, year, id"
-        keys = ("id", "formula", "spacegroup", "sg_number", "chemical_system", "elements", "year",
-                "available_from", "source", "reference", "answer_eligible", "density")
-        rows = [dict(zip(keys, r)) for r in self.store.execute(sql, tuple(params))]
+        rows = [dict(zip(PHASE_COLUMNS, r)) for r in self.store.execute(sql, tuple(params))]
         for r in rows:
             r["elements"] = json.loads(r["elements"])
             r["answer_eligible"] = bool(r["answer_eligible"])

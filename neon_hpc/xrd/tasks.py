@@ -300,22 +300,40 @@ def load_tasks(preset: str, split: str, seed: int = 0, n: int | None = None) -> 
 # ----------------------------------------------------------------------------------------------
 # files the rollout workers read, and the store the tools query
 
-def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = True) -> dict:
-    """``tasks.jsonl`` (one task per line) + ``experiments.sqlite`` (library, histories, real data)."""
+STORE_POINTER = "store.json"   # a task folder whose experiments live in a server: {"db": DSN}
+
+
+def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = True, db: str | None = None) -> dict:
+    """``tasks.jsonl`` (one task per line) + the store (library, histories, real data).
+
+    The store is ``experiments.sqlite`` in the folder, or, with ``db`` a ``postgresql://`` DSN,
+    that database (upserts: rerunning is safe), recorded in ``store.json`` without its password
+    (libpq takes it from PGPASSWORD or ~/.pgpass).  Each file is published by rename, the
+    folder's pointer to the store last.
+    """
+    from neon_hpc.rundir import atomic_write_json, atomic_write_text
+    from neon_hpc.xrd.store import is_postgres, redact_dsn
+    if db is not None and not is_postgres(db):
+        raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the store is "
+                         f"experiments.sqlite inside the task folder)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "tasks.jsonl.tmp"
-    with tmp.open("w") as fh:
-        for t in tasks:
-            fh.write(json.dumps(t.to_json()) + "\n")
-    tmp.replace(out / "tasks.jsonl")
-    db_tmp = out / "experiments.sqlite.tmp"
-    db_tmp.unlink(missing_ok=True)
-    store = build_store(tasks, db_tmp, include_real=include_real)
-    n_exp = store.count("experiments")
-    store.close()
-    db_tmp.replace(out / "experiments.sqlite")
-    return {"tasks": len(tasks), "experiments": n_exp, "dir": str(out)}
+    if db is None:
+        db_tmp = out / "experiments.sqlite.tmp"
+        db_tmp.unlink(missing_ok=True)
+        store = build_store(tasks, db_tmp, include_real=include_real)
+        n_exp = store.count("experiments")
+        store.close()
+        db_tmp.replace(out / "experiments.sqlite")
+    else:
+        store = build_store(tasks, db, include_real=include_real)
+        n_exp = store.count("experiments")
+        store.close()
+    atomic_write_text(out / "tasks.jsonl", "".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    if db is not None:
+        atomic_write_json(out / STORE_POINTER, {"db": redact_dsn(db)})
+    return {"tasks": len(tasks), "experiments": n_exp, "dir": str(out),
+            "store": redact_dsn(db) if db else str(out / "experiments.sqlite")}
 
 
 def read_tasks(path: str | Path) -> list[Task]:
@@ -335,9 +353,12 @@ def read_tasks(path: str | Path) -> list[Task]:
 def open_task_set(path: str | Path) -> tuple[list[Task], Store]:
     """A folder written by :func:`write_tasks`: its tasks and its store (for ``make_context(task, store)``)."""
     folder = Path(path)
-    db = folder / "experiments.sqlite"
+    pointer, db = folder / STORE_POINTER, folder / "experiments.sqlite"
+    if pointer.exists():
+        return read_tasks(folder), Store.open(json.loads(pointer.read_text())["db"])
     if not db.exists():
-        raise FileNotFoundError(f"{db}: missing; write the task set with `neon-hpc xrd tasks ... --out {folder}`")
+        raise FileNotFoundError(f"{db}: missing (and no {STORE_POINTER} naming a database); write the task set "
+                                f"with `neon-hpc xrd tasks ... --out {folder} [--db postgresql://...]`")
     return read_tasks(folder), Store.open(db)
 
 
