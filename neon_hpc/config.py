@@ -7,8 +7,15 @@ valid one::
 
     configs/x.yaml: train.lrr: unknown key; did you mean 'train.lr'?
 
-Value checks live beside the fields, in each section's ``validate()`` returning
-``[(field, message), ...]``; cross-section rules live in :func:`_cross_checks`.
+Value ranges are declared beside the fields (each section's ``CHECKS`` and ``RULES``) and
+checked by one checker, :mod:`neon_hpc.constraints`; a field that declares nothing still
+gets its annotation's default (floats finite and ``>= 0``, ints ``>= 0`` and below
+``2**63``).  Every violation is reported, each with the file, the key, the bad value and
+what is allowed::
+
+    configs/x.yaml (with --set train.lr=nan): train.lr: got nan; allowed: a finite number in (0, 1]
+
+Cross-section rules live in :func:`_cross_checks`.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from typing import Any, Literal
 
 import yaml
 
+from neon_hpc import constraints
+from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
 from neon_hpc.launch.config import LaunchConfig
+from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.rollout.config import EngineConfig, RolloutConfig
@@ -109,7 +119,7 @@ def _type_name(tp: Any) -> str:
 
 def _convert(tp: Any, value: Any, key: str, where: str) -> Any:
     def bad(extra: str = "") -> ConfigError:
-        return ConfigError(f"{where}: {key}: expected {_type_name(tp)}, got {value!r}"
+        return ConfigError(f"{where}: {key}: expected {_type_name(tp)}, got {short_repr(value)}"
                            f" ({type(value).__name__}){extra}")
 
     origin = typing.get_origin(tp)
@@ -180,24 +190,19 @@ def _from_dict(cls: type, data: dict, prefix: str, where: str) -> Any:
             close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else \
                 f"; valid keys here: {', '.join(names)}"
-            raise ConfigError(f"{where}: {path}: unknown key{hint}")
+            raise ConfigError(f"{where}: {clip_text(path, REPR_CAP)}: unknown key{hint}")
         kwargs[k] = _convert(hints[k], v, path, where)
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        for fld, msg in obj.validate():
-            path = f"{prefix}.{fld}" if prefix else fld
-            raise ConfigError(f"{where}: {path}: {msg} (got {getattr(obj, fld)!r})")
-    return obj
+    return cls(**kwargs)
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set train.lr=1e-4")
+        raise ConfigError(f"--set {short_repr(item)}: expected key.path=value, e.g. --set train.lr=1e-4")
     key, raw = item.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from e
+        raise ConfigError(f"--set {short_repr(item)}: value is not valid YAML ({clip_text(str(e), REPR_CAP)})") from e
     return key.strip().split("."), value
 
 
@@ -215,9 +220,17 @@ def from_dict(data: dict, where: str = "<config>") -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
     cfg = _from_dict(ExperimentConfig, data, "", where)
+    check(cfg, where)
+    return cfg
+
+
+def check(cfg: ExperimentConfig, where: str = "<config>") -> None:
+    """Raise one :class:`ConfigError` listing every out-of-range value, then cross-section rules."""
+    bad = constraints.check(cfg)
+    if bad:
+        raise ConfigError("\n".join(f"{where}: {v}" for v in bad))
     for key, msg in _cross_checks(cfg):
         raise ConfigError(f"{where}: {key}: {msg}")
-    return cfg
 
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -238,7 +251,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         keys, value = _parse_override(item)
         _apply_override(data, keys, value)
     if overrides:
-        where += " (with --set " + " ".join(overrides) + ")"
+        where += " (with --set " + " ".join(clip_text(o, REPR_CAP) for o in overrides) + ")"
     return from_dict(data, where)
 
 

@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import Rule, at_least
+
 
 @dataclass
 class BalanceConfig:
@@ -16,18 +18,14 @@ class BalanceConfig:
     split_sequences: bool = True        # let the cost planner split sequences across DP ranks
                                         # (false: whole sequences only, for a trainer without split pieces)
 
-    def validate(self):
-        errs = []
-        if self.tokens_per_microbatch < 1:
-            errs.append(("tokens_per_microbatch", "must be >= 1"))
-        if self.min_microbatches < 0:
-            errs.append(("min_microbatches", "must be >= 0 (0 = one per pipeline stage)"))
-        if self.cost_a < 0:
-            errs.append(("cost_a", "cost coefficients must be >= 0"))
-        if self.cost_b < 0:
-            errs.append(("cost_b", "cost coefficients must be >= 0"))
-        if (self.cost_a > 0 or self.cost_b > 0) and self.cost_file:
-            errs.append(("cost_file", "give either cost_a/cost_b or cost_file, not both"))
-        if self.split_threshold_tokens < 0:
-            errs.append(("split_threshold_tokens", "must be >= 0 (0 = auto)"))
-        return errs
+    CHECKS = {
+        "tokens_per_microbatch": at_least(1),
+        "min_microbatches": at_least(0, "0 = one per pipeline stage"),
+        "cost_a": at_least(0, "0 = derive from the model config or cost_file"),
+        "cost_b": at_least(0, "0 = derive from the model config or cost_file"),
+        "split_threshold_tokens": at_least(0, "0 = auto"),
+    }
+    RULES = (
+        Rule("cost_file", lambda c: not ((c.cost_a > 0 or c.cost_b > 0) and c.cost_file),
+             "either cost_a/cost_b or cost_file, not both"),
+    )

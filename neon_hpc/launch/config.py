@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from neon_hpc.constraints import at_least
+
 
 @dataclass
 class GroupConfig:
@@ -14,15 +16,11 @@ class GroupConfig:
     cpus_per_task: int = 1
     mem: str = ""                       # e.g. "0" for all, "8G"; "" = partition default
 
-    def validate(self):
-        errs = []
-        if self.nodes < 1:
-            errs.append(("nodes", "must be >= 1"))
-        if self.tasks_per_node < 1:
-            errs.append(("tasks_per_node", "must be >= 1"))
-        if self.gpus_per_node < 0:
-            errs.append(("gpus_per_node", "must be >= 0"))
-        return errs
+    CHECKS = {
+        "nodes": at_least(1),
+        "tasks_per_node": at_least(1),
+        "cpus_per_task": at_least(1),
+    }
 
 
 @dataclass
@@ -37,8 +35,4 @@ class LaunchConfig:
     train: GroupConfig = field(default_factory=lambda: GroupConfig(partition="train"))
     extra_sbatch: list[str] = field(default_factory=list)
 
-    def validate(self):
-        errs = []
-        if self.signal_before_s < 0:
-            errs.append(("signal_before_s", "must be >= 0"))
-        return errs
+    CHECKS = {"signal_before_s": at_least(0, "seconds before the time limit")}

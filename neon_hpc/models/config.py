@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import Rule, above, at_least
+
 
 @dataclass
 class ModelConfig:
@@ -24,13 +26,15 @@ class ModelConfig:
     init_checkpoint: str = ""           # HF or torch_dist path to start from; "" = random init from seed
     seed: int = 1234
 
-    def validate(self):
-        errs = []
-        if self.num_attention_heads % self.num_query_groups:
-            errs.append(("num_attention_heads", f"must be a multiple of num_query_groups ({self.num_query_groups})"))
-        if not 1 <= self.moe_router_topk <= self.num_experts:
-            errs.append(("moe_router_topk", f"must be in 1..num_experts ({self.num_experts})"))
-        for k in ("vocab_size", "hidden_size", "num_layers", "head_dim", "num_experts"):
-            if getattr(self, k) <= 0:
-                errs.append((k, "must be positive"))
-        return errs
+    CHECKS = {
+        **{k: at_least(1) for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                    "num_query_groups", "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size",
+                                    "num_experts", "moe_router_topk", "max_position_embeddings")},
+        "rope_theta": above(0),
+        "norm_epsilon": above(0, le=1.0),
+    }
+    RULES = (
+        Rule("num_attention_heads", lambda c: c.num_attention_heads % c.num_query_groups == 0,
+             "a multiple of num_query_groups ({num_query_groups})"),
+        Rule("moe_router_topk", lambda c: c.moe_router_topk <= c.num_experts, "in 1..num_experts ({num_experts})"),
+    )

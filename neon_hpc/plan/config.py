@@ -7,6 +7,8 @@ parameter came from).  Units are SI: seconds, bytes, FLOP/s.
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import above, at_least, between
+
 
 @dataclass
 class PlanConfig:
@@ -45,24 +47,15 @@ class PlanConfig:
     sweep_points: int = 9
     seed: int = 0
 
-    def validate(self):
-        errs = []
-        positive = ("decode_tokens_per_s", "tool_latency_s", "turns_sigma", "gen_tokens_sigma",
-                    "export_bytes_per_s", "gpu_flops", "mfu")
-        for k in positive:
-            if getattr(self, k) <= 0:
-                errs.append((k, "must be > 0"))
-        nonneg = ("total_gpus", "gpus_per_node", "prefill_tokens_per_s", "rollout_slots",
-                  "turns_median", "gen_tokens_median", "tail_gen_tokens_median", "prompt_tokens",
-                  "tool_tokens_per_turn", "step_overhead_s", "publish_bytes_per_s")
-        for k in nonneg:
-            if getattr(self, k) < 0:
-                errs.append((k, "must be >= 0 (0 = derive from the rest of the config)"))
-        if not 0.0 <= self.tail_fraction <= 1.0:
-            errs.append(("tail_fraction", "must be in [0, 1]"))
-        if self.mfu > 1.0:
-            errs.append(("mfu", "is a fraction of peak: must be in (0, 1]"))
-        for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every"):
-            if getattr(self, k) < 1:
-                errs.append((k, "must be >= 1"))
-        return errs
+    CHECKS = {
+        **{k: above(0) for k in ("decode_tokens_per_s", "tool_latency_s", "turns_sigma", "gen_tokens_sigma",
+                                 "export_bytes_per_s", "gpu_flops")},
+        **{k: at_least(0, "0 = derive from the rest of the config") for k in ("total_gpus", "gpus_per_node", "prefill_tokens_per_s",
+                                          "rollout_slots", "turns_median", "gen_tokens_median",
+                                          "tail_gen_tokens_median", "prompt_tokens", "tool_tokens_per_turn",
+                                          "step_overhead_s", "publish_bytes_per_s")},
+        "mfu": above(0, le=1.0, note="a fraction of peak"),
+        "tail_fraction": between(0, 1),
+        "dense_layers": at_least(-1, "-1 = 1 for deepseek_v3 (first layer dense), 0 otherwise"),
+        **{k: at_least(1) for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every")},
+    }

@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import above, at_least
+
 
 @dataclass
 class StoreConfig:
@@ -16,16 +18,8 @@ class StoreConfig:
     fsync: bool = True                 # fsync data + directory on publish (off only for tests/benchmarks)
     stale_tmp_s: float = 3600.0        # a writer removes tmp/.*.tmp.part files untouched this long
 
-    def validate(self):
-        errs = []
-        if self.flush_trajectories < 1:
-            errs.append(("flush_trajectories", "must be >= 1"))
-        if self.flush_seconds <= 0:
-            errs.append(("flush_seconds", "must be > 0"))
-        if self.flush_bytes < 1:
-            errs.append(("flush_bytes", "must be >= 1"))
-        if self.stale_tmp_s <= 0:
-            errs.append(("stale_tmp_s", "must be > 0"))
-        if self.compression_chunk_tokens < 1:
-            errs.append(("compression_chunk_tokens", "must be >= 1"))
-        return errs
+    CHECKS = {
+        **{k: at_least(1) for k in ("flush_trajectories", "flush_bytes", "compression_chunk_tokens")},
+        "flush_seconds": above(0, note="seconds"),
+        "stale_tmp_s": above(0, note="seconds"),
+    }

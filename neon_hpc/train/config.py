@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import Range, above, at_least, between
+
 
 @dataclass
 class TrainConfig:
@@ -27,22 +29,16 @@ class TrainConfig:
     wait_for_data_s: float = 600.0
     seed: int = 1234
 
-    def validate(self):
-        errs = []
-        if self.steps < 1:
-            errs.append(("steps", "must be >= 1"))
-        if self.lr <= 0:
-            errs.append(("lr", "must be > 0"))
-        if self.clip_eps <= 0 or self.clip_eps >= 1:
-            errs.append(("clip_eps", "must be in (0, 1)"))
-        if self.kl_coef < 0:
-            errs.append(("kl_coef", "must be >= 0"))
-        for k in ("publish_every", "checkpoint_every", "trajectories_per_step"):
-            if getattr(self, k) < 1:
-                errs.append((k, "must be >= 1"))
-        if self.tis_cap < 1.0:
-            errs.append(("tis_cap", "must be >= 1.0 (it truncates importance ratios from above)"))
-        for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel", "data_parallel"):
-            if getattr(self, k) < 1:
-                errs.append((k, "must be >= 1"))
-        return errs
+    CHECKS = {
+        "steps": between(1, 10**9),
+        "lr": above(0, le=1.0),
+        "weight_decay": at_least(0),
+        "grad_clip": at_least(0, "0 = no clipping"),
+        "clip_eps": Range(gt=0, lt=1),
+        "tis_cap": at_least(1.0, "it truncates importance ratios from above"),
+        "kl_coef": at_least(0),
+        **{k: at_least(1) for k in ("trajectories_per_step", "checkpoint_every", "publish_every",
+                                    "tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                    "context_parallel", "data_parallel")},
+        "wait_for_data_s": above(0, note="seconds"),
+    }

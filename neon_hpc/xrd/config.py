@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from neon_hpc.constraints import at_least
+
 
 @dataclass
 class XRDConfig:
@@ -14,5 +16,4 @@ class XRDConfig:
     strict_grading: bool = False        # +-5 wt% instead of +-10 (see neon_hpc/xrd/grader.py)
     real_data: str = ""                 # xrd-real folder; "" = $NEON_XRD_REAL_DATA or ../shared/data/xrd-real
 
-    def validate(self):
-        return [("num_tasks", "must be >= 1")] if self.num_tasks < 1 else []
+    CHECKS = {"num_tasks": at_least(1)}

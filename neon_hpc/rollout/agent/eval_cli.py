@@ -68,7 +68,8 @@ def rollout_config(args) -> RolloutConfig:
                          ("max_total_tokens", args.max_total_tokens), ("prompt_style", args.prompt_style)):
         if value is not None and value != "auto":
             cfg = replace(cfg, **{field: value})
-    errs = cfg.validate()
+    from neon_hpc.constraints import errors
+    errs = errors(cfg)
     if errs:
         raise SystemExit(f"neon-hpc xrd eval: {errs[0][0]}: {errs[0][1]}")
     return cfg
