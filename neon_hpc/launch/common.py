@@ -70,6 +70,24 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
     return run, cfg
 
 
+def trained_versions_and_waste(trainer: list[dict]) -> dict[str, Any]:
+    """From trainer step records: how many versions the trained trajectories span (histogram),
+    the share spanning >= 2, and the rollout tokens wasted to staleness (dropped + masked over
+    generated, as the claims counted them)."""
+    spans: Counter = Counter()
+    for r in trainer:
+        for k, v in (r.get("version_spans") or {}).items():
+            spans[int(k)] += int(v)
+    gen = sum(int(r.get("claimed_gen_tokens", 0)) for r in trainer)
+    masked = sum(int(r.get("masked_stale_tokens", 0)) for r in trainer)
+    dropped = sum(int(r.get("dropped_stale_tokens", 0)) for r in trainer)
+    n = sum(spans.values())
+    return {"trained_versions_spanned": dict(sorted(spans.items())),
+            "trained_multi_version_fraction": sum(v for k, v in spans.items() if k >= 2) / n if n else None,
+            "masked_stale_tokens": masked, "dropped_stale_tokens": dropped,
+            "wasted_rollout_tokens": (masked + dropped) / gen if gen else None}
+
+
 def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     run = RunDir(run_dir)
     trainer = read_metrics(run.root, "trainer")
@@ -104,6 +122,7 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
         "trainer_idle_fraction": wait / (wait + busy) if wait + busy > 0 else None,
         "rollout_idle_fraction": rollout_wait / (wall * len(workers)) if wall > 0 else None,
         "wall_s": wall,
+        **trained_versions_and_waste(trainer),
     }
 
 
@@ -111,11 +130,17 @@ def render_summary(s: dict[str, Any]) -> str:
     def f(v):
         return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
     spans = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}" for k, v in s["versions_spanned"].items()) or "-"
+    trained = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}"
+                        for k, v in s.get("trained_versions_spanned", {}).items()) or "-"
     return "\n".join([
         f"steps {s['steps']}   wall {s['wall_s']:.0f}s",
         f"trajectories written {s['trajectories_written']}, trained {s['trajectories_trained']}; "
         f"tokens written {s['tokens_written']}, trained {s['tokens_trained']}",
         f"versions spanned per trajectory: {spans}",
+        f"versions spanned per trained trajectory (token by token): {trained}   "
+        f"(>= 2 versions: {f(s.get('trained_multi_version_fraction'))})",
+        f"wasted rollout tokens {f(s.get('wasted_rollout_tokens'))} (stale: {s.get('masked_stale_tokens', 0)} "
+        f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
         f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}   max staleness {f(s['staleness_max'])}",
         f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
     ])

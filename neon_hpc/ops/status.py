@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neon_hpc.launch.common import trained_versions_and_waste
 from neon_hpc.logs import read_metrics
 from neon_hpc.rundir import RunDir, read_json
 
@@ -91,6 +92,7 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
         "shards": shard_counts(run),
         "trajectories_written": len(rollout),
         "staleness_hist": trainer[-1].get("staleness_hist", {}) if trainer else {},
+        **trained_versions_and_waste(trainer),
         "trainer_tokens_per_s": _rate(trainer, "tokens"),
         "rollout_tokens_per_s": _rate(rollout, "tokens"),
         "reward_last": trainer[-1].get("reward_mean") if trainer else None,
@@ -128,6 +130,12 @@ def render(info: dict[str, Any]) -> str:
     if info["staleness_hist"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(info["staleness_hist"].items(), key=lambda kv: int(kv[0])))
         lines.append(f"staleness {hist}   (trainer version - token version: token count)")
+    if info.get("trained_versions_spanned"):
+        spans = " ".join(f"{k}:{v}" for k, v in info["trained_versions_spanned"].items())
+        lines.append(f"versions  {spans}   (versions spanned: trained trajectories)")
+    if info.get("wasted_rollout_tokens") is not None:
+        lines.append(f"wasted    {info['wasted_rollout_tokens']:.3f} of generated tokens (stale: "
+                     f"{info['masked_stale_tokens']} masked, {info['dropped_stale_tokens']} dropped)")
     serving = [(i, e) for i, e in enumerate(info.get("engines", [])) if e.get("urls")]
     if serving:
         lines.append("engines   " + "; ".join(

@@ -99,8 +99,11 @@ class RouteCache:
 
     # --- absorbing a response ----------------------------------------------------------
     def absorb(self, prompt_ids: Sequence[int], output_ids: Sequence[int], routes: np.ndarray | None,
-               start: int, version: int) -> None:
+               start: int, version) -> None:
         """Splice a response's routes (covering ``[start, seqlen-1)``) into the cache.
+
+        ``version``: the weight version of the new rows ``[start, seqlen)``, one int or one
+        per row (a weight update inside the response: rows follow its version spans).
 
         Raises :class:`RouteMismatch` (cache unchanged) when the rows do not fit; the caller
         then invalidates and retries with a full export.
@@ -108,7 +111,9 @@ class RouteCache:
         seqlen = len(prompt_ids) + len(output_ids)
         routes = self._check(routes, start, seqlen)
         self._count(start, routes)
-        if start > 0 and len(self.row_versions[:start]) and np.any(self.row_versions[:start] != version):
+        vers = np.broadcast_to(np.asarray(version, dtype=np.int64), (seqlen - start,))
+        if start > 0 and len(self.row_versions[:start]) and len(vers) and \
+                np.any(self.row_versions[:start] != vers[0]):   # vs the prefill's version
             self.invalidate("version_change")   # refresh policy: next request is a full export
         else:
             self._force_full = False
@@ -117,7 +122,7 @@ class RouteCache:
                                                        np.zeros((1,) + routes.shape[1:], np.int32))
         self.routes = np.concatenate([head, routes, placeholder], axis=0)
         self.row_versions = np.concatenate([self.row_versions[:start],
-                                            np.full(seqlen - start, version, dtype=np.int64)])
+                                            vers])
         self.tokens = np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)])
 
     def _check(self, routes: np.ndarray | None, start: int, seqlen: int) -> np.ndarray:

@@ -94,8 +94,9 @@ class ReplayConversation:
             if self.mode == "off":
                 return res
             try:
-                self.cache.absorb(input_ids, res.output_ids, res.routed_experts, start,
-                                  self.version_of(res.weight_version))
+                rows = (res.route_row_versions(start, self.version_of) if hasattr(res, "route_row_versions")
+                        else self.version_of(res.weight_version))   # per row when the engine sent spans
+                self.cache.absorb(input_ids, res.output_ids, res.routed_experts, start, rows)
             except RouteMismatch as e:
                 last = e
                 self.cache.invalidate("row_mismatch")

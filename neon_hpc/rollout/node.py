@@ -8,8 +8,11 @@ engine, or SGLang servers placed over the group's nodes by ``engines/fleet.py``;
 then, until told to stop:
 
 * polls ``weights/LATEST`` and tells each engine to load a newer version
-  (``/update_weights_from_disk``). Engines swap weights between forward passes, so an
-  episode in flight continues on the new weights: its tokens record both versions;
+  (``engines.fleet.update_weights``, per ``engine.weight_update``). ``in_place`` (default):
+  pause in place, load, continue, so a response in flight goes on with the new weights and
+  its KV cache, and its tokens record both versions (``meta_info.weight_versions``);
+  ``between_requests``: the load waits for running requests. Either way an episode of
+  several turns continues on the new weights in its next turn;
 * restarts a worker that died (``rollout.restart_dead_workers``), logging the exit code;
   the worker's flushed shards are already published, its unflushed group is lost (never a
   partial shard: the store publishes by rename);
@@ -159,11 +162,12 @@ class RolloutNode:
         latest = self.run.latest_weights()
         if not latest or latest[0] <= self.loaded_version:
             return
+        from neon_hpc.rollout.engines.fleet import update_weights
         version, path = latest
         t0 = time.monotonic()
         for i, c in enumerate(self.clients):
             try:
-                c.update_weights_from_disk(str(path), str(version))
+                update_weights(c, str(path), str(version), self.cfg.engine.weight_update)
             except (OSError, RuntimeError) as e:  # EngineError, ConnectionError, TimeoutError
                 if self.stopping:
                     return

@@ -8,7 +8,8 @@ module only keeps the books a trainer needs:
   additions and model outputs (never re-tokenized);
 - ``loss_mask`` 1 on tokens the model generated, 0 on everything the environment appended;
 - ``logprobs`` / ``versions``: the engine's logprob and the weight version of each generated
-  token (0 / -1 elsewhere);
+  token (0 / -1 elsewhere); versions come from the response's ``weight_versions`` spans when
+  the engine sent them (weights updated in place mid-response), else its ``weight_version``;
 - ``routed_experts``: assembled by delta router replay, one row per token;
 - ``turn_offsets``: turn ``k`` is ``[turn_offsets[k], turn_offsets[k+1])``: the tokens the
   environment appended before generation ``k``, then that generation.
@@ -61,14 +62,18 @@ class Ledger:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def add_generated(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def add_generated(self, ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
+        """``version``: one for every token, or one per token (a weight update inside the response)."""
         if len(logprobs) != len(ids):
             raise ValueError(f"engine returned {len(logprobs)} logprobs for {len(ids)} output tokens; "
                              f"request return_logprob=true")
+        versions = [int(version)] * len(ids) if isinstance(version, int) else [int(v) for v in version]
+        if len(versions) != len(ids):
+            raise ValueError(f"engine reported versions for {len(versions)} of {len(ids)} output tokens")
         self.tokens += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
-        self.versions += [version] * len(ids)
+        self.versions += versions
 
     def end_turn(self) -> None:
         self.turn_offsets.append(len(self.tokens))
@@ -142,7 +147,9 @@ class Episode:
         if self.seed is not None:
             self.seed += 1
         out = [int(i) for i in res.output_ids]
-        self.ledger.add_generated(out, list(res.output_logprobs or []), self.version_of(res.weight_version))
+        versions = (res.token_versions(self.version_of) if hasattr(res, "token_versions")
+                    else self.version_of(res.weight_version))   # per token when the engine sent spans
+        self.ledger.add_generated(out, list(res.output_logprobs or []), versions)
         text = self.tok.decode(out)
         self.texts.append(text)
         return text

@@ -20,7 +20,7 @@ import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -45,10 +45,41 @@ class GenerateResult:
     finish_reason: dict | None
     prompt_tokens: int
     meta_info: dict = field(repr=False, default_factory=dict)
+    # SGLang's per-token version spans [{"version", "start", "end"}] over the output tokens
+    # (end exclusive); None when the engine reports only weight_version
+    weight_versions: list[dict] | None = None
 
     @property
     def aborted(self) -> bool:
         return bool(self.finish_reason) and self.finish_reason.get("type") == "abort"
+
+    def token_versions(self, version_of: Callable[[str], int] = int) -> list[int]:
+        """The weight version of each output token: from the spans when the engine sent
+        them (a weight update inside the response), else ``weight_version`` for all."""
+        n = len(self.output_ids)
+        if not self.weight_versions:
+            return [version_of(self.weight_version)] * n
+        out: list[int] = []
+        for span in self.weight_versions:
+            out += [version_of(span["version"])] * (span["end"] - span["start"])
+        return out
+
+    def route_row_versions(self, start: int, version_of: Callable[[str], int] = int) -> list[int]:
+        """The weight version of each route row ``[start, seqlen)``, following the spans.
+
+        Row ``p`` holds the experts of the forward that consumed token ``p``: prompt rows come
+        from the prefill, which sampled output token 0; output token ``j``'s row from the
+        decode step that sampled token ``j + 1``; the last token was never forwarded (its row
+        is the cache's placeholder) and takes its own version.
+        """
+        toks = self.token_versions(version_of)
+        prefill = toks[0] if toks else version_of(self.weight_version)
+        p, n = self.prompt_tokens, len(toks)
+        rows = []
+        for pos in range(start, p + n):
+            j = pos - p
+            rows.append(prefill if j < 0 else toks[min(j + 1, n - 1)])
+        return rows
 
 
 class EngineClient:
@@ -124,10 +155,12 @@ class EngineClient:
                 rows = nbytes // (4 * layers * top_k)  # only what was forwarded before the abort
             routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k)
         version = meta.get("weight_version")
+        spans = _spans(meta.get("weight_versions"), len(output_ids), self.base_url)
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
                               weight_version=str(version) if version is not None else "0",
                               finish_reason=meta.get("finish_reason"),
-                              prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta)
+                              prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta,
+                              weight_versions=spans)
 
     def _route_shape(self, nbytes: int, rows: int) -> tuple[int, int]:
         """(num_moe_layers, top_k): given, else from the engine, else from the payload itself.
@@ -168,13 +201,18 @@ class EngineClient:
         return self._request("GET", "/get_model_info")
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None,
-                                 abort_all_requests: bool = False) -> dict:
-        """Ask the engine to load new weights; waits until they serve.  Raises on failure."""
+                                 abort_all_requests: bool = False, flush_cache: bool = True) -> dict:
+        """Ask the engine to load new weights; waits until they serve.  Raises on failure.
+
+        ``flush_cache=False`` while requests are paused ``in_place``: SGLang's flush after the
+        load fails when requests hold KV cache."""
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         if abort_all_requests:
             body["abort_all_requests"] = True
+        if not flush_cache:
+            body["flush_cache"] = False
         try:
             out = self._request("POST", "/update_weights_from_disk", body)
         except EngineError as e:
@@ -191,6 +229,31 @@ class EngineClient:
 
     def continue_generation(self) -> dict:
         return self._request("POST", "/continue_generation", {})
+
+
+def _spans(raw: Any, n: int, url: str) -> list[dict] | None:
+    """``meta_info.weight_versions`` checked: contiguous spans covering output tokens [0, n)."""
+    if raw is None:
+        return None
+    bad = EngineError(502, f"meta_info.weight_versions does not cover the {n} output tokens in order: "
+                           f"{str(raw)[:200]}", url)
+    if not isinstance(raw, list) or not raw:
+        raise bad
+    spans, at = [], 0
+    for sp in raw:
+        if not isinstance(sp, dict) or "version" not in sp:
+            raise bad
+        try:
+            a, b = int(sp["start"]), int(sp["end"])
+        except (KeyError, TypeError, ValueError):
+            raise bad from None
+        if a != at or b < a:
+            raise bad
+        spans.append({"version": str(sp["version"]), "start": a, "end": b})
+        at = b
+    if at != n:
+        raise bad
+    return spans
 
 
 def _topk_from_config(model_path: str | None) -> int | None:

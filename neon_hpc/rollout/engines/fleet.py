@@ -20,6 +20,17 @@ here, not by a shell), health-checks them, and stops them with their whole proce
 * **Weights**: engines start on the newest published version (``weights/LATEST``) unless
   ``engine.model_path`` names another start; updates go to every engine directly (the PD
   router does not forward ``/update_weights_from_disk``).
+* **Weight updates** (:func:`update_weights`, the node's one sequence for SGLang and the
+  embedded engine alike), per ``engine.weight_update``: ``between_requests`` is one
+  ``/update_weights_from_disk`` (it waits for running requests); ``in_place`` is SGLang's
+  ``/pause_generation {"mode": "in_place"}``, ``/update_weights_from_disk`` with
+  ``flush_cache: false`` (the running requests keep their KV cache, and SGLang's flush
+  fails while they hold it), then ``/continue_generation``: requests in flight finish on the
+  new weights and report both versions in ``meta_info.weight_versions``.  Request shapes
+  as checked in SGLang's ``python/sglang/srt/managers/io_struct.py`` (``PauseGenerationReqInput.mode``,
+  ``UpdateWeightFromDiskReqInput.{model_path, weight_version, flush_cache}``,
+  ``ContinueGenerationReqInput``) at commit 001067fffe33427bee0ed2f007fb7551a1d76b44, and the
+  spans in ``python/sglang/srt/utils/weight_versions.py`` at 19f93835d3f8a0b84485592090245d11de783289.
 * **Signals**: Slurm's pre-timeout SIGUSR1 reaches every process of the job step; engines
   are started with it ignored (an engine has nothing to save; the node stops it).
 
@@ -46,6 +57,25 @@ from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands,
 
 class FleetError(RuntimeError):
     """An engine could not be placed, started or reached; the message says what to do."""
+
+
+WEIGHT_UPDATE_POLICIES = ("in_place", "between_requests")
+
+
+def update_weights(client, model_path: str, version: str, policy: str) -> dict:
+    """Load ``model_path`` as ``version`` into one engine under ``policy`` (module docstring).
+
+    ``in_place`` always continues generation, also when the load fails (the old weights then
+    keep serving and the error propagates)."""
+    if policy == "between_requests":
+        return client.update_weights_from_disk(model_path, version)
+    if policy != "in_place":
+        raise ValueError(f"engine.weight_update must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")
+    client.pause_generation(mode="in_place")
+    try:
+        return client.update_weights_from_disk(model_path, version, flush_cache=False)
+    finally:
+        client.continue_generation()
 
 
 _VAR = re.compile(r"\$\{([A-Z0-9_]+)\}")
