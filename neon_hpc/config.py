@@ -57,6 +57,7 @@ class ExperimentConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     xrd: XRDConfig = field(default_factory=XRDConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 class ConfigError(ValueError):

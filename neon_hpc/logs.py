@@ -52,10 +52,11 @@ class RoleLogger:
     >>> log.metrics(step=4, loss=0.1)
     """
 
-    def __init__(self, logger: logging.Logger, ctx: _Context, metrics_path: Path | None):
+    def __init__(self, logger: logging.Logger, ctx: _Context, metrics_path: Path | None, sinks=None):
         self.logger, self._ctx = logger, ctx
         self._metrics_path = metrics_path
         self._metrics_f = open(metrics_path, "a", buffering=1) if metrics_path else None
+        self._sinks = sinks   # TensorBoard / W&B (neon_hpc.logsinks), when the logging section enables them
 
     @classmethod
     def open(cls, run_root: str | os.PathLike | None, role: str, rank: int | str,
@@ -78,12 +79,16 @@ class RoleLogger:
             fh.addFilter(ctx)
             logger.addHandler(fh)
             metrics_path = d / "metrics.jsonl"
+        sinks = None
+        if run_root is not None:
+            from neon_hpc.logsinks import open_sinks
+            sinks = open_sinks(Path(run_root), role, rank)
         if echo:
             sh = logging.StreamHandler(sys.stderr)
             sh.setFormatter(fmt)
             sh.addFilter(ctx)
             logger.addHandler(sh)
-        return cls(logger, ctx, metrics_path)
+        return cls(logger, ctx, metrics_path, sinks)
 
     def set(self, step: int | None = None, version: int | None = None) -> None:
         if step is not None:
@@ -105,6 +110,8 @@ class RoleLogger:
             rec["step"] = self._ctx.step
         rec.update(fields)
         self._metrics_f.write(json.dumps(rec, default=float) + "\n")
+        if self._sinks is not None:
+            self._sinks.write(rec)
 
     def close(self) -> None:
         for h in list(self.logger.handlers):
@@ -112,6 +119,9 @@ class RoleLogger:
             h.close()
         if self._metrics_f:
             self._metrics_f.close()
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None
 
 
 def read_metrics(run_root: str | os.PathLike, role: str) -> list[dict[str, Any]]:

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-url", default=None)
     a = p.parse_args(argv)
     cfg = config.load(a.config)
+    from neon_hpc import logsinks
+    logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     if a.role == "trainer":
         _trainer_env()
         forked_children_die_with_me()   # megatron's forked checkpoint writers

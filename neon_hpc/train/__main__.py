@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
+    from neon_hpc import logsinks
+    logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     from neon_hpc.train.loop import run_trainer
     forked_children_die_with_me()   # megatron's forked checkpoint writers
     return run_trainer(cfg, args.run_dir)
