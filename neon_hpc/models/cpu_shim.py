@@ -32,6 +32,14 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
   and events whose waits return at once (the alltoall dispatcher's DtoH side stream).
 - ``numpy_splits``: ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns numpy for CPU
   tensors too, as the alltoall dispatcher expects for its split sizes.
+- ``pipeline_token_counter``: the pipeline schedules (``pipeline_parallel/schedules.py``) start
+  their token counter with ``torch.zeros(..., device="cuda")``; the module's ``torch`` becomes
+  a view of torch whose ``zeros`` maps ``"cuda"`` to ``"cpu"`` (everything else is torch itself).
+- ``p2p_shapes``: with ``variable_seq_lengths`` the stages exchange each micro-batch's tensor
+  shape before the tensor; megatron always does that with ``batch_isend_irecv``, which hangs
+  on gloo.  The exchange goes through megatron's own ordered ``isend``/``irecv`` pairs
+  (``_p2p_ops``, the path its tensors take with ``batch_p2p_comm=False``) and waits for them.
+  The tensors themselves need no patch: the trainer sets ``batch_p2p_comm=False`` on CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import threading
 import torch
 
 PATCHES = ("current_device", "synchronize", "rng_tracker", "causal_mask", "te_general_gemm",
-           "torch_norm_sp", "streams", "numpy_splits")
+           "torch_norm_sp", "streams", "numpy_splits", "pipeline_token_counter", "p2p_shapes")
 
 _lock = threading.Lock()
 _applied: list[str] = []
@@ -213,3 +221,42 @@ def _patch_numpy_splits() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = move
     token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+class _TorchWithCpuZeros:
+    """``torch`` for one module, except that ``zeros(..., device="cuda")`` lands on CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _patch_pipeline_token_counter() -> None:
+    from megatron.core.pipeline_parallel import schedules
+    schedules.torch = _TorchWithCpuZeros()
+
+
+def _patch_p2p_shapes() -> None:
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        def shape_of(t):
+            return None if t is None else torch.tensor(t.size(), dtype=torch.int64)
+
+        recv_prev_t = torch.empty((3,), dtype=torch.int64) if recv_prev else None
+        recv_next_t = torch.empty((3,), dtype=torch.int64) if recv_next else None
+        reqs = p2p._p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_t,
+                            tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_t,
+                            group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                            next_pipeline_rank=self.next_rank)
+        for req in reqs.values():
+            req.wait()
+        return (recv_prev_t.tolist() if recv_prev_t is not None else [0, 0, 0],
+                recv_next_t.tolist() if recv_next_t is not None else [0, 0, 0])
+
+    p2p.P2PCommunicator._communicate_shapes = communicate_shapes

@@ -10,7 +10,14 @@ What megatron-core does here, and what we do:
 - forward: the packed micro-batch with its block-causal mask; labels go in, megatron's
   vocab-parallel cross-entropy comes out, so ``logp = -ce`` is exact under TP;
 - router replay: megatron's ``RouterReplay`` instances, cleared before each model build
-  (they accumulate in a class-level list otherwise), fed per micro-batch and cleared after.
+  (they accumulate in a class-level list otherwise), fed per micro-batch and cleared after;
+  a pipeline stage holds the instances of its own MoE layers and gets those layers' routes;
+- micro-batches: megatron-core's pipeline schedules (:func:`forward_backward`): no
+  pipelining for PP = 1, 1F1B for PP > 1, micro-batches in the plan's order, each stage's
+  activation shape exchanged per micro-batch (``variable_seq_lengths``: packed micro-batches
+  differ in length).  On CPU the stages talk over gloo through megatron's ordered
+  ``isend``/``irecv`` path (``batch_p2p_comm=False``; ``batch_isend_irecv`` hangs on gloo) and
+  :mod:`neon_hpc.models.cpu_shim` covers the schedules' CUDA literals.
 
 Gradient scale: megatron's DDP divides every gradient by the DP size before summing over
 DP (dense) or expert-DP (experts), i.e. it expects each rank's loss to be a *mean*.  Our loss
@@ -20,6 +27,7 @@ is a sum over the step's tokens divided by the global token count, so each rank 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +51,25 @@ class Layout:
     tp_rank: int
     ep_rank: int
     dp_rank: int
+    pp_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
+    vpp: int = 1
+    layer_offset: int = 0            # global index of this stage's first decoder layer
+    num_local_layers: int = 0        # decoder layers on this stage
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def as_record(self) -> dict[str, int]:
+        """What a checkpoint records; two layouts with equal records run the same shards."""
+        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "cp": self.cp, "dp": self.dp, "vpp": self.vpp,
+                "world": self.world}
 
 
 @dataclass
@@ -67,19 +94,46 @@ class Backend:
         return float(global_tokens) / self.layout.dp
 
     def num_moe_layers(self) -> int:
-        return self.model_cfg.num_layers     # qwen3_moe: every layer is MoE
+        return len(self.moe_layer_ids())
+
+    def moe_layer_ids(self) -> list[int]:
+        """Global indices of the decoder layers that route (rows of a trajectory's routes)."""
+        if self.model_cfg.arch == "qwen3_moe":
+            return list(range(self.model_cfg.num_layers))      # every layer is MoE
+        from neon_hpc.models.adapters import get_adapter       # dense first layers do not route
+        return list(get_adapter(self.model_cfg.arch).moe_layers(self.model_cfg))
+
+    def route_rows(self) -> list[int]:
+        """Which rows of the ``[S, moe_layers, k]`` routes this pipeline stage's routers replay."""
+        lay = self.layout
+        mine = range(lay.layer_offset, lay.layer_offset + lay.num_local_layers)
+        return [i for i, layer in enumerate(self.moe_layer_ids()) if layer in mine]
+
+
+def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: int = 0) -> dict[str, Any]:
+    """TransformerConfig fields for ``pp`` stages (empty for PP = 1)."""
+    if pp == 1:
+        return {}
+    return dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                variable_seq_lengths=True,                 # packed micro-batches differ in length
+                batch_p2p_comm=torch.cuda.is_available(),  # gloo: ordered isend/irecv, not batch_isend_irecv
+                num_layers_in_first_pipeline_stage=first_stage_layers or None,
+                num_layers_in_last_pipeline_stage=last_stage_layers or None)
 
 
 def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: float = 1e-3,
           weight_decay: float = 0.0, grad_clip: float = 1.0, replay: bool = True,
-          seed: int = 1234, backend: str | None = None) -> Backend:
+          seed: int = 1234, backend: str | None = None, pp_first_stage_layers: int = 0,
+          pp_last_stage_layers: int = 0, vpp: int = 1) -> Backend:
     """Initialise parallel state (from the torch.distributed env vars), build and wrap the model."""
     from neon_hpc.models import megatron as mm
     from neon_hpc.train import cpu_optimizer
+    from neon_hpc.train.layout import stage_layers
 
-    if pp != 1:
-        raise NotImplementedError(f"train.pipeline_parallel={pp}: this trainer runs PP=1 (its own "
-                                  f"micro-batch loop); set train.pipeline_parallel: 1")
+    if vpp != 1:
+        raise NotImplementedError(f"train.virtual_pipeline_stages={vpp}: the interleaved schedule is not "
+                                  f"wired in this trainer yet; set it to 1 (plain 1F1B)")
+    per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed)
@@ -89,11 +143,16 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     RouterReplay.clear_global_router_replay_instances()
-    model = mm.build_gpt_model(model_cfg, tp=tp, ep=ep, routing_replay=replay, seed=seed)
-    if replay and len(RouterReplay.global_router_replay_instances) != model_cfg.num_layers:
-        raise RuntimeError(f"expected {model_cfg.num_layers} RouterReplay instances after the build, found "
-                           f"{len(RouterReplay.global_router_replay_instances)}")
+    model = mm.build_gpt_model(model_cfg, tp=tp, ep=ep, routing_replay=replay, seed=seed,
+                               **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers))
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    n_local, offset = len(model.decoder.layers), get_transformer_layer_offset(model.config)
+    if n_local != per_stage[pp_rank] or offset != sum(per_stage[:pp_rank]):
+        raise RuntimeError(f"pipeline stage {pp_rank}: megatron built layers [{offset}, {offset + n_local}), "
+                           f"train/layout.py planned {per_stage} per stage (the two rules disagree)")
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     _mark_tp_local_expert_grads(model, tp, ep)
@@ -106,8 +165,13 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
-                    dp_rank=coords["dp_rank"])
-    return Backend(model_cfg=model_cfg, layout=layout, model=model, ddp=ddp, optimizer=optimizer, replay=replay)
+                    dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, layer_offset=offset,
+                    num_local_layers=n_local)
+    be = Backend(model_cfg=model_cfg, layout=layout, model=model, ddp=ddp, optimizer=optimizer, replay=replay)
+    if replay and len(RouterReplay.global_router_replay_instances) != len(be.route_rows()):
+        raise RuntimeError(f"expected {len(be.route_rows())} RouterReplay instances on pipeline stage {pp_rank} "
+                           f"after the build, found {len(RouterReplay.global_router_replay_instances)}")
+    return be
 
 
 def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
@@ -157,23 +221,109 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None) -> tor
     dev = _device()
     if use_replay:
         RouterReplay.set_replay_data([t.to(dev) for t in replay_tensors(
-            mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel)])
+            mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel, layers=be.route_rows())])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
-        ce = be.ddp(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                    attention_mask=mb.attention_mask.to(dev), labels=mb.labels.to(dev))
+        out = be.ddp(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                     attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                     labels=mb.labels.to(dev))
     finally:
         if be.replay:
             # set_target_indices appends to a backward-replay list on every call: clear per micro-batch.
             RouterReplay.clear_global_indices()
             RouterReplay.clear_global_router_replay_action()
-    return -ce.float()
+    # the last stage returns the per-token cross-entropy; the others their hidden states
+    return -out.float() if be.layout.last_stage else out
+
+
+def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
+                     forward_context=None) -> dict[str, float]:
+    """Forward and backward every micro-batch through megatron-core's schedule; returns summed terms.
+
+    ``loss_fn(logp [1, S], mb) -> (loss, terms)`` runs on the last pipeline stage only (the
+    others return ``{}``; :func:`reduce_step_sums` spreads the last stage's sums).  megatron
+    divides each micro-batch's loss by the number of micro-batches (its loss is a mean); ours
+    is already a sum over the step's tokens divided by their global count, so the loss handed
+    to the schedule is multiplied by that number first.  ``forward_context(j)``, if given, is
+    entered around micro-batch ``j``'s forward (its backward may run later, after other
+    forwards: 1F1B).  Gradients are not finalised here
+    (``finalize_model_grads_func`` stays unset): the caller does it once after this returns.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from neon_hpc.train.loss import add_terms
+
+    n = len(microbatches)
+    if n == 0:
+        return {}
+    sums: dict[str, float] = {}
+
+    index = iter(range(n))
+
+    def step(data_iter, model):
+        mb, j = next(data_iter), next(index)
+        with (forward_context(j) if forward_context is not None else contextlib.nullcontext()):
+            out = forward_logp(be, mb)
+
+        def loss_func(logp):
+            loss, terms = loss_fn(logp, mb)
+            add_terms(sums, terms)
+            # 3-tuple: megatron divides by the token count given (1) and by n (undone here)
+            return loss * n, torch.ones((), dtype=torch.int), {}
+        return out, loss_func
+
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter(microbatches), model=[be.ddp],
+                                num_microbatches=n, seq_length=max(mb.seq_len for mb in microbatches),
+                                micro_batch_size=1, forward_only=False)
+    return sums
+
+
+def reduce_step_sums(be: Backend, sums: dict[str, float]) -> dict[str, float]:
+    """Sum per-step terms over DP, then hand the last pipeline stage's result to every stage."""
+    import torch.distributed as dist
+    out = reduce_sums(sums)
+    if be.layout.pp == 1:
+        return out
+    from megatron.core import parallel_state as ps
+    group = ps.get_pipeline_model_parallel_group()
+    box = [out if be.layout.last_stage else None]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+    return box[0]
 
 
 # --------------------------------------------------------------------------------------
 # full (TP=1, EP=1) state dict of the sharded model, for HF export of small models
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_FIRST_STAGE = ("embedding.",)
+_LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
+
+
+def _renumber_layer(key: str, shift: int) -> str:
+    """``decoder.layers.L.*`` -> ``decoder.layers.(L+shift).*`` (other keys unchanged)."""
+    m = _LAYER.match(key)
+    return key if m is None else f"decoder.layers.{int(m.group(1)) + shift}.{key[m.end():]}"
+
+
+def stage_state_dict(full: dict[str, torch.Tensor], lay: Layout) -> dict[str, torch.Tensor]:
+    """The part of a full (all-layer) state dict this pipeline stage holds, in its local numbering."""
+    out = {}
+    lo, hi = lay.layer_offset, lay.layer_offset + lay.num_local_layers
+    for key, t in full.items():
+        m = _LAYER.match(key)
+        if m:
+            if lo <= int(m.group(1)) < hi:
+                out[_renumber_layer(key, -lo)] = t
+        elif key.startswith(_FIRST_STAGE):
+            if lay.first_stage:
+                out[key] = t
+        elif key.startswith(_LAST_STAGE):
+            if lay.last_stage:
+                out[key] = t
+        else:
+            out[key] = t
+    return out
 
 
 def _partition_dims(model) -> dict[str, int | None]:
@@ -192,40 +342,46 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     """
     import torch.distributed as dist
 
-    sd = {k: v.detach().cpu() for k, v in be.model.state_dict().items() if not k.endswith("_extra_state")}
-    mine = (be.layout.tp_rank, be.layout.ep_rank, sd, _partition_dims(be.model))
-    if be.layout.world == 1:
+    lay = be.layout
+    shift = lay.layer_offset          # pipeline stages number their layers from 0: make them global
+    sd = {_renumber_layer(k, shift): v.detach().cpu() for k, v in be.model.state_dict().items()
+          if not k.endswith("_extra_state")}
+    dims = {_renumber_layer(k, shift): d for k, d in _partition_dims(be.model).items()}
+    mine = (lay.tp_rank, lay.ep_rank, sd, dims)
+    if lay.world == 1:
         gathered = [mine]
     else:
-        gathered = [None] * be.layout.world if be.layout.rank == 0 else None
+        gathered = [None] * lay.world if lay.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-    if be.layout.rank != 0:
+    if lay.rank != 0:
         return None
-    by_tp = {t: (s, d) for t, _e, s, d in reversed(gathered)}
-    by_ep = {e: s for _t, e, s, _d in reversed(gathered)}
-    per_rank = be.model_cfg.num_experts // be.layout.ep
+    per_rank = be.model_cfg.num_experts // lay.ep
+    by_tp: dict[int, dict[str, torch.Tensor]] = {}
+    all_dims: dict[str, int | None] = {}
     out: dict[str, torch.Tensor] = {}
-    sd0, dims0 = by_tp[0]
-    for key in sd0:
-        m = _EXPERT.match(key)
-        if m:
-            for e_rank, s in sorted(by_ep.items()):
-                local = int(m.group(2))
-                out[f"{m.group(1)}{e_rank * per_rank + local}{m.group(3)}"] = s[key]
-            continue
-        dim = dims0.get(key)
-        if dim is None or be.layout.tp == 1:
-            out[key] = sd0[key]
+    for t, e_rank, s, d in reversed(gathered):     # lowest rank last: its copy wins
+        all_dims.update(d)
+        for key, v in s.items():
+            m = _EXPERT.match(key)
+            if m:
+                out[f"{m.group(1)}{e_rank * per_rank + int(m.group(2))}{m.group(3)}"] = v
+            else:
+                by_tp.setdefault(t, {})[key] = v
+    for key, v0 in by_tp[0].items():
+        dim = all_dims.get(key)
+        if dim is None or lay.tp == 1:
+            out[key] = v0
         else:
-            out[key] = torch.cat([by_tp[t][0][key] for t in range(be.layout.tp)], dim=dim)
+            out[key] = torch.cat([by_tp[t][key] for t in range(lay.tp)], dim=dim)
     return out
 
 
 def load_full_state_dict(be: Backend, full: dict[str, torch.Tensor]) -> None:
     """Load an unsharded megatron state dict into this rank's shard (every rank calls it)."""
     from neon_hpc.models.convert import load_into_megatron, shard_for_rank
-    load_into_megatron(be.model, shard_for_rank(full, be.model_cfg, tp_rank=be.layout.tp_rank,
-                                                tp=be.layout.tp, ep_rank=be.layout.ep_rank, ep=be.layout.ep))
+    load_into_megatron(be.model, shard_for_rank(stage_state_dict(full, be.layout), be.model_cfg,
+                                                tp_rank=be.layout.tp_rank, tp=be.layout.tp,
+                                                ep_rank=be.layout.ep_rank, ep=be.layout.ep))
 
 
 def load_initial_weights(be: Backend, path: str) -> None:
@@ -238,6 +394,9 @@ def load_initial_weights(be: Backend, path: str) -> None:
         load_full_state_dict(be, hf_to_megatron(read_hf_state_dict(p), be.model_cfg))
     elif (p / ".metadata").exists():
         from megatron.core import dist_checkpointing
+
+        from neon_hpc.train.checkpoint import refuse_untrusted
+        refuse_untrusted(p)          # a foreign checkpoint: its pickles could run code in megatron's load
         sharded = {"model": be.model.sharded_state_dict()}
         loaded = dist_checkpointing.load(sharded, str(p))
         be.model.load_state_dict(loaded["model"], strict=False)

@@ -22,7 +22,10 @@ class TrainConfig:
     pipeline_parallel: int = 1
     expert_parallel: int = 1
     context_parallel: int = 1
-    data_parallel: int = 1
+    data_parallel: int = 1               # the DP size: world = tp * pp * cp * dp (train/layout.py)
+    pipeline_first_stage_layers: int = 0   # uneven PP: layers on the first stage (0 = even share)
+    pipeline_last_stage_layers: int = 0    # uneven PP: layers on the last stage (0 = even share)
+    virtual_pipeline_stages: int = 1     # > 1: interleaved 1F1B with this many model chunks per stage
     checkpoint_every: int = 4
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
@@ -39,6 +42,6 @@ class TrainConfig:
         "kl_coef": at_least(0),
         **{k: at_least(1) for k in ("trajectories_per_step", "checkpoint_every", "publish_every",
                                     "tensor_parallel", "pipeline_parallel", "expert_parallel",
-                                    "context_parallel", "data_parallel")},
+                                    "context_parallel", "data_parallel", "virtual_pipeline_stages")},
         "wait_for_data_s": above(0, note="seconds"),
     }
