@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,9 +156,11 @@ def test_foreign_pickle_is_refused_and_leaves_nothing(ckpt, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
-def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path):
-    """Damage that metadata cannot show (bytes overwritten) fails the run and removes staging."""
+def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path, capsys):
+    """Without digests (integrity.json removed), damage that breaks the blob's zip fails the run
+    and removes staging; the run warned that integrity could not be verified."""
     src = _broken_copy(ckpt, tmp_path)
+    (src / "integrity.json").unlink()
     plan, _, _ = build_plan(src, ckpt / "hf")
     _key, chunk = plan.tasks[-1].chunks[0]
     with open(src / chunk.file, "r+b") as f:   # wipe the blob's zip directory (its last bytes)
@@ -167,6 +170,27 @@ def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path):
     with pytest.raises(ReshardError, match="not a loadable torch.save blob"):
         convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", ranks=2)
     _assert_nothing_written(tmp_path / "out")
+    assert "integrity of its tensor bytes cannot be verified" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["fast", "serial"])
+def test_flipped_bytes_inside_a_blob_are_refused_naming_the_tensor(ckpt, tmp_path, mode):
+    """64 bytes flipped mid-blob still load as a tensor; the digest check refuses them."""
+    src = _broken_copy(ckpt, tmp_path)
+    plan, _, _ = build_plan(src, ckpt / "hf")
+    key, chunk = next((k, c) for t in plan.tasks for k, c in t.chunks if "experts.linear_fc1" in k)
+    with open(src / chunk.file, "r+b") as f:
+        f.seek(chunk.offset + chunk.length // 2)
+        data = f.read(64)
+        f.seek(chunk.offset + chunk.length // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ReshardError, match=re.escape(chunk.file) + r".*holding " +
+                       re.escape(f"{key}@{list(chunk.offsets)}") + " is corrupt"):
+        convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", mode=mode)
+    _assert_nothing_written(tmp_path / "out")
+    stats = convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", verify_digests=False)
+    assert stats["digests_verified"] is False     # the flip really does pass unnoticed without the check
 
 
 def test_dry_run_reads_metadata_only_and_never_imports_torch(ckpt):
@@ -179,12 +203,19 @@ def test_dry_run_reads_metadata_only_and_never_imports_torch(ckpt):
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in r.stdout
 
 
-def test_without_hf_config_the_arch_derives_one(ckpt, tmp_path):
-    stats = convert(ckpt / "ckpt", tmp_path / "hf", arch="qwen3_moe")
+def test_without_any_config_it_refuses_unless_guesses_are_allowed(ckpt, tmp_path):
+    with pytest.raises(Exception, match=r"(?s)no HF config found.*rope_theta.*--hf-config-dir.*config.json.*"
+                                        r"run.yaml") as e:
+        convert(ckpt / "ckpt", tmp_path / "hf", arch="qwen3_moe")
+    assert "rms_norm_eps" in str(e.value) and not (tmp_path / "hf").exists()
+    stats = convert(ckpt / "ckpt", tmp_path / "hf", arch="qwen3_moe", allow_guessed_config=True)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 8)
     assert cfg["num_experts"] == 4 and cfg["num_hidden_layers"] == 2
-    assert "rope_theta" in stats["guessed_config_fields"]
+    assert "rope_theta" in stats["guessed_config_fields"] and "rope_theta" not in cfg
+    assert "- rope_theta" in (tmp_path / "hf" / "README.md").read_text()
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "rope_theta" in index["metadata"]["guessed_config_fields"]
 
 
 @pytest.mark.slow
@@ -198,7 +229,7 @@ def test_a_failing_rank_under_mpi_fails_all_and_leaves_nothing(ckpt, tmp_path):
     (tmp_path / "out").mkdir()
     r = run_cli("--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"),
                 "--quiet", n=2)
-    assert r.returncode != 0 and "not a loadable torch.save blob" in r.stderr
+    assert r.returncode != 0 and "is corrupt" in r.stderr and chunk.file in r.stderr
     _assert_nothing_written(tmp_path / "out")
 
 

@@ -17,7 +17,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dst", help="output HF directory (must not exist; appears only when complete)")
     p.add_argument("--hf-config-dir", help="directory with the model's HF config.json (+ tokenizer files to copy)")
     p.add_argument("--arch", choices=["qwen3_moe", "deepseek_v3"],
-                   help="architecture when there is no --hf-config-dir (config derived from shapes)")
+                   help="architecture (with --allow-guessed-config: derive the config's shape fields from the checkpoint)")
+    p.add_argument("--allow-guessed-config", action="store_true",
+                   help="foreign checkpoints only: when no config is found (--hf-config-dir, the checkpoint's "
+                        "config.json, the run's run.yaml), write the shape-derived fields and record the guessed "
+                        "ones in the output's README.md (never for serving)")
+    p.add_argument("--no-verify-digests", dest="verify_digests", action="store_false",
+                   help="do not check chunks against the checkpoint's integrity.json (to measure the check's cost)")
     p.add_argument("--ranks", type=int, help="plan ranks (default: MPI world size, else 1)")
     p.add_argument("--mode", choices=["fast", "serial"], default="fast",
                    help="fast: planned byte-range reads; serial: materialize, convert, reshard (baseline)")
@@ -37,18 +43,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from neon_hpc.reshard.pipeline import ReshardError, build_plan, convert
+    from neon_hpc.reshard.configsource import check_dst_outside_src
+    from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
     from neon_hpc.reshard.metadata import CheckpointError
+    from neon_hpc.reshard.pipeline import ReshardError, convert, plan_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:
         if args.dry_run:
-            plan, _cfg, guessed = build_plan(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap)
+            if args.dst:
+                check_dst_outside_src(args.src, args.dst)
+            plan, source = plan_with_source(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap,
+                                            args.allow_guessed_config)
             print(plan.describe(max_tasks=None if args.tasks < 0 else args.tasks))
-            if guessed:
-                print("config fields guessed (no --hf-config-dir): " + ", ".join(guessed))
+            print(f"config: {source.origin}")
+            if source.guessed:
+                print("config fields guessed: " + ", ".join(source.guessed))
+            if plan.ckpt.digests is None:
+                print(f"warning: {plan.ckpt.path} {UNVERIFIED_WARNING}")
             return 0
         stats = convert(args.src, args.dst, args.hf_config_dir, args.arch, args.ranks, mode=args.mode,
-                        shard_cap=cap, verify=args.verify, progress=not args.quiet, use_mpi=None)
+                        shard_cap=cap, verify=args.verify, progress=not args.quiet, use_mpi=None,
+                        allow_guessed_config=args.allow_guessed_config, verify_digests=args.verify_digests)
     except (CheckpointError, ReshardError) as e:
         print(f"reshard: error: {e}", file=sys.stderr)
         return 1
@@ -81,5 +96,6 @@ def _report(stats: dict, args) -> None:
           f"peak RSS {s['peak_rss_bytes_sum'] / 1e6:.0f} MB summed")
     if s.get("verified"):
         print(f"verify: {s['verified']['tensors_compared']} tensors equal to the serial path, byte for byte")
+    print(f"config: {s['config_source']}; tensor digests {'verified' if s['digests_verified'] else 'NOT verified'}")
     if s.get("guessed_config_fields"):
-        print("config fields guessed (no --hf-config-dir): " + ", ".join(s["guessed_config_fields"]))
+        print("config fields guessed: " + ", ".join(s["guessed_config_fields"]))

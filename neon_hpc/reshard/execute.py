@@ -82,11 +82,31 @@ class _Window(io.RawIOBase):
         return got
 
 
-class ChunkReader:
-    """Reads chunk blobs by byte range; keeps one fd per ``.distcp`` file."""
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) == n:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
 
-    def __init__(self, ckpt: Checkpoint):
+
+class ChunkReader:
+    """Reads chunk blobs by byte range; keeps one fd per ``.distcp`` file.
+
+    With digests (the checkpoint's ``integrity.json``, ``verify=True``) each blob is read in
+    one ``pread``, its digest checked on those bytes, and torch.load reads the same buffer;
+    without, torch.load reads the file range directly (:class:`_Window`)."""
+
+    def __init__(self, ckpt: Checkpoint, verify: bool = True):
         self.ckpt = ckpt
+        self.digests = ckpt.digests if verify else None
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
 
@@ -105,14 +125,21 @@ class ChunkReader:
         if os.fstat(fd).st_size < c.offset + c.length:
             raise CheckpointError(f"{self.ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs "
                                   f"bytes [{c.offset}, {c.offset + c.length}), the file has {os.fstat(fd).st_size}")
-        window = _Window(fd, c.offset, c.length)
+        if self.digests is not None:
+            data = _pread_exact(fd, c.length, c.offset)
+            self.bytes_read += len(data)
+            self.digests.check(c.file, c.offset, c.length, data, f"{key}@{list(c.offsets)}")
+            source = io.BytesIO(data)       # shares the bytes object: no copy
+        else:
+            source = _Window(fd, c.offset, c.length)
         try:
-            t = torch.load(window, weights_only=True, map_location="cpu")
+            t = torch.load(source, weights_only=True, map_location="cpu")
         except Exception as e:
             raise CheckpointError(f"{self.ckpt.path / c.file}[{c.offset}:{c.offset + c.length}] ({key}@"
                                   f"{list(c.offsets)}): not a loadable torch.save blob ({e})") from e
         finally:
-            self.bytes_read += window.bytes_read
+            if isinstance(source, _Window):
+                self.bytes_read += source.bytes_read
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or str(t.dtype).removeprefix("torch.") != dtype:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CheckpointError(f"{self.ckpt.path / c.file}: chunk {key}@{list(c.offsets)} holds {got}, "
@@ -192,10 +219,11 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False) -> RankStats:
-    """Write this rank's safetensors files into ``staging``; returns its stats."""
+def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
+    """Write this rank's safetensors files into ``staging``; returns its stats.  ``verify_digests``:
+    check every chunk read against the checkpoint's digests (when it has them)."""
     with one_thread():
-        return _run_rank(plan, rank, staging, show_progress)
+        return _run_rank(plan, rank, staging, show_progress, verify_digests)
 
 
 @contextlib.contextmanager
@@ -212,11 +240,11 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool) -> RankStats:
+def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool, verify_digests: bool) -> RankStats:
     t0 = time.monotonic()
     stats = RankStats(rank)
     fds = _open_shards(plan, rank, staging)
-    reader = ChunkReader(plan.ckpt)
+    reader = ChunkReader(plan.ckpt, verify=verify_digests)
     tasks = plan.tasks_of(rank)
     progress = Progress(sum(t.read_bytes + t.write_bytes for t in tasks), show_progress)
     try:

@@ -66,6 +66,7 @@ class Checkpoint:
     tensors: dict[str, TensorMeta]
     non_tensor_keys: list[str]          # BytesStorageMetadata entries (extra state, rng, ...)
     file_sizes: dict[str, int]
+    digests: object = None              # integrity.Digests from integrity.json, or None (no digests)
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,7 +220,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         else:
             others.append(key)
     files = {c.file for t in tensors.values() for c in t.chunks}
-    return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files))
+    from neon_hpc.reshard import integrity
+    return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files), integrity.load(ckpt))
 
 
 def _file_sizes(ckpt: Path, files: set[str]) -> dict[str, int]:

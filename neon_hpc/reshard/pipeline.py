@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -15,7 +16,10 @@ from pathlib import Path
 from neon_hpc.reshard.arch import ModelSpec, MappingError
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
-from neon_hpc.reshard.hfconfig import check_config_fits, derive_hf_config, load_hf_config, write_hf_side
+from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src
+from neon_hpc.reshard.configsource import resolve as resolve_config
+from neon_hpc.reshard.hfconfig import check_config_fits, write_hf_side
+from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
 
@@ -25,24 +29,30 @@ class ReshardError(RuntimeError):
 
 
 def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
-               shard_cap=DEFAULT_SHARD_CAP) -> tuple[Plan, dict, list[str]]:
-    """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields)."""
+               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[Plan, dict, list[str]]:
+    """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields).
+
+    The config comes from :func:`neon_hpc.reshard.configsource.resolve` (``--hf-config-dir``,
+    the checkpoint's own config.json, the run's run.yaml; else refused unless
+    ``allow_guessed_config``) and must fit the checkpoint's shapes."""
+    plan, source = plan_with_source(src, hf_config_dir, arch, ranks, hf_config, shard_cap, allow_guessed_config)
+    return plan, source.cfg, source.guessed
+
+
+def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
+                     allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
     ckpt = read_checkpoint(src)
-    cfg = load_hf_config(hf_config_dir, hf_config)
-    guessed: list[str] = []
-    if cfg is None:
-        if arch is None:
-            raise MappingError("no HF config: pass --hf-config-dir DIR (with config.json) or --arch "
-                               "qwen3_moe|deepseek_v3 to derive one from the checkpoint's shapes")
-        cfg, guessed = derive_hf_config(ckpt, arch)
-    check_config_fits(cfg, ckpt)
-    spec = ModelSpec.from_hf_config(cfg, arch)
-    return make_plan(ckpt, spec, ranks, shard_cap), cfg, guessed
+    source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
+    check_config_fits(source.cfg, ckpt)
+    check_config_shapes(source.cfg, ckpt, arch)
+    spec = ModelSpec.from_hf_config(source.cfg, arch)
+    return make_plan(ckpt, spec, ranks, shard_cap), source
 
 
 def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | None = None, *,
             hf_config: dict | None = None, mode: str = "fast", shard_cap: int = DEFAULT_SHARD_CAP,
-            verify: int | None = None, progress: bool = False, use_mpi: bool | None = False) -> dict:
+            verify: int | None = None, progress: bool = False, use_mpi: bool | None = False,
+            allow_guessed_config: bool = False, verify_digests: bool = True) -> dict:
     """Convert torch_dist checkpoint ``src`` into HF safetensors directory ``dst``.
 
     ``ranks``: how many plan ranks (default: the MPI world size, 1 without MPI).  A process
@@ -51,35 +61,55 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
     ``verify``: compare the output with the serial path before publishing: 0 = every tensor,
     N = a sample of N tensors.  ``use_mpi``: False (default, in-process: safe to call from one
     rank of a trainer even under srun), True, or None = detect an MPI launcher (the CLI).
+    ``allow_guessed_config``: with no config found, derive one from shapes (``arch`` needed)
+    and record the guesses.  ``verify_digests``: check every chunk read against the
+    checkpoint's ``integrity.json`` (False only to measure what the check costs).
     Returns stats (on every rank; rank 0's are complete).
     """
     t0 = time.monotonic()
     comm = get_comm(use_mpi)
+    check_dst_outside_src(src, dst)
     dst = Path(dst).absolute()
     if mode not in ("fast", "serial"):
         raise ValueError(f"mode must be 'fast' or 'serial', not {mode!r}")
     if mode == "serial" and comm.size > 1:
         raise ReshardError("--mode serial runs on one process; start it without mpiexec/srun")
-    plan, cfg, guessed = build_plan(src, hf_config_dir, arch, ranks or comm.size, hf_config, shard_cap)
+    plan, source = plan_with_source(src, hf_config_dir, arch, ranks or comm.size, hf_config, shard_cap,
+                                    allow_guessed_config)
     if dst.exists():
         raise ReshardError(f"{dst} already exists; the converter never overwrites. Choose another --dst "
                            f"or remove it first.")
+    warnings = []
+    if plan.ckpt.digests is None:
+        warnings.append(f"{plan.ckpt.path} {UNVERIFIED_WARNING}")
+    elif not verify_digests:
+        warnings.append(f"{plan.ckpt.path}: digest verification switched off; corrupt bytes would pass")
+    if source.guessed:
+        warnings.append(f"config {source.origin}: guessed fields {', '.join(source.guessed)} (recorded in "
+                        f"{dst}/README.md); do not serve this output before replacing its config.json")
+    if comm.rank == 0:
+        for w in warnings:
+            print(f"reshard: warning: {w}", file=sys.stderr, flush=True)
     staging = comm.bcast(str(_make_staging(dst)) if comm.rank == 0 else None)
     staging = Path(staging)
     mine = [r for r in range(plan.ranks) if r % comm.size == comm.rank]
-    result = _guarded(lambda: _execute(plan, mode, mine, staging, progress and comm.rank == 0, shard_cap))
+    result = _guarded(lambda: _execute(plan, mode, mine, staging, progress and comm.rank == 0, shard_cap,
+                                       verify_digests))
     results = comm.allgather(result)
     errors = [r["error"] for r in results if "error" in r]
     final = None
     if comm.rank == 0:
-        final = _guarded(lambda: _finish(plan, cfg, hf_config_dir, staging, dst, errors, verify, mode))
+        final = _guarded(lambda: _finish(plan, source, staging, dst, errors, verify, mode))
     final = comm.bcast(final)
     if "error" in final:
         raise ReshardError(final["error"])
     ios = comm.allgather(proc_io())   # after rank 0's finish, so its index/config writes count
     stats = _stats(plan, mode, results, final, time.monotonic() - t0)
     stats["proc_io"] = {k: sum(io.get(k, 0) for io in ios) for k in ("read_bytes", "write_bytes", "rchar", "wchar")}
-    stats["guessed_config_fields"] = guessed
+    stats["guessed_config_fields"] = source.guessed
+    stats["config_source"] = source.origin
+    stats["digests_verified"] = plan.ckpt.digests is not None and verify_digests
+    stats["warnings"] = warnings
     return stats
 
 
@@ -101,17 +131,19 @@ def _guarded(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int) -> dict:
+def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
+             verify_digests: bool) -> dict:
     if mode == "serial":
-        return _execute_serial(plan, staging, shard_cap)
-    per_rank = [run_rank(plan, r, staging, show_progress=show).__dict__ for r in my_ranks]
+        return _execute_serial(plan, staging, shard_cap, verify_digests)
+    per_rank = [run_rank(plan, r, staging, show_progress=show, verify_digests=verify_digests).__dict__
+                for r in my_ranks]
     return {"ranks": per_rank, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _execute_serial(plan: Plan, staging: Path, shard_cap: int) -> dict:
+def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
     from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
     t = time.monotonic()
-    hf = convert_all(plan, materialize(plan))
+    hf = convert_all(plan, materialize(plan, verify_digests))
     index = reshard_write(hf, staging, shard_cap)
     (staging / ".serial_index.json").write_text(json.dumps(index))
     return {"ranks": [{"rank": 0, "tasks": len(plan.tasks), "read_bytes": plan.read_bytes,
@@ -120,7 +152,7 @@ def _execute_serial(plan: Plan, staging: Path, shard_cap: int) -> dict:
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _finish(plan, cfg, hf_config_dir, staging: Path, dst: Path, errors: list[str], verify, mode) -> dict:
+def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
     from neon_hpc.rundir import publish_dir
     try:
@@ -132,7 +164,11 @@ def _finish(plan, cfg, hf_config_dir, staging: Path, dst: Path, errors: list[str
         else:
             index = plan.index_json()
         verified = verify_output(plan, staging, index, verify) if verify is not None else None
-        write_hf_side(staging, cfg, hf_config_dir)
+        write_hf_side(staging, source.cfg, source.tokenizer_dir)
+        index["metadata"]["config_source"] = source.origin
+        if source.guessed:
+            index["metadata"]["guessed_config_fields"] = source.guessed
+            _write_guess_readme(staging, plan, source)
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         publish_dir(staging, dst)
         return {"verified": verified, "files": len(set(index["weight_map"].values())),
@@ -140,6 +176,15 @@ def _finish(plan, cfg, hf_config_dir, staging: Path, dst: Path, errors: list[str
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _write_guess_readme(staging: Path, plan: Plan, source: ConfigSource) -> None:
+    lines = [f"# HF weights converted from {plan.ckpt.path}", "",
+             f"config.json was {source.origin}. These fields could not be read from the checkpoint and were",
+             "guessed: a loader fills those absent from config.json with its own defaults, which are very",
+             "likely not this model's values. Replace config.json with the model's real one before serving.", ""]
+    lines += [f"- {g}" for g in source.guessed]
+    (staging / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def verify_output(plan: Plan, out_dir: Path, index: dict, sample: int) -> dict:

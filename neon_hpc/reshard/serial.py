@@ -14,7 +14,7 @@ from neon_hpc.reshard.arch import apply_op
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, out_nbytes
 
 
-def materialize(plan: Plan) -> dict:
+def materialize(plan: Plan, verify_digests: bool = True) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -24,8 +24,12 @@ def materialize(plan: Plan) -> dict:
     # .metadata was already read by our restricted unpickler in make_plan, so DCP's own
     # (unrestricted) read of it happens only for a file we have checked.
     from neon_hpc.reshard.execute import one_thread
+    reader = dcp.FileSystemReader(str(plan.ckpt.path))
+    if plan.ckpt.digests is not None and verify_digests:      # the same digest check as the fast path, on DCP's reads
+        from neon_hpc.reshard.integrity import guard_reader
+        guard_reader(reader, plan.ckpt.digests)
     with one_thread():   # same as the fast path: intra-op threads only oversubscribe the cores
-        dcp.load(state, checkpoint_id=str(plan.ckpt.path), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 

@@ -1,0 +1,191 @@
+"""Where the output's ``config.json`` comes from, and whether it fits the checkpoint.
+
+In order (the first that applies wins):
+
+1. ``--hf-config-dir DIR`` (or ``hf_config=`` a dict, the trainer's in-process publish);
+2. the checkpoint's own ``config.json`` (neon-hpc's trainer writes one into every checkpoint);
+3. the run's ``run.yaml`` two levels up, when the checkpoint lives in a run directory
+   (``RUN/checkpoints/step_N`` -> ``RUN/run.yaml``, its ``model`` section).
+
+Otherwise the conversion is refused, naming the fields the checkpoint's shapes cannot tell
+and these three ways.  A guessed field is never written silently: only with
+``--allow-guessed-config`` (foreign checkpoints) are the shape-derived fields written, the
+guesses printed and recorded in the output's ``README.md`` and index metadata.
+
+Whatever the source, :func:`check_config_shapes` compares its shape fields with the
+checkpoint's tensors before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
+from neon_hpc.reshard.metadata import Checkpoint
+
+CONFIG_FILE = "config.json"
+RUN_CONFIG = "run.yaml"
+# What the shapes of a checkpoint cannot tell (beyond what derive_hf_config lists itself).
+_ALWAYS_GUESSED = ["vocab_size (real, unpadded)", "rope_theta", "rms_norm_eps", "num_experts_per_tok",
+                   "max_position_embeddings"]
+_EXTRA_GUESSED = {"qwen3_moe": ["intermediate_size", "norm_topk_prob"],
+                  "deepseek_v3": ["norm_topk_prob", "rope_interleave"]}
+# Megatron pads the vocab to a multiple of make_vocab_size_divisible_by (128) x TP; more
+# padding than this means the config's vocab_size belongs to another model.
+MAX_VOCAB_PADDING = 128 * 8
+
+
+@dataclass
+class ConfigSource:
+    cfg: dict
+    origin: str                          # where it came from, for messages and the output README
+    tokenizer_dir: Path | None = None    # tokenizer files next to the config are copied from here
+    guessed: list[str] = field(default_factory=list)
+
+
+def ways_to_supply(ckpt_path: Path) -> str:
+    return (f"Supply the model's HF config one of three ways: (1) --hf-config-dir DIR holding its config.json; "
+            f"(2) a {CONFIG_FILE} inside the checkpoint ({ckpt_path / CONFIG_FILE}: neon-hpc's trainer writes one "
+            f"into every checkpoint it saves); (3) the run's {RUN_CONFIG} two levels up ({_run_yaml(ckpt_path)}, "
+            f"when the checkpoint lives in RUN/checkpoints/step_N). For a foreign checkpoint only, "
+            f"--allow-guessed-config --arch qwen3_moe|deepseek_v3 writes the shape-derived fields and records "
+            f"the guesses in the output's README.md.")
+
+
+def _run_yaml(ckpt_path: Path) -> Path:
+    return Path(ckpt_path).absolute().parent.parent / RUN_CONFIG
+
+
+def hf_config_for_model(model_cfg) -> dict:
+    """The HF ``config.json`` (a dict) that a :class:`~neon_hpc.models.config.ModelConfig` implies.
+
+    The trainer writes this into each checkpoint, and reshard derives it from a run's
+    ``run.yaml``: one function, so both agree."""
+    try:
+        from neon_hpc.models.adapters import get_adapter   # the per-architecture adapters (issue 17)
+    except ImportError:
+        get_adapter = None
+    if get_adapter is not None:
+        return dict(get_adapter(model_cfg.arch).hf_config_dict(model_cfg))
+    from neon_hpc.models.hf import hf_config
+    return hf_config(model_cfg).to_dict()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MappingError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise MappingError(f"{path}: expected a JSON object (an HF config.json), got {type(cfg).__name__}")
+    return cfg
+
+
+def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None, arch: str | None = None,
+            allow_guessed: bool = False) -> ConfigSource:
+    """The config for ``ckpt`` from the first source that applies (see the module doc)."""
+    if hf_config is not None:
+        return ConfigSource(dict(hf_config), "hf_config (given by the caller)")
+    if hf_config_dir is not None:
+        p = Path(hf_config_dir) / CONFIG_FILE
+        if not p.is_file():
+            raise MappingError(f"{p} is missing; --hf-config-dir must hold the model's HF config.json")
+        return ConfigSource(_read_json(p), f"--hf-config-dir {p}", Path(hf_config_dir))
+    own = ckpt.path / CONFIG_FILE
+    if own.is_file():
+        return ConfigSource(_read_json(own), f"the checkpoint's own {own}", ckpt.path)
+    run_yaml = _run_yaml(ckpt.path)
+    if ckpt.path.absolute().parent.name == "checkpoints" and run_yaml.is_file():
+        from neon_hpc import config as experiment
+        try:
+            model_cfg = experiment.load(run_yaml).model
+        except experiment.ConfigError as e:
+            raise MappingError(f"{run_yaml}: cannot read the run's model section for the HF config ({e}). "
+                               + ways_to_supply(ckpt.path)) from e
+        return ConfigSource(hf_config_for_model(model_cfg), f"the run's {run_yaml} (model section)")
+    derived, guessed = _derive(ckpt, arch)
+    if not allow_guessed:
+        known = ", ".join(sorted(k for k, v in (derived or {}).items() if v is not None and k not in
+                                 ("model_type", "architectures"))) or "none (pass --arch)"
+        raise MappingError(f"{ckpt.path}: no HF config found. The checkpoint's shapes give {known}; they cannot "
+                           f"give {', '.join(guessed)}. A config with those guessed would load and serve different "
+                           f"logits without any error, so reshard will not write one. " + ways_to_supply(ckpt.path))
+    if derived is None:
+        raise MappingError(f"{ckpt.path}: --allow-guessed-config needs --arch qwen3_moe|deepseek_v3 to derive "
+                           f"the shape fields. " + ways_to_supply(ckpt.path))
+    return ConfigSource(derived, f"derived from the checkpoint's shapes (--allow-guessed-config, --arch {arch})",
+                        None, guessed)
+
+
+def _derive(ckpt: Checkpoint, arch: str | None) -> tuple[dict | None, list[str]]:
+    from neon_hpc.reshard.hfconfig import derive_hf_config
+    if arch is None:
+        return None, list(_ALWAYS_GUESSED)
+    cfg, guessed = derive_hf_config(ckpt, arch)
+    guessed = list(dict.fromkeys(guessed + _ALWAYS_GUESSED[1:] + _EXTRA_GUESSED.get(arch, [])))
+    guessed = [g for g in guessed if not g.startswith("vocab_size")] + ["vocab_size (padded rows kept)"]
+    return cfg, guessed
+
+
+# ---------------------------------------------------------------------------------------
+# config vs checkpoint shapes
+
+# HF field -> the same fact under another name in other architectures' configs
+_SHAPE_FIELDS = {
+    "qwen3_moe": ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "num_experts", "moe_intermediate_size"],
+    "deepseek_v3": ["hidden_size", "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                    "moe_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                    "v_head_dim", "first_k_dense_replace", "n_shared_experts"],
+}
+
+
+def check_config_shapes(cfg: dict, ckpt: Checkpoint, arch: str | None = None) -> None:
+    """Refuse a config whose shape fields disagree with the checkpoint's tensors (hidden size,
+    layers, heads, experts, MLA ranks, vocab after padding), naming every mismatch."""
+    from neon_hpc.reshard.hfconfig import _num_layers, _shape, derive_hf_config
+    resolved = arch or MODEL_TYPES.get(cfg.get("model_type") or "")
+    derived: dict = {}
+    if resolved in _SHAPE_FIELDS:
+        try:
+            derived, _ = derive_hf_config(ckpt, resolved)
+        except MappingError:
+            derived = {}          # shapes too unusual to derive everything: check the basics below
+    emb = _shape(ckpt, "embedding.word_embeddings.weight")
+    if emb is not None:
+        derived.setdefault("hidden_size", emb[1])
+    if (layers := _num_layers(ckpt)):
+        derived.setdefault("num_hidden_layers", layers)
+    bad = []
+    for k in _SHAPE_FIELDS.get(resolved, ["hidden_size", "num_hidden_layers"]):
+        want, have = cfg.get(k), derived.get(k)
+        if want is not None and have is not None and want != have:
+            bad.append(f"{k}={want} (checkpoint: {have})")
+    rows = emb[0] if emb is not None else None
+    vocab = cfg.get("vocab_size")
+    if rows is not None and vocab is not None:
+        if vocab > rows:
+            bad.append(f"vocab_size={vocab} (checkpoint: {rows} embedding rows)")
+        elif rows - vocab >= MAX_VOCAB_PADDING:
+            bad.append(f"vocab_size={vocab} (checkpoint: {rows} embedding rows; megatron pads by fewer than "
+                       f"{MAX_VOCAB_PADDING})")
+    if bad:
+        raise MappingError(f"the HF config does not fit checkpoint {ckpt.path}: {'; '.join(bad)}. It belongs to "
+                           f"another model (or the checkpoint to another run); nothing was written.")
+
+
+# ---------------------------------------------------------------------------------------
+# --dst must stay out of the source
+
+
+def check_dst_outside_src(src, dst) -> None:
+    """Refuse a ``--dst`` equal to, inside, or containing ``--src`` (symlinks resolved)."""
+    s = Path(os.path.realpath(src))
+    d = Path(os.path.realpath(dst))
+    if d == s or s in d.parents or d in s.parents:
+        how = "is" if d == s else ("is inside" if s in d.parents else "contains")
+        raise MappingError(f"--dst {dst} ({d}) {how} --src {src} ({s}); the converter never writes into or around "
+                           f"the checkpoint it reads. Choose a --dst outside {s}.")
