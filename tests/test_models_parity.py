@@ -80,11 +80,13 @@ def test_hf_megatron_state_dict_roundtrip_is_exact():
         assert torch.equal(back[k], disk[k]), k
 
 
-def test_save_hf_accepts_a_full_megatron_state_dict(tmp_path):
+def test_save_hf_refuses_megatron_keys_and_takes_the_converted_dict(tmp_path):
     cfg = ModelConfig()
     model = _decisive_hf_model(cfg)
     meg = convert.hf_to_megatron(model.state_dict(), cfg)
-    loaded = hf.load_hf(hf.save_hf(meg, cfg, tmp_path / "v_2"))
+    with pytest.raises(ValueError, match="megatron_to_hf"):
+        hf.save_hf(meg, cfg, tmp_path / "v_1")
+    loaded = hf.load_hf(hf.save_hf(convert.megatron_to_hf(meg, cfg), cfg, tmp_path / "v_2"))
     for k, v in model.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
 

@@ -1,4 +1,7 @@
-"""The policy model in its HF home: ``transformers`` ``Qwen3MoeForCausalLM`` built offline.
+"""The policy model in its HF home: the ``transformers`` model of its architecture, built offline.
+
+The HF config, model class and router modules come from the architecture adapter
+(:mod:`neon_hpc.models.adapters`); this module does files and state-dict spellings.
 
 Two state-dict spellings exist and both are handled here and in :mod:`.convert`:
 
@@ -22,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from neon_hpc.models.adapters import adapter_for_hf_config, get_adapter
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.rundir import publish_dir, staging_dir_for
 
@@ -30,56 +34,19 @@ _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down
 
 
 def hf_config(cfg: ModelConfig):
-    """The ``Qwen3MoeConfig`` that mirrors ``cfg`` (every MoE layer sparse, untied embeddings)."""
-    from transformers import Qwen3MoeConfig
-
-    if cfg.arch != "qwen3_moe":
-        raise NotImplementedError(f"model.arch={cfg.arch!r}: the HF builder covers 'qwen3_moe'")
-    return Qwen3MoeConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.head_dim,
-        moe_intermediate_size=cfg.moe_ffn_hidden_size,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.moe_router_topk,
-        norm_topk_prob=True,                 # == megatron moe_router_pre_softmax=False
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        rms_norm_eps=cfg.norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        initializer_range=0.02,
-        architectures=["Qwen3MoeForCausalLM"],
-        dtype="float32",
-    )
+    """The transformers config that mirrors ``cfg`` (its adapter's ``hf_config_dict``)."""
+    return get_adapter(cfg.arch).hf_config(cfg)
 
 
 def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
     """The :class:`ModelConfig` that :func:`hf_config` would have produced ``hf_cfg`` from."""
-    rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    return ModelConfig(
-        arch="qwen3_moe", vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
-        num_layers=hf_cfg.num_hidden_layers, num_attention_heads=hf_cfg.num_attention_heads,
-        num_query_groups=hf_cfg.num_key_value_heads, head_dim=hf_cfg.head_dim,
-        ffn_hidden_size=hf_cfg.intermediate_size, moe_ffn_hidden_size=hf_cfg.moe_intermediate_size,
-        num_experts=hf_cfg.num_experts, moe_router_topk=hf_cfg.num_experts_per_tok,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        max_position_embeddings=hf_cfg.max_position_embeddings, norm_epsilon=hf_cfg.rms_norm_eps)
+    d = hf_cfg if isinstance(hf_cfg, dict) else {"model_type": hf_cfg.model_type}
+    return adapter_for_hf_config(d).model_config_from_hf(hf_cfg)
 
 
 def build_hf_model(cfg: ModelConfig, seed: int | None = None):
-    """A freshly initialised ``Qwen3MoeForCausalLM`` (float32, eval mode); no download."""
-    from transformers import Qwen3MoeForCausalLM
-
-    torch.manual_seed(cfg.seed if seed is None else seed)
-    model = Qwen3MoeForCausalLM(hf_config(cfg))
-    return model.eval()
+    """A freshly initialised HF model of ``cfg.arch`` (float32, eval mode); no download."""
+    return get_adapter(cfg.arch).build_hf_model(cfg, seed)
 
 
 # --------------------------------------------------------------------------------------
@@ -132,16 +99,16 @@ def to_memory_state_dict(sd: Mapping[str, torch.Tensor], num_experts: int) -> di
 def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` + ``config.json`` to ``out_dir`` atomically; returns the path.
 
-    Accepts an HF model, an HF state dict in either spelling, or a full (unsharded) megatron
-    state dict (converted with :func:`neon_hpc.models.convert.megatron_to_hf`).  ``out_dir``
+    Accepts an HF model or an HF state dict in either spelling (a megatron state dict goes
+    through :func:`neon_hpc.models.convert.megatron_to_hf` first).  ``out_dir``
     must not exist yet (published directories are immutable, see :func:`neon_hpc.rundir.publish_dir`).
     """
     from safetensors.torch import save_file
 
     sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else model_or_state_dict
     if any(k.startswith(("decoder.", "embedding.")) for k in sd):
-        from neon_hpc.models.convert import megatron_to_hf
-        sd = megatron_to_hf(sd, cfg)
+        raise ValueError("save_hf got megatron keys (decoder.*, embedding.*); convert them first with "
+                         "neon_hpc.models.convert.megatron_to_hf(state_dict, model_cfg)")
     disk = {k: v.detach().to("cpu").contiguous() for k, v in to_disk_state_dict(sd).items()}
     out_dir = Path(out_dir)
     staging = staging_dir_for(out_dir)
@@ -178,14 +145,15 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_hf(path: str | os.PathLike):
     """Load an HF folder written by :func:`save_hf` or the reshard tool (float32, eval mode)."""
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}/config.json missing: not an HF model folder")
     hf_cfg = AutoConfig.from_pretrained(str(path))
-    model = Qwen3MoeForCausalLM(hf_cfg)
-    sd = to_memory_state_dict(read_hf_state_dict(path), hf_cfg.num_experts)
+    ad = adapter_for_hf_config({"model_type": hf_cfg.model_type})
+    model = ad.hf_model_class()(hf_cfg)
+    sd = to_memory_state_dict(read_hf_state_dict(path), ad.model_config_from_hf(hf_cfg).num_experts)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise KeyError(f"{path}: weights do not match config.json: missing {missing[:3]}, "

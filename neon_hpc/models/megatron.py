@@ -1,10 +1,8 @@
 """The policy model in its megatron-core home: GPTModel from the local layer spec.
 
-One :class:`~neon_hpc.models.config.ModelConfig` becomes a ``TransformerConfig`` that
-matches the HF ``Qwen3MoeForCausalLM`` built by :mod:`neon_hpc.models.hf` number for number:
-RMSNorm, q/k RMSNorm per head, GQA, RoPE (non-interleaved), SwiGLU experts without biases,
-softmax router with top-k then renormalisation (HF ``norm_topk_prob=True`` ==
-megatron ``moe_router_pre_softmax=False``), untied embeddings.
+One :class:`~neon_hpc.models.config.ModelConfig` becomes a ``TransformerConfig`` (and layer
+spec) that matches the HF model of its architecture number for number; the architecture's
+part (attention, router, dense layers) is its adapter's (:mod:`neon_hpc.models.adapters`).
 
 Parallel layout: ``tp`` shards attention/embeddings, ``ep`` shards experts (expert TP is 1:
 each expert lives whole on one rank), sequence parallelism is on whenever ``tp > 1`` (megatron
@@ -21,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from neon_hpc.models import cpu_shim
+from neon_hpc.models.adapters import get_adapter
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.netutil import free_port
 
@@ -79,30 +78,25 @@ def destroy_parallel() -> None:
 
 def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
                        **overrides: Any):
-    """The ``TransformerConfig`` equivalent to ``cfg``; ``overrides`` set any other field."""
-    cpu_shim.apply()
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The ``TransformerConfig`` equivalent to ``cfg``; ``overrides`` set any other field.
 
-    if cfg.arch != "qwen3_moe":
-        raise NotImplementedError(f"model.arch={cfg.arch!r}: the megatron builder covers 'qwen3_moe' "
-                                  f"(DeepSeek-V3/MLA is only described for reshard planning)")
+    The fields every architecture shares are here; the adapter of ``cfg.arch`` adds its own
+    (attention kind, router, dense layers) and picks the config class."""
+    cpu_shim.apply()
+    ad = get_adapter(cfg.arch)
     if cfg.num_experts % ep:
         raise ValueError(f"expert_parallel={ep} must divide model.num_experts={cfg.num_experts}")
-    if cfg.num_query_groups % tp or cfg.vocab_size % tp:
-        raise ValueError(f"tensor_parallel={tp} must divide model.num_query_groups={cfg.num_query_groups} "
-                         f"and model.vocab_size={cfg.vocab_size}")
-    kwargs: dict[str, Any] = dict(
+    if cfg.vocab_size % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide model.vocab_size={cfg.vocab_size}")
+    base: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.head_dim,
         ffn_hidden_size=cfg.ffn_hidden_size,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
-        moe_router_pre_softmax=False,          # top-k, then softmax over the k == HF norm_topk_prob
-        moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",  # the loss adds an aux term itself if it wants one
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
@@ -111,11 +105,9 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
         moe_enable_routing_replay=routing_replay,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
-        qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -132,8 +124,12 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
         sequence_parallel=tp > 1,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return ad.transformer_config(cfg, tp, ep, routing_replay, base, overrides)
+
+
+def layer_spec(cfg: ModelConfig, tcfg):
+    """The local-spec layer spec of ``cfg.arch`` (one spec, or a block spec with per-layer specs)."""
+    return get_adapter(cfg.arch).layer_spec(cfg, tcfg)
 
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
@@ -145,7 +141,6 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     """
     cpu_shim.apply()
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -160,13 +155,15 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     torch.manual_seed(s)
     model_parallel_cuda_manual_seed(s)
     tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=True, normalization="RMSNorm")
+    spec = layer_spec(cfg, tcfg)
+    from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
+    cp_attention.hook_spec(spec)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      parallel_output=True, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(cfg.rope_theta))
+    cp_attention.use_document_positions(model)
     return model
 
 

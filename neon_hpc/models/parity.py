@@ -85,12 +85,13 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
 
 
 def hf_logits(hf_dir: str | os.PathLike, ids: np.ndarray, with_routes: bool = False):
-    """HF logits ``[batch, seq, vocab]`` (and, with ``with_routes``, routes ``[batch, seq, layers, top_k]``)."""
+    """HF logits ``[batch, seq, vocab]`` (and, with ``with_routes``, routes ``[batch, seq, moe layers, top_k]``)."""
     from neon_hpc.models import hf
+    from neon_hpc.models.adapters import adapter_for_hf_config
     model = hf.load_hf(hf_dir)
     found: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, i, o: found.append(o[2]))
-             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    routers = adapter_for_hf_config({"model_type": model.config.model_type}).hf_routers(model)
+    hooks = [m.register_forward_hook(lambda mod, i, o: found.append(o[2])) for _, m in routers]
     ids_t = torch.from_numpy(np.asarray(ids, np.int64))
     with torch.no_grad():
         logits = model(input_ids=ids_t).logits.numpy()

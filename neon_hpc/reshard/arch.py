@@ -1,4 +1,6 @@
-"""Megatron-core names -> HF names, one rule table per architecture (pure, no I/O).
+"""Megatron-core checkpoint keys -> HF tensors: the architecture adapters' name rules
+(:mod:`neon_hpc.models.adapters`, the same tables the trainer's exporter uses) applied to
+torch_dist keys and shapes (pure, no I/O).
 
 A *slab* is one source tensor indexed by its leading layer / expert axes (``[L, E, 2I, H]``
 at ``(l, e)`` is one expert's ``[2I, H]``).  A rule turns one slab into HF tensors by an
@@ -21,11 +23,10 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
+from neon_hpc.models.adapters import ARCHES, EXPERT_RULES, MODEL_TYPES, TOP_RULES, get_adapter
+from neon_hpc.models.adapters.base import IGNORED_SUFFIXES, QKVShape, qkv_part, qkv_rows
+from neon_hpc.models.adapters.base import Rule as NameRule
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
-
-ARCHES = ("qwen3_moe", "deepseek_v3")
-# HF model_type -> our rule table.  Kimi-K2 ships model_type "kimi_k2" with DeepSeek-V3 weights.
-MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
@@ -95,8 +96,7 @@ def op_shape(op: Op, slab_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (b - a, *slab_shape[1:])
     if op.kind == "qkv":
         part, groups, q_per_group, head_dim = op.args
-        heads = groups * (q_per_group if part == "q" else 1)
-        return (heads * head_dim, *slab_shape[1:])
+        return (qkv_rows(part, QKVShape(groups, q_per_group, head_dim)), *slab_shape[1:])
     raise ValueError(op.kind)
 
 
@@ -109,36 +109,30 @@ def apply_op(op: Op, slab):
         return slab[a:b].contiguous()
     if op.kind == "qkv":
         part, groups, q_per_group, head_dim = op.args
-        per_group = slab.reshape(groups, q_per_group + 2, head_dim, *slab.shape[1:])
-        sel = {"q": slice(0, q_per_group), "k": slice(q_per_group, q_per_group + 1),
-               "v": slice(q_per_group + 1, q_per_group + 2)}[part]
-        out = per_group[:, sel]
-        return out.reshape(-1, *slab.shape[1:]).contiguous()
+        return qkv_part(slab, part, QKVShape(groups, q_per_group, head_dim)).contiguous()
     raise ValueError(op.kind)
 
 
 # ---------------------------------------------------------------------------------------
-# rules: (spec, slab shape) -> [(hf suffix, op)]
+# an adapter rule at a slab's shape -> [(hf suffix, op)]
 
 Rule = Callable[[ModelSpec, tuple[int, ...], str], list[tuple[str, Op]]]
 
 
-def _copy(name: str) -> Rule:
-    return lambda spec, shape, key: [(name, Op("copy"))]
-
-
-def _swiglu(prefix: str) -> Rule:
-    def rule(spec, shape, key):
+def _ops(rule: NameRule, spec: ModelSpec, shape: tuple[int, ...], key: str) -> list[tuple[str, Op]]:
+    if rule.split == "copy":
+        return [(rule.hf[0], Op("copy"))]
+    if rule.split == "swiglu":
         if shape[0] % 2:
             raise MappingError(f"{key}: SwiGLU linear_fc1 has an odd row count {shape[0]}; expected [gate; up]")
         half = shape[0] // 2
-        return [(f"{prefix}gate_proj.weight", Op("rows", (0, half))),
-                (f"{prefix}up_proj.weight", Op("rows", (half, shape[0])))]
-    return rule
-
-
-def _qkv(suffix: str) -> Rule:
-    def rule(spec, shape, key):
+        return [(rule.hf[0], Op("rows", (0, half))), (rule.hf[1], Op("rows", (half, shape[0])))]
+    if rule.split == "vocab":
+        vocab = spec.vocab_size or shape[0]
+        if vocab > shape[0]:
+            raise MappingError(f"{key}: {shape[0]} rows but the HF config says vocab_size={vocab}")
+        return [(rule.hf[0], Op("rows", (0, vocab)) if vocab < shape[0] else Op("copy"))]
+    if rule.split == "qkv":
         if not (spec.num_attention_heads and spec.num_key_value_heads and spec.head_dim):
             raise MappingError(f"{key}: splitting fused QKV needs num_attention_heads, num_key_value_heads "
                                f"and head_dim; pass --hf-config-dir with a config.json")
@@ -147,63 +141,21 @@ def _qkv(suffix: str) -> Rule:
         if shape[0] != g * (qpg + 2) * d:
             raise MappingError(f"{key}: {shape[0]} rows, but {g} query groups x ({qpg} q + k + v) x head_dim {d} "
                                f"= {g * (qpg + 2) * d}; the HF config does not match this checkpoint")
-        return [(f"self_attn.{p}_proj.{suffix}", Op("qkv", (p, g, qpg, d))) for p in "qkv"]
-    return rule
+        return [(name, Op("qkv", (p, g, qpg, d))) for name, p in zip(rule.hf, "qkv")]
+    raise MappingError(f"{key}: unknown split {rule.split!r}")
 
 
-def _vocab(name: str) -> Rule:
-    def rule(spec, shape, key):
-        vocab = spec.vocab_size or shape[0]
-        if vocab > shape[0]:
-            raise MappingError(f"{key}: {shape[0]} rows but the HF config says vocab_size={vocab}")
-        return [(name, Op("rows", (0, vocab)) if vocab < shape[0] else Op("copy"))]
-    return rule
+def _rule(table: dict[str, NameRule], suffix: str) -> Rule | None:
+    r = table.get(suffix)
+    return None if r is None else (lambda spec, shape, key: _ops(r, spec, shape, key))
 
 
-_COMMON_LAYER: dict[str, Rule] = {
-    "self_attention.linear_qkv.layer_norm_weight": _copy("input_layernorm.weight"),
-    "input_layernorm.weight": _copy("input_layernorm.weight"),
-    "self_attention.linear_proj.weight": _copy("self_attn.o_proj.weight"),
-    "mlp.linear_fc1.layer_norm_weight": _copy("post_attention_layernorm.weight"),
-    "pre_mlp_layernorm.weight": _copy("post_attention_layernorm.weight"),
-    "mlp.linear_fc1.weight": _swiglu("mlp."),
-    "mlp.linear_fc2.weight": _copy("mlp.down_proj.weight"),
-    "mlp.router.weight": _copy("mlp.gate.weight"),
-}
-_QWEN3_LAYER: dict[str, Rule] = {
-    **_COMMON_LAYER,
-    "self_attention.linear_qkv.weight": _qkv("weight"),
-    "self_attention.linear_qkv.bias": _qkv("bias"),
-    "self_attention.q_layernorm.weight": _copy("self_attn.q_norm.weight"),
-    "self_attention.k_layernorm.weight": _copy("self_attn.k_norm.weight"),
-}
-_DSV3_LAYER: dict[str, Rule] = {
-    **_COMMON_LAYER,
-    "mlp.router.expert_bias": _copy("mlp.gate.e_score_correction_bias"),
-    "mlp.shared_experts.linear_fc1.weight": _swiglu("mlp.shared_experts."),
-    "mlp.shared_experts.linear_fc2.weight": _copy("mlp.shared_experts.down_proj.weight"),
-    "self_attention.linear_q_proj.weight": _copy("self_attn.q_proj.weight"),
-    "self_attention.linear_q_down_proj.weight": _copy("self_attn.q_a_proj.weight"),
-    "self_attention.linear_q_up_proj.weight": _copy("self_attn.q_b_proj.weight"),
-    "self_attention.linear_q_up_proj.layer_norm_weight": _copy("self_attn.q_a_layernorm.weight"),
-    "self_attention.q_layernorm.weight": _copy("self_attn.q_a_layernorm.weight"),
-    "self_attention.linear_kv_down_proj.weight": _copy("self_attn.kv_a_proj_with_mqa.weight"),
-    "self_attention.linear_kv_up_proj.weight": _copy("self_attn.kv_b_proj.weight"),
-    "self_attention.linear_kv_up_proj.layer_norm_weight": _copy("self_attn.kv_a_layernorm.weight"),
-    "self_attention.kv_layernorm.weight": _copy("self_attn.kv_a_layernorm.weight"),
-}
-_EXPERT: dict[str, Rule] = {
-    "mlp.experts.experts.linear_fc1.weight": _swiglu(""),
-    "mlp.experts.experts.linear_fc2.weight": _copy("down_proj.weight"),
-}
-_TOP: dict[str, Rule] = {
-    "embedding.word_embeddings.weight": _vocab("model.embed_tokens.weight"),
-    "output_layer.weight": _vocab("lm_head.weight"),
-    "decoder.final_layernorm.weight": _copy("model.norm.weight"),
-}
-LAYER_RULES = {"qwen3_moe": _QWEN3_LAYER, "deepseek_v3": _DSV3_LAYER}
+_EXPERT_PREFIX = "mlp.experts.experts."          # torch_dist: experts stacked on an expert axis
+_EXPERT = {_EXPERT_PREFIX + k: v for k, v in EXPERT_RULES.items()}
+_TOP = TOP_RULES
+LAYER_RULES = {a: get_adapter(a).layer_rules for a in ARCHES}
 # Keys that are model state but carry no HF tensor (TE extra state, routing statistics).
-_IGNORED_SUFFIXES = ("._extra_state", "local_tokens_per_expert")
+_IGNORED_SUFFIXES = tuple("." + s if s.startswith("_") else s for s in IGNORED_SUFFIXES)
 
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"^decoder\.layers\.(.+)$")
@@ -217,8 +169,7 @@ def _layer_slabs(spec: ModelSpec, tm: TensorMeta, suffix: str, lead: tuple[int, 
                  layer_of: Callable[[tuple[int, ...]], int]) -> list[Slab]:
     """Slabs of a decoder-layer key; ``lead`` = leading axes already fixed by the key name."""
     is_expert = suffix in _EXPERT
-    rules = _EXPERT if is_expert else LAYER_RULES[spec.arch]
-    rule = rules.get(suffix)
+    rule = _rule(_EXPERT if is_expert else LAYER_RULES[spec.arch], suffix)
     if rule is None:
         raise MappingError(f"checkpoint key {tm.key!r}: no {spec.arch} rule for '{suffix}'. Either the "
                            f"checkpoint is not a {spec.arch} model (pass --arch) or this layer type is unsupported.")
@@ -249,7 +200,7 @@ def slabs_for_key(spec: ModelSpec, tm: TensorMeta) -> list[Slab]:
     """All slabs (with their HF outputs) of one checkpoint key."""
     key = tm.key
     if key in _TOP:
-        outs = tuple(OutTensor(n, op_shape(op, tm.shape), tm.dtype, op) for n, op in _TOP[key](spec, tm.shape, key))
+        outs = tuple(OutTensor(n, op_shape(op, tm.shape), tm.dtype, op) for n, op in _ops(_TOP[key], spec, tm.shape, key))
         return [Slab(key, (), tm.shape, tm.dtype, outs)]
     if (m := _PER_LAYER.match(key)):
         layer = int(m.group(1))

@@ -1,0 +1,97 @@
+"""Qwen3-MoE: GQA with q/k RMSNorm per head, RoPE, every layer MoE, softmax top-k router with
+renormalised top-k weights (HF ``norm_topk_prob=True`` == megatron ``moe_router_pre_softmax=False``),
+SwiGLU experts, untied embeddings."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from neon_hpc.models.adapters.base import COMMON_LAYER_RULES, Adapter, QKVShape, Rule
+from neon_hpc.models.config import ModelConfig
+
+LAYER_RULES: dict[str, Rule] = {
+    **COMMON_LAYER_RULES,
+    "self_attention.linear_qkv.weight": Rule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.v_proj.weight"), "qkv", "rows"),
+    "self_attention.linear_qkv.bias": Rule(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                            "self_attn.v_proj.bias"), "qkv", "rows"),
+    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
+}
+_MOE_LAYER = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
+              "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight", "mlp.router.weight")
+
+
+class Qwen3MoeAdapter(Adapter):
+    name = "qwen3_moe"
+    hf_model_type = "qwen3_moe"
+    hf_architecture = "Qwen3MoeForCausalLM"
+    layer_rules = LAYER_RULES
+
+    def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
+        errs = []
+        if cfg.num_attention_heads % cfg.num_query_groups:
+            errs.append(("num_attention_heads", f"must be a multiple of num_query_groups ({cfg.num_query_groups})"))
+        if cfg.head_dim <= 0:
+            errs.append(("head_dim", "must be positive"))
+        for k in ("first_dense_layers", "num_shared_experts", "q_lora_rank", "kv_lora_rank"):
+            if getattr(cfg, k):
+                errs.append((k, f"is a deepseek_v3 field; arch qwen3_moe has every layer MoE, no shared "
+                                f"experts and GQA attention: set it to 0 or use arch: deepseek_v3"))
+        if cfg.yarn_factor:
+            errs.append(("yarn_factor", "YaRN is wired for deepseek_v3 only; set it to 0"))
+        return errs
+
+    def qkv_shape(self, cfg: ModelConfig) -> QKVShape:
+        return QKVShape(cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim)
+
+    def layer_suffixes(self, cfg: ModelConfig, layer: int) -> list[str]:
+        return list(_MOE_LAYER)
+
+    def hf_config_dict(self, cfg: ModelConfig) -> dict:
+        return dict(
+            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_query_groups, head_dim=cfg.head_dim,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], rms_norm_eps=cfg.norm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+            attention_bias=False, initializer_range=0.02, dtype="float32")
+
+    def model_config_from_hf(self, hf_cfg: Any) -> ModelConfig:
+        g = _getter(hf_cfg)
+        rope = g("rope_parameters") or {}
+        return ModelConfig(
+            arch="qwen3_moe", vocab_size=g("vocab_size"), hidden_size=g("hidden_size"),
+            num_layers=g("num_hidden_layers"), num_attention_heads=g("num_attention_heads"),
+            num_query_groups=g("num_key_value_heads"), head_dim=g("head_dim"),
+            ffn_hidden_size=g("intermediate_size"), moe_ffn_hidden_size=g("moe_intermediate_size"),
+            num_experts=g("num_experts"), moe_router_topk=g("num_experts_per_tok"),
+            rope_theta=float(rope.get("rope_theta", g("rope_theta") or 10000.0)),
+            max_position_embeddings=g("max_position_embeddings"), norm_epsilon=g("rms_norm_eps"))
+
+    def transformer_config(self, cfg: ModelConfig, tp: int, ep: int, routing_replay: bool, base: dict,
+                           overrides: Mapping[str, Any]):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        if cfg.num_query_groups % tp:
+            raise ValueError(f"tensor_parallel={tp} must divide model.num_query_groups={cfg.num_query_groups}")
+        kw = dict(base, num_query_groups=cfg.num_query_groups, kv_channels=cfg.head_dim, qk_layernorm=True,
+                  add_qkv_bias=False, moe_router_score_function="softmax", moe_router_pre_softmax=False)
+        kw.update(overrides)
+        return TransformerConfig(**kw)
+
+    def layer_spec(self, cfg: ModelConfig, tcfg):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        return get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=True, normalization="RMSNorm")
+
+
+def _getter(hf_cfg: Any):
+    """``g(name)`` for a config dict or a transformers config object."""
+    if isinstance(hf_cfg, dict):
+        return hf_cfg.get
+    return lambda k, d=None: getattr(hf_cfg, k, d)
