@@ -90,6 +90,7 @@ def test_same_seed_same_result():
 
 def test_aborting_stale_groups_keeps_the_bound_and_frees_workers_early():
     base = SimParams(policy="async", slot_mode="worker", max_staleness=1, tail_fraction=0.2, max_turns=16,
+                     stale_policy="drop",   # abort_stale stops groups the drop policy would discard
                      turns_median=3, rollout_slots=32, group_size=4, trajectories_per_step=16,
                      fixed_step_s=30.0, steps=150, backpressure_steps=2)
     plain = simulate(base)

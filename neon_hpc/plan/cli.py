@@ -17,6 +17,9 @@ from neon_hpc.plan import calibrate, report
 from neon_hpc.plan.params import from_experiment
 
 
+SWEEP_MAX_STALENESS = 8    # the sweep searches staleness bounds up to this by default
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neon-hpc plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="experiment YAML (e.g. configs/kimi_k2_1300xh200.yaml)")
@@ -27,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=0, help="simulated trainer steps per policy (default plan.simulated_steps)")
     p.add_argument("--sweep-steps", type=int, default=0, help="steps per sweep point (default plan.sweep_steps)")
     p.add_argument("--target-staleness", type=int, default=-1,
-                   help="staleness bound for the sweep and recommendation (default rollout.max_staleness)")
+                   help="the largest staleness bound the sweep searches (default max(rollout.max_staleness, 8))")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. plan.mfu=0.4")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
             print(f"neon-hpc plan: {e}", file=sys.stderr)
             return 2
     p = sourced.params
-    target = a.target_staleness if a.target_staleness >= 0 else p.max_staleness
+    target = a.target_staleness if a.target_staleness >= 0 else max(p.max_staleness, SWEEP_MAX_STALENESS)
     _print_inputs(a.config, cfg, sourced, cal)
     t0 = time.perf_counter()
     variants = report.compare_policies(sourced, a.steps or p.steps, progress)
@@ -62,12 +65,30 @@ def main(argv: list[str]) -> int:
     points, chosen = None, None
     if a.sweep:
         sweep_steps = a.sweep_steps or cfg.plan.sweep_steps
-        points = report.sweep(sourced, cfg.plan.sweep_points, sweep_steps, target, progress)
-        chosen, why = report.recommend(points, target)
-        print(f"\nsweep of the node split (async, staleness <= {target}, {sweep_steps} steps each):")
-        print(report.table([(f"{s.rollout_nodes} / {s.train_nodes}", s.result) for s in points],
-                           first="rollout / train nodes"))
-        print(f"  recommended: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes: {why}")
+        t_sweep = time.perf_counter()
+        points = report.sweep(sourced, cfg.plan.sweep_points, sweep_steps, target, progress,
+                              cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+        t_sweep = time.perf_counter() - t_sweep
+        Ss, Ts = report.search_space(p, target, cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+        print(f"\nsweep (async, {p.stale_policy} stale tokens, {p.weight_update} weight updates, {sweep_steps} steps "
+              f"each) of the node split, staleness bound {Ss} and trajectories per step {Ts}:")
+        print(report.table([(s.label, s.result) for s in points if s.result is not None],
+                           first="rollout / train nodes, bound, traj/step"))
+        for line in report.not_fitting(points):
+            print(f"  does not fit: {line}")
+        try:
+            chosen, why = report.recommend(points, target)
+        except ValueError as e:
+            print(f"neon-hpc plan: {e}", file=sys.stderr)
+            return 1
+        r = chosen.result
+        print(f"  best layout: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes, "
+              f"rollout.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}"
+              f": {r.samples_per_hour:,.0f} samples/h, trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
+              f"{r.rollout_idle_frac:.1%}, wasted rollout tokens {r.wasted_tokens_frac:.1%}, token staleness "
+              f"mean {r.token_staleness_mean:.2f} / p95 {r.token_staleness_quantile(0.95)}")
+        print(f"  recommended: {why}")
+        print(f"  sweep: {len(points)} points in {t_sweep:.1f} s")
     if a.png:
         report.write_png(a.png, variants, points, chosen, title=f"neon-hpc plan: {cfg.name}")
         print(f"\nwrote {a.png}")

@@ -4,7 +4,7 @@ Every field whose default is ``0`` (or ``""``) means "derive it from the rest of
 experiment config" (see ``neon_hpc/plan/params.py``, which records where each simulator
 parameter came from).  Units are SI: seconds, bytes, FLOP/s.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from neon_hpc.constraints import above, at_least, between
@@ -45,6 +45,13 @@ class PlanConfig:
     simulated_steps: int = 1000
     sweep_steps: int = 300
     sweep_points: int = 9
+    # --sweep also searches these staleness bounds and trajectories per step (0 / empty =
+    # the config's own and a few around it: see report.search_space)
+    sweep_staleness: list[int] = field(default_factory=list)
+    sweep_trajectories_per_step: list[int] = field(default_factory=list)
+    # trainer memory (plan/memory.py): weights + grads + optimizer state must fit this share of a GPU
+    gpu_memory_bytes: float = 141e9     # H200
+    train_memory_fraction: float = 0.8
     seed: int = 0
 
     CHECKS = {
@@ -56,6 +63,8 @@ class PlanConfig:
                                           "step_overhead_s", "publish_bytes_per_s")},
         "mfu": above(0, le=1.0, note="a fraction of peak"),
         "tail_fraction": between(0, 1),
+        "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),
+        "gpu_memory_bytes": above(0),
         "dense_layers": at_least(-1, "-1 = 1 for deepseek_v3 (first layer dense), 0 otherwise"),
         **{k: at_least(1) for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every")},
     }

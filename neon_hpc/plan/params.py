@@ -72,6 +72,17 @@ class SimParams:
     publish_blocks_trainer: bool = True
     planner_every: int = 1
     # policy and run
+    # trainer memory (plan.memory): config TP/PP/CP/EP, parameters split dense vs routed experts
+    tp: int = 1
+    ep: int = 1
+    num_experts: int = 0
+    dense_params: float = 0.0
+    expert_params: float = 0.0
+    gpu_memory_bytes: float = 141e9
+    train_memory_fraction: float = 0.8
+    # staleness and weight updates (rollout.stale_policy, engine.weight_update)
+    stale_policy: str = "mask"          # mask | drop
+    weight_update: str = "in_place"     # in_place | between_requests
     policy: str = "async"               # async | one_step_off | sync
     admission: str = "steps_ahead"      # steps_ahead | oldest
     # steps_ahead admission adds the version gap (neon_hpc.rollout.worker.version_gap): the
@@ -166,6 +177,11 @@ def model_param_count(model: Any, dense_layers: int) -> float:
     per_moe = attn + (model.num_experts + shared) * expert + h * model.num_experts
     per_dense = attn + 3 * h * model.ffn_hidden_size
     return 2 * model.vocab_size * h + n_moe * per_moe + n_dense * per_dense
+
+
+def expert_param_count(model: Any, dense_layers: int) -> float:
+    """Parameters of the routed experts (sharded by expert parallelism); the rest is dense."""
+    return moe_layers(model, dense_layers) * model.num_experts * 3 * model.hidden_size * model.moe_ffn_hidden_size
 
 
 def local_cost_coefficients(model: Any, dense_layers: int) -> tuple[float, float]:
@@ -280,8 +296,9 @@ def _layout(s: Sourced, cfg: Any, c) -> None:
 def _rollout(s: Sourced, cfg: Any, c) -> None:
     R, M, pc = cfg.rollout, cfg.model, cfg.plan
     for key in ("group_size", "max_turns", "max_new_tokens", "max_total_tokens", "max_staleness",
-                "backpressure_steps", "replay_mode"):
+                "backpressure_steps", "replay_mode", "stale_policy"):
         s.set(key, getattr(R, key), c(f"rollout.{key}"))
+    s.set("weight_update", cfg.engine.weight_update, c("engine.weight_update"))
     _episode_shape(s, pc, R, c)
     n_moe = moe_layers(M, pc.dense_layers)
     s.set("route_bytes_per_token", n_moe * M.moe_router_topk * ROUTE_BYTES_PER_ID,
@@ -301,6 +318,15 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
     s.set("cost_b", b, src)
     s.set("model_bytes", 2.0 * model_param_count(cfg.model, pc.dense_layers),
           "derived (bf16 x parameter count of model)")
+    s.set("tp", T.tensor_parallel, c("train.tensor_parallel"))
+    s.set("ep", T.expert_parallel, c("train.expert_parallel"))
+    s.set("num_experts", cfg.model.num_experts, c("model.num_experts"))
+    experts = expert_param_count(cfg.model, pc.dense_layers)
+    s.set("expert_params", experts, "derived (MoE layers x experts x 3 x hidden x moe_ffn)")
+    s.set("dense_params", model_param_count(cfg.model, pc.dense_layers) - experts,
+          "derived (parameter count - routed experts)")
+    s.set("gpu_memory_bytes", pc.gpu_memory_bytes, c("plan.gpu_memory_bytes"))
+    s.set("train_memory_fraction", pc.train_memory_fraction, c("plan.train_memory_fraction"))
     if pc.publish_bytes_per_s:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
     else:

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 from typing import Callable
 
+from neon_hpc.plan.memory import Layout, layout_for
 from neon_hpc.plan.params import Sourced
 from neon_hpc.plan.sim import SimResult, simulate
+from neon_hpc.plan.trainer import StepTimeModel
+from neon_hpc.plan.workload import sample_episodes
 
 Progress = Callable[[str], None]
 
@@ -59,7 +64,18 @@ def compare_policies(sourced: Sourced, steps: int | None = None, progress: Progr
 class SplitPoint:
     rollout_nodes: int
     train_nodes: int
-    result: SimResult
+    result: SimResult | None               # None: the trainer layout does not fit (see layout.problem)
+    max_staleness: int = 0
+    trajectories_per_step: int = 0
+    layout: Layout | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.layout is None or self.layout.fits
+
+    @property
+    def label(self) -> str:
+        return f"{self.rollout_nodes} / {self.train_nodes}  S={self.max_staleness} tps={self.trajectories_per_step}"
 
 
 def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int) -> dict:
@@ -75,42 +91,152 @@ def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int) -> dic
                 engine_slots=int(round(p.engine_slots * scale)))
 
 
-def split_candidates(total_nodes: int, points: int) -> list[int]:
+def trainer_layout(p, train_nodes: int) -> Layout:
+    """The config's TP/PP on ``train_nodes`` (CP, EP, DP re-derived) and its memory verdict."""
+    return layout_for(train_nodes * max(p.gpus_per_node, 1), max(p.tp, 1), max(p.pp, 1), max(p.cp, 1),
+                      max(p.ep, 1), p.dense_params, p.expert_params, p.gpu_memory_bytes,
+                      p.train_memory_fraction, p.num_experts)
+
+
+def split_candidates(total_nodes: int, points: int, train_multiple: int = 1) -> list[int]:
+    """Rollout node counts from 10% to 90% of the nodes, ``points`` of them, each leaving the
+    trainer a multiple of ``train_multiple`` nodes (whole TP x PP model replicas)."""
     lo, hi = max(1, round(0.1 * total_nodes)), min(total_nodes - 1, round(0.9 * total_nodes))
     if hi < lo:
         return [max(1, total_nodes // 2)]
-    n = min(points, hi - lo + 1)
-    return sorted({int(round(lo + i * (hi - lo) / max(n - 1, 1))) for i in range(n)})
+    m = max(train_multiple, 1)
+    valid = [r for r in range(lo, hi + 1) if (total_nodes - r) % m == 0] or list(range(lo, hi + 1))
+    n = min(points, len(valid))
+    return sorted({valid[int(round(i * (len(valid) - 1) / max(n - 1, 1)))] for i in range(n)})
+
+
+def search_space(p, target_staleness: int, bounds: list[int] | None = None,
+                 tps: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Staleness bounds (the config's up to ``target_staleness``) and trajectories per step
+    (half, the config's, twice and four times, in whole groups) to search beside the split."""
+    S = p.max_staleness
+    if not bounds:
+        top = max(S, target_staleness)
+        bounds = sorted({S, (S + top) // 2, top})
+    g = max(p.group_size, 1)
+    if not tps:
+        t = p.trajectories_per_step
+        tps = sorted({max(g, (t // 2) // g * g), t, 2 * t, 4 * t})
+    return sorted(set(bounds)), sorted(set(tps))
+
+
+def _simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: int, steps: int,
+                    ratios: dict) -> SplitPoint:
+    p = sourced.params
+    lay = trainer_layout(p, t_nodes)
+    if not lay.fits:
+        return SplitPoint(r_nodes, t_nodes, None, S, tps, lay)
+    changes = split_changes(sourced, r_nodes, t_nodes)
+    changes.update(steps=steps, max_staleness=S, trajectories_per_step=tps, policy="async")
+    if lay.dp:   # the layout this many trainer nodes give (it decides the step time's cells)
+        changes.update(dp=lay.dp, cp=lay.cp)
+    q = sourced.replace(**changes).params
+    key = (q.dp, q.pp, q.cp, tps)
+    if key not in ratios:   # one planner call per layout and batch size, on a batch of the workload
+        batch = sample_episodes(q, tps, np.random.default_rng(q.seed + 7)).seq_len
+        ratios[key] = StepTimeModel(q).planned_ratio(np.asarray(batch, dtype=np.float64))
+    res = simulate(q, StepTimeModel(q, ratio=ratios[key]))
+    return SplitPoint(r_nodes, t_nodes, res, S, tps, lay)
 
 
 def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
-          progress: Progress | None = None) -> list[SplitPoint]:
+          progress: Progress | None = None, bounds: list[int] | None = None,
+          tps: list[int] | None = None) -> list[SplitPoint]:
+    """Search the node split, the staleness bound and trajectories per step (async).
+
+    Splits whose trainer layout cannot hold weights, gradients and optimizer state are
+    listed, not simulated.  Stage 1: every fitting split at the largest bound and the
+    config's trajectories per step; stage 2: every bound x trajectories-per-step at the best
+    split; stage 3: the best of those at the neighbouring splits.  The balancer's
+    makespan/bound ratio is computed once per (dp, pp, cp, trajectories per step).
+    """
     p = sourced.params
     gpn = max(p.gpus_per_node, 1)
     total_nodes = (p.rollout_gpus + p.train_gpus) // gpn
-    out = []
-    for r_nodes in split_candidates(total_nodes, points):
-        changes = split_changes(sourced, r_nodes, total_nodes - r_nodes)
-        changes.update(steps=steps, max_staleness=target_staleness)
-        res = simulate(sourced.replace(**changes).params)
-        out.append(SplitPoint(r_nodes, total_nodes - r_nodes, res))
-        if progress:
-            progress(f"  split {r_nodes} rollout / {total_nodes - r_nodes} train nodes: "
-                     f"{res.samples_per_hour:,.0f} samples/h ({res.sim_seconds:.1f} s)")
+    replica_nodes = math.ceil(max(p.tp, 1) * max(p.pp, 1) / gpn) if p.tp * p.pp > gpn else 1
+    Ss, Ts = search_space(p, target_staleness, bounds, tps)
+    ratios: dict = {}
+    out: list[SplitPoint] = []
+    done: dict[tuple, SplitPoint] = {}
+
+    def run(r_nodes: int, S: int, t: int) -> SplitPoint:
+        key = (r_nodes, S, t)
+        if key not in done:
+            sp = _simulate_point(sourced, r_nodes, total_nodes - r_nodes, S, t, steps, ratios)
+            done[key] = sp
+            out.append(sp)
+            if progress:
+                what = (f"{sp.result.samples_per_hour:,.0f} samples/h, wasted {sp.result.wasted_tokens_frac:.1%} "
+                        f"({sp.result.sim_seconds:.1f} s)" if sp.result else f"does not fit: {sp.layout.problem}")
+                progress(f"  split {sp.label}: {what}")
+        return done[key]
+
+    splits = split_candidates(total_nodes, points, replica_nodes)
+    first = [run(r, max(Ss), max(Ts)) for r in splits]   # the least wasteful setting first
+    fitting = [sp for sp in first if sp.result is not None]
+    if not fitting:
+        return out
+    best = _best(fitting)[0]
+    for S in Ss:
+        for t in Ts:
+            run(best.rollout_nodes, S, t)
+    # hill-climb the split one model replica of trainer nodes at a time at the best S and tps
+    valid = split_candidates(total_nodes, total_nodes, replica_nodes)
+    for _ in range(2 * len(valid)):
+        best = _best([sp for sp in out if sp.result is not None])[0]
+        i = valid.index(best.rollout_nodes) if best.rollout_nodes in valid else None
+        if i is None:
+            break
+        fresh = [run(valid[j], best.max_staleness, best.trajectories_per_step) for j in (i - 1, i + 1)
+                 if 0 <= j < len(valid) and (valid[j], best.max_staleness, best.trajectories_per_step) not in done]
+        if not fresh:
+            break
     return out
 
 
-def recommend(points: list[SplitPoint], target_staleness: int) -> tuple[SplitPoint, str]:
-    """The split with the most trained samples per hour; every point already keeps the
-    staleness bound (the simulation drops what would exceed it, and that waste counts)."""
-    best = max(points, key=lambda s: s.result.samples_per_hour)
-    close = [s for s in points if s.result.samples_per_hour >= 0.98 * best.result.samples_per_hour]
-    why = (f"most samples/hour at staleness <= {target_staleness} "
-           f"({best.result.samples_per_hour:,.0f}/h, trainer idle {best.result.trainer_idle_frac:.0%}, "
-           f"rollout idle {best.result.rollout_idle_frac:.0%}, dropped {best.result.dropped_frac:.1%})")
-    if len(close) > 1:
-        why += "; within 2%: " + ", ".join(f"{s.rollout_nodes}/{s.train_nodes}" for s in close if s is not best)
+def _best(points: list[SplitPoint], max_wasted: float = 0.05) -> tuple[SplitPoint, bool]:
+    """Most samples/h among points wasting at most ``max_wasted`` of their rollout tokens
+    (True), else the least wasteful (False)."""
+    ok = [s for s in points if s.result.wasted_tokens_frac <= max_wasted]
+    if ok:
+        return max(ok, key=lambda s: s.result.samples_per_hour), True
+    return min(points, key=lambda s: (s.result.wasted_tokens_frac, -s.result.samples_per_hour)), False
+
+
+def recommend(points: list[SplitPoint], target_staleness: int, max_wasted: float = 0.05) -> tuple[SplitPoint, str]:
+    """The fitting point with the most trained samples per hour among those wasting at most
+    ``max_wasted`` of their rollout tokens (else the least wasteful); every point keeps its
+    staleness bound (the simulation masks or drops what would exceed it, and that waste counts)."""
+    fitting = [s for s in points if s.result is not None]
+    if not fitting:
+        raise ValueError("no split of the nodes gives a trainer layout that fits in memory: "
+                         + "; ".join(f"{s.train_nodes} trainer nodes: {s.layout.problem}" for s in points[:3]))
+    best, within = _best(fitting, max_wasted)
+    r = best.result
+    why = (f"{'most samples/hour' if within else 'least waste (none within the waste limit)'} at staleness "
+           f"<= {best.max_staleness}, wasted rollout tokens <= {max_wasted:.0%}: {r.samples_per_hour:,.0f}/h, "
+           f"trainer idle {r.trainer_idle_frac:.0%}, rollout idle {r.rollout_idle_frac:.0%}, wasted "
+           f"{r.wasted_tokens_frac:.1%}, token staleness mean {r.token_staleness_mean:.2f} / p95 "
+           f"{r.token_staleness_quantile(0.95)}; trainer layout {best.layout.describe() if best.layout else '-'}")
+    close = [s for s in fitting if s is not best and s.result.wasted_tokens_frac <= max(max_wasted, r.wasted_tokens_frac)
+             and s.result.samples_per_hour >= 0.98 * r.samples_per_hour]
+    if close:
+        why += "; within 2%: " + ", ".join(s.label for s in close)
     return best, why
+
+
+def not_fitting(points: list[SplitPoint]) -> list[str]:
+    seen, out = set(), []
+    for s in points:
+        if s.result is None and s.train_nodes not in seen:
+            seen.add(s.train_nodes)
+            out.append(f"{s.rollout_nodes} / {s.train_nodes}: {s.layout.problem}")
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -125,6 +251,8 @@ COLUMNS = [("time/step s", lambda r: f"{r.time_per_step_s:,.1f}"),
            ("p95", lambda r: f"{r.staleness_quantile(0.95)}"),
            ("max", lambda r: f"{r.staleness_max}"),
            ("dropped", lambda r: f"{r.dropped_frac:.1%}"),
+           ("wasted tok", lambda r: f"{r.wasted_tokens_frac:.1%}"),
+           ("tok stale mean/p95", lambda r: f"{r.token_staleness_mean:.2f}/{r.token_staleness_quantile(0.95)}"),
            ("versions/traj", lambda r: f"{r.versions_spanned_mean:.2f}"),
            ("engine stall", lambda r: f"{r.engine_stall_mean:.2%}")]
 
@@ -185,19 +313,32 @@ def write_png(path: str, variants: list[Variant], points: list[SplitPoint] | Non
     ax.legend(fontsize=7)
     ax = axes[1][1]
     if points:
-        xs = [s.rollout_nodes for s in points]
-        ax.plot(xs, [s.result.samples_per_hour for s in points], marker="o", color="tab:blue", label="samples/h")
+        sim = [s for s in points if s.result is not None]
+        keys = sorted({(s.max_staleness, s.trajectories_per_step) for s in sim})
+        cmap = plt.get_cmap("viridis")
+        for i, (S, t) in enumerate(keys):
+            pts = sorted((s for s in sim if (s.max_staleness, s.trajectories_per_step) == (S, t)),
+                         key=lambda s: s.rollout_nodes)
+            ax.plot([s.rollout_nodes for s in pts], [s.result.samples_per_hour for s in pts], marker="o",
+                    color=cmap(i / max(len(keys) - 1, 1)), label=f"S={S} tps={t}")
+        bad = [s for s in points if s.result is None]
+        if bad:
+            ax.plot([s.rollout_nodes for s in bad], [0] * len(bad), "x", color="tab:red", label="trainer does not fit")
         ax.set_xlabel("rollout nodes (rest: trainer)")
         ax.set_ylabel("trained samples / hour")
         if chosen:
             ax.axvline(chosen.rollout_nodes, color="tab:green", linestyle="--", label="recommended")
         ax2 = ax.twinx()
-        ax2.plot(xs, [s.result.trainer_idle_frac for s in points], color="tab:red", label="trainer idle")
-        ax2.plot(xs, [s.result.rollout_idle_frac for s in points], color="tab:orange", label="rollout idle")
+        line = sorted((s for s in sim if chosen is None or (s.max_staleness, s.trajectories_per_step) ==
+                       (chosen.max_staleness, chosen.trajectories_per_step)), key=lambda s: s.rollout_nodes)
+        ax2.plot([s.rollout_nodes for s in line], [s.result.trainer_idle_frac for s in line], ":", color="tab:red",
+                 label="trainer idle")
+        ax2.plot([s.rollout_nodes for s in line], [s.result.wasted_tokens_frac for s in line], ":",
+                 color="tab:orange", label="wasted tokens")
         ax2.set_ylim(0, 1)
-        ax2.set_ylabel("idle fraction")
-        ax.legend(loc="upper left", fontsize=8)
-        ax2.legend(loc="upper right", fontsize=8)
+        ax2.set_ylabel("fraction (recommended S, tps)")
+        ax.legend(loc="upper left", fontsize=7)
+        ax2.legend(loc="upper right", fontsize=7)
     else:
         ax.barh(labels, [r.time_per_step_s for r in res], color="tab:gray")
         ax.invert_yaxis()

@@ -48,7 +48,17 @@ What the real processes add (worker mode; each is a parameter, 0 = ideal):
   engines' version, which lags the trainer's.
 
 Staleness of a consumed trajectory = the trainer's step (= the weight version it trains from)
-minus the oldest version any of its tokens came from (the version when its group started).
+minus the oldest version any of its *trained* tokens came from.
+
+Per-token staleness (``stale_policy``, ``neon_hpc.store.claim``): a group's tokens are taken
+as spread evenly over the versions ``vmin..vmax`` it saw.  ``drop``: a group whose oldest
+token is over the bound is dropped whole.  ``mask``: the tokens of versions older than
+``step - S`` get loss weight 0 (counted as masked tokens) and the rest trains; the group is
+dropped only when even its newest version is over the bound.  Waste = (dropped + masked
+tokens) / tokens claimed.  ``weight_update``: ``in_place`` engines swap weights inside a
+response, so a group's newest version is the one current at its *end*; ``between_requests``
+the one current when its last turn started.  The engines' pause while loading is not
+modelled (``weight_load_s`` is only the lag before new groups see the version).
 """
 from __future__ import annotations
 
@@ -97,6 +107,29 @@ class SimResult:
     engine_stall_full: float = 0.0
     step_time_source: str = ""
     sim_seconds: float = 0.0
+    claimed_tokens: float = 0.0    # tokens of every trajectory a claim took or dropped
+    masked_tokens: float = 0.0     # ... of those given loss weight 0 (stale_policy mask)
+    dropped_tokens: float = 0.0    # ... of the dropped trajectories
+    token_staleness: Counter = field(default_factory=Counter)   # staleness -> trained tokens
+
+    @property
+    def wasted_tokens_frac(self) -> float:
+        """(dropped + masked) tokens over all tokens claimed: rollout work that trained nothing."""
+        return (self.masked_tokens + self.dropped_tokens) / self.claimed_tokens if self.claimed_tokens else 0.0
+
+    @property
+    def token_staleness_mean(self) -> float:
+        total = sum(self.token_staleness.values())
+        return sum(k * v for k, v in self.token_staleness.items()) / total if total else 0.0
+
+    def token_staleness_quantile(self, q: float) -> int:
+        total = sum(self.token_staleness.values())
+        acc = 0.0
+        for k in sorted(self.token_staleness):
+            acc += self.token_staleness[k]
+            if acc >= q * total - 1e-9:
+                return k
+        return max(self.token_staleness, default=0)
 
     @property
     def trainer_idle_frac(self) -> float:
@@ -165,7 +198,9 @@ class SimResult:
             "samples_per_hour": self.samples_per_hour, "staleness_mean": self.staleness_mean,
             "staleness_p95": self.staleness_quantile(0.95), "staleness_max": self.staleness_max,
             "dropped": self.dropped_frac, "versions_spanned": self.versions_spanned_mean,
-            "engine_stall": self.engine_stall_mean,
+            "engine_stall": self.engine_stall_mean, "wasted_tokens": self.wasted_tokens_frac,
+            "token_staleness_mean": self.token_staleness_mean,
+            "token_staleness_p95": self.token_staleness_quantile(0.95),
         }
 
 
@@ -203,6 +238,12 @@ class _Sim:
             raise ValueError(f"admission {p.admission!r}: expected 'steps_ahead' or 'oldest'")
         if p.slot_mode not in ("worker", "episode"):
             raise ValueError(f"slot_mode {p.slot_mode!r}: expected 'worker' or 'episode'")
+        if p.stale_policy not in ("mask", "drop"):
+            raise ValueError(f"stale_policy {p.stale_policy!r}: expected 'mask' or 'drop'")
+        if p.weight_update not in ("in_place", "between_requests"):
+            raise ValueError(f"weight_update {p.weight_update!r}: expected 'in_place' or 'between_requests'")
+        self.mask = p.stale_policy == "mask"
+        self.in_place = p.weight_update == "in_place"
         self.p = p
         self.env = simpy.Environment()
         self.rng = np.random.default_rng(p.seed)
@@ -261,6 +302,8 @@ class _Sim:
         self.consumed = 0
         self.dropped = 0
         self.staleness: Counter = Counter()
+        self.token_staleness: Counter = Counter()
+        self.claimed_tokens = self.masked_tokens = self.dropped_tokens = 0.0
         self.spanned_sum = 0.0
         self.token_staleness_sum = 0.0
         self.stall_sum = 0.0
@@ -461,8 +504,8 @@ class _Sim:
         if self.abort_stale:
             del self.inflight_groups[id(g)]
         self.in_flight -= self.G
-        if not self.batch_mode and self.load_times:
-            g.vmax = max(g.vmax, self._version_at(t_last_turn))
+        if not self.batch_mode and self.load_times:   # in place: the last token saw the newest version
+            g.vmax = max(g.vmax, self.version if self.in_place else self._version_at(t_last_turn))
         g.remaining = 0
         self._group_done(g)
         self._worker_check(g.worker)
@@ -484,7 +527,7 @@ class _Sim:
             self._vacate(1, t0)
         g.lengths.append(seq)
         if not self.batch_mode and self.load_times:   # in-flight updates: the last turn ran on the newest version then
-            v_last = self._version_at(self.env._now - dur * last_frac)
+            v_last = self.version if self.in_place else self._version_at(self.env._now - dur * last_frac)
             if v_last > g.vmax:
                 g.vmax = v_last
         g.remaining -= 1
@@ -513,7 +556,8 @@ class _Sim:
             self._waiter = None
 
     def _stale(self, g: _Group) -> bool:
-        return not self.batch_mode and self.step - g.vmin > self.p.max_staleness
+        """Nothing of ``g`` can train: its oldest (drop) or newest (mask) version is over the bound."""
+        return not self.batch_mode and self.step - (g.vmax if self.mask else g.vmin) > self.p.max_staleness
 
     def _release(self, g: _Group) -> None:
         if self.track_oldest:
@@ -522,11 +566,14 @@ class _Sim:
     def _discard(self, g: _Group) -> None:
         self._release(g)
         self.dropped += len(g.lengths)
+        t = float(sum(g.lengths))
+        self.claimed_tokens += t
+        self.dropped_tokens += t
 
     def _abort_stale_inflight(self) -> None:
         """``abort_stale``: a group already beyond the bound can never be trained on; stop it
         now and give its worker back instead of letting it run to the end (worker mode)."""
-        if not self.abort_stale:
+        if not self.abort_stale or self.mask:   # masked: a running group's next tokens are fresh
             return
         for key, g in list(self.inflight_groups.items()):
             if self._stale(g):
@@ -638,14 +685,25 @@ class _Sim:
 
     def _account(self, batch: list[_Group]) -> None:
         n_step, tok_step, max_step = 0, 0.0, 0
+        step, lo_ok = self.step, self.step - self.p.max_staleness
         for g in batch:
             n = len(g.lengths)
             self.consumed += n
-            self.staleness[self.step - g.vmin] += n
-            tok = n * (self.step - 0.5 * (g.vmin + g.vmax))
+            span = g.vmax - g.vmin + 1
+            tokens = float(sum(g.lengths))
+            self.claimed_tokens += tokens
+            lo = g.vmin
+            if not self.batch_mode and self.mask and g.vmin < lo_ok:   # masked versions vmin..lo_ok-1
+                lo = lo_ok
+                self.masked_tokens += tokens * (lo_ok - g.vmin) / span
+            per_version = tokens / span
+            for v in range(lo, g.vmax + 1):
+                self.token_staleness[step - v] += per_version
+            self.staleness[step - lo] += n
+            tok = n * (step - 0.5 * (lo + g.vmax))
             self.token_staleness_sum += tok
-            self.spanned_sum += n * (g.vmax - g.vmin + 1)
-            n_step, tok_step, max_step = n_step + n, tok_step + tok, max(max_step, self.step - g.vmin)
+            self.spanned_sum += n * span
+            n_step, tok_step, max_step = n_step + n, tok_step + tok, max(max_step, step - lo)
         self.step_staleness.append((n_step, tok_step, max_step))
 
     def _busy_until(self, t: float) -> float:
@@ -742,7 +800,8 @@ class _Sim:
             staleness_token_mean=self.token_staleness_sum / self.consumed if self.consumed else 0.0,
             engine_stall_mean=self.stall_sum / self.started if self.started else 0.0,
             engine_stall_full=self.stall.at_full, aborted=self.aborted_groups * self.G, step_time_source=self.step_model.source,
-            sim_seconds=time.perf_counter() - t_start)
+            sim_seconds=time.perf_counter() - t_start, claimed_tokens=self.claimed_tokens,
+            masked_tokens=self.masked_tokens, dropped_tokens=self.dropped_tokens, token_staleness=self.token_staleness)
 
 
 def simulate(p: SimParams, step_model: StepTimeModel | None = None) -> SimResult:

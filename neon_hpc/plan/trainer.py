@@ -35,7 +35,9 @@ def _balancer() -> tuple[Any, Any] | None:
 
 
 class StepTimeModel:
-    def __init__(self, p: SimParams, use_balancer: bool = True):
+    def __init__(self, p: SimParams, use_balancer: bool = True, ratio: float | None = None):
+        """``ratio``: a makespan/bound ratio the planner already gave for this layout and batch
+        size (a sweep reuses it instead of planning again)."""
         self.p = p
         self.cells = max(p.dp, 1) * max(p.pp, 1) * max(p.cp, 1)
         self.flops_per_s_per_cell = p.train_flops_per_s / self.cells
@@ -43,8 +45,9 @@ class StepTimeModel:
         self.source = "neon_hpc.balance.plan_step" if bal else "plan fallback (cost bound)"
         self._plan_step = bal[1] if bal else None
         self._cost = bal[0](a=p.cost_a, b=p.cost_b, source="plan") if bal else None
-        self._ratio = 1.0
+        self._ratio = 1.0 if ratio is None else float(ratio)
         self._calls = 0
+        self._fixed = ratio is not None             # a given ratio: the planner is not run
         self.planner_calls = 0
 
     def bound_flops(self, lengths: np.ndarray) -> float:
@@ -61,12 +64,24 @@ class StepTimeModel:
             return 0.0
         bound = self.bound_flops(lengths)
         if self._plan_step is not None:
-            if self._calls % p.planner_every == 0:
+            if not self._fixed and self._calls % p.planner_every == 0:
                 makespan = self._planned_flops(lengths)
                 self._ratio = makespan / bound if bound > 0 else 1.0
             self._calls += 1
             return bound * self._ratio / self.flops_per_s_per_cell
         return self._fallback_flops(lengths, bound) / self.flops_per_s_per_cell
+
+    def planned_ratio(self, lengths: np.ndarray) -> float:
+        """The planner's makespan/bound ratio for one batch (1 without the balancer)."""
+        if self._plan_step is None:
+            return 1.0
+        bound = self.bound_flops(lengths)
+        return self._planned_flops(lengths) / bound if bound > 0 else 1.0
+
+    @property
+    def ratio(self) -> float:
+        """The planner's last makespan/bound ratio (1 before it ran, or without it)."""
+        return self._ratio
 
     def step_seconds(self, lengths: np.ndarray) -> float:
         return self.compute_seconds(lengths) + (0.0 if self.p.fixed_step_s > 0 else self.p.step_overhead_s)
