@@ -135,13 +135,6 @@ def _derive_mla(ckpt: Checkpoint, proj, fc1) -> dict:
                 rope_interleave=True, norm_topk_prob=True)
 
 
-def check_config_fits(cfg: dict, ckpt: Checkpoint) -> None:
-    emb = _shape(ckpt, "embedding.word_embeddings.weight")
-    if emb is not None and cfg.get("hidden_size") not in (None, emb[1]):
-        raise MappingError(f"HF config hidden_size={cfg['hidden_size']} but the checkpoint's embedding is "
-                           f"{list(emb)}; --hf-config-dir belongs to another model")
-
-
 def write_hf_side(dst: Path, cfg: dict, hf_config_dir: str | Path | None) -> list[str]:
     """Write config.json and copy tokenizer files into ``dst``; returns the names written."""
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -18,7 +18,7 @@ from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
 from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src
 from neon_hpc.reshard.configsource import resolve as resolve_config
-from neon_hpc.reshard.hfconfig import check_config_fits, write_hf_side
+from neon_hpc.reshard.hfconfig import write_hf_side
 from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
@@ -43,7 +43,6 @@ def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None
                      allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
-    check_config_fits(source.cfg, ckpt)
     check_config_shapes(source.cfg, ckpt, arch)
     spec = ModelSpec.from_hf_config(source.cfg, arch)
     return make_plan(ckpt, spec, ranks, shard_cap), source
