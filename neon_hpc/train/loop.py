@@ -41,7 +41,7 @@ from neon_hpc.rundir import RunDir, atomic_write_json
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.batch import build_microbatch, input_lengths, plain_plan
 from neon_hpc.train.loss import (LossConfig, add_terms, group_advantages, policy_loss, staleness_histogram,
-                                 staleness_stats, term_means)
+                                 staleness_stats, term_means, version_span_histogram)
 
 ROLE = "trainer"
 PREEMPT_FILE = "trainer_preempted.json"
@@ -169,7 +169,7 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
-                  quarantine_invalid=cfg.store.quarantine_invalid)
+                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout.stale_policy)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -429,7 +429,8 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
     if rank != 0:
         return
     trajs = data.trajectories
-    hist = staleness_histogram(step - 1, [np.asarray(t.versions) for t in trajs])
+    # staleness of the tokens that trained (stale ones masked by the claim are not among them)
+    hist = staleness_histogram(step - 1, [np.asarray(t.versions)[np.asarray(t.loss_mask) != 0] for t in trajs])
     s_mean, s_max = staleness_stats(hist)
     tokens = int(sum(len(t.tokens) for t in trajs))
     rec = dict(step=step, version=step, published=published, step_time_s=step_s, wait_s=waited_s,
@@ -438,6 +439,9 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
                reward_mean=float(np.mean([t.reward for t in trajs])) if trajs else float("nan"),
                staleness_mean=s_mean, staleness_max=s_max, staleness_hist=hist,
                dropped_stale=res.dropped_stale, quarantined=len(res.quarantined), shards=len(res.shards),
+               masked_stale_tokens=res.masked_stale_tokens, dropped_stale_tokens=res.dropped_stale_tokens,
+               claimed_gen_tokens=res.generated_tokens, wasted_rollout_tokens=res.wasted_rollout_tokens,
+               version_spans=version_span_histogram(np.asarray(t.versions) for t in trajs),
                planner=data.planner, **m)
     log.metrics(**rec)
     log.info("step %d: loss %.4f reward %.3f tokens %d (%.0f/s) staleness mean %.2f max %d, tis clip %.3f, "
