@@ -23,9 +23,12 @@ Response (one object; a list of them for a batch)::
                   "length": int} | {"type": "abort", "message": str},
                   prompt_tokens, completion_tokens, cached_tokens, weight_version (str),
                   output_token_logprobs: [[logprob, token_id, null], ...]   (return_logprob),
-                  routed_experts: base64(int32 little-endian, C order)        (return_routed_experts)}
+                  routed_experts: base64(little-endian, C order)              (return_routed_experts),
+                  routed_experts_dtype: "int32" | "uint16" | "uint8" (optional; absent = int32)}
 
-``routed_experts`` has logical shape ``[seqlen - 1 - start, num_moe_layers, top_k]`` where
+``routed_experts`` has logical shape ``[seqlen - 1 - start, num_hidden_layers, top_k]`` (SGLang's
+layout: one row per decoder layer, zeros for layers that do not route, e.g. DeepSeek-V3's dense
+first layers; no columns for shared experts) where
 ``seqlen = prompt_tokens + completion_tokens``: row ``i`` holds the experts that token
 ``start + i`` was routed to when it was forwarded.  The last token was never forwarded,
 so it has no row.
@@ -51,6 +54,14 @@ SAMPLING_FIELDS = {
 REQUEST_FIELDS = {
     "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
     "routed_experts_start_len", "rid", "stream", "logprob_start_len", "return_text_in_logprobs",
+}
+# GenerateReqInput fields that SGLang's router (sglang-router 0.3.2, Rust) adds to every
+# request it forwards, with the values that ask for nothing: accepted at exactly those values
+# (logging switches at any value), refused otherwise like any other unsupported field.
+NEUTRAL_FIELDS = {
+    "model": (None,), "log_metrics": (True, False), "no_logs": (True, False),
+    "return_hidden_states": (False,), "background": (False,), "return_bytes": (False,),
+    "return_entropy": (False,),
 }
 
 
@@ -120,7 +131,9 @@ def parse_generate(body: Any, vocab_size: int) -> list[GenerateRequest]:
     """Validate a ``/generate`` body; returns one request (or several for a batch body)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - REQUEST_FIELDS)
+    unknown = sorted(k for k in set(body) - REQUEST_FIELDS
+                     if not (k in NEUTRAL_FIELDS and any(body[k] is v or body[k] == v and type(body[k]) is type(v)
+                                                         for v in NEUTRAL_FIELDS[k])))
     if unknown:
         hint = "; send token ids in input_ids (this engine has no tokenizer)" if "text" in unknown else ""
         raise BadRequest(f"unknown or unsupported field(s): {', '.join(unknown)}{hint}")
@@ -174,20 +187,37 @@ def parse_generate(body: Any, vocab_size: int) -> list[GenerateRequest]:
 # --------------------------------------------------------------------------------------
 # routed experts payload
 
-def encode_routes(routes: np.ndarray) -> str:
-    """``[rows, layers, top_k]`` ints -> base64 of little-endian int32 (SGLang's encoding)."""
-    return base64.b64encode(np.ascontiguousarray(routes, dtype="<i4").tobytes()).decode("ascii")
+# meta_info.routed_experts_dtype (SGLang's SGLANG_ROUTED_EXPERTS_DTYPE) -> little-endian numpy dtype;
+# absent = int32 (what servers without the setting send)
+ROUTE_DTYPES = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
 
 
-def decode_routes(payload: str, rows: int, num_layers: int, top_k: int) -> np.ndarray:
-    """Inverse of :func:`encode_routes`, checking the byte length against the expected shape."""
+def route_dtype(meta: dict) -> str:
+    """The wire dtype of ``meta_info.routed_experts`` (``int32`` when not advertised)."""
+    name = meta.get("routed_experts_dtype") or "int32"
+    if name not in ROUTE_DTYPES:
+        raise ValueError(f"meta_info.routed_experts_dtype={name!r} is not one of {', '.join(ROUTE_DTYPES)}")
+    return name
+
+
+def encode_routes(routes: np.ndarray, dtype: str = "int32") -> str:
+    """``[rows, layers, top_k]`` ints -> base64 of little-endian ``dtype`` (SGLang's encoding)."""
+    arr = np.asarray(routes)
+    if dtype != "int32" and arr.size and (arr.min() < 0 or arr.max() > np.iinfo(ROUTE_DTYPES[dtype]).max):
+        raise ValueError(f"expert ids out of range for routed_experts_dtype={dtype}")
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=ROUTE_DTYPES[dtype]).tobytes()).decode("ascii")
+
+
+def decode_routes(payload: str, rows: int, num_layers: int, top_k: int, dtype: str = "int32") -> np.ndarray:
+    """Inverse of :func:`encode_routes` (int32 out), checking the byte length against the expected shape."""
     raw = base64.b64decode(payload.encode("ascii") if isinstance(payload, str) else payload)
-    want = rows * num_layers * top_k * 4
+    item = np.dtype(ROUTE_DTYPES[dtype]).itemsize
+    want = rows * num_layers * top_k * item
     if len(raw) != want:
         raise ValueError(f"meta_info.routed_experts has {len(raw)} bytes; expected {want} "
-                         f"= {rows} rows x {num_layers} layers x top_k {top_k} x 4 (int32). "
-                         f"Does the client's num_layers/top_k match the served model?")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(rows, num_layers, top_k)
+                         f"= {rows} rows x {num_layers} layers x top_k {top_k} x {item} ({dtype}). "
+                         f"Does the client's num_moe_layers/top_k (and routed_experts_dtype) match the served model?")
+    return np.frombuffer(raw, dtype=ROUTE_DTYPES[dtype]).astype(np.int32).reshape(rows, num_layers, top_k)
 
 
 def routed_rows(prompt_tokens: int, completion_tokens: int, start: int) -> int:

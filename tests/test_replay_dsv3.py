@@ -1,0 +1,169 @@
+"""DeepSeek-V3 routes from engine to trainer: SGLang's layout (one row per decoder layer,
+zeros for the dense first layer) from the real embedded engine over HTTP, mapped to the
+trainer's MoE layers through the adapter, replayed exactly by megatron; a wrong layout fails
+loudly.  The model: MLA, 1 dense + 2 MoE layers, a shared expert, sigmoid router with a
+non-zero expert-score bias and grouped top-k (2 groups, 1 chosen), routed_scaling_factor 2.5."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from neon_hpc.models.adapters import RouteLayoutError, get_adapter
+from neon_hpc.models.config import ModelConfig
+from neon_hpc.store import Trajectory
+
+CFG = ModelConfig(arch="deepseek_v3", vocab_size=256, hidden_size=64, num_layers=3, num_attention_heads=4,
+                  num_query_groups=4, ffn_hidden_size=96, moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2,
+                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                  first_dense_layers=1, num_shared_experts=1, router_groups=2, router_group_topk=1,
+                  routed_scaling_factor=2.5, max_position_embeddings=256)
+LAYOUT = get_adapter(CFG.arch).route_layout(CFG)
+
+
+def decisive_hf(seed: int):
+    """An HF DeepseekV3 whose routers are far from ties and whose expert bias matters."""
+    from neon_hpc.models.hf import build_hf_model
+    m = build_hf_model(CFG, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+        for n, p in m.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    from neon_hpc.models.convert import hf_to_megatron
+    from neon_hpc.train import backend as B
+
+    be = B.setup(CFG, tp=1, ep=1, replay=True, seed=3)
+    engine = decisive_hf(7)
+    B.load_full_state_dict(be, hf_to_megatron(engine.state_dict(), CFG))
+    yield be, engine
+    B.teardown()
+
+
+def routing_maps(be, mb, replay: bool):
+    from neon_hpc.train.backend import forward_logp
+    maps = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone()))
+             for layer in be.model.decoder.layers if hasattr(layer.mlp, "router")]
+    try:
+        with torch.no_grad():
+            logp = forward_logp(be, mb, replay=replay)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logp[0], maps
+
+
+def one_hot(routes_layer: np.ndarray) -> torch.Tensor:
+    m = torch.zeros(routes_layer.shape[0], CFG.num_experts, dtype=torch.bool)
+    m.scatter_(1, torch.from_numpy(routes_layer.astype(np.int64)), True)
+    return m
+
+
+def build(trajs):
+    from neon_hpc.replay.layout import to_trainer_rows
+    from neon_hpc.train.batch import build_microbatch, input_lengths
+    to_trainer_rows(trajs, CFG)
+    pieces = [(i, 0, n) for i, n in enumerate(input_lengths(trajs))]
+    return build_microbatch(trajs, pieces, [0.0] * len(trajs),
+                            route_shape=(len(LAYOUT.moe_rows), CFG.moe_router_topk, CFG.num_experts))
+
+
+def engine_trajectories(engine, tmp_path, n: int = 3) -> list[Trajectory]:
+    from neon_hpc.models.hf import save_hf
+    from neon_hpc.rollout.engines.client import EngineClient
+    from neon_hpc.rollout.engines.embedded import start_server
+
+    path = save_hf(engine, CFG, tmp_path / "v_0")
+    rng = np.random.default_rng(4)
+    trajs = []
+    with start_server(path, in_process=True) as srv:
+        client = EngineClient(srv.url)
+        info = client.model_info()
+        assert info["routed_experts_rows"] == CFG.num_layers and info["num_moe_layers"] == 2
+        for i in range(n):
+            prompt = rng.integers(0, CFG.vocab_size, 5 + 3 * i).tolist()
+            out = client.generate(prompt, {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 10 + i},
+                                  return_logprob=True, return_routed_experts=True)
+            tokens = np.array(prompt + out.output_ids, np.int32)
+            k = CFG.moe_router_topk
+            assert out.routed_experts.shape == (len(tokens) - 1, CFG.num_layers, k)   # SGLang: every decoder layer
+            assert (out.routed_experts[:, 0] == 0).all()                               # the dense layer: zeros
+            routes = np.concatenate([out.routed_experts, np.zeros((1, CFG.num_layers, k), np.int32)])
+            mask = np.r_[np.zeros(len(prompt)), np.ones(len(out.output_ids))].astype(np.uint8)
+            lp = np.r_[np.zeros(len(prompt)), out.output_logprobs].astype(np.float32)
+            trajs.append(Trajectory(tokens=tokens, loss_mask=mask, logprobs=lp,
+                                    versions=np.where(mask > 0, int(out.weight_version), -1).astype(np.int32),
+                                    routed_experts=routes, task_id=f"e{i}", group_id="g"))
+    return trajs
+
+
+def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
+    be, engine = trainer
+    assert be.num_moe_layers() == 2
+    mb = build(engine_trajectories(engine, tmp_path))
+    assert mb.routes_missing == 0 and mb.routes.shape[1] == 2
+    logp, maps = routing_maps(be, mb, replay=True)
+    assert len(maps) == 2
+    for j, rmap in enumerate(maps):
+        assert torch.equal(rmap.bool(), one_hot(mb.routes[:, j]))
+    on = mb.loss_mask[0] > 0
+    diff = (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item()
+    print(f"deepseek_v3 trainer (replay) vs embedded engine logprob max |diff| {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
+    """Same weights, no replay: megatron's own sigmoid+bias grouped top-k picks the HF experts."""
+    from neon_hpc.models.adapters.base import RouteLayout
+    be, engine = trainer
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CFG.vocab_size, 24).astype(np.int32)
+    found = []
+    hooks = [r.register_forward_hook(lambda _m, _i, o: found.append(o[2])) for _, r in
+             get_adapter(CFG.arch).hf_routers(engine)]
+    with torch.no_grad():
+        engine(input_ids=torch.from_numpy(tokens.astype(np.int64))[None])
+    for h in hooks:
+        h.remove()
+    moe = np.stack([f.numpy() for f in found], axis=1).astype(np.int32)       # [tokens, 2, k]
+    wire = LAYOUT.from_moe(moe)
+    assert isinstance(LAYOUT, RouteLayout) and wire.shape[1] == 3 and (wire[:, 0] == 0).all()
+    t = Trajectory(tokens=tokens, loss_mask=np.ones(len(tokens), np.uint8), logprobs=np.zeros(len(tokens), np.float32),
+                   versions=np.zeros(len(tokens), np.int32), routed_experts=wire, task_id="tf", group_id="g")
+    mb = build([t])
+    _, free = routing_maps(be, mb, replay=False)
+    for j in range(2):
+        assert torch.equal(free[j].bool(), one_hot(mb.routes[:, j])), f"MoE layer {j}"
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_wrong_route_layout_fails_loudly(rows):
+    """MoE-only rows (2) or one extra layer (4) for a 3-layer model: an error naming the layout."""
+    from neon_hpc.replay.layout import to_trainer_rows
+    good = Trajectory(tokens=np.arange(6, dtype=np.int32), loss_mask=np.ones(6, np.uint8),
+                      logprobs=np.zeros(6, np.float32), versions=np.zeros(6, np.int32),
+                      routed_experts=np.zeros((6, 3, 2), np.int32), task_id="ok", group_id="g")
+    bad = Trajectory(tokens=np.arange(6, dtype=np.int32), loss_mask=np.ones(6, np.uint8),
+                     logprobs=np.zeros(6, np.float32), versions=np.zeros(6, np.int32),
+                     routed_experts=np.zeros((6, rows, 2), np.int32), task_id="bad", group_id="g")
+    with pytest.raises(RouteLayoutError, match=r"1 of 2 trajectories.*has 3 rows.*MoE layers at \[1, 2\]") as e:
+        to_trainer_rows([good, bad], CFG)
+    if rows == 2:
+        assert "MoE layers only" in str(e.value)
+
+
+def test_qwen3_layout_is_every_layer():
+    q = ModelConfig()
+    lay = get_adapter("qwen3_moe").route_layout(q)
+    r = np.arange(2 * q.num_layers * 2).reshape(2, q.num_layers, 2)
+    assert lay.rows == q.num_layers and lay.to_moe(r) is r
