@@ -16,9 +16,10 @@ renamed into place by rank 0 after every rank finished writing)::
      "version": N,              # weights after step N (published as weights/v_N when due)
      "cursor": {"next_step": N+1, "claimed_steps": [..]},   # the store claims per step, so
                                 # the data position is the next step number
-     "layout": {"tp":..,"ep":..,"pp":..,"dp":..}, "time": ..., "param_digest": ...}
+     "layout": {"tp":..,"ep":..,"pp":..,"cp":..,"dp":..,"vpp":..,"world":..}, "time": ..., ...}
 
-The model and optimizer are loadable into another TP/EP layout (torch_dist reshards); the RNG
+The model and optimizer are loadable into another TP/EP/PP/CP/DP layout (torch_dist reshards:
+its keys are global, each rank loads the slices its shards cover); the RNG
 states are per rank and restored only when the layout is the same (otherwise reseeded from
 ``train.seed + step``, logged).  ``rng/*.pt`` hold only tensors and load with
 ``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles that this
@@ -43,6 +44,7 @@ from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
 from neon_hpc.train.backend import Backend, param_digest
+from neon_hpc.train import writers
 
 STATE_FILE = "trainer_state.json"
 
@@ -128,14 +130,14 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     """Collective: write ``checkpoints/step_{step}`` (all ranks call it; rank 0 publishes)."""
     from megatron.core import dist_checkpointing
 
-    shield_writer_processes()
-
     lay = be.layout
     final = run.checkpoint(step)
     staging = str(staging_dir_for(final)) if lay.rank == 0 else None
     staging = Path(_bcast(staging, lay.rank, lay.world))
     try:
-        dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
+        with writers.guarded_save(str(final)):   # a dead helper: a clear error, never a hang
+            shield_writer_processes()
+            dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
         (staging / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), staging / "rng" / f"rank_{lay.rank}.pt")
         digest = param_digest(be)
@@ -146,7 +148,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
             (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
                                                              sort_keys=True) + "\n")
             full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
-                          "layout": {"tp": lay.tp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "world": lay.world}}
+                          "layout": lay.as_record()}
             (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
             publish_dir(staging, final)
         _barrier(lay.world)
@@ -165,12 +167,40 @@ def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
     return st
 
 
+def refuse_untrusted(ckpt_dir: str | Path) -> None:
+    """Refuse a torch_dist checkpoint whose pickles could run code, before megatron opens it.
+
+    megatron-core reads ``.metadata`` with a plain ``pickle.load`` (DCP's reader): a crafted
+    file whose ``__reduce__`` names ``os.system`` runs that command inside the trainer.  Every
+    checkpoint the trainer loads (a resume's ``checkpoints/step_N``, ``model.init_checkpoint``)
+    passes this first: ``.metadata`` through the allowlist unpickler of
+    :mod:`neon_hpc.reshard.metadata` (only DCP's own classes, as stand-ins), ``common.pt``
+    through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` naming the file and
+    the global it refused.
+    """
+    from neon_hpc.bounded import clip_text
+    from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata
+
+    ckpt = Path(ckpt_dir)
+    load_dcp_metadata(ckpt / ".metadata")
+    common = ckpt / "common.pt"
+    if common.exists():
+        try:
+            torch.load(common, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure means: do not let megatron unpickle it
+            raise CheckpointError(f"{common}: refused: it does not load with torch.load(weights_only=True) "
+                                  f"({type(e).__name__}: {clip_text(str(e), 300)}); the file is foreign or "
+                                  f"tampered with. Re-save the checkpoint with megatron-core, or start "
+                                  f"from an HF folder") from None
+
+
 def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     """Collective: restore model, optimizer and (same layout) RNG from ``checkpoints/step_{step}``."""
     from megatron.core import dist_checkpointing
 
     ckpt = run.checkpoint(step)
     state = read_state(ckpt)
+    refuse_untrusted(ckpt)          # before megatron unpickles anything in it
     lay = be.layout
     with verified_reads(ckpt, lay.rank) as digests:      # every blob checked as DCP reads it
         loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
@@ -178,8 +208,8 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     be.model.load_state_dict(loaded["model"], strict=False)
     be.optimizer.load_state_dict(loaded["optimizer"])
     _check_param_digest(ckpt, state, be)
-    same_layout = state.get("layout", {}).get("world") == lay.world and \
-        state["layout"].get("tp") == lay.tp and state["layout"].get("ep") == lay.ep
+    saved_layout = {"cp": 1, "vpp": 1, **state.get("layout", {})}   # older records lack cp, vpp
+    same_layout = all(saved_layout.get(k) == v for k, v in lay.as_record().items())
     rng_file = ckpt / "rng" / f"rank_{lay.rank}.pt"
     state["rng_restored"] = bool(same_layout and rng_file.exists())
     if state["rng_restored"]:

@@ -1,0 +1,183 @@
+"""megatron-core's checkpoint helper processes, with waits that end when a helper dies.
+
+A synchronous ``dist_checkpointing.save`` (torch_dist) runs megatron's
+``FileSystemWriterAsync.write_preloaded_data_multiproc`` in the trainer: it forks one writer
+per write bucket (children with the trainer's own command line) and then blocks in
+``JoinableQueue.join()`` until each writer marks its task done. A writer that is SIGKILLed
+(or OOM-killed) never does, and the trainer blocks for ever. The results then go through a
+``spawn``-ed multiprocessing Manager (``train.checkpoint.shield_writer_processes``); when that
+Manager is gone, the next save dies with a raw ``BrokenPipeError``.
+
+:func:`install` replaces the multiproc writer with :func:`write_buckets_bounded`, which
+forks the same writers (megatron's own ``write_preloaded_data``), but waits for their results
+in slices of :data:`POLL_S` and checks between slices whether a writer without a result has
+exited: then it kills the other writers, reaps them, and reports a
+:class:`CheckpointWriterError` naming the writer and its exit status. :func:`guarded_save`
+turns the Manager's connection errors into the same error, naming the Manager's pid, and
+:func:`manager_alive` lets the next save start a new Manager instead of failing.
+
+What it does not do: bound a writer that is alive but stuck (a hung filesystem); that
+looks the same as a slow one from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing as mp
+import queue
+from functools import partial
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5          # how often a waiting save checks its writers are still alive
+REAP_S = 10.0         # how long a writer gets to exit after its result (or after a kill)
+_LAST_FAILURE: str | None = None   # why the current save's writers failed (set in the trainer process)
+
+
+class CheckpointWriterError(RuntimeError):
+    """A checkpoint helper process died or became unreachable; the checkpoint was not written."""
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def write_buckets_bounded(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
+                          global_results_queue: Any) -> None:
+    """Same contract as megatron's ``write_preloaded_data_multiproc``: fork one writer per bucket,
+    put ``{idx: results}`` (or an exception) on ``global_results_queue``; never waits on a dead writer."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    count = ctx.JoinableQueue()   # megatron's writer marks its task done here; we wait on results instead
+    procs = []
+    out: dict | Exception = CheckpointWriterError("the checkpoint writers were not started")
+    was_enabled = gc.isenabled()
+    gc.disable()   # as megatron does: a collection in the forking process may free tensors children use
+    try:
+        for i, bucket in enumerate(write_buckets):
+            count.put(i)
+            kwargs = {"local_proc_idx": i, "write_bucket": bucket, "results_queue": results,
+                      "count_queue": count, "use_fsync": True}
+            if use_msc:
+                kwargs["use_msc"] = use_msc
+            procs.append(ctx.Process(target=partial(FileSystemWriterAsync.write_preloaded_data, transform_list),
+                                     kwargs=kwargs, name=f"neon-ckpt-writer-{rank}.{i}"))
+        for p in procs:
+            p.start()
+        out = _collect(procs, results)
+    finally:
+        _reap(procs, kill_first=isinstance(out, Exception))
+        if was_enabled:
+            gc.enable()
+    if isinstance(out, CheckpointWriterError):
+        global _LAST_FAILURE
+        _LAST_FAILURE = str(out)
+    global_results_queue.put(out)
+
+
+def _reap(procs: list, kill_first: bool) -> None:
+    """No writer outlives the save: after a failure the others are killed, then all are joined."""
+    for p in procs:
+        if p.pid is not None and kill_first and p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(REAP_S)
+        if p.is_alive():
+            p.kill()
+            p.join(REAP_S)
+
+
+def _collect(procs: list, results: Any) -> dict | Exception:
+    got: dict[int, Any] = {}
+    while len(got) < len(procs):
+        try:
+            idx, res = results.get(timeout=POLL_S)
+        except queue.Empty:
+            dead = [(i, p) for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
+            if not dead:
+                continue
+            try:   # a writer that put its result and exited: the result may still be in the pipe
+                idx, res = results.get(timeout=POLL_S)
+            except queue.Empty:
+                i, p = dead[0]
+                return CheckpointWriterError(
+                    f"megatron checkpoint writer {i} (pid {p.pid}) ended without a result "
+                    f"({_exit_text(p.exitcode)}); the checkpoint was not written")
+        if isinstance(res, Exception):
+            return res
+        got[idx] = res
+    return got
+
+
+def install() -> None:
+    """Make megatron's synchronous torch_dist save use :func:`write_buckets_bounded`. Idempotent."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    cls = fa.FileSystemWriterAsync
+    if cls.__dict__.get("write_preloaded_data_multiproc") is not _BOUNDED:
+        cls.write_preloaded_data_multiproc = _BOUNDED
+
+
+_BOUNDED = staticmethod(write_buckets_bounded)
+
+
+def manager_alive() -> bool | None:
+    """Whether megatron's results-queue Manager answers (None: none started yet)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    q = getattr(fa, "_results_queue", None)
+    if q is None:
+        return None
+    proc = getattr(getattr(q, "_manager", None), "_process", None)
+    if proc is not None and not proc.is_alive():
+        return False
+    try:
+        q.qsize()          # one round trip: a Manager that is gone (or unreachable) fails it
+    except (OSError, EOFError):
+        return False
+    return True
+
+
+def drop_dead_manager() -> str | None:
+    """Forget a dead results Manager so the next save starts a new one; returns which (or None)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if manager_alive() is not False:
+        return None
+    proc = getattr(getattr(fa._results_queue, "_manager", None), "_process", None)
+    fa._results_queue = None
+    return f"pid {proc.pid}" if proc is not None else "no pid known"
+
+
+@contextlib.contextmanager
+def guarded_save(where: str) -> Any:
+    """Around ``dist_checkpointing.save``: a dead writer, or a lost connection to megatron's
+    results Manager, comes out as one :class:`CheckpointWriterError` naming the process."""
+    global _LAST_FAILURE
+    install()
+    dead = drop_dead_manager()
+    if dead is not None:
+        log.warning("megatron's checkpoint results Manager (%s) had died; a new one is started", dead)
+    _LAST_FAILURE = None
+    try:
+        yield
+    except (BrokenPipeError, EOFError, ConnectionError) as e:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        q = getattr(fa, "_results_queue", None)
+        proc = getattr(getattr(q, "_manager", None), "_process", None)
+        who = f"pid {proc.pid}, {_exit_text(proc.exitcode)}" if proc is not None else "not started"
+        raise CheckpointWriterError(
+            f"saving {where}: megatron's checkpoint results Manager is unreachable ({who}): "
+            f"{type(e).__name__}: {e}; the checkpoint was not written") from e
+    except BaseException as e:   # torch's CheckpointException is a BaseException
+        if _LAST_FAILURE is None or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointWriterError(f"saving {where}: {_LAST_FAILURE}") from e
+    finally:
+        _LAST_FAILURE = None
