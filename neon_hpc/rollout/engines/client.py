@@ -3,10 +3,12 @@
 It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over plain HTTP
 with the standard library, so it has no dependency beyond numpy.
 
-Routes need the model's top-k (and number of MoE layers) to be reshaped.  Pass them
-(``num_moe_layers=``, ``top_k=``) when you can; otherwise the client asks the engine once
-(ours reports both; a real SGLang server reports ``model_path``, whose ``config.json`` gives
-top-k) and derives the layer count from the payload size.
+Routes need the model's top-k and the rows per token (SGLang: one per decoder layer, the
+``num_moe_layers=`` argument) to be reshaped.  Pass them (``num_moe_layers=``, ``top_k=``)
+when you can; otherwise the client asks the engine once (ours reports both; a real SGLang
+server reports ``model_path``, whose ``config.json`` gives top-k) and derives the row count
+from the payload size.  The payload is decoded in ``meta_info.routed_experts_dtype``
+(int32 / uint16 / uint8; absent = int32); a payload whose size does not fit is refused.
 
 Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
 errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``),
@@ -93,7 +95,8 @@ class EngineClient:
         self._info_cache: dict | None = None
 
     # --- transport ----------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                 parse: bool = True) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -109,7 +112,7 @@ class EngineClient:
             raise ConnectionError(f"{self.base_url}{path}: {reason}") from None
         except socket.timeout:
             raise TimeoutError(f"{self.base_url}{path}: timed out after {timeout or self.timeout}s") from None
-        return json.loads(raw) if raw else None
+        return json.loads(raw) if raw and parse else None
 
     # --- API ----------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
@@ -150,10 +153,15 @@ class EngineClient:
             prompt = int(meta.get("prompt_tokens", n_prompt))
             rows = protocol.routed_rows(prompt, len(output_ids), start)
             nbytes = len(protocol.base64.b64decode(meta["routed_experts"]))
-            layers, top_k = self._route_shape(nbytes, rows)
-            if (meta.get("finish_reason") or {}).get("type") == "abort":
-                rows = nbytes // (4 * layers * top_k)  # only what was forwarded before the abort
-            routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k)
+            try:
+                dtype = protocol.route_dtype(meta)
+                item = np.dtype(protocol.ROUTE_DTYPES[dtype]).itemsize
+                layers, top_k = self._route_shape(nbytes, rows, item)
+                if (meta.get("finish_reason") or {}).get("type") == "abort":
+                    rows = nbytes // (item * layers * top_k)  # only what was forwarded before the abort
+                routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
+            except ValueError as e:
+                raise EngineError(502, str(e), self.base_url) from None
         version = meta.get("weight_version")
         spans = _spans(meta.get("weight_versions"), len(output_ids), self.base_url)
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
@@ -162,8 +170,11 @@ class EngineClient:
                               prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta,
                               weight_versions=spans)
 
-    def _route_shape(self, nbytes: int, rows: int) -> tuple[int, int]:
-        """(num_moe_layers, top_k): given, else from the engine, else from the payload itself.
+    def _route_shape(self, nbytes: int, rows: int, item: int = 4) -> tuple[int, int]:
+        """(rows per token, top_k): given, else from the engine, else from the payload itself.
+
+        "Layers" here are the route rows per token: decoder layers in SGLang's layout (our
+        engine reports ``routed_experts_rows``), which the trainer maps to its MoE layers.
 
         Our engine reports both in ``/get_model_info``; a real SGLang server reports
         ``model_path``, whose ``config.json`` (shared filesystem) has ``num_experts_per_tok``.
@@ -175,8 +186,8 @@ class EngineClient:
             self._info_cache = info
             if self.top_k is None:
                 self.top_k = info.get("moe_router_topk") or _topk_from_config(info.get("model_path"))
-            if self.num_moe_layers is None and info.get("num_moe_layers"):
-                self.num_moe_layers = int(info["num_moe_layers"])
+            if self.num_moe_layers is None and (info.get("routed_experts_rows") or info.get("num_moe_layers")):
+                self.num_moe_layers = int(info.get("routed_experts_rows") or info["num_moe_layers"])
         if self.top_k is None:
             raise EngineError(0, "cannot tell the router top-k of the served model (not in /get_model_info, "
                                  "no readable config.json at its model_path); construct "
@@ -184,15 +195,16 @@ class EngineClient:
         top_k = int(self.top_k)
         if self.num_moe_layers is not None:
             return int(self.num_moe_layers), top_k
-        if rows <= 0 or nbytes % (4 * rows * top_k):
+        if rows <= 0 or nbytes % (item * rows * top_k):
             raise EngineError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows x top_k {top_k} "
-                                   f"int32; pass num_moe_layers= to EngineClient", self.base_url)
-        return nbytes // (4 * rows * top_k), top_k
+                                   f"x {item} bytes; pass num_moe_layers= to EngineClient", self.base_url)
+        return nbytes // (item * rows * top_k), top_k
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200 within ``timeout``."""
         try:
-            self._request("GET", "/health", timeout=timeout)
+            # the status is the answer: SGLang's router answers a plain-text body, servers an empty one
+            self._request("GET", "/health", timeout=timeout, parse=False)
             return True
         except (EngineError, OSError):
             return False

@@ -18,8 +18,10 @@ Wire format: :mod:`.protocol`.  Inside, three parts:
   ``[{"version", "start", "end"}]`` over the output tokens (end exclusive) and
   ``weight_version`` = the last span's version.
 
-Routes are captured from the model's own routers (a forward hook on every
-``Qwen3MoeTopKRouter``) during prefill and decode, never recomputed afterwards.
+Routes are captured from the model's own routers (a forward hook on each router the
+architecture adapter names) during prefill and decode, never recomputed afterwards.  Their
+layout is SGLang's: one row per decoder layer, zeros for layers that do not route (dense
+first layers); a shared expert is not a routed choice and has no column.
 """
 
 from __future__ import annotations
@@ -62,12 +64,20 @@ class LoadedModel:
     """An HF MoE model plus hooks that record every router's top-k indices per forward."""
 
     def __init__(self, model: torch.nn.Module, path: str, version: str):
+        from neon_hpc.models.adapters import adapter_for_hf_config
         self.model, self.path, self.version = model, str(path), str(version)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.top_k = int(cfg.num_experts_per_tok)
         self.eos_ids = _as_list(getattr(cfg, "eos_token_id", None))
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        adapter = adapter_for_hf_config({"model_type": cfg.model_type})
+        # SGLang's route layout: one row per decoder layer, zeros where a layer does not route
+        self.route_layout = adapter.route_layout(adapter.model_config_from_hf(cfg))
+        hooked = adapter.hf_routers(model)
+        if [layer for layer, _ in hooked] != list(self.route_layout.moe_rows):
+            raise RuntimeError(f"{path}: routers found at decoder layers {[l for l, _ in hooked]}, but the "
+                               f"{adapter.name} layout routes at {list(self.route_layout.moe_rows)}")
+        self.routers = [r for _, r in hooked]
         self.num_moe_layers = len(self.routers)
         self._buf: list[torch.Tensor] = []
         import inspect
@@ -84,14 +94,22 @@ class LoadedModel:
     def _record(self, module, inputs, output) -> None:
         self._buf.append(output[2])  # (tokens, top_k) indices of this forward, in layer order
 
+    @property
+    def route_rows(self) -> int:
+        """Rows per token in ``routed_experts`` (decoder layers, as SGLang sends them)."""
+        return self.route_layout.rows
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the last position ``[B, V]`` and routes ``[B, S, layers, top_k]``."""
+        """Logits of the last position ``[B, V]`` and routes ``[B, S, decoder layers, top_k]``
+        (zeros in the rows of layers that do not route)."""
         self._buf = []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **{self._cache_kw: cache})
         b, s = ids.shape
-        routes = torch.stack([r.reshape(b, s, self.top_k) for r in self._buf], dim=2)
+        routes = torch.zeros((b, s, self.route_layout.rows, self.top_k), dtype=torch.int64)
+        for row, r in zip(self.route_layout.moe_rows, self._buf):
+            routes[:, :, row] = r.reshape(b, s, self.top_k)
         return out.logits[:, -1, :].float(), routes
 
     def same_shape_as(self, other: "LoadedModel") -> str | None:
@@ -379,7 +397,7 @@ class Scheduler:
         if req.return_routed_experts:
             rows = protocol.routed_rows(prompt, completion, 0)
             allr = (np.concatenate(job.routes, axis=0) if job.routes
-                    else np.zeros((0, loaded.num_moe_layers, loaded.top_k), np.int32))
+                    else np.zeros((0, loaded.route_rows, loaded.top_k), np.int32))
             if allr.shape[0] < rows:  # an aborted request: only what was forwarded exists
                 rows = allr.shape[0]
             meta["routed_experts"] = protocol.encode_routes(allr[req.routed_experts_start_len:rows])
@@ -454,6 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "architectures": list(m.model.config.architectures or []),
                 # ours (SGLang does not report these): what a client needs to decode routes
                 "num_moe_layers": m.num_moe_layers, "moe_router_topk": m.top_k, "vocab_size": m.vocab_size,
+                "routed_experts_rows": m.route_rows,   # rows per token: decoder layers (SGLang's layout)
             })
         if path == "/get_server_info":
             return self._send(200, {"version": "neon-hpc-embedded", "max_batch_size": sched.max_batch_size,
