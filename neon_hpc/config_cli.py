@@ -1,18 +1,127 @@
-"""``neon-hpc config check CONFIG [--set k=v ...]``: validate and print the resolved config."""
+"""``neon-hpc config check CONFIG [--set k=v ...]``: validate and print the resolved config.
+
+Beyond the schema (types, declared ranges, cross-field rules: :mod:`neon_hpc.constraints`),
+it runs what every role checks when it starts, so a config that a role would refuse later
+(minutes into a Slurm job) is refused here:
+
+- trainer: ``train.loop.check_config`` (mode vs correction, parallel layout, what this
+  trainer runs), ``model.init_checkpoint`` (an HF folder, or a torch_dist checkpoint whose
+  pickles pass ``train.checkpoint.refuse_untrusted``), ``balance`` cost model (the
+  ``cost_file`` it would read);
+- rollout workers: the XRD task set (preset and split give tasks), the tokenizer;
+- rollout node: ``engine.python`` for ``engine.kind: sglang``.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
 
 from neon_hpc import config
+from neon_hpc.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.config import ConfigError, ExperimentConfig
+
+Problem = tuple[str, str]   # (role: key, message)
+
+
+def _trainer(cfg: ExperimentConfig) -> list[Problem]:
+    from neon_hpc.train.loop import TrainerError, check_config
+    try:
+        check_config(cfg)
+    except TrainerError as e:
+        return [("trainer", str(e))]
+    return []
+
+
+def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
+    path = cfg.model.init_checkpoint
+    if not path:
+        return []
+    p = Path(path)
+    if (p / "config.json").exists():
+        return []
+    if not (p / ".metadata").exists():
+        return [("trainer", f"model.init_checkpoint: {path} is neither an HF folder (config.json) nor a "
+                            f"torch_dist checkpoint (.metadata)")]
+    from neon_hpc.reshard.metadata import CheckpointError
+    from neon_hpc.train.checkpoint import refuse_untrusted
+    try:
+        refuse_untrusted(p)
+    except CheckpointError as e:
+        return [("trainer", f"model.init_checkpoint: {e}")]
+    return []
+
+
+def _cost_model(cfg: ExperimentConfig) -> list[Problem]:
+    from neon_hpc.balance.configured import cost_model_for_config
+    try:
+        cost_model_for_config(cfg)
+    except ValueError as e:
+        return [("trainer", f"balance.cost_file: {e}")]
+    return []
+
+
+def _tasks(cfg: ExperimentConfig) -> list[Problem]:
+    from neon_hpc.xrd.tasks import load_tasks
+    try:
+        tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=min(cfg.xrd.num_tasks, 2))
+    except (ValueError, RuntimeError) as e:
+        return [("rollout worker", f"xrd: {e}")]
+    if not tasks:
+        return [("rollout worker", f"xrd: no tasks for preset={cfg.xrd.preset} split={cfg.xrd.split}")]
+    return []
+
+
+def _tokenizer(cfg: ExperimentConfig) -> list[Problem]:
+    if cfg.model.vocab_size <= 256:
+        return []   # the built-in xrd-tiny tokenizer
+    if not cfg.model.init_checkpoint:
+        return [("rollout worker", f"model.vocab_size={cfg.model.vocab_size} needs the tokenizer of "
+                                   f"model.init_checkpoint, which is empty: set it to the model's HF folder")]
+    return []
+
+
+def _sglang_python(cfg: ExperimentConfig) -> list[Problem]:
+    py = cfg.engine.python
+    if cfg.engine.kind != "sglang" or not py:
+        return []
+    if os.sep in py and not os.access(py, os.X_OK) or os.sep not in py and shutil.which(py) is None:
+        return [("rollout node", f"engine.python: {py} is not an executable interpreter")]
+    return []
+
+
+ROLE_CHECKS: tuple[Callable[[ExperimentConfig], list[Problem]], ...] = (
+    _trainer, _init_checkpoint, _cost_model, _tasks, _tokenizer, _sglang_python)
+
+
+def role_problems(cfg: ExperimentConfig) -> list[Problem]:
+    """What the roles would refuse at start-up, each as (role, message)."""
+    out: list[Problem] = []
+    for check in ROLE_CHECKS:
+        out += check(cfg)
+    return out
+
+
+def check(path: str | None, overrides: list[str]) -> ExperimentConfig:
+    """The config as ``neon-hpc config check`` accepts it; raises ConfigError otherwise."""
+    cfg = config.load(path, overrides)
+    problems = role_problems(cfg)
+    if problems:
+        where = path or "<defaults>"
+        raise ConfigError("\n".join(f"{where}: {role} would refuse it: {clip_text(msg, MESSAGE_CAP)}"
+                                    for role, msg in problems))
+    return cfg
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="neon-hpc config")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="validate a config and print it resolved")
+    c = sub.add_parser("check", help="validate a config (schema and every role's start-up checks) and print it resolved")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    cfg = config.load(a.config, a.set)
+    cfg = check(a.config, a.set)
     print(config.dump(cfg), end="")
     return 0

@@ -215,3 +215,15 @@ def test_range_describe():
     assert above(0, le=1.0).describe("float") == "a finite number in (0, 1]"
     assert at_least(1, "x").describe("int") == "an integer >= 1 (x)"
     assert Range(lt=3, finite=False).describe("float") == "a number < 3"
+
+
+def test_config_check_runs_role_startup_checks(tmp_path, capsys):
+    """What a role would refuse at start-up (here: the trainer's cost model) is refused by
+    `neon-hpc config check`, which the schema alone accepts."""
+    from neon_hpc.cli import main as cli_main
+    missing = tmp_path / "no_such_cost.json"
+    config.load(TINY, [f"balance.cost_file={missing}"])          # the schema has nothing against it
+    assert cli_main(["config", "check", str(TINY), "--set", f"balance.cost_file={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer would refuse it" in err and "balance.cost_file" in err and str(missing) in err
+    assert cli_main(["config", "check", str(TINY)]) == 0
