@@ -124,8 +124,12 @@ def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: 
 def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: float = 1e-3,
           weight_decay: float = 0.0, grad_clip: float = 1.0, replay: bool = True,
           seed: int = 1234, backend: str | None = None, pp_first_stage_layers: int = 0,
-          pp_last_stage_layers: int = 0, vpp: int = 1) -> Backend:
-    """Initialise parallel state (from the torch.distributed env vars), build and wrap the model."""
+          pp_last_stage_layers: int = 0, vpp: int = 1, cp: int = 1) -> Backend:
+    """Initialise parallel state (from the torch.distributed env vars), build and wrap the model.
+
+    ``cp`` is recorded in the layout only: CP ranks are megatron DP ranks (the CP attention of
+    :mod:`neon_hpc.models.cp_attention` exchanges K/V itself), so megatron's DP size is dp*cp.
+    """
     from neon_hpc.models import megatron as mm
     from neon_hpc.train import cpu_optimizer
     from neon_hpc.train.layout import stage_layers
@@ -165,7 +169,8 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
-                    dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, layer_offset=offset,
+                    dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, cp=cp,
+                    cp_rank=coords["dp_rank"] % cp, layer_offset=offset,
                     num_local_layers=n_local)
     be = Backend(model_cfg=model_cfg, layout=layout, model=model, ddp=ddp, optimizer=optimizer, replay=replay)
     if replay and len(RouterReplay.global_router_replay_instances) != len(be.route_rows()):
@@ -184,8 +189,14 @@ def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
     they count as dense and are reduced over DP alone, i.e. never summed over TP (measured:
     TP=2 expert grads were each rank's half).  Marking them fixes the reduction; it must run
     before DDP and the optimizer are built.  Returns the number of parameters marked.
+
+    At TP = 1 the mark changes no reduction (the expert-data-parallel group is then the DP
+    group) but it is applied all the same: marked expert weights get their own optimizer
+    (megatron's ``ChainedOptimizer`` of dense + expert), so every layout has the same optimizer
+    structure and checkpoint keys, and an EP = 2 checkpoint loads at EP = 1 (unmarked, a single
+    optimizer's keys lack the ``chained_N.`` prefix and the load fails).
     """
-    if tp == 1 or ep > 1:
+    if ep > 1:
         return 0
     n = 0
     for name, p in model.named_parameters():
@@ -340,6 +351,8 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     their partition dim (the fused QKV is split by query groups, so concatenation restores
     it; expert weights are not TP-split: expert TP is 1), local experts get global indices.
     """
+    from neon_hpc.models.adapters import get_adapter
+    from neon_hpc.models.adapters.base import tp_join
     import torch.distributed as dist
 
     lay = be.layout
@@ -371,6 +384,8 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
         dim = all_dims.get(key)
         if dim is None or lay.tp == 1:
             out[key] = v0
+        elif get_adapter(be.model_cfg.arch).tp_kind(key) == "swiglu":   # per rank [gate; up] (dense/shared MLPs)
+            out[key] = tp_join([by_tp[t][key] for t in range(lay.tp)], "swiglu")
         else:
             out[key] = torch.cat([by_tp[t][key] for t in range(lay.tp)], dim=dim)
     return out

@@ -89,6 +89,10 @@ def layout_errors(cfg: Any) -> Errors:
         elif per_stage[0] % v:
             errs.append(("train.virtual_pipeline_stages",
                          f"{v} must divide the {per_stage[0]} layers of each pipeline stage"))
+        else:
+            errs.append(("train.virtual_pipeline_stages",
+                         f"{v}: the interleaved schedule (model chunks per stage) is not wired in this "
+                         f"trainer yet; set it to 1 (plain 1F1B)"))
     return errs
 
 
