@@ -1,38 +1,99 @@
-"""Full-profile fitting of a set of phases to an observed pattern.
+"""Whole-pattern (Rietveld-type) refinement of a set of phases against an observed pattern.
 
-Model: y(2theta) = sum_p s_p * P_p(2theta; zero, strain_p, size_p) + Chebyshev background.
-For fixed nonlinear parameters the scales and background are a bounded linear least-squares
-problem (scales >= 0), solved exactly with Poisson weights 1 / max(y, 1).  The nonlinear
-parameters (zero shift, per-phase lattice strain and crystallite size) are refined by short
-coordinate searches over grids, a few passes, which is robust on noisy data and cheap because
-each phase's profile is rendered in one vectorized call.
+Model::
 
-Weight fractions: P_p is the pattern of a unit *volume* fraction (|F|^2 LP / V^2), so
-s_p is proportional to the volume fraction and w_p = s_p rho_p / sum_q s_q rho_q
-(Hill-Howard, no absorption contrast).  Rwp = sqrt(sum w (y - ycalc)^2 / sum w y^2).
+    y_calc(2t) = sum_p c_p P_p(2t; lattice_p, Y_p, e_p, r_p | zero, disp, W, eta) + sum_k b_k T_k(2t)
+
+- ``P_p``: the phase's peaks (K-alpha1 + K-alpha2) per unit *volume* fraction (|F|^2 LP / V^2,
+  see :mod:`neon_hpc.xrd.simulate`), divided by a constant so its maximum is ~1 at the start.
+- Lattice: the cell's axis lengths scaled by (1 + eps_a, 1 + eps_b, 1 + eps_c), cell angles
+  fixed, axes of equal length tied (cubic: 1 parameter, tetragonal/hexagonal: 2, lower: 3);
+  bounded to +-``LATTICE_BOUND`` of the starting cell.
+- Width: FWHM^2 = U tan^2 + V tan + W + (H_size + H_strain)^2 with the Scherrer term
+  H_size = K lambda Y / (10 cos t) (Y = 1 / crystallite size in nm, Y = 0: no size broadening)
+  and microstrain H_strain = 4 e tan t; W (instrument) and the pseudo-Voigt mixing eta are
+  refined for the whole pattern, Y and e per phase.
+- Peak positions: 2t(d) + zero + disp cos t (zero shift and sample displacement).
+- March-Dollase preferred orientation per phase, r along an axis picked from the low-index
+  directions (``TEXTURE_AXES``) by the predicted chi^2 drop, then r refined; tried only where
+  it pays (``TEXTURE_MIN_GAIN``).
+- Chebyshev background of degree ``BACKGROUND_DEGREE``.
+
+Solver: ``scipy.optimize.least_squares`` (trust-region reflective, bounds: scales >= 0,
+lattice/width/texture boxes) on all parameters at once, with the *analytic* Jacobian: one pass
+over each phase's peak windows gives the profile and its derivatives with respect to peak
+centre, width, area and eta, and each parameter's column is a weighted ``bincount`` of those.
+The starting point comes from the exact bounded linear solve of scales + background (Poisson
+weights ``1 / max(y, 1)``) after a short grid search over zero shift, lattice strain and size
+(:meth:`Fitter.fit` when no start is given).
+
+Fit quality as Rietveld programs report it: Rwp = sqrt(sum w (y - yc)^2 / sum w y^2),
+Rexp = sqrt((N - P) / sum w y^2), GoF = Rwp / Rexp (= sqrt of the reduced chi^2).
+Standard errors: the covariance (J^T J)^-1 * GoF^2 over the parameters not at a bound.
+
+Weight fractions (Hill-Howard): the Rietveld scale of phase p is S_p = c_p / (norm_p V_p^2) and
+w_p = S_p (ZMV)_p / sum_q S_q (ZMV)_q (Z*M = the cell's mass, V the refined cell volume); its
+standard error by propagating the scales' covariance.  No absorption or microabsorption
+correction.
+
+Detection (:func:`detection_stats`): for each phase, how much Rwp rises without it (the others
+re-scaled) and its significance c_p / esd(c_p).  The detection limit of a phase on a pattern is
+the weight fraction at which its significance would reach the threshold: ``z_min * esd(w_p)``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from neon_hpc.xrd.library import Library, load_library
-from neon_hpc.xrd.simulate import Instrument, Microstructure, phase_pattern, phase_reflections
+from neon_hpc.xrd.simulate import (SCHERRER_K, Instrument, Microstructure, lorentz_polarization, phase_pattern,
+                                   phase_reflections)
 
 BACKGROUND_DEGREE = 6
 STRAIN_GRID = np.linspace(-0.012, 0.012, 25)
 SIZE_GRID_NM = (0.0, 200.0, 100.0, 60.0, 35.0, 20.0, 12.0)
 ZERO_GRID = np.linspace(-0.15, 0.15, 13)      # searched around the starting zero shift
+LATTICE_BOUND = 0.02                          # +- relative change of each cell axis from the start
+ZERO_BOUND = 0.3                              # +- deg around the starting zero shift
+DISP_BOUND = 0.3                              # |sample displacement term| (deg at cos t = 1)
+SIZE_Y_MAX = 1.0 / 5.0                        # crystallites >= 5 nm
+MICROSTRAIN_MAX = 0.01
+W_BOUNDS = (2e-4, 0.1)                       # deg^2
+TEXTURE_BOUNDS = (0.5, 1.8)                   # March-Dollase r
+TEXTURE_AXES = ((0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
+TEXTURE_MIN_GAIN = 0.005                      # predicted relative chi^2 drop to refine a texture
+WINDOW_FWHM = 10.0                            # peaks rendered over +- this many FWHM
+RENDER_CLASSES = 4                            # width classes, each with its own window
+MIN_REL_AREA = 2e-4                           # lines weaker than this (of the phase's strongest) are not rendered
+MAX_NFEV = 60
+SHIFT_MODELS = ("zero", "displacement", "both")   # which peak-position terms are refined
+_LN2 = math.log(2)
+_4LN2 = 4.0 * _LN2
+_SQ_LN2_PI = math.sqrt(_LN2 / math.pi)
 
+
+# ----------------------------------------------------------------------------------------------
+# results
 
 @dataclass
 class PhaseFit:
     phase_id: str
-    scale: float
+    scale: float                      # volume-fraction scale (arbitrary units, comparable between phases)
     weight_fraction: float
-    strain: float
-    size_nm: float
+    strain: float                     # mean relative change of the cell axes (isotropic equivalent)
+    size_nm: float                    # 0 = no size broadening refined
+    wf_esd: float = 0.0
+    microstrain: float = 0.0
+    lattice: tuple = ()               # refined a, b, c (A), alpha, beta, gamma (deg)
+    lattice_esd: tuple = ()           # esd of a, b, c
+    texture_axis: tuple | None = None
+    texture_r: float = 1.0
+    significance: float = 0.0         # scale / esd(scale)
+    rietveld_scale: float = 0.0       # S_p (per |F|^2, for ZMV)
+    detection_limit: float = 0.0      # weight fraction at which significance would reach the threshold
+    rwp_without: float = float("nan")  # Rwp with this phase removed (others re-scaled)
 
 
 @dataclass
@@ -42,15 +103,41 @@ class FitResult:
     zero_shift: float
     background: np.ndarray
     calc: np.ndarray
+    rexp: float = float("nan")
+    gof: float = float("nan")
+    displacement: float = 0.0
+    caglioti_w: float = 0.0
+    eta: float = 0.5
+    n_obs: int = 0
+    n_params: int = 0
+    refined: bool = False
     details: dict = field(default_factory=dict)
 
     def fractions(self) -> dict[str, float]:
         return {p.phase_id: p.weight_fraction for p in self.phases}
 
     def summary(self) -> dict:
-        return {"rwp": round(self.rwp, 4), "zero_shift": round(self.zero_shift, 4),
-                "phases": [{"phase_id": p.phase_id, "weight_fraction": round(p.weight_fraction, 4),
-                            "strain": round(p.strain, 5), "size_nm": round(p.size_nm, 1)} for p in self.phases]}
+        out = {"rwp": round(self.rwp, 4), "rexp": round(self.rexp, 4), "gof": round(self.gof, 3),
+               "zero_shift": round(self.zero_shift, 4), "displacement": round(self.displacement, 4),
+               "caglioti_W": round(self.caglioti_w, 5), "eta": round(self.eta, 3),
+               "n_obs": self.n_obs, "n_params": self.n_params, "phases": []}
+        for p in self.phases:
+            row = {"phase_id": p.phase_id, "weight_fraction": round(p.weight_fraction, 4),
+                   "wf_esd": round(p.wf_esd, 4), "strain": round(p.strain, 5), "size_nm": round(p.size_nm, 1),
+                   "microstrain": round(p.microstrain, 5), "significance": round(p.significance, 1)}
+            if p.lattice:
+                row["lattice"] = [round(v, 5) for v in p.lattice[:3]] + [round(v, 3) for v in p.lattice[3:]]
+                row["lattice_esd"] = [round(v, 5) for v in p.lattice_esd]
+            if p.texture_axis is not None:
+                row["texture"] = {"axis": list(p.texture_axis), "march_dollase_r": round(p.texture_r, 3)}
+            out["phases"].append(row)
+        return out
+
+
+def _one_blas_thread():
+    """One BLAS thread for the small dense algebra of a refinement (spinning threads on a busy node cost 10x)."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(1, user_api="blas")
 
 
 def _bg_basis(x: np.ndarray, degree: int = BACKGROUND_DEGREE) -> np.ndarray:
@@ -58,11 +145,169 @@ def _bg_basis(x: np.ndarray, degree: int = BACKGROUND_DEGREE) -> np.ndarray:
     return np.polynomial.chebyshev.chebvander(t, degree)
 
 
+def rwp_rexp(y: np.ndarray, calc: np.ndarray, w: np.ndarray, n_params: int) -> tuple[float, float]:
+    den = float(np.sum(w * y * y)) or 1.0
+    rwp = math.sqrt(float(np.sum(w * (y - calc) ** 2)) / den)
+    rexp = math.sqrt(max(len(y) - n_params, 1) / den)
+    return rwp, rexp
+
+
+# ----------------------------------------------------------------------------------------------
+# one phase's peaks with derivatives
+
+def _lattice_ties(lattice: np.ndarray) -> np.ndarray:
+    """Axis -> parameter index: axes of equal length share one (cubic 1, tetragonal/hexagonal 2)."""
+    lengths = np.linalg.norm(lattice, axis=1)
+    tie = [0, 0, 0]
+    n = 0
+    for i in range(3):
+        for j in range(i):
+            if abs(lengths[i] - lengths[j]) <= 1e-4 * lengths[j]:
+                tie[i] = tie[j]
+                break
+        else:
+            tie[i] = n
+            n += 1
+    return np.asarray(tie)
+
+
+class PhaseModel:
+    """Reflections of one phase grouped so that lattice scaling and texture stay cheap.
+
+    Reflections are kept unmerged for texture (each has its own direction), and grouped by the
+    six products h_i h_j G*_ij: members of a group keep one d-spacing under any axis scaling.
+    """
+
+    def __init__(self, pid: str, d_min: float, library: Library):
+        refl = phase_reflections(pid, round(d_min, 3))
+        self.pid = pid
+        self.phase = library.get(pid)
+        self.lattice0 = np.asarray(self.phase.lattice, dtype=float)
+        self.B = refl.recip
+        self.G = self.B @ self.B.T
+        h = refl.hkl.astype(float)
+        prods = np.stack([h[:, i] * h[:, j] * self.G[i, j] for i, j in
+                          ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))], axis=1)
+        scale = np.abs(prods).max() or 1.0
+        key = np.round(prods / scale * 1e7).astype(np.int64)
+        _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        self.group = inv.ravel()
+        self.hkl = h[first]                                    # one member per group
+        self.f2_unmerged = refl.f2
+        self.f2 = np.bincount(self.group, weights=refl.f2, minlength=len(first))
+        self.g_unit = refl.g_unit
+        self.volume0 = refl.volume
+        self.ties = _lattice_ties(self.lattice0)
+        self.n_lat = int(self.ties.max()) + 1
+        self.norm = 1.0
+
+    def cell(self, eps: np.ndarray):
+        s = 1.0 + eps[self.ties]
+        lat = self.lattice0 * s[:, None]
+        return lat, float(abs(np.linalg.det(lat)))
+
+    def texture(self, axis, r: float) -> tuple[np.ndarray, np.ndarray]:
+        """Grouped f2 with March-Dollase weights and its derivative in r."""
+        ax = np.asarray(axis, dtype=float) @ self.B
+        ax /= np.linalg.norm(ax)
+        c2 = np.clip((self.g_unit @ ax) ** 2, 0.0, 1.0)
+        s2 = 1.0 - c2
+        base = r * r * c2 + s2 / r
+        md = base ** -1.5
+        dmd = -1.5 * base ** -2.5 * (2 * r * c2 - s2 / (r * r))
+        n = len(self.hkl)
+        return (np.bincount(self.group, weights=self.f2_unmerged * md, minlength=n),
+                np.bincount(self.group, weights=self.f2_unmerged * dmd, minlength=n))
+
+
+def _render(x: np.ndarray, c: np.ndarray, H: np.ndarray, A: np.ndarray, eta: float, derivs: bool):
+    """Pseudo-Voigt peaks (unit area times A); with derivs, per-element kernels for d/dc, d/dH, d/dA, d/deta.
+
+    Peaks are rendered in a few width classes (each with its own +- WINDOW_FWHM window) so that
+    the broad high-angle lines do not set the window of the sharp ones.
+    """
+    n = len(x)
+    step = (x[-1] - x[0]) / (n - 1)
+    y = np.zeros(n)
+    if len(c) == 0:
+        return y, (None if not derivs else [])
+    order = np.argsort(H)
+    parts = []
+    for chunk in np.array_split(order, min(RENDER_CLASSES, len(order))):
+        if len(chunk) == 0:
+            continue
+        cc, Hh, Aa = c[chunk], H[chunk], A[chunk]
+        half_w = int(math.ceil(WINDOW_FWHM * float(Hh.max()) / step)) + 1
+        offsets = np.arange(-half_w, half_w + 1)
+        idx = np.rint((cc - x[0]) / step).astype(np.int64)[:, None] + offsets[None, :]
+        inside = (idx >= 0) & (idx < n)
+        dx = x[0] + idx * step - cc[:, None]
+        Hc = Hh[:, None]
+        u = (dx / Hc) ** 2
+        G = (2.0 / Hc) * _SQ_LN2_PI * np.exp(-_4LN2 * u)
+        den = 1.0 + 4.0 * u
+        L = (2.0 / math.pi) / (Hc * den)
+        shape = eta * L + (1.0 - eta) * G
+        flat = idx[inside]
+        y += np.bincount(flat, weights=(shape * Aa[:, None])[inside], minlength=n)
+        if not derivs:
+            continue
+        Ac = Aa[:, None]
+        gd = (1 - eta) * G
+        ld = eta * L
+        kern = {"c": ((gd * (8.0 * _LN2) + ld * (8.0 / den)) * (dx / Hc ** 2) * Ac)[inside],
+                "H": ((gd * (-1.0 + 8.0 * _LN2 * u) + ld * (-1.0 + 8.0 * u / den)) / Hc * Ac)[inside],
+                "A": shape[inside],
+                "eta": ((L - G) * Ac)[inside]}
+        peak_of = np.broadcast_to(chunk[:, None], idx.shape)[inside]
+        parts.append((flat, peak_of, kern))
+    return y, (parts if derivs else None)
+
+
+def _bincols(parts, n: int, weights_per_peak, key: str) -> np.ndarray:
+    """sum over peaks of weights_per_peak[peak] * kernel[key], on the grid."""
+    out = np.zeros(n)
+    for flat, peak_of, kern in parts:
+        w = kern[key] if weights_per_peak is None else kern[key] * weights_per_peak[peak_of]
+        out += np.bincount(flat, weights=w, minlength=n)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# parameter vector
+
+@dataclass
+class _Layout:
+    n_phase: int
+    n_bg: int
+    n_lat: list[int]
+    texture: list                      # axis or None per phase
+
+    def __post_init__(self):
+        i = self.n_phase + self.n_bg
+        self.g = {"zero": i, "disp": i + 1, "W": i + 2, "eta": i + 3}
+        i += 4
+        self.ph = []
+        for p in range(self.n_phase):
+            d = {"lat": list(range(i, i + self.n_lat[p]))}
+            i += self.n_lat[p]
+            d["Y"], d["e"] = i, i + 1
+            i += 2
+            if self.texture[p] is not None:
+                d["r"] = i
+                i += 1
+            self.ph.append(d)
+        self.n = i
+
+
 class Fitter:
-    """Caches rendered phase profiles for one observed pattern."""
+    """Refines phase sets against one observed pattern; caches rendered profiles and phase models."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, instrument: Instrument = Instrument(),
-                 library: Library | None = None):
+                 library: Library | None = None, shift: str = "zero"):
+        if shift not in SHIFT_MODELS:
+            raise ValueError(f"shift={shift!r}: choose one of {', '.join(SHIFT_MODELS)}")
+        self.shift = shift
         self.x = np.asarray(x, dtype=float)
         self.y = np.asarray(y, dtype=float)
         self.inst = instrument
@@ -72,8 +317,12 @@ class Fitter:
         self.bg = _bg_basis(self.x)
         self.ynorm = float(np.max(self.y)) or 1.0
         self._cache: dict = {}
+        self._models: dict[str, PhaseModel] = {}
         self.d_min = self.inst.wavelength2 / (2 * np.sin(np.radians(min(self.x[-1] + 3, 179.0) / 2))) * 0.97
+        self.lines = [(self.inst.wavelength, 1.0)] + ([(self.inst.wavelength2, self.inst.ka2_ratio)]
+                                                      if self.inst.ka2_ratio > 0 else [])
 
+    # --- the fast fixed-parameter path (screening, greedy search) ----------------------------
     def profile(self, pid: str, zero: float, strain: float, size: float) -> np.ndarray:
         key = (pid, round(zero, 5), round(strain, 6), round(size, 2))
         prof = self._cache.get(key)
@@ -95,8 +344,7 @@ class Fitter:
         """Scales (>= 0) and background for fixed profiles: (rwp, coefficients, calc).
 
         Weighted normal equations (tiny: phases + background terms), with an active set that
-        drops the most negative scale until all are >= 0.  Much faster than a dense solver on
-        thousands of points, and exact for this bounded problem at these sizes.
+        drops the most negative scale until all are >= 0.
         """
         k = len(cols)
         A = np.column_stack(cols + [self.bg]) if cols else self.bg
@@ -125,30 +373,23 @@ class Fitter:
         cols = [self.profile(p, zero, s, z) for p, s, z in zip(pids, strains, sizes)]
         return self.linear(cols)
 
-    def fit(self, pids: list[str], strains=None, sizes=None, zero: float = 0.0, refine: bool = True,
-            passes: int = 2, refine_zero: bool = True) -> FitResult:
-        pids = list(pids)
-        strains = list(strains) if strains is not None else [0.0] * len(pids)
-        sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
+    def _grid_start(self, pids, strains, sizes, zero, refine_zero: bool = True):
         best = self.evaluate(pids, zero, strains, sizes)
-        if refine and pids:
-            for _ in range(passes):
-                if refine_zero:
-                    zero, best = self._search(lambda z: self.evaluate(pids, z, strains, sizes),
-                                              ZERO_GRID + zero, zero, best)
-                for i in range(len(pids)):
-                    def with_strain(s, i=i):
-                        st = list(strains)
-                        st[i] = s
-                        return self.evaluate(pids, zero, st, sizes)
-                    strains[i], best = self._search(with_strain, STRAIN_GRID if _ == 0 else
-                                                    strains[i] + np.linspace(-0.001, 0.001, 9), strains[i], best)
-                    def with_size(z, i=i):
-                        sz = list(sizes)
-                        sz[i] = z
-                        return self.evaluate(pids, zero, strains, sz)
-                    sizes[i], best = self._search(with_size, SIZE_GRID_NM, sizes[i], best)
-        return self._result(pids, zero, strains, sizes, best)
+        if refine_zero:
+            zero, best = self._search(lambda z: self.evaluate(pids, z, strains, sizes), ZERO_GRID + zero, zero, best)
+        for i in range(len(pids)):
+            def with_strain(s, i=i):
+                st = list(strains)
+                st[i] = s
+                return self.evaluate(pids, zero, st, sizes)
+            strains[i], best = self._search(with_strain, STRAIN_GRID, strains[i], best)
+
+            def with_size(z, i=i):
+                sz = list(sizes)
+                sz[i] = z
+                return self.evaluate(pids, zero, strains, sz)
+            sizes[i], best = self._search(with_size, SIZE_GRID_NM, sizes[i], best)
+        return strains, sizes, zero
 
     @staticmethod
     def _search(fn, grid, current, best):
@@ -161,17 +402,350 @@ class Fitter:
                 best, current = trial, v
         return current, best
 
-    def _result(self, pids, zero, strains, sizes, best) -> FitResult:
-        rwp, coef, calc = best
+    # --- whole-pattern refinement -------------------------------------------------------------
+    def model(self, pid: str) -> PhaseModel:
+        m = self._models.get(pid)
+        if m is None:
+            m = self._models[pid] = PhaseModel(pid, self.d_min, self.lib)
+        return m
+
+    def _phase_peaks(self, m: PhaseModel, eps, Y, e, axis, r, zero, disp, W, derivs: bool):
+        """Centres, widths, areas of all lines of one phase, and d(centre)/d(eps_k), dH/d(...), dA/dr."""
+        s = 1.0 + eps[m.ties]                              # per axis
+        u = m.hkl / s[None, :]
+        Gu = u @ m.G
+        q2 = np.einsum("ij,ij->i", u, Gu)
+        d = 1.0 / np.sqrt(q2)
+        if axis is not None:
+            f2, df2 = m.texture(axis, r)
+        else:
+            f2, df2 = m.f2, None
+        cs, Hs, As, extra = [], [], [], []
+        for lam, weight in self.lines:
+            xx = lam / (2.0 * d)
+            ok = xx < 1.0
+            th = np.arcsin(np.where(ok, xx, 0.5))
+            tt = np.degrees(2 * th)
+            c = tt + zero + disp * np.cos(th)
+            sel = ok & (c > self.x[0] - 2.0) & (c < self.x[-1] + 2.0)
+            th, c = th[sel], c[sel]
+            tan, cos = np.tan(th), np.cos(th)
+            lp = lorentz_polarization(np.degrees(2 * th))
+            kv = 1.0 / m.volume0 ** 2 * weight
+            area = f2[sel] * lp * kv
+            h_inst2 = np.maximum(self.inst.U * tan ** 2 + self.inst.V * tan + W, 1e-6)
+            dsize = np.degrees(SCHERRER_K * lam / (10.0 * cos))
+            dstr = np.degrees(4.0 * tan)
+            hs = Y * dsize + e * dstr
+            H = np.sqrt(h_inst2 + hs * hs)
+            cs.append(c), Hs.append(H), As.append(area)
+            if derivs:
+                # d ln d / d s_i = (G u)_i u_i / (s_i q2); d(2t)/d ln d = -2 tan t (rad)
+                dlnd_ds = (Gu[sel] * u[sel]) / (s[None, :] * q2[sel][:, None])
+                d2t = -2.0 * tan[:, None] * dlnd_ds                    # rad per unit s_i
+                dc_ds = np.degrees(d2t) - disp * np.sin(th)[:, None] * 0.5 * d2t
+                dc_deps = np.zeros((len(c), m.n_lat))
+                for ax in range(3):
+                    dc_deps[:, m.ties[ax]] += dc_ds[:, ax]
+                extra.append({"dc_deps": dc_deps, "cos": cos, "dH_dW": 0.5 / H, "dH_dY": hs * dsize / H,
+                              "dH_de": hs * dstr / H,
+                              "dA_dr": (df2[sel] * lp * kv) if df2 is not None else None})
+        c, H, A = np.concatenate(cs), np.concatenate(Hs), np.concatenate(As)
+        keep = A >= MIN_REL_AREA * (float(A.max()) if len(A) else 0.0)
+        c, H, A = c[keep], H[keep], A[keep]
+        if not derivs:
+            return c, H, A, None
+        ex = {k: (np.concatenate([e_[k] for e_ in extra])[keep] if extra[0][k] is not None else None)
+              for k in extra[0]}
+        return c, H, A, ex
+
+    def _unpack(self, lay: _Layout, p: np.ndarray, i: int):
+        d = lay.ph[i]
+        eps = p[d["lat"]]
+        r = p[d["r"]] if "r" in d else 1.0
+        return eps, p[d["Y"]], p[d["e"]], r
+
+    def _model(self, pids, lay: _Layout, p: np.ndarray, jac: bool):
+        """calc and (optionally) d calc / d params, dense (n_points, n_params)."""
+        n = len(self.x)
+        g = lay.g
+        zero, disp, W, eta = p[g["zero"]], p[g["disp"]], p[g["W"]], p[g["eta"]]
+        cols, J = [], (np.zeros((n, lay.n)) if jac else None)
+        for i, pid in enumerate(pids):
+            m = self.model(pid)
+            eps, Y, e, r = self._unpack(lay, p, i)
+            c, H, A, ex = self._phase_peaks(m, eps, Y, e, lay.texture[i], r, zero, disp, W, jac)
+            prof, parts = _render(self.x, c, H, A, eta, jac)
+            prof = prof / m.norm
+            cols.append(prof)
+            if not jac:
+                continue
+            J[:, i] = prof
+            k = p[i] / m.norm
+            d = lay.ph[i]
+            for j, idx in enumerate(d["lat"]):
+                J[:, idx] = k * _bincols(parts, n, ex["dc_deps"][:, j], "c")
+            J[:, d["Y"]] = k * _bincols(parts, n, ex["dH_dY"], "H")
+            J[:, d["e"]] = k * _bincols(parts, n, ex["dH_de"], "H")
+            if "r" in d:
+                J[:, d["r"]] = k * _bincols(parts, n, ex["dA_dr"], "A")
+            J[:, g["zero"]] += k * _bincols(parts, n, None, "c")
+            J[:, g["disp"]] += k * _bincols(parts, n, ex["cos"], "c")
+            J[:, g["W"]] += k * _bincols(parts, n, ex["dH_dW"], "H")
+            J[:, g["eta"]] += k * _bincols(parts, n, None, "eta")
+        nb = lay.n_phase
+        calc = self.bg @ p[nb:nb + lay.n_bg]
+        for i, prof in enumerate(cols):
+            calc = calc + p[i] * prof
+        if jac:
+            J[:, nb:nb + lay.n_bg] = self.bg
+        return calc, cols, J
+
+    def refine(self, pids: list[str], strains=None, sizes=None, zero: float = 0.0, texture: bool = True,
+               max_nfev: int = MAX_NFEV) -> FitResult:
+        """Least-squares refinement of every parameter from a start (isotropic strain, size per phase)."""
+        with _one_blas_thread():
+            return self._refine(list(pids), strains, sizes, zero, texture, max_nfev)
+
+    def _refine(self, pids, strains, sizes, zero, texture, max_nfev) -> FitResult:
+        if not pids:
+            rwp, coef, calc = self.linear([])
+            rwp, rexp = rwp_rexp(self.y, calc, self.w, len(coef))
+            return FitResult([], rwp, zero, calc, calc, rexp=rexp, gof=rwp / rexp, n_obs=len(self.y),
+                             n_params=len(coef), caglioti_w=self.inst.W, eta=self.inst.eta)
+        strains = list(strains) if strains is not None else [0.0] * len(pids)
+        sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
+        models = [self.model(pid) for pid in pids]
+        axes = [None] * len(pids)
+        lay = _Layout(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+        p0, lo, hi = self._start(pids, models, lay, strains, sizes, zero)
+        p, J = self._solve(pids, lay, p0, lo, hi, max_nfev)
+        if texture:
+            axes = self._pick_texture(pids, lay, p, J)
+            if any(a is not None for a in axes):
+                lay2 = _Layout(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+                p2, lo2, hi2 = self._extend(lay, lay2, p, lo, hi)
+                p2, J2 = self._solve(pids, lay2, p2, lo2, hi2, max_nfev)
+                if self._chi2(pids, lay2, p2) < self._chi2(pids, lay, p):
+                    lay, p, J, lo, hi = lay2, p2, J2, lo2, hi2
+        return self._result(pids, lay, p, lo, hi)
+
+    def _start(self, pids, models, lay: _Layout, strains, sizes, zero):
+        cols = [self.profile(pid, zero, s, z) for pid, s, z in zip(pids, strains, sizes)]
+        _, coef, _ = self.linear(cols)
+        p0, lo, hi = np.zeros(lay.n), np.full(lay.n, -np.inf), np.full(lay.n, np.inf)
+        # phase normalisation: the start profile's maximum (as in profile()), fixed during refinement
+        for i, (pid, m) in enumerate(zip(pids, models)):
+            m.norm = self.norm(pid, zero, strains[i], sizes[i])
+        p0[:lay.n_phase] = np.maximum(coef[:lay.n_phase], 0.0)
+        lo[:lay.n_phase] = 0.0
+        p0[lay.n_phase:lay.n_phase + lay.n_bg] = coef[lay.n_phase:]
+        g = lay.g
+        p0[g["zero"]], lo[g["zero"]], hi[g["zero"]] = zero, zero - ZERO_BOUND, zero + ZERO_BOUND
+        p0[g["disp"]], lo[g["disp"]], hi[g["disp"]] = 0.0, -DISP_BOUND, DISP_BOUND
+        p0[g["W"]], (lo[g["W"]], hi[g["W"]]) = min(max(self.inst.W, W_BOUNDS[0]), W_BOUNDS[1]), W_BOUNDS
+        p0[g["eta"]], lo[g["eta"]], hi[g["eta"]] = self.inst.eta, 0.0, 1.0
+        for i, d in enumerate(lay.ph):
+            for idx in d["lat"]:
+                p0[idx], lo[idx], hi[idx] = strains[i], strains[i] - LATTICE_BOUND, strains[i] + LATTICE_BOUND
+            p0[d["Y"]] = (1.0 / sizes[i]) if sizes[i] > 0 else 0.0
+            lo[d["Y"]], hi[d["Y"]] = 0.0, SIZE_Y_MAX
+            p0[d["e"]], lo[d["e"]], hi[d["e"]] = 0.0, 0.0, MICROSTRAIN_MAX
+        # strictly inside the box (least_squares requires it)
+        span = hi - lo
+        inner = np.where(np.isfinite(span), 1e-9 * np.maximum(span, 1.0), 0.0)
+        p0 = np.clip(p0, lo + inner, hi - inner)
+        return p0, lo, hi
+
+    def _extend(self, lay, lay2, p, lo, hi):
+        p2, lo2, hi2 = np.zeros(lay2.n), np.zeros(lay2.n), np.zeros(lay2.n)
+        fixed = lay.n_phase + lay.n_bg + 4
+        p2[:fixed], lo2[:fixed], hi2[:fixed] = p[:fixed], lo[:fixed], hi[:fixed]
+        for d, d2 in zip(lay.ph, lay2.ph):
+            for k in ("lat", "Y", "e"):
+                p2[d2[k]], lo2[d2[k]], hi2[d2[k]] = p[d[k]], lo[d[k]], hi[d[k]]
+            if "r" in d2:
+                p2[d2["r"]], (lo2[d2["r"]], hi2[d2["r"]]) = 1.0, TEXTURE_BOUNDS
+        return p2, lo2, hi2
+
+    def _chi2(self, pids, lay, p) -> float:
+        calc, _, _ = self._model(pids, lay, p, False)
+        return float(np.sum(self.w * (self.y - calc) ** 2))
+
+    def _fixed(self, lay: _Layout) -> np.ndarray:
+        held = np.zeros(lay.n, dtype=bool)
+        if self.shift not in ("zero", "both"):
+            held[lay.g["zero"]] = True
+        if self.shift not in ("displacement", "both"):
+            held[lay.g["disp"]] = True
+        return held
+
+    def _solve(self, pids, lay: _Layout, p0, lo, hi, max_nfev):
+        """least_squares over the free parameters (analytic Jacobian); returns (p, full weighted J)."""
+        from scipy.optimize import least_squares
+        sw, y = self.sw, self.y
+        free = ~self._fixed(lay)
+        last = {}
+
+        def full(q):
+            p = p0.copy()
+            p[free] = q
+            return p
+
+        def fun(q):
+            calc, _, J = self._model(pids, lay, full(q), True)
+            last["q"], last["J"] = q.copy(), J
+            return sw * (calc - y)
+
+        def jac(q):
+            if "q" not in last or not np.array_equal(last["q"], q):
+                fun(q)
+            return last["J"][:, free] * sw[:, None]
+
+        with _one_blas_thread():
+            sol = least_squares(fun, p0[free], jac=jac, bounds=(lo[free], hi[free]), method="trf", x_scale="jac",
+                                max_nfev=max_nfev, xtol=1e-6, ftol=1e-6)
+        p = full(sol.x)
+        return p, last["J"] * sw[:, None] if np.array_equal(last.get("q"), sol.x) else \
+            self._model(pids, lay, p, True)[2] * sw[:, None]
+
+    def _pick_texture(self, pids, lay: _Layout, p, J) -> list:
+        """Per phase, the texture axis with the largest predicted chi^2 drop (None if not worth it)."""
+        calc, _, _ = self._model(pids, lay, p, False)
+        r0 = self.sw * (self.y - calc)
+        chi2 = float(r0 @ r0)
+        # project out the directions already refined (scales, background, ...)
+        Q, _ = np.linalg.qr(J)
+        g = lay.g
+        out = []
+        for i, pid in enumerate(pids):
+            m = self.model(pid)
+            eps, Y, e, _ = self._unpack(lay, p, i)
+            best, best_gain = None, TEXTURE_MIN_GAIN * chi2
+            for axis in TEXTURE_AXES:
+                if np.linalg.norm(np.asarray(axis, float) @ m.B) == 0:
+                    continue
+                c, H, A, ex = self._phase_peaks(m, eps, Y, e, axis, 1.0, p[g["zero"]], p[g["disp"]], p[g["W"]], True)
+                _, parts = _render(self.x, c, H, A, p[g["eta"]], True)
+                j = p[i] / m.norm * _bincols(parts, len(self.x), ex["dA_dr"], "A")
+                j = self.sw * j
+                j = j - Q @ (Q.T @ j)
+                nj = float(j @ j)
+                if nj <= 0:
+                    continue
+                gain = float(j @ r0) ** 2 / nj
+                if gain > best_gain:
+                    best, best_gain = axis, gain
+            out.append(best)
+        return out
+
+    def _result(self, pids, lay: _Layout, p, lo, hi) -> FitResult:
+        calc, cols, J = self._model(pids, lay, p, True)
+        n_par = lay.n
+        rwp, rexp = rwp_rexp(self.y, calc, self.w, n_par)
+        gof = rwp / rexp
+        Jw = J * self.sw[:, None]
+        span = hi - lo
+        free = ~(((p - lo) <= 1e-7 * np.where(np.isfinite(span), span, 1.0)) |
+                 ((hi - p) <= 1e-7 * np.where(np.isfinite(span), span, 1.0)))
+        free[:lay.n_phase] |= p[:lay.n_phase] > 0          # a zero scale is a bound; a positive one is free
+        free &= ~self._fixed(lay)
+        cov = np.zeros((n_par, n_par))
+        idx = np.nonzero(free)[0]
+        Jf = Jw[:, idx]
+        try:
+            cn = np.sqrt(np.sum(Jf * Jf, axis=0)) + 1e-300
+            inv = np.linalg.pinv((Jf / cn).T @ (Jf / cn)) / np.outer(cn, cn)
+            cov[np.ix_(idx, idx)] = inv * gof ** 2
+        except np.linalg.LinAlgError:
+            pass
+        esd = np.sqrt(np.maximum(np.diag(cov), 0.0))
+        k = lay.n_phase
+        models = [self.model(pid) for pid in pids]
+        vols, zmv_over_v2, latt, latt_esd = [], [], [], []
+        for i, m in enumerate(models):
+            eps = p[lay.ph[i]["lat"]]
+            lat, V = m.cell(eps)
+            a = np.linalg.norm(lat, axis=1)
+            ang = lambda u, v: math.degrees(math.acos(float(np.dot(u, v) / np.linalg.norm(u) / np.linalg.norm(v))))
+            latt.append((*a, ang(lat[1], lat[2]), ang(lat[0], lat[2]), ang(lat[0], lat[1])))
+            latt_esd.append(tuple(float(np.linalg.norm(m.lattice0[ax]) * esd[lay.ph[i]["lat"][m.ties[ax]]])
+                                  for ax in range(3)))
+            # S_p = c_p / (norm_p V0^2) multiplies |F|^2 LP; w ~ S_p * Z*M * V (Hill-Howard)
+            S = 1.0 / (m.norm * m.volume0 ** 2)
+            zmv_over_v2.append(S * m.phase.cell_mass * V)
+        f = np.asarray(zmv_over_v2)
+        mass = p[:k] * f
+        total = float(mass.sum()) or 1.0
+        wf = mass / total
+        # d w_i / d c_j = f_j (delta_ij - w_i) / total
+        Jw_c = (np.eye(k) - wf[:, None]) * f[None, :] / total
+        cov_w = Jw_c @ cov[:k, :k] @ Jw_c.T
+        wf_esd = np.sqrt(np.maximum(np.diag(cov_w), 0.0))
+        phases = []
+        for i, (pid, m) in enumerate(zip(pids, models)):
+            d = lay.ph[i]
+            eps = p[d["lat"]]
+            mean_strain = float(np.prod(1.0 + eps[m.ties]) ** (1 / 3) - 1.0)
+            Y = p[d["Y"]]
+            sig = float(p[i] / esd[i]) if esd[i] > 0 else (float("inf") if p[i] > 0 else 0.0)
+            phases.append(PhaseFit(pid, float(p[i] / m.norm), float(wf[i]), mean_strain,
+                                   float(1.0 / Y) if Y > 1e-6 else 0.0, wf_esd=float(wf_esd[i]),
+                                   microstrain=float(p[d["e"]]), lattice=tuple(float(v) for v in latt[i]),
+                                   lattice_esd=latt_esd[i], texture_axis=lay.texture[i],
+                                   texture_r=float(p[d["r"]]) if "r" in d else 1.0, significance=sig,
+                                   rietveld_scale=float(p[i] / (m.norm * m.volume0 ** 2))))
+        g = lay.g
+        bgc = p[k:k + lay.n_bg]
+        res = FitResult(phases=phases, rwp=rwp, zero_shift=float(p[g["zero"]]), background=self.bg @ bgc,
+                        calc=calc, rexp=rexp, gof=gof, displacement=float(p[g["disp"]]),
+                        caglioti_w=float(p[g["W"]]), eta=float(p[g["eta"]]), n_obs=len(self.y), n_params=n_par,
+                        refined=True)
+        res.details["components"] = [p[i] * cols[i] for i in range(k)]
+        res.details["esd"] = {"zero_shift": float(esd[g["zero"]]), "displacement": float(esd[g["disp"]])}
+        return res
+
+    # --- the entry point the tools and the baseline use --------------------------------------
+    def fit(self, pids: list[str], strains=None, sizes=None, zero: float = 0.0, refine: bool = True,
+            passes: int = 1, refine_zero: bool = True, texture: bool = True) -> FitResult:
+        """Fit ``pids``: a grid start (when no start is given) then the least-squares refinement.
+
+        ``refine=False``: scales and background only, at the given (or zero) strains, sizes, zero shift.
+        """
+        pids = list(pids)
+        given = strains is not None
+        strains = list(strains) if strains is not None else [0.0] * len(pids)
+        sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
+        if not refine or not pids:
+            rwp, coef, calc = self.evaluate(pids, zero, strains, sizes)
+            return self._linear_result(pids, zero, strains, sizes, coef, calc)
+        if not given and passes > 0:
+            strains, sizes, zero = self._grid_start(pids, strains, sizes, zero, refine_zero)
+        return self.refine(pids, strains, sizes, zero, texture=texture)
+
+    def _linear_result(self, pids, zero, strains, sizes, coef, calc) -> FitResult:
         k = len(pids)
-        # scale of the unnormalised (per unit volume fraction) pattern
         vol = [coef[i] / self.norm(p, zero, strains[i], sizes[i]) for i, p in enumerate(pids)]
         mass = [v * self.lib.get(p).density for v, p in zip(vol, pids)]
         total = sum(mass) or 1.0
         phases = [PhaseFit(p, float(vol[i]), float(mass[i] / total), float(strains[i]), float(sizes[i]))
                   for i, p in enumerate(pids)]
+        rwp, rexp = rwp_rexp(self.y, calc, self.w, len(coef))
         return FitResult(phases=phases, rwp=rwp, zero_shift=float(zero), background=self.bg @ coef[k:],
-                         calc=calc)
+                         calc=calc, rexp=rexp, gof=rwp / rexp, n_obs=len(self.y), n_params=len(coef),
+                         caglioti_w=self.inst.W, eta=self.inst.eta)
+
+    def without(self, res: FitResult, drop: int) -> float:
+        """Rwp with phase ``drop`` removed from a refined fit, the others re-scaled (linear)."""
+        comps = [c for i, c in enumerate(res.details.get("components", [])) if i != drop]
+        return self.linear([c / (float(c.max()) or 1.0) for c in comps])[0]
+
+
+def detection_stats(fitter: Fitter, res: FitResult, z_min: float) -> None:
+    """Fill each phase's ``rwp_without`` and ``detection_limit`` (= z_min * esd of its weight fraction)."""
+    for i, ph in enumerate(res.phases):
+        ph.rwp_without = fitter.without(res, i) if res.refined else float("nan")
+        ph.detection_limit = float(z_min * ph.wf_esd)
 
 
 def fit_phases(x, y, phase_ids, instrument: Instrument = Instrument(), refine: bool = True,
