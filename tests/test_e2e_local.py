@@ -85,6 +85,7 @@ def test_run_completes_with_summary(finished_run):
     assert finished_run["rc"] == 0, finished_run["out"][-3000:]
     out = finished_run["out"]
     assert "--- summary" in out and "versions spanned per trajectory" in out
+    assert "versions spanned per trained trajectory (token by token)" in out and "wasted rollout tokens" in out
     trainer = read_metrics(finished_run["root"], "trainer")
     assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
     assert (finished_run["root"] / "plots" / "run.png").exists()
@@ -157,6 +158,7 @@ def test_status_and_tail_on_live_run(finished_run):
     st, tl = finished_run["live"]["status"], finished_run["live"]["tail"]
     assert st.returncode == 0, st.stderr
     assert "trainer   step=" in st.stdout and "rollout" in st.stdout and "age=" in st.stdout
+    assert "versions  " in st.stdout and "wasted    " in st.stdout   # version spans and waste, live
     assert tl.returncode == 0 and "[0] " in tl.stdout and "[1] " in tl.stdout  # both workers' logs
 
 

@@ -109,3 +109,28 @@ def test_group_advantages_of_a_partly_masked_group_use_every_kept_member():
 def test_version_span_histogram_counts_distinct_versions_of_generated_tokens():
     assert version_span_histogram([np.array([-1, 3, 3, 4]), np.array([-1, 5]), np.array([-1, -1])]) == \
         {"1": 1, "2": 1}
+
+
+def test_summary_and_status_show_version_spans_and_waste():
+    from neon_hpc.launch.common import render_summary, trained_versions_and_waste
+    from neon_hpc.ops.status import render
+    steps = [{"version_spans": {"1": 10, "2": 6}, "claimed_gen_tokens": 100, "masked_stale_tokens": 3,
+              "dropped_stale_tokens": 2},
+             {"version_spans": {"1": 12, "3": 4}, "claimed_gen_tokens": 100, "masked_stale_tokens": 0,
+              "dropped_stale_tokens": 0}]
+    w = trained_versions_and_waste(steps)
+    assert w["trained_versions_spanned"] == {1: 22, 2: 6, 3: 4}
+    assert math.isclose(w["trained_multi_version_fraction"], 10 / 32)
+    assert math.isclose(w["wasted_rollout_tokens"], 5 / 200)
+    s = dict(steps=2, wall_s=10.0, trajectories_written=40, trajectories_trained=32, tokens_written=1,
+             tokens_trained=1, versions_spanned={1: 40}, reward_first=0.1, reward_last=0.2, staleness_max=2,
+             trainer_idle_fraction=0.1, rollout_idle_fraction=0.2, **w)
+    text = render_summary(s)
+    assert "per trained trajectory (token by token): 1 version: 22, 2 versions: 6, 3 versions: 4" in text
+    assert "(>= 2 versions: 0.312)" in text and "wasted rollout tokens 0.025 (stale: 3 masked, 2 dropped)" in text
+    info = dict(run="r", job={}, slurm_state="", trainer_step=2, checkpoint=None, weights_latest=2,
+                heartbeats=[], shards={"ready": 0, "claimed": 2, "quarantined": 0, "writing": 0},
+                trajectories_written=40, staleness_hist={}, trainer_tokens_per_s=None, rollout_tokens_per_s=None,
+                reward_last=0.2, finished=None, errors=[], engines=[], **w)
+    st = render(info)
+    assert "versions  1:22 2:6 3:4" in st and "wasted    0.025 of generated tokens (stale: 3 masked, 2 dropped)" in st

@@ -11,9 +11,16 @@ Runs, in one invocation: the synchronous baseline, async with delta replay and a
 full replay (``--compare-steps`` each, same seed: common random numbers), then a timed
 ``--steps`` (10,000) step async run.  Ratios compare like with like (the compare runs).
 
+Then the planner's search (``neon-hpc plan --sweep``: node split x staleness bound x
+trajectories per step, trainer memory respected) with ``--sweep-steps`` per point, and the
+example layout exactly as configured (same steps and seed) for the ratio.
+
 Last line:
-``RESULT plan_async_over_sync_throughput=<r> plan_delta_over_full_step_time=<r> plan_sim_seconds=<s>``
-(``plan_sim_seconds`` = wall time of the ``--steps`` async simulation; target < 60 s).
+``RESULT plan_async_over_sync_throughput=<r> plan_delta_over_full_step_time=<r> plan_sim_seconds=<s> ...
+plan_best_wasted=<f> plan_best_trainer_idle=<f> plan_best_over_config_throughput=<r> plan_best_staleness_p95=<k>``
+(``plan_sim_seconds`` = wall time of the ``--steps`` async simulation; target < 60 s; the
+``plan_best_*`` keys describe the sweep's recommended layout: wasted rollout tokens, trainer
+idle, its samples/h over the configured layout's, and its token staleness p95).
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-steps", type=int, default=2000, help="steps of each policy-comparison run")
     ap.add_argument("--planner-every", type=int, default=100,
                     help="run the balancer's planner every N steps (bound x last ratio between)")
+    ap.add_argument("--sweep-steps", type=int, default=300, help="steps per point of the layout search")
+    ap.add_argument("--target-staleness", type=int, default=8, help="largest staleness bound the search tries")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -74,12 +83,36 @@ def main(argv: list[str] | None = None) -> int:
           f"in {sim_s:.1f} s")
     print(report.table([(f"async delta x{args.steps}", big)]))
 
+    t1 = time.perf_counter()
+    points = report.sweep(sourced, cfg.plan.sweep_points, args.sweep_steps, args.target_staleness, None,
+                          cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+    best, why = report.recommend(points, args.target_staleness)
+    nodes = (p.rollout_gpus // p.gpus_per_node, p.train_gpus // p.gpus_per_node)
+    here = report.simulate_point(sourced, *nodes, p.max_staleness, p.trajectories_per_step, args.sweep_steps)
+    drop = report.simulate_point(sourced.replace(stale_policy="drop"), *nodes, p.max_staleness,
+                                 p.trajectories_per_step, args.sweep_steps)
+    print(f"\nlayout search: {len(points)} points of {args.sweep_steps} steps in {time.perf_counter() - t1:.1f} s")
+    print(report.table([(s.label, s.result) for s in points if s.result is not None], first="rollout / train, S, tps"))
+    for line in report.not_fitting(points):
+        print(f"  does not fit: {line}")
+    print(report.table([(f"configured {here.label} ({p.stale_policy})", here.result),
+                        (f"configured {drop.label} (drop)", drop.result),
+                        (f"best {best.label}", best.result)], first="layout"))
+    print(f"recommended: {why}")
+    b = best.result
     async_over_sync = delta.samples_per_hour / max(sync.samples_per_hour, 1e-12)
     delta_over_full = delta.time_per_step_s / max(full.time_per_step_s, 1e-12)
     print(f"RESULT plan_async_over_sync_throughput={async_over_sync:.3f} "
           f"plan_delta_over_full_step_time={delta_over_full:.4f} plan_sim_seconds={sim_s:.1f} "
           f"plan_steps={args.steps} plan_async_trainer_idle={big.trainer_idle_frac:.3f} "
-          f"plan_async_rollout_idle={big.rollout_idle_frac:.3f} plan_async_dropped={big.dropped_frac:.3f}")
+          f"plan_async_rollout_idle={big.rollout_idle_frac:.3f} plan_async_dropped={big.dropped_frac:.3f} "
+          f"plan_async_wasted={big.wasted_tokens_frac:.3f} "
+          f"plan_best_wasted={b.wasted_tokens_frac:.3f} plan_best_trainer_idle={b.trainer_idle_frac:.3f} "
+          f"plan_best_over_config_throughput={b.samples_per_hour / max(here.result.samples_per_hour, 1e-12):.3f} "
+          f"plan_best_over_config_drop_throughput={b.samples_per_hour / max(drop.result.samples_per_hour, 1e-12):.3f} "
+          f"plan_best_staleness_p95={b.token_staleness_quantile(0.95)} plan_best_bound={best.max_staleness} "
+          f"plan_best_rollout_nodes={best.rollout_nodes} plan_best_train_nodes={best.train_nodes} "
+          f"plan_best_trajectories_per_step={best.trajectories_per_step} plan_best_samples_per_hour={b.samples_per_hour:.0f}")
     return 0
 
 

@@ -125,8 +125,11 @@ def search_space(p, target_staleness: int, bounds: list[int] | None = None,
     return sorted(set(bounds)), sorted(set(tps))
 
 
-def _simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: int, steps: int,
-                    ratios: dict) -> SplitPoint:
+def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: int, steps: int,
+                   ratios: dict | None = None) -> SplitPoint:
+    """One layout: ``r_nodes`` / ``t_nodes`` (trainer layout re-derived, see :func:`trainer_layout`),
+    bound ``S``, ``tps`` trajectories per step; not simulated when the trainer does not fit."""
+    ratios = {} if ratios is None else ratios
     p = sourced.params
     lay = trainer_layout(p, t_nodes)
     if not lay.fits:
@@ -167,7 +170,7 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
     def run(r_nodes: int, S: int, t: int) -> SplitPoint:
         key = (r_nodes, S, t)
         if key not in done:
-            sp = _simulate_point(sourced, r_nodes, total_nodes - r_nodes, S, t, steps, ratios)
+            sp = simulate_point(sourced, r_nodes, total_nodes - r_nodes, S, t, steps, ratios)
             done[key] = sp
             out.append(sp)
             if progress:
