@@ -2,8 +2,8 @@
 
 SGLang's server needs a GPU, so the process-level tests put ``tests/standins`` first on
 PYTHONPATH: the golden-tested command lines run unchanged, and ``python -m
-sglang.launch_server`` / ``sglang_router.launch_router`` are stand-ins with SGLang's flags
-(strict), its multi-node rendezvous and the PD bootstrap fields (see tests/standins/README.md).
+sglang.launch_server`` is a stand-in with SGLang's flags (strict), its multi-node rendezvous and
+the PD bootstrap check (see tests/standins/README.md). The PD router is the real sglang_router.
 Everything else is real: the launcher, the node, workers, the trainer, Slurm.
 """
 
@@ -178,15 +178,20 @@ def test_pd_disaggregation_goes_through_the_router(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     logs = root / "logs" / "engine"
     router = (logs / "router.log").read_text()
-    served = int(re.search(r"served (\d+) /generate requests", router).group(1))
-    assert served > 0
+    # the real sglang_router (not a stand-in), with the balancer that forwards routed-experts fields
+    assert "-m sglang_router.launch_router --pd-disaggregation --mini-lb --prefill" in router.splitlines()[0]
+    served = []
     for i, mode in ((0, "prefill"), (1, "decode")):
         text = (logs / f"{i}.log").read_text()
         assert f'"mode": "{mode}"' in text
-        # every request reached both servers with the router's bootstrap fields
-        assert int(re.search(r"served (\d+) bootstrapped", text).group(1)) == served
+        served.append(int(re.search(r"served (\d+) bootstrapped", text).group(1)))
         # weights go to each engine directly (the router does not forward them)
         assert "weight version 2" in text
+    # every request reached both servers with the router's bootstrap fields
+    assert served[0] == served[1] > 0
+    # the routes came back through the router: the trainer replayed them
+    steps = [m for m in read_metrics(root, "trainer") if "step" in m and "loss" in m]
+    assert steps and all(m.get("replay_docs_missing", 0) == 0 for m in steps), steps
     node = (root / "logs" / "rollout-node" / "0.log").read_text()
     assert node.index("engine 1 at") < node.index("started router") < node.index("router at")
     assert "started rollout worker 0 (pid" in node and "on http://127.0.0.1:" in node

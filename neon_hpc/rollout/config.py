@@ -21,6 +21,11 @@ class EngineConfig:
     prefill_engines: int = 0          # PD only: how many of num_engines prefill; 0 = a quarter (>= 1)
     transfer_backend: Literal["mooncake", "nixl"] = "mooncake"   # PD KV transfer
     router_port: int = 8000           # PD only: the sglang_router in front of prefill/decode
+    # PD only: which of sglang_router's two load balancers. "mini_lb" (its Python one,
+    # --mini-lb) forwards each /generate body as sent; "rust" (its default) re-serialises
+    # the body through a typed request that, in sglang-router 0.3.2, has no
+    # return_routed_experts / routed_experts_start_len, so routes would silently go missing.
+    router: Literal["mini_lb", "rust"] = "mini_lb"
     model_path: str = ""              # weights the engines start on; "" = RUN/weights/v_0
     enable_return_routed_experts: bool = True
     extra_args: list[str] = field(default_factory=list)
@@ -50,6 +55,10 @@ class EngineConfig:
              ">= 2 with pd_disaggregation (prefill + decode)"),
         Rule("prefill_engines", lambda c: not c.pd_disaggregation or c.prefill_engines < c.num_engines,
              lambda c: f"in 0..num_engines-1 ({c.num_engines - 1}); 0 = a quarter"),
+        Rule("router", lambda c: not (c.pd_disaggregation and c.router == "rust" and c.enable_return_routed_experts),
+             "mini_lb while enable_return_routed_experts is on: sglang-router 0.3.2's Rust router drops "
+             "return_routed_experts and routed_experts_start_len from /generate, so router replay would get "
+             "no routes"),
     )
 
 

@@ -39,6 +39,7 @@ Errors: HTTP 400 with ``{"error": {"message": ...}}``.
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ SAMPLING_FIELDS = {
     "min_new_tokens": (int,), "stop_token_ids": (list, type(None)), "ignore_eos": (bool,),
     "sampling_seed": (int, type(None)), "skip_special_tokens": (bool,), "no_stop_trim": (bool,),
 }
+SEED_LIMIT = 2**64   # torch.Generator.manual_seed takes an unsigned 64-bit seed
 REQUEST_FIELDS = {
     "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
     "routed_experts_start_len", "rid", "stream", "logprob_start_len", "return_text_in_logprobs",
@@ -111,6 +113,16 @@ def parse_sampling(sp: Any, vocab_size: int) -> Sampling:
                              f"got {v!r}")
     s = Sampling(**{k: v for k, v in sp.items() if k in Sampling.__dataclass_fields__})
     s.stop_token_ids = list(s.stop_token_ids or [])
+    for k in ("temperature", "top_p"):   # NaN passes every comparison below
+        try:
+            v = float(getattr(s, k))
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise BadRequest(f"sampling_params.{k} must be a finite number, got {v!r}")
+        setattr(s, k, v)
+    if s.sampling_seed is not None and not 0 <= s.sampling_seed < SEED_LIMIT:
+        raise BadRequest(f"sampling_params.sampling_seed must be in [0, 2**64), got {s.sampling_seed}")
     if s.temperature < 0:
         raise BadRequest(f"sampling_params.temperature must be non-negative, got {s.temperature}")
     if not 0.0 < s.top_p <= 1.0:
@@ -132,8 +144,7 @@ def parse_generate(body: Any, vocab_size: int) -> list[GenerateRequest]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = sorted(k for k in set(body) - REQUEST_FIELDS
-                     if not (k in NEUTRAL_FIELDS and any(body[k] is v or body[k] == v and type(body[k]) is type(v)
-                                                         for v in NEUTRAL_FIELDS[k])))
+                     if not any(body[k] is v for v in NEUTRAL_FIELDS.get(k, ())))   # None/True/False: identity
     if unknown:
         hint = "; send token ids in input_ids (this engine has no tokenizer)" if "text" in unknown else ""
         raise BadRequest(f"unknown or unsupported field(s): {', '.join(unknown)}{hint}")

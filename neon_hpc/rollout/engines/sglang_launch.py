@@ -143,6 +143,8 @@ def _engine_command(cfg, i: int, role: str) -> list[str]:
 
 def _router_command(cfg, roles: list[str]) -> list[str]:
     cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    if cfg.engine.router == "mini_lb":
+        cmd += ["--mini-lb"]   # forwards the body as sent (engine.router in rollout/config.py says why)
     for i, role in enumerate(roles):
         if role == "prefill":
             cmd += ["--prefill", engine_url(i, cfg), str(BOOTSTRAP_PORT)]
