@@ -78,6 +78,12 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if cfg.train.tensor_parallel > 1 and cfg.model.num_query_groups % cfg.train.tensor_parallel:
         errs.append(("train.tensor_parallel",
                      f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
+    cp, thr = cfg.train.context_parallel, cfg.balance.split_threshold_tokens
+    if thr and (cp == 1 or thr < 2 * cp):
+        errs.append(("balance.split_threshold_tokens",
+                     f"{thr}: zigzags pieces into 2*train.context_parallel chunks, so it needs "
+                     f"context_parallel > 1 (now {cp}) and a threshold >= 2*context_parallel; set it "
+                     f"to 0 (auto) or raise it"))
     if cfg.engine.kind == "sglang":
         from neon_hpc.rollout.engines.sglang_launch import layout
         lay = layout(cfg)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from neon_hpc.store import Trajectory
-from neon_hpc.train.batch import (block_causal_mask, build_microbatch, check_routes, input_lengths, plain_plan,
+from neon_hpc.train.batch import (block_causal_mask, build_microbatch, check_routes, input_lengths,
                                   replay_tensors)
 
 L, K, E = 2, 2, 4
@@ -78,21 +78,27 @@ def test_missing_or_bad_routes_turn_replay_off_for_that_microbatch():
     assert check_routes(dup, 5, L, K, E) is None
 
 
-def test_split_pieces_are_refused_and_empty_microbatch_is_all_padding():
-    a = traj(6, 2, 1)
-    with pytest.raises(ValueError, match="context parallelism"):
-        build_microbatch([a], [(0, 0, 3)], [0.0])
+def test_split_pieces_take_their_token_range_and_empty_microbatch_is_all_padding():
+    a, b = traj(10, 2, 1), traj(6, 2, 3)
+    # chunks 0 and 3 of a (input length 9: [0, 2) and [7, 9)) around whole b
+    mb = build_microbatch([a, b], [(0, 0, 2), (1, 0, 5), (0, 7, 9)], [0.5, -1.0], route_shape=(L, K, E))
+    tok = np.asarray(a.tokens)
+    assert mb.input_ids[0].tolist() == tok[0:2].tolist() + list(b.tokens[:5]) + tok[7:9].tolist()
+    assert mb.labels[0, 7:].tolist() == tok[8:10].tolist()
+    assert mb.position_ids[0].tolist() == [0, 1, 0, 1, 2, 3, 4, 7, 8]       # true positions
+    assert mb.doc_ids.tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0]
+    np.testing.assert_array_equal(mb.loss_mask[0, 7:].numpy(), np.asarray(a.loss_mask, np.float32)[8:10])
+    np.testing.assert_array_equal(mb.routes[7:], np.asarray(a.routed_experts)[7:9])   # routes of this rank's tokens
+    assert mb.advantages[0].tolist() == [0.5] * 2 + [-1.0] * 5 + [0.5] * 2
+    # the dense mask of split pieces is by document position: a's late chunk sees its early one
+    m = mb.attention_mask[0, 0]
+    assert not m[7, 0] and not m[8, 7] and m[7, 2] and m[0, 1]
+    assert build_microbatch([a], [(0, 0, 9)], [0.0], dense_mask=False).attention_mask is None
+    with pytest.raises(ValueError, match="out of range"):
+        build_microbatch([a], [(0, 5, 12)], [0.0])
     empty = build_microbatch([a], [], [0.0], pad_multiple=2, route_shape=(L, K, E))
     assert empty.seq_len == 2 and empty.loss_mask.sum() == 0 and empty.routes.shape == (2, L, K)
 
 
-def test_plain_plan_assigns_every_sequence_once_under_the_cap():
-    lengths = [9, 3, 7, 1, 4, 4, 12]
-    plan = plain_plan(lengths, dp=2, token_cap=12)
-    seen = sorted(i for r in plan for mb in r for (i, s, e) in mb)
-    assert seen == list(range(len(lengths)))
-    for r in plan:
-        for mb in r:
-            assert sum(e - s for (_i, s, e) in mb) <= 12
-    assert plain_plan(lengths, 2, 12) == plan
+def test_input_lengths_drop_the_unfed_last_token():
     assert input_lengths([traj(5, 1, 1), traj(1, 0, 2)]) == [4, 0]

@@ -15,8 +15,10 @@ class BalanceConfig:
     cost_b: float = 0.0                 # per-token-pair cost; 0 = derive from the model config (or cost_file)
     cost_file: str = ""                 # JSON written by `neon-hpc balance calibrate` (its cost_model is used)
     split_threshold_tokens: int = 0     # pieces this long are zigzagged across CP ranks; 0 = auto
-    split_sequences: bool = True        # let the cost planner split sequences across DP ranks
-                                        # (false: whole sequences only, for a trainer without split pieces)
+                                        # (only with train.context_parallel > 1)
+    split_sequences: bool | None = None  # the cost planner cuts long sequences across DP ranks (the
+                                        # trainer runs the pieces with a K/V exchange); None = true
+                                        # for planner: cost, false otherwise (only cost can split)
 
     CHECKS = {
         "tokens_per_microbatch": at_least(1),
@@ -28,4 +30,12 @@ class BalanceConfig:
     RULES = (
         Rule("cost_file", lambda c: not ((c.cost_a > 0 or c.cost_b > 0) and c.cost_file),
              "either cost_a/cost_b or cost_file, not both"),
+        Rule("split_sequences", lambda c: not (c.split_sequences and c.planner != "cost"),
+             "true, but planner {planner!r} keeps sequences whole (only 'cost' splits): "
+             "set balance.planner: cost or balance.split_sequences: false"),
     )
+
+    @property
+    def splits(self) -> bool:
+        """Whether the planner may cut sequences across DP ranks (``split_sequences`` resolved)."""
+        return self.planner == "cost" if self.split_sequences is None else bool(self.split_sequences)

@@ -46,6 +46,6 @@ def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, 
     kw = dict(dp=t.data_parallel, pp_microbatches=max(1, b.min_microbatches or t.pipeline_parallel),
               pp_stages=t.pipeline_parallel, cp=t.context_parallel,
               token_cap=b.tokens_per_microbatch, planner=b.planner, shadow=b.shadow,
-              cp_split_threshold=b.split_threshold_tokens, split=b.split_sequences)
+              cp_split_threshold=b.split_threshold_tokens, split=b.splits)
     kw.update(overrides)
     return plan_step(lengths, cost=cost or cost_model_for_config(cfg), **kw)

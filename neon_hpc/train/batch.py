@@ -43,13 +43,15 @@ class MicroBatch:
 
     input_ids: torch.Tensor          # int64 [1, S]
     position_ids: torch.Tensor       # int64 [1, S], restart at 0 per document
-    attention_mask: torch.Tensor     # bool [1, 1, S, S], True = masked (megatron's convention)
+    attention_mask: torch.Tensor | None   # bool [1, 1, S, S], True = masked (megatron's convention);
+                                     # None when built with dense_mask=False (piece attention)
     labels: torch.Tensor             # int64 [1, S]
     loss_mask: torch.Tensor          # float32 [1, S], 1 where the label token was generated
     logp_behav: torch.Tensor         # float32 [1, S], engine logprob of the label token
     versions: torch.Tensor           # int32 [1, S], weight version of the label token (-1: none)
     advantages: torch.Tensor         # float32 [1, S], the label token's trajectory advantage
     routes: np.ndarray | None        # int64 [S, num_moe_layers, top_k] or None (no replay)
+    doc_ids: torch.Tensor | None = None   # int64 [S]: trajectory index per row; pads -1, -2, ...
     pieces: list[Piece] = field(default_factory=list)
     doc_starts: list[int] = field(default_factory=list)
     real_tokens: int = 0             # tokens before padding
@@ -63,6 +65,14 @@ class MicroBatch:
 def input_lengths(trajectories: Sequence[Any]) -> list[int]:
     """Model-input length of each trajectory: all tokens but the last (see module docstring)."""
     return [max(len(t.tokens) - 1, 0) for t in trajectories]
+
+
+def piece_mask(doc_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """``[1, 1, S, S]`` bool, True where forbidden: same document and key position <= query position."""
+    same = doc_ids[:, None] == doc_ids[None, :]
+    causal = positions[None, :] <= positions[:, None]
+    s = len(doc_ids)
+    return torch.from_numpy(~(same & causal)).view(1, 1, s, s)
 
 
 def block_causal_mask(doc_lengths: Sequence[int]) -> torch.Tensor:
@@ -98,8 +108,15 @@ def _pad_route_rows(n: int, num_layers: int, top_k: int) -> np.ndarray:
 
 def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advantages: Sequence[float],
                      pad_multiple: int = 1, min_len: int = 0,
-                     route_shape: tuple[int, int, int] | None = None) -> MicroBatch:
-    """Pack ``pieces`` (whole trajectories: start 0, end = input length) into one micro-batch.
+                     route_shape: tuple[int, int, int] | None = None, dense_mask: bool = True) -> MicroBatch:
+    """Pack ``pieces`` into one micro-batch.
+
+    A piece ``(i, start, end)`` is input tokens ``[start, end)`` of trajectory ``i`` (whole:
+    ``(i, 0, input length)``); its labels, loss mask, logprobs, versions and routes are the
+    same token range shifted as the module docstring says, and its positions are its true
+    positions ``start..end-1`` in the document.  ``dense_mask=False`` skips the ``S x S``
+    mask (the trainer's piece attention takes the document structure from ``doc_ids`` and
+    ``position_ids``; with split pieces the mask alone cannot describe keys on other ranks).
 
     ``route_shape = (num_moe_layers, top_k, num_experts)`` turns on route packing; a
     micro-batch in which any document lacks valid routes gets ``routes = None`` (it then runs
@@ -108,30 +125,32 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
     experts or tensors are split across them).
     """
     ids, pos, labels, lmask, lp, ver, adv, doc_lens, route_parts = [], [], [], [], [], [], [], [], []
+    docs: list[np.ndarray] = []
     missing = 0
     for (i, start, end) in pieces:
         t = trajectories[i]
         n_in = len(t.tokens) - 1
-        if start != 0 or end != n_in:
+        if not 0 <= start < end <= n_in:
+            if n_in < 1 and start == end == 0:
+                continue
             raise ValueError(f"piece {(i, start, end)} of trajectory {getattr(t, 'task_id', i)} "
-                             f"(input length {n_in}) is not whole: split sequences need context "
-                             f"parallelism, which this trainer does not support (train.context_parallel=1)")
-        if n_in < 1:
-            continue
+                             f"(input length {n_in}) is out of range")
         tok = np.asarray(t.tokens, dtype=np.int64)
-        ids.append(tok[:-1])
-        labels.append(tok[1:])
-        pos.append(np.arange(n_in, dtype=np.int64))
-        lmask.append(np.asarray(t.loss_mask, dtype=np.float32)[1:])
-        lp.append(np.asarray(t.logprobs, dtype=np.float32)[1:])
-        ver.append(np.asarray(t.versions, dtype=np.int32)[1:])
-        adv.append(np.full(n_in, advantages[i], dtype=np.float32))
-        doc_lens.append(n_in)
+        n = end - start
+        ids.append(tok[start:end])
+        labels.append(tok[start + 1:end + 1])
+        pos.append(np.arange(start, end, dtype=np.int64))
+        lmask.append(np.asarray(t.loss_mask, dtype=np.float32)[start + 1:end + 1])
+        lp.append(np.asarray(t.logprobs, dtype=np.float32)[start + 1:end + 1])
+        ver.append(np.asarray(t.versions, dtype=np.int32)[start + 1:end + 1])
+        adv.append(np.full(n, advantages[i], dtype=np.float32))
+        docs.append(np.full(n, i, dtype=np.int64))
+        doc_lens.append(n)
         if route_shape is not None:
             layers, k, experts = route_shape
             why = check_routes(getattr(t, "routed_experts", None), len(tok), layers, k, experts)
             if why is None:
-                route_parts.append(np.asarray(t.routed_experts, dtype=np.int64)[:-1])
+                route_parts.append(np.asarray(t.routed_experts, dtype=np.int64)[start:end])
             else:
                 missing += 1
                 route_parts.append(None)
@@ -148,13 +167,16 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
         ver.append(np.full(n_pad, -1, np.int32))
         adv.append(np.zeros(n_pad, np.float32))
         doc_lens.extend([1] * n_pad)
+        docs.append(-1 - np.arange(n_pad, dtype=np.int64))
     routes = None
     if route_shape is not None and missing == 0:
         layers, k, _ = route_shape
         routes = np.concatenate(route_parts + [_pad_route_rows(n_pad, layers, k)], axis=0)
     cat = lambda xs: torch.from_numpy(np.concatenate(xs)).unsqueeze(0)
+    doc_ids = np.concatenate(docs)
+    mask = piece_mask(doc_ids, np.concatenate(pos)) if dense_mask else None
     return MicroBatch(
-        input_ids=cat(ids), position_ids=cat(pos), attention_mask=block_causal_mask(doc_lens),
+        input_ids=cat(ids), position_ids=cat(pos), attention_mask=mask, doc_ids=torch.from_numpy(doc_ids),
         labels=cat(labels), loss_mask=cat(lmask), logp_behav=cat(lp), versions=cat(ver),
         advantages=cat(adv), routes=routes, pieces=list(pieces),
         doc_starts=list(np.cumsum([0] + doc_lens[:-1]).tolist()), real_tokens=real,
@@ -178,36 +200,3 @@ def replay_tensors(routes: np.ndarray, tp_rank: int = 0, tp_size: int = 1,
         routes = routes[tp_rank * chunk:(tp_rank + 1) * chunk]
     layer_ids = range(routes.shape[1]) if layers is None else layers
     return [torch.from_numpy(np.ascontiguousarray(routes[:, l, :])) for l in layer_ids]
-
-
-# --------------------------------------------------------------------------------------
-# plain token-count packing, the fallback behind the balancer's interface
-
-def plain_plan(lengths: Sequence[int], dp: int, token_cap: int) -> list[list[list[Piece]]]:
-    """Greedy: longest first onto the DP rank with fewest tokens, then first-fit micro-batches.
-
-    Returns ``plan[dp_rank][microbatch] = [(seq_index, 0, length), ...]``.  Deterministic.
-    A sequence longer than ``token_cap`` gets a micro-batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    load = [0] * dp
-    per_rank: list[list[int]] = [[] for _ in range(dp)]
-    for i in order:
-        r = min(range(dp), key=lambda j: (load[j], j))
-        per_rank[r].append(i)
-        load[r] += lengths[i]
-    plan = []
-    for seqs in per_rank:
-        mbs: list[list[Piece]] = []
-        fill: list[int] = []
-        for i in seqs:
-            for m, used in enumerate(fill):
-                if used + lengths[i] <= token_cap:
-                    mbs[m].append((i, 0, lengths[i]))
-                    fill[m] += lengths[i]
-                    break
-            else:
-                mbs.append([(i, 0, lengths[i])])
-                fill.append(lengths[i])
-        plan.append(mbs)
-    return plan

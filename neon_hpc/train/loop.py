@@ -11,8 +11,9 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    shards, staleness filter against version N-1, resumable); the other ranks then read
    the committed claim (the same call returns the recorded trajectories);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
-3. the balancer plans micro-batches per DP rank (``neon_hpc.balance.plan_step`` when present
-   and it keeps sequences whole; else plain token packing), every rank runs the same number;
+3. the balancer plans micro-batches per DP rank (``balance.configured.plan_for_config``: the
+   configured planner, cost model and split policy; an error stops the step), sharded over
+   each CP group; every rank runs the same number;
 4. per micro-batch: packed forward with router replay, the off-policy loss
    (:mod:`neon_hpc.train.loss`), backward; then megatron's grad finalisation and optimizer step;
 5. metrics + log line (rank 0), heartbeat (every rank);
@@ -39,7 +40,7 @@ from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
 from neon_hpc.train import checkpoint as ckpt
-from neon_hpc.train.batch import build_microbatch, input_lengths, plain_plan
+from neon_hpc.train.batch import build_microbatch, input_lengths
 from neon_hpc.train.loss import (LossConfig, add_terms, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
@@ -135,8 +136,6 @@ def check_config(cfg: ExperimentConfig) -> None:
     if cfg.mode == "async" and t.off_policy_correction == "none":
         raise TrainerError("train.off_policy_correction: 'none' in an async run trains on tokens of older "
                            "weight versions without correction (a silent bias); set it to 'tis' or mode: sync")
-    if t.context_parallel != 1:
-        raise TrainerError(f"train.context_parallel={t.context_parallel}: this trainer runs CP=1; set it to 1")
     if t.pipeline_parallel != 1:
         raise TrainerError(f"train.pipeline_parallel={t.pipeline_parallel}: this trainer runs PP=1; set it to 1")
 
@@ -148,13 +147,14 @@ def check_config(cfg: ExperimentConfig) -> None:
 class StepData:
     trajectories: list
     advantages: np.ndarray
-    plan: list                       # plan[dp_rank][microbatch] = [(seq, start, end), ...]
+    plan: list                       # plan[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
     planner: str
     global_tokens: int               # generated label tokens in the whole step
     waited_s: float = 0.0
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
+    balance: dict = field(default_factory=dict)   # Plan.summary(): predicted makespan, shadow planners
 
 
 def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int, pre: Preemption,
@@ -202,35 +202,41 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
     return status
 
 
-def _plan(lengths: list[int], dp: int, cfg: ExperimentConfig, log: RoleLogger | None) -> tuple[list, str]:
-    cap = max(cfg.balance.tokens_per_microbatch, max(lengths, default=1))
+def _plan(lengths: list[int], dp: int, cfg: ExperimentConfig):
+    """The configured plan (``balance.configured.plan_for_config``) for ``dp`` data ranks.
+
+    ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
+    ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
+    group (``Plan.cp_shards``).  A planner error stops the step: it is raised as a
+    :class:`TrainerError` naming the planner, never replaced by another packing.
+    """
+    from neon_hpc.balance.configured import plan_for_config
+    cp = cfg.train.context_parallel
+    if dp % cp:
+        raise TrainerError(f"train.context_parallel={cp} does not divide the {dp} data ranks the world gives "
+                           f"(world / (tp*pp)); start a multiple of tp*pp*cp processes")
     try:
-        from neon_hpc.balance import plan_step  # noqa: F401  (lands with the balance issue)
-    except ImportError:
-        return plain_plan(lengths, dp, cap), "plain"
-    try:
-        from neon_hpc.balance import CostModel, plan_step
-        cost = None
-        if cfg.balance.cost_a > 0 or cfg.balance.cost_b > 0:
-            cost = CostModel(a=cfg.balance.cost_a, b=cfg.balance.cost_b)
-        else:
-            cost = CostModel.from_model_config(cfg.model)
-        kw = dict(pp_microbatches=1, cp=1, token_cap=cap, cost=cost, planner=cfg.balance.planner, shadow=False)
-        try:   # split=False: whole sequences only (this trainer has no context parallelism)
-            p = plan_step(lengths, dp, split=False, **kw)
-        except TypeError:
-            p = plan_step(lengths, dp, cp_split_threshold=cap + 1, **kw)
-        plan = [[[(int(pc.seq), int(pc.start), int(pc.end)) for pc in mb] for mb in r] for r in p.ranks]
-    except Exception as e:  # the balancer is an optimisation: never stop training for it
-        if log:
-            log.warning("balancer failed (%s: %s); using plain token packing", type(e).__name__, e)
-        return plain_plan(lengths, dp, cap), "plain"
-    whole = all(s == 0 and e == lengths[i] for r in plan for mb in r for (i, s, e) in mb)
-    if not whole:
-        if log:
-            log.warning("balancer split a sequence across ranks (needs CP); using plain token packing")
-        return plain_plan(lengths, dp, cap), "plain"
-    return plan, cfg.balance.planner
+        return plan_for_config(lengths, cfg, dp=dp // cp)
+    except (ValueError, OSError) as e:
+        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not plan this step "
+                           f"({len(lengths)} sequences, longest {max(lengths, default=0)} tokens): {e}") from e
+
+
+def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
+    """``pieces[data_rank][microbatch]``: what each of the ``dp * cp`` data ranks runs.
+
+    Data rank ``g`` is CP rank ``g % cp`` of DP rank ``g // cp`` (megatron's data-parallel
+    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``Plan.cp_shards``.
+    """
+    out = []
+    for r, mbs in enumerate(plan.ranks):
+        if cp == 1:
+            out.append([[(int(p.seq), int(p.start), int(p.end)) for p in mb] for mb in mbs])
+            continue
+        shards = [plan.cp_shards(r, j) for j in range(len(mbs))]
+        for q in range(cp):
+            out.append([[(int(p.seq), int(p.start), int(p.end)) for p in sh[q]] for sh in shards])
+    return out
 
 
 def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | None = None) -> StepData:
@@ -239,9 +245,10 @@ def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | 
     for t, a in zip(trajs, adv):
         t.advantage = float(a)
     lengths = input_lengths(trajs)
-    plan, planner = _plan(lengths, dp, cfg, log)
+    plan = _plan(lengths, dp, cfg)
     tokens = int(sum(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs))
-    return StepData(trajs, adv, plan, planner, tokens)
+    return StepData(trajs, adv, rank_pieces(plan, cfg.train.context_parallel), cfg.balance.planner, tokens,
+                    balance=plan.summary())
 
 
 # --------------------------------------------------------------------------------------
@@ -251,24 +258,33 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics."""
     from megatron.core.distributed import finalize_model_grads
 
+    from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.backend import forward_logp, reduce_sums
 
     lay = be.layout
     mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
     n_mb = max(len(r) for r in data.plan) if data.plan else 0
+    # the K/V exchange group of split pieces: every data rank (DP x CP) of this TP/PP position;
+    # every rank runs every slot's layers, so its one all-gather per layer cannot deadlock
+    group = _exchange_group(len(data.plan))
+    t_fb = time.perf_counter()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
     be.ddp.zero_grad_buffer()
     be.optimizer.zero_grad()
     sums: dict[str, float] = {}
-    replay_missing, replayed = 0, 0
+    replay_missing, replayed, exchanged = 0, 0, 0
     for j in range(n_mb):
         pieces = mine[j] if j < len(mine) else []
         mb = build_microbatch(data.trajectories, pieces, data.advantages, pad_multiple=be.pad_multiple,
-                              route_shape=route_shape)
+                              route_shape=route_shape, dense_mask=False)
         replay_missing += mb.routes_missing
         replayed += int(mb.routes is not None and bool(pieces))
-        logp = forward_logp(be, mb)
+        slot = [r[j] if j < len(r) else [] for r in data.plan]
+        alay = build_layout(slot, lay.dp_rank, mb.seq_len, group=group, device=_device())
+        exchanged += int(alay.exchanges)
+        with attention_layout(alay):
+            logp = forward_logp(be, mb)
         dev = logp.device
         loss, terms = policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
                                   mb.loss_mask.to(dev), denom, lcfg)
@@ -276,6 +292,8 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
         add_terms(sums, terms)
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
+    sums["exchanged_microbatches"] = float(exchanged)   # with a K/V all-gather
+    fb_s = time.perf_counter() - t_fb
     finalize_model_grads([be.ddp])
     ok, grad_norm, _ = be.optimizer.step()
     sums = reduce_sums(sums)
@@ -285,7 +303,35 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     out["microbatches"] = n_mb
     out["replay_docs_missing"] = int(sums["replay_docs_missing"])
     out["replayed_microbatches"] = int(sums["replayed_microbatches"])
+    out["exchanged_microbatches"] = int(sums["exchanged_microbatches"])
+    out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.plan))
     return out
+
+
+def _device():
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _exchange_group(data_ranks: int):
+    if data_ranks == 1:
+        return None
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group()
+
+
+def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
+    """(max, mean) of a per-rank float over the data ranks (this rank's value alone without them)."""
+    if data_ranks == 1:
+        return x, x
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x, x], dtype=torch.float64, device=_device())
+    g = _exchange_group(data_ranks)
+    mx, sm = t[:1].clone(), t[1:].clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=g)
+    dist.all_reduce(sm, group=g)
+    return float(mx.item()), float(sm.item()) / data_ranks
 
 
 # --------------------------------------------------------------------------------------
@@ -442,7 +488,7 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
                masked_stale_tokens=res.masked_stale_tokens, dropped_stale_tokens=res.dropped_stale_tokens,
                claimed_gen_tokens=res.generated_tokens, wasted_rollout_tokens=res.wasted_rollout_tokens,
                version_spans=version_span_histogram(np.asarray(t.versions) for t in trajs),
-               planner=data.planner, **m)
+               planner=data.planner, plan=data.balance, **m)
     log.metrics(**rec)
     log.info("step %d: loss %.4f reward %.3f tokens %d (%.0f/s) staleness mean %.2f max %d, tis clip %.3f, "
              "mismatch %.4f, grad %.3f, %.2fs (waited %.2fs)", step, m.get("loss", float("nan")),

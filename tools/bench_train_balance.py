@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""The balancer measured in the real trainer: cost+split vs token-KK vs sequential, DP=2 and DP=1 x CP=2.
+
+Two processes (one CPU thread each) run the trainer's own step code
+(``neon_hpc.train.loop.prepare_step`` -> ``balance.configured.plan_for_config`` ->
+``train_step``: megatron-core GPTModel of the tiny MoE family scaled so attention matters,
+piece attention with the K/V exchange, megatron DDP and optimizer) on one long-tail step:
+most sequences ``--short`` tokens, about 6% of ``--long`` tokens.  Both layouts are the same
+two processes (CP ranks are megatron DP ranks; only the plan differs), so every
+(layout, planner) pair runs the same data on the same weights, interleaved, ``--reps`` times.
+
+1. Calibrate: the trainer's step on single sequences and packed short documents (both
+   ranks the same micro-batch), fitted with ``balance.calibrate.fit_microbatches``; written
+   as a cost file that every plan then reads through ``balance.cost_file``.
+2. Measure: per (layout, planner, rep) one ``train_step``; the step time is the slowest
+   rank's forward/backward time from the trainer's own timer (``fwd_bwd_s_max``), the
+   median over reps is reported; the planner's predicted makespan is printed beside it.
+
+Last line: ``RESULT train_speedup_vs_tokenkk=... train_speedup_vs_sequential=...
+train_rank_imbalance=... predicted_over_measured=...`` (DP=2, cost+split vs the baselines;
+imbalance = slowest / mean rank time of cost+split; predicted_over_measured = predicted
+speedup vs tokenkk / measured speedup vs tokenkk), then the same for CP=2 with a ``cp2_`` prefix.
+
+    .venv/bin/python tools/bench_train_balance.py            # ~5-10 min on 2 idle cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PLANNERS = ("cost", "tokenkk", "sequential")
+LAYOUTS = {"dp2": ["train.data_parallel=2", "train.context_parallel=1"],
+           "cp2": ["train.data_parallel=1", "train.context_parallel=2"]}
+MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
+         "model.head_dim=64", "model.ffn_hidden_size=512", "model.moe_ffn_hidden_size=256", "model.num_experts=4",
+         "model.moe_router_topk=2", "model.max_position_embeddings=16384"]
+
+
+def say(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def step_lengths(n: int, seed: int, short=(256, 1024), long=(4096, 8192), tail=0.06, scale: float = 1.0):
+    rng = np.random.default_rng(seed)
+    L = rng.integers(short[0], short[1] + 1, n)
+    is_long = rng.random(n) < tail
+    is_long[0] = True                                 # at least one long trajectory
+    L[is_long] = rng.integers(long[0], long[1] + 1, int(is_long.sum()))
+    return [max(4, int(x * scale)) for x in L]
+
+
+def trajectories(lengths, seed: int):
+    from neon_hpc.store import Trajectory
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        n = n + 1                                     # input length n: n + 1 tokens
+        prompt = min(8, n // 2)
+        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
+        out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
+                              logprobs=np.where(mask > 0, -5.0, 0).astype(np.float32),
+                              versions=np.where(mask > 0, 0, -1).astype(np.int32),
+                              reward=float(i % 2), task_id=f"g{i // 4}", group_id=f"g{i // 4}"))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# worker (one of the two trainer ranks)
+
+def worker(args) -> None:
+    import torch
+    torch.set_num_threads(1)
+    from neon_hpc import config as C
+    from neon_hpc.balance.calibrate import fit_microbatches
+    from neon_hpc.train import backend as B
+    from neon_hpc.train.loop import StepData, prepare_step, train_step
+    from neon_hpc.train.loss import LossConfig
+
+    out = Path(args.out)
+    base = ["train.router_replay='off'", "train.lr=1e-6", "mode=sync", *MODEL]
+    cfg0 = C.load(None, base + LAYOUTS["dp2"])
+    be = B.setup(cfg0.model, tp=1, ep=1, pp=1, lr=cfg0.train.lr, replay=False, seed=3)
+    lcfg = LossConfig(correction="none")
+    rank = be.layout.rank
+
+    # 1. calibration: both ranks run the same micro-batch (single sequences, packed short docs)
+    configs = [[max(8, int(x * args.scale))] for x in (128, 256, 512, 1024, 2048, 3072, 4096, 6144)]
+    configs += [[max(8, int(m * args.scale))] * k for m, k in ((64, 16), (128, 8), (256, 4))]
+    mbs, times = [], []
+    for rep in range(2):                              # the first pass warms up
+        for docs in configs:
+            trajs = trajectories(docs, seed=100)
+            for t in trajs:
+                t.advantage = 0.0
+            pieces = [(i, 0, d) for i, d in enumerate(docs)]
+            data = StepData(trajs, np.zeros(len(docs)), [[pieces], [list(pieces)]], "calibration",
+                            global_tokens=sum(docs))
+            m = train_step(be, data, lcfg)
+            if rep == 1:
+                mbs.append([(0, d) for d in docs])
+                times.append(m["fwd_bwd_s_max"])
+    fit = fit_microbatches(mbs, times)
+    cost_file = out / "cost.json"
+    if rank == 0:
+        cost_file.write_text(json.dumps({"cost_model": {"a": fit["a"], "b": fit["b"], "mb_overhead": fit["c0"],
+                                                        "piece_overhead": fit["piece"],
+                                                        "source": "bench_train_balance calibration"},
+                                         "fit": fit}))
+        say(f"calibration: a={fit['a']:.3e} s/token b={fit['b']:.3e} s/pair c0={fit['c0']:.4f} "
+            f"piece={fit['piece']:.5f}  rel_rms={fit['rel_rms']:.3f} rel_max={fit['rel_max']:.3f}")
+    import torch.distributed as dist
+    dist.barrier()
+
+    # 2. the step, every (layout, planner) interleaved, reps times
+    lengths = step_lengths(args.seqs, args.seed, scale=args.scale)
+    trajs = trajectories(lengths, seed=args.seed)
+    rows = []
+    for rep in range(args.reps):
+        for lay_name, lay_sets in LAYOUTS.items():
+            for planner in PLANNERS[rep % 3:] + PLANNERS[:rep % 3]:   # rotate: no planner always first
+                split = "true" if planner == "cost" else "false"
+                cfg = C.load(None, base + lay_sets + [f"balance.planner={planner}",
+                                                       f"balance.split_sequences={split}",
+                                                       f"balance.tokens_per_microbatch={args.cap}",
+                                                       f"balance.cost_file={cost_file}"])
+                data = prepare_step(trajs, be.layout.dp, cfg)
+                m = train_step(be, data, lcfg)
+                rows.append(dict(rep=rep, layout=lay_name, planner=planner, measured_s=m["fwd_bwd_s_max"],
+                                 mean_s=m["fwd_bwd_s_mean"], predicted_s=data.balance["makespan"],
+                                 predicted_imbalance=data.balance["imbalance"],
+                                 microbatches=m["microbatches"], split=data.balance["split_sequences"],
+                                 exchanged=m["exchanged_microbatches"]))
+                if rank == 0:
+                    r = rows[-1]
+                    say(f"rep {rep} {lay_name:4s} {planner:10s} measured {r['measured_s']:.3f}s "
+                        f"(mean rank {r['mean_s']:.3f}s) predicted {r['predicted_s']:.3f}s "
+                        f"mbs {r['microbatches']} split {r['split']} exchanged {r['exchanged']}")
+    if rank == 0:
+        (out / "rows.json").write_text(json.dumps({"lengths": lengths, "rows": rows, "fit": fit}))
+    B.teardown()
+
+
+# --------------------------------------------------------------------------------------
+# launcher
+
+def summarise(res: dict) -> str:
+    rows = res["rows"]
+
+    def med(layout, planner, key):
+        return float(np.median([r[key] for r in rows if r["layout"] == layout and r["planner"] == planner]))
+
+    lines = ["| layout | planner | measured step (s) | predicted (s) | measured vs cost | predicted vs cost "
+             "| slowest/mean rank |", "|---|---|---|---|---|---|---|"]
+    result = {}
+    for layout in LAYOUTS:
+        c_meas, c_pred = med(layout, "cost", "measured_s"), med(layout, "cost", "predicted_s")
+        for planner in PLANNERS:
+            m, p = med(layout, planner, "measured_s"), med(layout, planner, "predicted_s")
+            imb = m / med(layout, planner, "mean_s")
+            lines.append(f"| {layout} | {planner} | {m:.3f} | {p:.3f} | {m / c_meas:.2f}x | {p / c_pred:.2f}x "
+                         f"| {imb:.3f} |")
+        pre = "" if layout == "dp2" else f"{layout}_"
+        sp_tk = med(layout, "tokenkk", "measured_s") / c_meas
+        sp_sq = med(layout, "sequential", "measured_s") / c_meas
+        pred_tk = med(layout, "tokenkk", "predicted_s") / c_pred
+        result[f"{pre}train_speedup_vs_tokenkk"] = sp_tk
+        result[f"{pre}train_speedup_vs_sequential"] = sp_sq
+        result[f"{pre}train_rank_imbalance"] = c_meas / med(layout, "cost", "mean_s")
+        result[f"{pre}predicted_over_measured"] = pred_tk / sp_tk
+    print("\n".join(lines))
+    lens = np.asarray(res["lengths"])
+    print(f"\none step: {len(lens)} sequences, {int(lens.sum())} tokens, median {int(np.median(lens))}, "
+          f"longest {int(lens.max())}, {int((lens >= 2048).sum())} of >= 2048 tokens; cost fit rel_rms "
+          f"{res['fit']['rel_rms']:.3f}")
+    return "RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", type=int, default=24, help="sequences in the step")
+    ap.add_argument("--scale", type=float, default=0.5, help="length scale (1.0: 256-1k with 6%% of 4k-8k)")
+    ap.add_argument("--cap", type=int, default=4096, help="balance.tokens_per_microbatch")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    import tempfile
+
+    from neon_hpc.netutil import free_port
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_balance_"))
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--seqs", str(args.seqs),
+               "--scale", str(args.scale), "--cap", str(args.cap), "--reps", str(args.reps), "--seed", str(args.seed)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    t0 = time.perf_counter()
+    try:
+        rcs = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(rcs):
+        say(f"worker exit codes {rcs}")
+        return 1
+    say(f"wall {time.perf_counter() - t0:.0f}s; rows in {out / 'rows.json'}")
+    print(summarise(json.loads((out / "rows.json").read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
