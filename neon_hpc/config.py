@@ -84,6 +84,8 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
                      f"{thr}: zigzags pieces into 2*train.context_parallel chunks, so it needs "
                      f"context_parallel > 1 (now {cp}) and a threshold >= 2*context_parallel; set it "
                      f"to 0 (auto) or raise it"))
+    from neon_hpc.train.layout import launch_world_errors, layout_errors   # the trainer's own rules
+    errs += layout_errors(cfg) + launch_world_errors(cfg)
     if cfg.engine.kind == "sglang":
         from neon_hpc.rollout.engines.sglang_launch import layout
         lay = layout(cfg)

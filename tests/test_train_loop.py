@@ -206,7 +206,7 @@ def test_sigkill_then_sigusr1_resume_continues_exactly(tmp_path, dataset, refere
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("train.tensor_parallel=2",), ("train.expert_parallel=2",)],
+@pytest.mark.parametrize("layout", [("train.tensor_parallel=2",), ("train.expert_parallel=2", "train.data_parallel=2")],
                          ids=["tp2_sp", "ep2_dp2"])
 def test_parallel_layouts_match_tp1(tmp_path, dataset, reference, layout):
     """TP=2 (sequence parallel, experts replicated per TP rank) and EP=2 (two DP ranks, experts

@@ -136,8 +136,23 @@ def check_config(cfg: ExperimentConfig) -> None:
     if cfg.mode == "async" and t.off_policy_correction == "none":
         raise TrainerError("train.off_policy_correction: 'none' in an async run trains on tokens of older "
                            "weight versions without correction (a silent bias); set it to 'tis' or mode: sync")
-    if t.pipeline_parallel != 1:
-        raise TrainerError(f"train.pipeline_parallel={t.pipeline_parallel}: this trainer runs PP=1; set it to 1")
+    from neon_hpc.train.layout import layout_errors
+    for key, msg in layout_errors(cfg):
+        raise TrainerError(f"{key}: {msg}")
+
+
+def check_world(cfg: ExperimentConfig, world: int) -> None:
+    """The processes started must be exactly the layout's ``tp * pp * cp * dp`` ranks."""
+    from neon_hpc.train.layout import world_size
+    t = cfg.train
+    want = world_size(cfg)
+    if world != want:
+        per_replica = want // t.data_parallel
+        fix = (f"set train.data_parallel: {world // per_replica}" if world % per_replica == 0 else
+               f"start a multiple of tp*pp*cp = {per_replica} processes")
+        raise TrainerError(f"train.data_parallel: tensor_parallel*pipeline_parallel*context_parallel*data_parallel = "
+                           f"{t.tensor_parallel}*{t.pipeline_parallel}*{t.context_parallel}*{t.data_parallel} = "
+                           f"{want}, but {world} trainer process(es) started (WORLD_SIZE): {fix}")
 
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +274,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     from megatron.core.distributed import finalize_model_grads
 
     from neon_hpc.models.cp_attention import attention_layout, build_layout
-    from neon_hpc.train.backend import forward_logp, reduce_sums
+    from neon_hpc.train.backend import forward_backward, reduce_step_sums
 
     lay = be.layout
     mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
@@ -272,8 +287,8 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     denom = be.loss_scale(max(data.global_tokens, 1))
     be.ddp.zero_grad_buffer()
     be.optimizer.zero_grad()
-    sums: dict[str, float] = {}
-    replay_missing, replayed, exchanged = 0, 0, 0
+    mbs, alays = [], []
+    replay_missing, replayed = 0, 0
     for j in range(n_mb):
         pieces = mine[j] if j < len(mine) else []
         mb = build_microbatch(data.trajectories, pieces, data.advantages, pad_multiple=be.pad_multiple,
@@ -281,22 +296,23 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
         replay_missing += mb.routes_missing
         replayed += int(mb.routes is not None and bool(pieces))
         slot = [r[j] if j < len(r) else [] for r in data.plan]
-        alay = build_layout(slot, lay.dp_rank, mb.seq_len, group=group, device=_device())
-        exchanged += int(alay.exchanges)
-        with attention_layout(alay):
-            logp = forward_logp(be, mb)
+        alays.append(build_layout(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
+        mbs.append(mb)
+
+    def loss_fn(logp, mb):
         dev = logp.device
-        loss, terms = policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
-                                  mb.loss_mask.to(dev), denom, lcfg)
-        loss.backward()
-        add_terms(sums, terms)
+        return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
+                           mb.loss_mask.to(dev), denom, lcfg)
+
+    # megatron's schedule (1F1B under PP) runs the micro-batches in the plan's order
+    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: attention_layout(alays[j]))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
-    sums["exchanged_microbatches"] = float(exchanged)   # with a K/V all-gather
+    sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
     fb_s = time.perf_counter() - t_fb
     finalize_model_grads([be.ddp])
     ok, grad_norm, _ = be.optimizer.step()
-    sums = reduce_sums(sums)
+    sums = reduce_step_sums(be, sums)
     out = term_means(sums)
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_skipped"] = not ok
@@ -367,6 +383,7 @@ def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
     try:
         check_config(cfg)
         rank, world, local = dist_env()
+        check_world(cfg, world)
     except TrainerError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
@@ -392,12 +409,9 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
     run.beat(ROLE, rank, step=None, phase="starting")
     be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
                  weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=t.router_replay == "replay",
-                 seed=t.seed)
-    if be.layout.dp * t.tensor_parallel * t.pipeline_parallel != world:
-        raise TrainerError(f"world size {world} != tp*dp*pp")
-    if t.data_parallel not in (1, be.layout.dp):
-        log.warning("train.data_parallel=%d but the world gives dp=%d; using %d", t.data_parallel,
-                    be.layout.dp, be.layout.dp)
+                 seed=t.seed, pp_first_stage_layers=t.pipeline_first_stage_layers,
+                 pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
+                 cp=t.context_parallel)
     last, _state = _startup(run, be, cfg, log)
     log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s", be.layout.tp, be.layout.ep,
              be.layout.dp, world, be.replay, t.off_policy_correction)
