@@ -50,15 +50,18 @@ def write_run_yaml(cfg: ExperimentConfig, run_dir: str | None) -> tuple[RunDir, 
 
 
 def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
-                job_id: str = "local") -> tuple[RunDir, ExperimentConfig]:
-    """Create (or resume) the run directory; returns it and the config in force (run.yaml)."""
+                job_id: str = "local", lease_token: str | None = None,
+                restart: int = 0) -> tuple[RunDir, ExperimentConfig]:
+    """Take the run directory's lease (``launch.lease``; raises ``LeaseHeld`` while another launch
+    lives), create (or resume) it; returns it and the config in force (run.yaml)."""
+    from neon_hpc.launch import lease
+    lease.acquire(RunDir(resolve_run_dir(cfg, run_dir)), backend, job_id, restart, lease_token)
     run, cfg, diffs = write_run_yaml(cfg, run_dir)
     if diffs:
         print(f"neon-hpc: resuming {run.root} with its run.yaml; the given config differs in "
               f"{', '.join(diffs)} and is not used for those keys (start a new --run-dir to change them)",
               file=sys.stderr)
-    # leftovers of writers killed mid-write are hidden temporaries; sweep them before anyone starts
-    remove_stale_tmp(run.traj_tmp)
+    sweep_staging(run)
     for p in (run.state / "finished.json", run.state / "trainer_preempted.json"):
         p.unlink(missing_ok=True)
     job = read_json(run.state / "job.json", {}) or {}
@@ -88,9 +91,25 @@ def trained_versions_and_waste(trainer: list[dict]) -> dict[str, Any]:
             "wasted_rollout_tokens": (masked + dropped) / gen if gen else None}
 
 
+def sweep_staging(run: RunDir) -> int:
+    """Remove what writers killed mid-write left: hidden ``.*.tmp.*`` siblings of shards,
+    checkpoints (``checkpoints/.step_N.tmp.*``) and weights (``weights/.v_N.tmp.*``). Only
+    under the lease: no writer of this run directory is alive then."""
+    return sum(remove_stale_tmp(d) for d in (run.traj_tmp, run.checkpoints, run.weights))
+
+
+def trainer_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One metrics record per step, the last one written: a step that was trained again after a
+    resume (its checkpoint was older) appears twice in metrics.jsonl but counts once."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for r in records:
+        by_step[r.get("step")] = r
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
 def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     run = RunDir(run_dir)
-    trainer = read_metrics(run.root, "trainer")
+    trainer = trainer_steps(read_metrics(run.root, "trainer"))
     events = read_metrics(run.root, "rollout")
     rollout = [r for r in events if "event" not in r]
     spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
@@ -156,11 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="slurm")
     p.add_argument("--job-id", default="local")
     a = p.parse_args(argv)
+    from neon_hpc.launch.lease import LeaseHeld
     try:
-        run, _cfg = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id)
+        run, _cfg = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id,
+                                lease_token=os.environ.get("NEON_LEASE_TOKEN") or None,
+                                restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
     except ConfigError as e:
         print(f"neon-hpc: config error: {e}", file=sys.stderr)
         return 2
+    except LeaseHeld as e:
+        print(f"neon-hpc: {e}", file=sys.stderr)
+        return 3
     print(f"[neon-rl] run directory ready: {run.root}")
     return 0
 

@@ -4,7 +4,13 @@ processes (a laptop, CI, or one node), with the same role processes a Slurm job 
 Processes: trainer rank(s) and one rollout node (engines + supervised rollout workers).
 The launcher shows progress per trainer step, and when the trainer has done its steps it
 stops the rollout side, prints a summary and writes the plot. Ctrl-C (or SIGTERM) makes the
-trainer checkpoint and every process stop; running the same command again resumes.
+trainer checkpoint and every process stop, within :data:`STOP_GRACE_S` (then they are
+killed; a second Ctrl-C kills at once); running the same command again resumes.
+
+One launch per run directory: the launcher takes the lease (``launch.lease``) before anything
+else and refuses (exit 3) while another launch of the same directory lives. Its processes
+renew it, and stop by themselves when the launcher is gone (``roles``: the trainer
+checkpoints first) or when the trainer has finished (``state/finished.json``).
 """
 
 from __future__ import annotations
@@ -18,10 +24,15 @@ import time
 from pathlib import Path
 
 from neon_hpc import config
-from neon_hpc.launch.common import prepare_run, render_summary, summarize
+from neon_hpc.launch import lease
+from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
 from neon_hpc.logs import RoleLogger, read_metrics
 from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
+
+
+STOP_GRACE_S = 120.0   # after Ctrl-C/SIGTERM: how long the trainer gets to checkpoint and everyone to stop
+TERM_GRACE_S = 90.0    # at the end of a run: how long the roles get to stop after SIGTERM
 
 
 def trainer_world_size(cfg: config.ExperimentConfig) -> int:
@@ -30,12 +41,14 @@ def trainer_world_size(cfg: config.ExperimentConfig) -> int:
 
 
 class LocalRun:
-    def __init__(self, cfg: config.ExperimentConfig, run: RunDir, quiet: bool = False):
-        self.cfg, self.run, self.quiet = cfg, run, quiet
+    def __init__(self, cfg: config.ExperimentConfig, run: RunDir, quiet: bool = False,
+                 lease_token: str | None = None):
+        self.cfg, self.run, self.quiet, self.lease_token = cfg, run, quiet, lease_token
         self.log = RoleLogger.open(run.root, "launcher", 0, echo=False)
         self.trainers: list[subprocess.Popen] = []
         self.node: subprocess.Popen | None = None
         self.interrupted = False
+        self.interrupted_at: float | None = None
 
     def say(self, msg: str) -> None:
         self.log.info("%s", msg)
@@ -48,7 +61,9 @@ class LocalRun:
         out = open(d / f"{rank}.stderr", "ab")
         cmd = [sys.executable, "-m", "neon_hpc.launch.roles", role, "--config", str(self.run.run_yaml),
                "--run-dir", str(self.run.root)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", NEON_LAUNCHER_PID=str(os.getpid()), **extra_env)
+        if self.lease_token:
+            env["NEON_LEASE_TOKEN"] = self.lease_token
         return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
 
     def start(self) -> None:
@@ -63,16 +78,26 @@ class LocalRun:
                  f"{self.cfg.rollout.num_workers} workers; logs: neon-hpc tail {self.run.root} --role trainer")
 
     def _on_signal(self, signum, _frame) -> None:
+        if self.interrupted:     # a second Ctrl-C: stop now
+            self.say(f"{signal.Signals(signum).name} again: killing every process of the run now")
+            self.interrupted_at = -float("inf")
+            return
         self.interrupted = True
+        self.interrupted_at = time.monotonic()
         self.say(f"{signal.Signals(signum).name}: asking the trainer to checkpoint and everyone to stop "
                  f"(run the same command again to resume)")
         for p in self.trainers:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
+    def lost_lease(self, msg: str) -> None:
+        """Another launch took the run directory (only after this one looked dead): stop."""
+        self.say(f"{msg}; stopping this launch")
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def progress(self, seen: int) -> int:
         recs = read_metrics(self.run.root, "trainer")
-        for r in recs[seen:]:
+        for r in recs[seen:]:   # records in file order; a re-trained step is shown again
             self.say(f"step {r.get('step')}/{self.cfg.train.steps}  reward {r.get('reward_mean', float('nan')):.3f}  "
                      f"trajectories {r.get('trajectories', '-')}  staleness mean {r.get('staleness_mean', 0):.2f} "
                      f"max {r.get('staleness_max', '-')}  wait {r.get('wait_s', 0):.1f}s  "
@@ -82,7 +107,8 @@ class LocalRun:
     def wait(self) -> int:
         seen = len(read_metrics(self.run.root, "trainer"))   # a resumed run: only new steps
         if seen:
-            self.say(f"resuming: {seen} step(s) already done in {self.run.root}")
+            done = len(trainer_steps(read_metrics(self.run.root, "trainer")))
+            self.say(f"resuming: {done} step(s) already done in {self.run.root}")
         rc = None
         while True:
             seen = self.progress(seen)
@@ -97,7 +123,13 @@ class LocalRun:
             if all(c == 0 for c in codes):
                 rc = 0
                 break
-            if self.node is not None and self.node.poll() is not None and not self.interrupted:
+            if self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S:
+                self.say(f"the trainer did not stop within {STOP_GRACE_S:.0f}s of the signal; killing it "
+                         f"(its log: neon-hpc tail {self.run.root} --role trainer)")
+                rc = 1
+                break
+            finished = (self.run.state / "finished.json").exists()   # the trainer's: the node stops on it
+            if self.node is not None and self.node.poll() is not None and not self.interrupted and not finished:
                 self.say(f"the rollout node exited (code {self.node.returncode}); stopping the run. Its log: "
                          f"{self.run.log_dir('rollout-node') / '0.stderr'}")
                 rc = 1
@@ -115,13 +147,18 @@ class LocalRun:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 90
+        grace = 0.0 if self.interrupted_at == -float("inf") or \
+            (self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S) else TERM_GRACE_S
+        deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+                try:
+                    p.wait(timeout=10)    # SIGKILL: only a process stuck in the kernel takes longer
+                except subprocess.TimeoutExpired:
+                    self.say(f"pid {p.pid} did not end 10s after SIGKILL (stuck in the kernel?)")
         # nothing of the run may outlive the launcher: each role ran in its own session
         for p in procs:
             try:
@@ -141,13 +178,24 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     cfg_path = a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
     cfg = config.load(cfg_path, a.set)
-    run, cfg = prepare_run(cfg, a.run_dir, backend="local")
-    lr = LocalRun(cfg, run, quiet=a.quiet)
+    token = lease.new_token()
+    try:
+        run, cfg = prepare_run(cfg, a.run_dir, backend="local", lease_token=token)
+    except lease.LeaseHeld as e:
+        print(f"neon-hpc run: {e}", file=sys.stderr)
+        return 3
+    lr = LocalRun(cfg, run, quiet=a.quiet, lease_token=token)
     signal.signal(signal.SIGINT, lr._on_signal)
     signal.signal(signal.SIGTERM, lr._on_signal)
+    renewer = lease.Renewer(run, token, "launcher", on_lost=lr.lost_lease)
+    renewer.start()
     t0 = time.monotonic()
-    lr.start()
-    rc = lr.wait()
+    try:
+        lr.start()
+        rc = lr.wait()
+    finally:
+        renewer.stop()
+        lease.release(run, token)
     s = summarize(run.root)
     lr.say(f"--- summary ({time.monotonic() - t0:.0f}s) ---\n" + render_summary(s))
     if not a.no_plot and s["steps"]:

@@ -6,16 +6,73 @@
 
 Under ``srun`` the rank comes from SLURM_PROCID; torch.distributed variables for the trainer
 are derived from Slurm's when absent (MASTER_ADDR is set by the sbatch script).
+
+Around every trainer and rollout node:
+
+* the launch's lease (``NEON_LEASE_TOKEN``, ``launch.lease``) is renewed from a thread; a
+  process that finds the lease taken by another launch stops itself (SIGTERM);
+* under the local launcher (``NEON_LAUNCHER_PID``) a thread watches the parent: when the
+  launcher is gone (re-parented: SIGKILLed, crashed), the process stops itself with SIGTERM
+  (the trainer checkpoints first, the node stops its workers and engines), so nothing of a
+  run outlives its launcher for long;
+* the trainer's rank 0 writes ``state/finished.json`` when it has done all its steps (not
+  when preempted), so the rollout side stops by itself even without a launcher to tell it;
+* a dead megatron checkpoint helper (``train.writers.CheckpointWriterError``) ends the
+  trainer with exit 2 and one line naming the helper, not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
 
 from neon_hpc import config
 from neon_hpc.procutil import forked_children_die_with_me
+
+LAUNCHER_POLL_S = 1.0    # how often a role checks its launcher is still its parent
+
+
+def watch_launcher(role: str) -> threading.Thread | None:
+    """Under the local launcher: SIGTERM this process once its launcher (the parent) is gone."""
+    want = os.environ.get("NEON_LAUNCHER_PID")
+    if not want or os.getppid() != int(want):
+        return None
+
+    def loop() -> None:
+        while os.getppid() == int(want):
+            time.sleep(LAUNCHER_POLL_S)
+        print(f"neon-hpc {role}: the launcher (pid {want}) is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=loop, daemon=True, name="neon-launcher-watch")
+    t.start()
+    return t
+
+
+def mark_finished(run_dir: str) -> None:
+    """``state/finished.json``: every trainer step is done; the rollout side stops on it."""
+    from neon_hpc.rundir import RunDir, atomic_write_json
+    from neon_hpc.train.loop import PREEMPT_FILE
+    run = RunDir(run_dir)
+    if not (run.state / PREEMPT_FILE).exists():
+        atomic_write_json(run.state / "finished.json", {"time": time.time(), "by": "trainer"})
+
+
+def _trainer(cfg, run_dir: str) -> int:
+    from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.writers import CheckpointWriterError
+    try:
+        rc = run_trainer(cfg, run_dir)
+    except CheckpointWriterError as e:
+        print(f"trainer: {e}. Rerun to resume from the newest checkpoint", file=sys.stderr, flush=True)
+        return 2
+    if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
+        mark_finished(run_dir)
+    return rc
 
 
 def _trainer_env() -> None:
@@ -37,11 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config.load(a.config)
     from neon_hpc import logsinks
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
+    if a.role in ("trainer", "rollout-node"):
+        from neon_hpc.launch.lease import join_launch
+        rank = os.environ.get("RANK", os.environ.get("NEON_NODE_RANK", os.environ.get("SLURM_PROCID", "0")))
+        join_launch(a.run_dir, f"{a.role}.{rank}")
+        watch_launcher(a.role)
     if a.role == "trainer":
         _trainer_env()
         forked_children_die_with_me()   # megatron's forked checkpoint writers
-        from neon_hpc.train.loop import run_trainer
-        return run_trainer(cfg, a.run_dir)
+        return _trainer(cfg, a.run_dir)
     if a.role == "rollout-node":
         from neon_hpc.rollout.node import RolloutNode
         return RolloutNode(cfg, a.run_dir).run_forever()

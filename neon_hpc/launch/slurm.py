@@ -30,8 +30,11 @@ PY="${NEON_PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostname): config ${CONFIG}, run dir ${RUN_DIR}"
 
+# one live launch per run directory: this job (this restart of it) takes the lease first, or
+# exits 3 naming the launch that holds it; every task renews it (neon_hpc/launch/lease.py)
+export NEON_LEASE_TOKEN="slurm-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
 # run.yaml is written once (a requeued job resumes with it); job.json records this job id
-"$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit 2
+"$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit $?
 RUN_YAML="$RUN_DIR/run.yaml"
 
 # torch.distributed rendezvous on the first node of the trainer group, by its NodeAddr
@@ -49,9 +52,20 @@ srun --het-group=1 --kill-on-bad-exit=1 --mpi=pmi2 \
 TRAINER=$!
 
 # Polled, not plain `wait`: a trapped signal interrupts wait and would look like an exit code.
-reap() { while kill -0 "$1" 2>/dev/null; do sleep 1; done; wait "$1"; }
+# `reap PID SECONDS` (the signal path): SIGKILL it if it still runs after SECONDS.
+reap() {
+  local n=0
+  while kill -0 "$1" 2>/dev/null; do
+    sleep 1; n=$((n + 1))
+    if [ -n "${2:-}" ] && [ "$n" -eq "$2" ]; then
+      echo "[neon-rl] pid $1 still running ${2}s after the stop signal; killing it"; kill -KILL "$1" 2>/dev/null
+    fi
+  done
+  wait "$1"
+}
+release_lease() { "$PY" -m neon_hpc.launch.lease release "$RUN_DIR" || true; }
 
-stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; reap "$TRAINER"; reap "$ROLLOUT"; exit 143; }
+stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; reap "$TRAINER" 180; reap "$ROLLOUT" 60; release_lease; exit 143; }
 trap stop_all TERM INT
 # SIGUSR1 is for the steps (trainer checkpoints, workers flush); if it reaches this shell too
 # (scancel -s USR1 --batch, or --signal=B:USR1), it must not kill the job before they are done
@@ -72,7 +86,7 @@ if ! kill -0 "$TRAINER" 2>/dev/null; then
     mark_finished
     for _ in $(seq 60); do kill -0 "$ROLLOUT" 2>/dev/null || break; sleep 1; done
   fi
-  kill -TERM "$ROLLOUT" 2>/dev/null; reap "$ROLLOUT"
+  kill -TERM "$ROLLOUT" 2>/dev/null; reap "$ROLLOUT" 60
 else
   reap "$ROLLOUT"; RC=$?
   if [ "$RC" -eq 0 ]; then
@@ -80,7 +94,7 @@ else
     reap "$TRAINER"; RC=$?
   else
     echo "[neon-rl] rollout group failed (exit ${RC}); stopping the trainer (it checkpoints first)"
-    kill -TERM "$TRAINER" 2>/dev/null; reap "$TRAINER"
+    kill -TERM "$TRAINER" 2>/dev/null; reap "$TRAINER" 180
     # a failure is not a preemption: no requeue loop; rerunning the job resumes from the checkpoint
     rm -f "$RUN_DIR/state/trainer_preempted.json"
   fi
@@ -88,12 +102,14 @@ fi
 
 if [ -e "$RUN_DIR/state/trainer_preempted.json" ]; then
   echo "[neon-rl] trainer checkpointed before the time limit; requeueing job ${SLURM_JOB_ID}"
+  release_lease
   scontrol requeue "${SLURM_JOB_ID}"
   exit 0
 fi
 if [ "$RC" -eq 0 ]; then
   mark_finished
 fi
+release_lease
 echo "[neon-rl] done (exit ${RC})"
 exit "$RC"
 '''
