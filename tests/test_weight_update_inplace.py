@@ -125,3 +125,17 @@ def test_client_refuses_spans_that_do_not_cover_the_output():
                 [{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 2, "end": 5}], []):
         with pytest.raises(EngineError, match="weight_versions"):
             _spans(bad, 5, "u")
+
+
+def test_replay_cache_tags_route_rows_with_the_spans_versions():
+    from neon_hpc.replay.cache import RouteCache
+    cache = RouteCache("delta")
+    prompt, out = [1, 2, 3], [4, 5, 6, 7]
+    routes = np.zeros((len(prompt) + len(out) - 1, 2, 2), np.int32)
+    # a response whose output tokens 0-1 came from v3 and 2-3 from v4 (GenerateResult.route_row_versions)
+    rows = [3, 3, 3] + [3, 4, 4, 4]
+    cache.absorb(prompt, out, routes, 0, rows)
+    assert cache.version_runs() == [[0, 3], [4, 4]]
+    # the next turn's prefill ran on v4: the v3 rows are a version change (refresh: next request full)
+    cache.absorb(prompt + out + [8], [9], np.zeros((1, 2, 2), np.int32), 7, [4, 4])
+    assert cache.stats.fallbacks["version_change"] == 1
