@@ -62,6 +62,10 @@ def layout_errors(cfg: Any) -> Errors:
                      f"{ep} must divide tensor_parallel*context_parallel*data_parallel = {tp}*{cp}*{dp} = "
                      f"{tp * cp * dp} (the ranks of one pipeline stage hold the experts, expert TP = 1); "
                      f"change train.expert_parallel or train.data_parallel"))
+    if m.vocab_size % tp:
+        errs.append(("train.tensor_parallel",
+                     f"{tp} must divide model.vocab_size ({m.vocab_size}): the embedding and output layer are "
+                     f"split by vocabulary rows over TP"))
     for k in ("pipeline_first_stage_layers", "pipeline_last_stage_layers"):
         if getattr(t, k) < 0:
             errs.append((f"train.{k}", "must be >= 0 (0 = an even share)"))
