@@ -13,9 +13,10 @@ renamed into place by rank 0 after every rank finished writing)::
      "version": N,              # weights after step N (published as weights/v_N when due)
      "cursor": {"next_step": N+1, "claimed_steps": [..]},   # the store claims per step, so
                                 # the data position is the next step number
-     "layout": {"tp":..,"ep":..,"pp":..,"dp":..}, "time": ..., "param_digest": ...}
+     "layout": {"tp":..,"ep":..,"pp":..,"cp":..,"dp":..,"vpp":..,"world":..}, "time": ..., ...}
 
-The model and optimizer are loadable into another TP/EP layout (torch_dist reshards); the RNG
+The model and optimizer are loadable into another TP/EP/PP/CP/DP layout (torch_dist reshards:
+its keys are global, each rank loads the slices its shards cover); the RNG
 states are per rank and restored only when the layout is the same (otherwise reseeded from
 ``train.seed + step``, logged).  ``rng/*.pt`` hold only tensors and load with
 ``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles that this
@@ -134,7 +135,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
         _barrier(lay.world)
         if lay.rank == 0:
             full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
-                          "layout": {"tp": lay.tp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "world": lay.world}}
+                          "layout": lay.as_record()}
             (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
             publish_dir(staging, final)
         _barrier(lay.world)
@@ -191,8 +192,8 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     be.model.load_state_dict(loaded["model"], strict=False)
     be.optimizer.load_state_dict(loaded["optimizer"])
     lay = be.layout
-    same_layout = state.get("layout", {}).get("world") == lay.world and \
-        state["layout"].get("tp") == lay.tp and state["layout"].get("ep") == lay.ep
+    saved_layout = {"cp": 1, "vpp": 1, **state.get("layout", {})}   # older records lack cp, vpp
+    same_layout = all(saved_layout.get(k) == v for k, v in lay.as_record().items())
     rng_file = ckpt / "rng" / f"rank_{lay.rank}.pt"
     state["rng_restored"] = bool(same_layout and rng_file.exists())
     if state["rng_restored"]:
