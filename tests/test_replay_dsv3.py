@@ -2,7 +2,7 @@
 zeros for the dense first layer) from the real embedded engine over HTTP, mapped to the
 trainer's MoE layers through the adapter, replayed exactly by megatron; a wrong layout fails
 loudly.  The model: MLA, 1 dense + 2 MoE layers, a shared expert, sigmoid router with a
-non-zero expert-score bias and grouped top-k (2 groups, 1 chosen), routed_scaling_factor 2.5."""
+non-zero expert-score bias and grouped top-k (2 groups, 1 chosen): configs/tiny_dsv3_cpu.yaml."""
 
 from __future__ import annotations
 
@@ -12,29 +12,11 @@ import torch
 
 from neon_hpc.models.adapters import RouteLayoutError, get_adapter
 from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.testing import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 
-CFG = ModelConfig(arch="deepseek_v3", vocab_size=256, hidden_size=64, num_layers=3, num_attention_heads=4,
-                  num_query_groups=4, ffn_hidden_size=96, moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2,
-                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                  first_dense_layers=1, num_shared_experts=1, router_groups=2, router_group_topk=1,
-                  routed_scaling_factor=2.5, max_position_embeddings=256)
+CFG = tiny_dsv3()
 LAYOUT = get_adapter(CFG.arch).route_layout(CFG)
-
-
-def decisive_hf(seed: int):
-    """An HF DeepseekV3 whose routers are far from ties and whose expert bias matters."""
-    from neon_hpc.models.hf import build_hf_model
-    m = build_hf_model(CFG, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
-        for n, p in m.named_parameters():
-            if n.endswith("mlp.gate.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +25,22 @@ def trainer():
     from neon_hpc.train import backend as B
 
     be = B.setup(CFG, tp=1, ep=1, replay=True, seed=3)
-    engine = decisive_hf(7)
+    engine = decisive_hf(CFG, 7)
     B.load_full_state_dict(be, hf_to_megatron(engine.state_dict(), CFG))
     yield be, engine
     B.teardown()
 
 
 def routing_maps(be, mb, replay: bool):
+    """Replayed (or free) forward the way the trainer runs it: no dense mask, the micro-batch's
+    piece layout active (per-document causal attention by true position)."""
+    from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.backend import forward_logp
     maps = []
     hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone()))
              for layer in be.model.decoder.layers if hasattr(layer.mlp, "router")]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), attention_layout(build_layout([mb.pieces], 0, mb.seq_len)):
             logp = forward_logp(be, mb, replay=replay)
     finally:
         for h in hooks:
@@ -74,7 +59,7 @@ def build(trajs):
     from neon_hpc.train.batch import build_microbatch, input_lengths
     to_trainer_rows(trajs, CFG)
     pieces = [(i, 0, n) for i, n in enumerate(input_lengths(trajs))]
-    return build_microbatch(trajs, pieces, [0.0] * len(trajs),
+    return build_microbatch(trajs, pieces, [0.0] * len(trajs), dense_mask=False,
                             route_shape=(len(LAYOUT.moe_rows), CFG.moe_router_topk, CFG.num_experts))
 
 

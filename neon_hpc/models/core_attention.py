@@ -6,7 +6,11 @@ is torch's ``scaled_dot_product_attention`` behind the same constructor and forw
 rest of megatron's MLA (projections, norms, RoPE/YaRN, softmax scale) is used unchanged.
 
 Masks: megatron passes ``attention_mask`` as bool ``[b|1, 1, s, s]`` with True = *masked*
-(the trainer's block-causal mask of packed documents); ``None`` means causal.  Dropout is not
+(a block-causal mask of packed documents).  ``None`` with a piece layout active (the trainer
+packs documents without a dense mask, :mod:`neon_hpc.models.cp_attention`) means causal
+within each document by its true positions; ``None`` without one means causal.  A layout that
+exchanges K/V between ranks (context parallelism, split documents) is refused: MLA has no
+such exchange here.  Dropout is not
 implemented (the policy configs use 0.0; any other value is refused at construction).
 """
 
@@ -34,8 +38,35 @@ class SDPACoreAttention(torch.nn.Module):
             raise NotImplementedError("packed (THD) sequences are not supported by SDPACoreAttention")
         # megatron: [s, b, heads, dim] -> torch: [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if attention_mask is None:
+        from neon_hpc.models.cp_attention import active_layout
+        lay = active_layout()
+        if attention_mask is None and lay is not None:
+            allowed = _layout_allowed(lay, q.shape[2], q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        elif attention_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.to(q.device), scale=self.scale)
         return o.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _layout_allowed(lay, s: int, device) -> torch.Tensor:
+    """Bool ``[s, s]`` (True = may attend) of a piece layout (:mod:`neon_hpc.models.cp_attention`):
+    causal within each document by its true positions, pads attend to themselves.  Cached on
+    the layout (one per micro-batch, shared by every layer)."""
+    cached = getattr(lay, "_sdpa_allowed", None)
+    if cached is not None and cached.shape[0] == s:
+        return cached
+    if lay.exchanges:
+        raise NotImplementedError("MLA attention does not exchange K/V between ranks: documents split "
+                                  "across ranks (train.context_parallel > 1 or balance.split_threshold_tokens) "
+                                  "are not supported for deepseek_v3")
+    allowed = torch.zeros(s, s, dtype=torch.bool)
+    for g in lay.groups:
+        qi = g.q_idx.cpu()
+        allowed[qi[:, None], qi[None, :]] = g.mask[:, :len(qi)].cpu()
+    pad = lay.pad_idx.cpu()
+    allowed[pad, pad] = True
+    allowed = allowed.to(device)
+    lay._sdpa_allowed = allowed
+    return allowed
