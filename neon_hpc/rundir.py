@@ -23,6 +23,7 @@ file locks (Lustre/GPFS/NFS may lack them) and no inotify: readers poll.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -40,6 +41,64 @@ _VERSION_RE = re.compile(r"^v_(\d+)$")
 
 class RunDirError(RuntimeError):
     """A run directory is missing, malformed, or a path escapes it."""
+
+
+# A filesystem that cannot take a write: full, over quota, or read-only.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_STORAGE_TEXT = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                 "errno = 28", "errno = 30", "errno = 122")
+
+
+class StorageError(OSError):
+    """A write into the run directory failed because its filesystem is full or read-only."""
+
+
+def storage_error(e: BaseException, path: str | os.PathLike, what: str) -> StorageError | None:
+    """A :class:`StorageError` naming ``path`` if ``e`` (or what caused it) is a full or
+    read-only filesystem; None for any other failure. Looks through exception chains and
+    torch's ``CheckpointException.failures``; h5py and torch report these as text only."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        code = x.errno if isinstance(x, OSError) and x.errno in STORAGE_ERRNOS else None
+        text = str(x)
+        if code is None:
+            hit = next((t for t in _STORAGE_TEXT if t in text), None)
+            if hit:
+                code = {"errno = 30": errno.EROFS, "Read-only file system": errno.EROFS,
+                        "errno = 122": errno.EDQUOT, "Disk quota exceeded": errno.EDQUOT}.get(hit, errno.ENOSPC)
+        if code is not None:
+            return StorageError(code, f"{what} {path} failed: {os.strerror(code)}. Nothing partial is "
+                                      f"visible; free space (or make the filesystem writable) and rerun: "
+                                      f"the run resumes from what was published", str(path))
+        todo += [x.__cause__, x.__context__]
+        for v in (getattr(x, "failures", None) or {}).values():   # torch.distributed.checkpoint
+            todo.append(v[0] if isinstance(v, tuple) else v)
+    code = _fs_state(Path(path))   # some writers (torch.save: "iostream error") say nothing usable
+    if code is not None:
+        return storage_error(OSError(code, os.strerror(code)), path, what)
+    return None
+
+
+LOW_SPACE_BYTES = 1 << 20   # after a failed write, less than this free means the write hit a full disk
+
+
+def _fs_state(path: Path) -> int | None:
+    """EROFS / ENOSPC when the filesystem holding ``path`` is read-only / (nearly) full, else None."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if st.f_bavail * st.f_frsize < LOW_SPACE_BYTES:
+        return errno.ENOSPC
+    return None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -78,7 +137,10 @@ def atomic_file(final: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(final)
-    f = open(tmp, mode)
+    try:
+        f = open(tmp, mode)
+    except OSError as e:
+        raise (storage_error(e, final, "writing") or e) from e
     try:
         yield f
         f.flush()
@@ -86,10 +148,14 @@ def atomic_file(final: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
         f.close()
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
-        f.close()
+    except BaseException as e:
+        with contextlib.suppress(OSError):   # closing flushes: on a full disk that fails again
+            f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        full = storage_error(e, final, "writing") if isinstance(e, OSError) else None
+        if full is not None:
+            raise full from e
         raise
 
 

@@ -17,8 +17,9 @@ Around every trainer and rollout node:
   run outlives its launcher for long;
 * the trainer's rank 0 writes ``state/finished.json`` when it has done all its steps (not
   when preempted), so the rollout side stops by itself even without a launcher to tell it;
-* a dead megatron checkpoint helper (``train.writers.CheckpointWriterError``) ends the
-  trainer with exit 2 and one line naming the helper, not a traceback.
+* a dead megatron checkpoint helper (``train.writers.CheckpointWriterError``), or a full or
+  read-only filesystem (``rundir.StorageError``), ends the trainer with exit 2 and one line
+  naming the helper or the path, not a traceback.
 """
 
 from __future__ import annotations
@@ -64,11 +65,19 @@ def mark_finished(run_dir: str) -> None:
 
 def _trainer(cfg, run_dir: str) -> int:
     from neon_hpc.train.loop import run_trainer
+    from neon_hpc.rundir import StorageError
     from neon_hpc.train.writers import CheckpointWriterError
     try:
         rc = run_trainer(cfg, run_dir)
-    except CheckpointWriterError as e:
+    except (CheckpointWriterError, StorageError) as e:
         print(f"trainer: {e}. Rerun to resume from the newest checkpoint", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:
+        from neon_hpc.rundir import storage_error
+        full = storage_error(e, getattr(e, "filename", None) or run_dir, "writing into")
+        if full is None:
+            raise
+        print(f"trainer: {full}", file=sys.stderr, flush=True)
         return 2
     if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
         mark_finished(run_dir)

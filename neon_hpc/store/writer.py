@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from neon_hpc.logs import job_id as current_job_id
-from neon_hpc.rundir import RunDir, fsync_dir
+from neon_hpc.rundir import RunDir, fsync_dir, storage_error
 from neon_hpc.store import schema as S
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
@@ -275,8 +275,11 @@ class ShardWriter:
             os.rename(tmp, final)
             if self.cfg.fsync:
                 fsync_dir(final.parent)
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
+            full = storage_error(e, final, "publishing shard") if isinstance(e, Exception) else None
+            if full is not None:   # full or read-only: name the shard; the buffer is kept for a retry
+                raise full from e
             raise
         info.path = final
         self.published.append(info)

@@ -36,6 +36,7 @@ import torch
 
 from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
 from neon_hpc.train.backend import Backend, param_digest
+from neon_hpc.train import writers
 
 STATE_FILE = "trainer_state.json"
 
@@ -121,14 +122,14 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     """Collective: write ``checkpoints/step_{step}`` (all ranks call it; rank 0 publishes)."""
     from megatron.core import dist_checkpointing
 
-    shield_writer_processes()
-
     lay = be.layout
     final = run.checkpoint(step)
     staging = str(staging_dir_for(final)) if lay.rank == 0 else None
     staging = Path(_bcast(staging, lay.rank, lay.world))
     try:
-        dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
+        with writers.guarded_save(str(final)):   # a dead helper: a clear error, never a hang
+            shield_writer_processes()
+            dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
         (staging / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), staging / "rng" / f"rank_{lay.rank}.pt")
         digest = param_digest(be)
@@ -139,9 +140,13 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
             (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
             publish_dir(staging, final)
         _barrier(lay.world)
-    except BaseException:
+    except BaseException as e:
+        from neon_hpc.rundir import storage_error   # before the clean-up frees what the write took
+        full = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else storage_error(e, final, "writing checkpoint")
         if lay.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:   # a full or read-only filesystem: say which checkpoint, not a writer traceback
+            raise full from e
         raise
     return final
 
