@@ -115,6 +115,7 @@ def _run_pair(tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_early_late_chunks_match_one_process_exactly(tmp_path):
     res = _run_pair(tmp_path)
     for r, x in enumerate(res):

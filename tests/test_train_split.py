@@ -68,19 +68,20 @@ def test_configured_plan_runs_split_pieces_on_the_ranks_it_names():
     from neon_hpc.train.loop import _plan, rank_pieces
     cfg = C.load(None, ["train.data_parallel=1", "train.context_parallel=2", "balance.split_threshold_tokens=8",
                         "balance.tokens_per_microbatch=64"])
-    lengths = [13, 5, 16, 7]
+    lengths = [13, 5, 16, 7, 3]                      # 3 < 2*cp: never cut, runs whole on one CP rank
     plan = _plan(lengths, 2, cfg)
     pieces = rank_pieces(plan, 2)
     assert len(pieces) == 2 and len(pieces[0]) == len(pieces[1]) == plan.num_microbatches
     for j in range(plan.num_microbatches):
         seen = sorted((i, s, e) for r in pieces for (i, s, e) in r[j])
         assert seen == sorted((p.seq, p.start, p.end) for p in plan.cp_shards(0, j)[0] + plan.cp_shards(0, j)[1])
-    covered = {i: sorted((s, e) for r in pieces for mb in r for (k, s, e) in mb if k == i) for i in range(4)}
+    covered = {i: sorted((s, e) for r in pieces for mb in r for (k, s, e) in mb if k == i) for i in range(5)}
     for i, n in enumerate(lengths):
         spans = covered[i]
         assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     # sequence 2 (16 tokens) is zigzagged: CP rank 0 holds its first and last quarter
     assert sorted((s, e) for (i, s, e) in pieces[0][0] if i == 2) == [(0, 4), (12, 16)]
+    assert [(s, e) for r in pieces for mb in r for (i, s, e) in mb if i == 4] == [(0, 3)]
 
 
 @pytest.mark.parametrize("sets, key", [
