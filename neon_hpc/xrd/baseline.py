@@ -5,10 +5,16 @@
 2. Peak screening with a strain grid: each candidate's strong sticks (>= 10 % of its maximum)
    are matched against the observed peaks (within ``MATCH_TOL`` deg); the score is the
    intensity-weighted fraction matched, best over lattice strains in +-1 %.
-3. Greedy full-profile fitting: add the candidate that lowers Rwp most; stop when the relative
-   gain is below ``MIN_GAIN`` or ``MAX_PHASES`` are in.
-4. A final refinement (zero shift, per-phase strain and size); phases under ``MIN_FRACTION``
-   are dropped and the rest refit.
+3. Greedy full-profile fitting: add the candidate that lowers Rwp most at fixed parameters,
+   then refine the new set (whole-pattern least squares, :mod:`neon_hpc.xrd.fitting`); the
+   steps are recorded (:class:`Trace`) down to a tiny gain.
+4. The decision (:meth:`Trace.decide`) under :class:`Thresholds`: keep steps while each added
+   phase lowers the refined Rwp by ``min_gain`` (relative) and its refined scale is ``z_min``
+   esds above zero; phases of the kept fit under ``MIN_FRACTION`` or ``z_min`` are dropped and
+   the rest refined again.  The first refused step's phase is reported as not detectable.
+
+Thresholds are parameters so that the ``loo`` evaluation protocol can fit them on the other
+mixtures only (:func:`neon_hpc.xrd.evaluate.evaluate_loo`).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from neon_hpc.xrd.fitting import DETECTION_Z_MIN
 from neon_hpc.xrd.tools import TaskContext, _sticks, observed_peaks
 
 SCREEN_STRAINS = np.linspace(-0.01, 0.01, 21)
@@ -24,7 +31,9 @@ MATCH_TOL = 0.12
 MIN_SCORE = 0.4
 MAX_CANDIDATES = 10
 MAX_PHASES = 4
-MIN_GAIN = 0.06
+MIN_GAIN = 0.02               # default thresholds: set a priori (not fitted on the real dev set)
+Z_MIN = DETECTION_Z_MIN
+TRACE_MIN_GAIN = 0.004         # the trace records steps down to this gain (below every threshold tried)
 MIN_FRACTION = 0.02
 GREEDY_SIZES_NM = (0.0, 60.0, 25.0)
 GREEDY_STRAIN_STEPS = np.linspace(-0.002, 0.002, 9)
@@ -84,13 +93,84 @@ def candidate_ids(ctx: TaskContext) -> list[str]:
     return [r["id"] for r in rows if r["answer_eligible"]]
 
 
-def _greedy(ctx: TaskContext, screened: list[tuple[str, float, float, float]], px: np.ndarray):
-    """Add the phase that lowers Rwp most until the gain is small; the first phase fixes the zero shift."""
+@dataclass(frozen=True)
+class Thresholds:
+    """What decides that a phase is present (fitted on data by the ``loo`` protocol, never on what it scores).
+
+    min_gain: relative Rwp drop the phase must bring when added to the refined set;
+    z_min: its refined scale over the scale's esd (the significance of its own peaks at the
+    refined scale, inflated by the GoF).  A phase under either is "not detectable".
+    """
+    min_gain: float = MIN_GAIN
+    z_min: float = Z_MIN
+
+
+THRESHOLD_GRID = tuple(Thresholds(g, z) for g in (0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.12)
+                       for z in (3.0, 5.0, 10.0, 20.0, 40.0, 70.0, 120.0))
+
+
+@dataclass
+class Step:
+    phases: list[str]
+    result: object                     # FitResult of the refined set
+    gain: float                        # relative Rwp drop from the previous refined set
+    z: float                           # significance of the phase this step added
+
+
+@dataclass
+class Trace:
+    """Everything the decision needs, computed once per pattern; :meth:`decide` is then cheap."""
+    ctx: TaskContext
+    steps: list[Step]
+    screened: list
+    background_rwp: float
+    _fits: dict = field(default_factory=dict)
+
+    def decide(self, th: Thresholds = Thresholds()) -> Solution:
+        k = 0
+        for st in self.steps:
+            if st.gain < th.min_gain or st.z < th.z_min:
+                break
+            k += 1
+        if k == 0:
+            return Solution([], self.background_rwp, {"screened": self.screened, "trail": self._trail(),
+                                                      "thresholds": th.__dict__})
+        res = self.steps[k - 1].result
+        chosen = list(self.steps[k - 1].phases)
+        keep = [p.phase_id for p in res.phases if p.weight_fraction >= MIN_FRACTION and p.significance >= th.z_min]
+        if keep and len(keep) < len(chosen):
+            key = tuple(keep)
+            if key not in self._fits:
+                by = {p.phase_id: p for p in res.phases}
+                self._fits[key] = self.ctx.fitter().refine(keep, [by[q].strain for q in keep],
+                                                           [by[q].size_nm for q in keep], res.zero_shift)
+            res = self._fits[key]
+        not_detectable = [s.phases[-1] for s in self.steps[k:k + 1]]
+        return Solution([(p.phase_id, p.weight_fraction) for p in res.phases], res.rwp,
+                        {"screened": [(p, round(s, 3), e, z) for p, s, e, z in self.screened],
+                         "trail": self._trail(), "fit": res.summary(), "thresholds": th.__dict__,
+                         "not_detectable": not_detectable})
+
+    def _trail(self):
+        return [("background", round(self.background_rwp, 4))] + [
+            (s.phases[-1], round(s.result.rwp, 4), round(s.gain, 4), round(s.z, 1)) for s in self.steps]
+
+
+def trace(ctx: TaskContext, candidates: list[str] | None = None) -> Trace:
+    """Greedy search with a refinement per step, recorded down to ``TRACE_MIN_GAIN``.
+
+    Each step adds the screened candidate that lowers Rwp most at fixed parameters (cheap), then
+    refines the new set (least squares, :meth:`Fitter.refine`); the step's gain is measured
+    between refined fits.
+    """
+    cands = candidate_ids(ctx) if candidates is None else candidates
+    screened, px = screen(ctx, cands)
     fitter = ctx.fitter()
-    chosen, strains, sizes = [], [], []
-    zero = None
     rwp = fitter.evaluate([], 0.0, [], [])[0]
-    trail = [("background", rwp)]
+    bg_rwp = rwp
+    chosen, steps, zero = [], [], None
+    base: list[np.ndarray] = []               # the refined set's components (fixed while candidates are tried)
+    glob = {"disp": 0.0, "W": None, "eta": None}
     while len(chosen) < MAX_PHASES:
         best = None
         for pid, _score, eps, own_zero in screened:
@@ -101,38 +181,32 @@ def _greedy(ctx: TaskContext, screened: list[tuple[str, float, float, float]], p
                 _s, eps, _z = _best_over(pid, ctx, px, np.array([zero]))
             trial = None
             for size in GREEDY_SIZES_NM:
-                r = fitter.evaluate(chosen + [pid], z, strains + [eps], sizes + [size])[0]
+                r = fitter.linear(base + [fitter.render(pid, eps, size, z, **glob)])[0]
                 if trial is None or r < trial[0]:
                     trial = (r, pid, eps, size, z)
             for e in eps + GREEDY_STRAIN_STEPS:
-                r = fitter.evaluate(chosen + [pid], z, strains + [float(e)], sizes + [trial[3]])[0]
+                r = fitter.linear(base + [fitter.render(pid, float(e), trial[3], z, **glob)])[0]
                 if r < trial[0]:
                     trial = (r, pid, float(e), trial[3], z)
             if best is None or trial[0] < best[0]:
                 best = trial
-        if best is None or (rwp - best[0]) / rwp < MIN_GAIN:
+        if best is None or (rwp - best[0]) / rwp < TRACE_MIN_GAIN:
             break
-        rwp, pid, eps, size, zero = best
-        chosen.append(pid)
-        strains.append(eps)
-        sizes.append(size)
-        trail.append((pid, rwp))
-    return chosen, strains, sizes, (zero or 0.0), trail
+        _, pid, eps, size, z = best
+        prev = {p.phase_id: p for p in steps[-1].result.phases} if steps else {}
+        res = fitter.refine(chosen + [pid], [prev[q].strain for q in chosen] + [eps],
+                            [prev[q].size_nm for q in chosen] + [size], z)
+        gain = (rwp - res.rwp) / rwp
+        if gain < TRACE_MIN_GAIN:
+            break
+        chosen = chosen + [pid]
+        steps.append(Step(list(chosen), res, gain, res.phases[-1].significance))
+        rwp = res.rwp
+        zero = res.zero_shift
+        glob = {"disp": res.displacement, "W": res.caglioti_w, "eta": res.eta}
+        base = [c / (float(c.max()) or 1.0) for c in res.details["components"]]
+    return Trace(ctx, steps, screened, bg_rwp)
 
 
-def solve(ctx: TaskContext, candidates: list[str] | None = None) -> Solution:
-    cands = candidate_ids(ctx) if candidates is None else candidates
-    screened, px = screen(ctx, cands)
-    chosen, strains, sizes, zero, trail = _greedy(ctx, screened, px)
-    if not chosen:
-        return Solution([], 1.0, {"screened": screened, "trail": trail})
-    fitter = ctx.fitter()
-    res = fitter.fit(chosen, strains=strains, sizes=sizes, zero=zero, passes=1)
-    keep = [i for i, p in enumerate(res.phases) if p.weight_fraction >= MIN_FRACTION]
-    if len(keep) < len(chosen):
-        chosen = [chosen[i] for i in keep]
-        res = fitter.fit(chosen, strains=[res.phases[i].strain for i in keep],
-                         sizes=[res.phases[i].size_nm for i in keep], zero=res.zero_shift, passes=1)
-    return Solution([(p.phase_id, p.weight_fraction) for p in res.phases], res.rwp,
-                    {"screened": [(p, round(s, 3), e, z) for p, s, e, z in screened], "trail": trail,
-                     "fit": res.summary(), "screen_zero": zero})
+def solve(ctx: TaskContext, candidates: list[str] | None = None, thresholds: Thresholds = Thresholds()) -> Solution:
+    return trace(ctx, candidates).decide(thresholds)

@@ -3,7 +3,7 @@
     neon-hpc xrd library [--list] [--elements Ti,O] [--source curated]
     neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR [--db postgresql://...]
     neon-hpc xrd eval --solver baseline --preset easy --split test_id [--n 20] [--json OUT]
-    neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min]
+    neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min] [--protocol loo]
     neon-hpc xrd eval --endpoint URL ...      (LLM agent: neon_hpc.rollout.agent.eval_cli)
 """
 from __future__ import annotations
@@ -77,6 +77,8 @@ def _cmd_eval(args, argv: list[str]) -> int:
         print(f"unknown solver {args.solver!r}; choose from {', '.join(SOLVERS)}", file=sys.stderr)
         return 2
     progress = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    if args.protocol == "loo":
+        return _eval_loo(args, progress)
     groups = []
     if args.data:
         from neon_hpc.xrd.real import load_real_tasks
@@ -100,6 +102,43 @@ def _cmd_eval(args, argv: list[str]) -> int:
               f"({s['seconds_per_task']} s/task)")
     if args.json:
         Path(args.json).write_text(json.dumps({"solver": args.solver, "results": summaries}, indent=1))
+    return 0
+
+
+def _eval_loo(args, progress) -> int:
+    """Leave one mixture out on the real dev set: thresholds fitted on the other mixtures only."""
+    if not args.data or args.solver != "baseline":
+        print("neon-hpc xrd eval --protocol loo: needs --data DIR (the real dev set, e.g. ../shared/data/xrd-real) "
+              "and --solver baseline (the solver whose thresholds it fits)", file=sys.stderr)
+        return 2
+    from neon_hpc.xrd.evaluate import detection_limits_by_scan, evaluate_loo, scan_of
+    from neon_hpc.xrd.real import load_real_tasks
+    tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+    rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)
+    s = rep.summary()
+    lo, hi = s["success_ci95"]
+    by_scan: dict[str, list[bool]] = {}
+    for t, row in zip(tasks, rep.rows):
+        by_scan.setdefault(scan_of(t), []).append(row["success"])
+    print(f"{'real_dev loo':<28} n={s['n']:<4} success={s['success']:.3f} [{lo:.3f}, {hi:.3f}]  "
+          f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
+          f"({s['seconds_per_task']} s/task)")
+    print("  by scan: " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in sorted(by_scan.items())))
+    limits = detection_limits_by_scan(folds)
+    print("  detection limit (z_min x esd of w, median / max over refined phases): " +
+          ", ".join(f"{k} {v['median']:.3f} / {v['max']:.3f}" for k, v in limits.items()))
+    chosen: dict[str, int] = {}
+    for f in folds.values():
+        key = f"gain>={f['thresholds']['min_gain']} z>={f['thresholds']['z_min']}"
+        chosen[key] = chosen.get(key, 0) + 1
+    print("  thresholds chosen per fold: " + ", ".join(f"{k} ({v}x)" for k, v in sorted(chosen.items())))
+    for row in rep.rows:
+        if not row["success"]:
+            print(f"  miss: {row['task']}: predicted {row['predicted']} truth {row['truth']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"solver": args.solver, "protocol": "loo",
+                                               "results": [{**s, "rows": rep.rows}], "folds": folds,
+                                               "detection_limits": limits}, indent=1))
     return 0
 
 
@@ -128,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="real data folder (xrd-real): scores its labelled precursor mixtures")
     ev.add_argument("--scan", choices=("2min", "8min"), help="only this scan length of the real data")
     ev.add_argument("--tasks", help="a task folder written by `neon-hpc xrd tasks`")
+    ev.add_argument("--protocol", choices=("fixed", "loo"), default="fixed",
+                    help="fixed: the solver's default thresholds; loo: leave one real mixture out, thresholds "
+                         "fitted on the other mixtures (needs --data)")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (neon_hpc.rollout.agent.eval_cli)")

@@ -89,3 +89,78 @@ def evaluate(tasks: list[Task], solver: Callable = baseline_solver, name: str = 
         if progress:
             progress(f"[{i + 1}/{len(tasks)}] {task.id} success={g.success} dense={g.dense:.3f}")
     return report
+
+
+def mixture_of(task: Task) -> str:
+    """The weighed mixture a real scan belongs to (both scan lengths of one mixture share it)."""
+    return task.id.partition("--")[0]
+
+
+def scan_of(task: Task) -> str:
+    return task.id.rpartition("--")[2] if "--" in task.id else ""
+
+
+def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = None,
+                 progress: Callable[[str], None] | None = None, grid=None) -> tuple[EvalReport, dict]:
+    """Leave one mixture out: the baseline's detection thresholds are chosen on the other mixtures only.
+
+    Each pattern's greedy refinement trace is computed once (:func:`neon_hpc.xrd.baseline.trace`);
+    for each held-out mixture, the thresholds of ``grid`` with the most successes on the rest
+    (ties: lower weight-fraction MAE, then the earlier grid entry) decide its scans.  Returns the
+    report over every held-out scan and per-fold details (chosen thresholds, detection limits).
+    """
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID, trace
+    grid = tuple(grid or THRESHOLD_GRID)
+    store = store or build_store(tasks, ":memory:", include_real=True)
+    traces, seconds = [], []
+    for i, task in enumerate(tasks):
+        t0 = time.perf_counter()
+        traces.append(trace(make_context(task, store)))
+        seconds.append(time.perf_counter() - t0)
+        if progress:
+            progress(f"[{i + 1}/{len(tasks)}] traced {task.id} ({seconds[-1]:.1f} s, {len(traces[-1].steps)} steps)")
+    outcome: dict = {}
+
+    def result(i: int, j: int):
+        if (i, j) not in outcome:
+            sol = traces[i].decide(grid[j])
+            outcome[(i, j)] = (sol, grade(sol.phases, tasks[i].truth, strict=strict))
+        return outcome[(i, j)]
+
+    report = EvalReport("real_dev-loo")
+    folds = {}
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        groups.setdefault(mixture_of(t), []).append(i)
+    for mix, held in groups.items():
+        rest = [i for i in range(len(tasks)) if i not in held]
+
+        def score(j):
+            gs = [result(i, j)[1] for i in rest]
+            errs = [e for g in gs for e in g.details["abs_errors"].values()]
+            return (sum(g.success for g in gs), -sum(errs) / max(1, len(errs)), -j)
+        best = max(range(len(grid)), key=score)
+        folds[mix] = {"thresholds": grid[best].__dict__, "rest_successes": score(best)[0], "rest_n": len(rest)}
+        for i in held:
+            sol, g = result(i, best)
+            report.add(tasks[i], sol.phases, g, seconds[i])
+            fit = sol.details.get("fit", {})
+            folds[mix].setdefault("scans", {})[scan_of(tasks[i])] = {
+                "success": g.success, "detection_limits": {
+                    p["phase_id"]: round(grid[best].z_min * p["wf_esd"], 4) for p in fit.get("phases", [])},
+                "not_detectable": sol.details.get("not_detectable", [])}
+            if progress:
+                progress(f"{tasks[i].id}: thresholds {grid[best].__dict__} (fitted on {len(rest)} other scans) "
+                         f"success={g.success}")
+    return report, folds
+
+
+def detection_limits_by_scan(folds: dict) -> dict[str, dict]:
+    """Median and max detection limit (weight fraction) of the refined phases, per scan length."""
+    import statistics
+    by: dict[str, list[float]] = {}
+    for f in folds.values():
+        for scan, row in f.get("scans", {}).items():
+            by.setdefault(scan, []).extend(row["detection_limits"].values())
+    return {k: {"median": round(statistics.median(v), 4), "max": round(max(v), 4), "n": len(v)}
+            for k, v in sorted(by.items()) if v}

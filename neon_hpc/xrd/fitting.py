@@ -15,8 +15,8 @@ Model::
   refined for the whole pattern, Y and e per phase.
 - Peak positions: 2t(d) + zero + disp cos t (zero shift and sample displacement).
 - March-Dollase preferred orientation per phase, r along an axis picked from the low-index
-  directions (``TEXTURE_AXES``) by the predicted chi^2 drop, then r refined; tried only where
-  it pays (``TEXTURE_MIN_GAIN``).
+  directions (``TEXTURE_AXES``) by trial values of r (scales re-solved), then r refined; kept
+  only where it pays (``TEXTURE_MIN_GAIN``).
 - Chebyshev background of degree ``BACKGROUND_DEGREE``.
 
 Solver: ``scipy.optimize.least_squares`` (trust-region reflective, bounds: scales >= 0,
@@ -63,11 +63,13 @@ MICROSTRAIN_MAX = 0.01
 W_BOUNDS = (2e-4, 0.1)                       # deg^2
 TEXTURE_BOUNDS = (0.5, 1.8)                   # March-Dollase r
 TEXTURE_AXES = ((0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
-TEXTURE_MIN_GAIN = 0.005                      # predicted relative chi^2 drop to refine a texture
-WINDOW_FWHM = 10.0                            # peaks rendered over +- this many FWHM
+TEXTURE_MIN_GAIN = 0.005                      # relative chi^2 drop a trial texture must bring to be refined
+TEXTURE_TRIAL_R = (0.75, 1.35)                # trial March-Dollase r per axis
+WINDOW_FWHM = Instrument.window_fwhm          # peaks rendered over +- this many FWHM (as simulate.py renders)
 RENDER_CLASSES = 4                            # width classes, each with its own window
 MIN_REL_AREA = 2e-4                           # lines weaker than this (of the phase's strongest) are not rendered
 MAX_NFEV = 60
+DETECTION_Z_MIN = 5.0          # default significance (scale / esd) for "detected"; the loo protocol fits its own
 SHIFT_MODELS = ("zero", "displacement", "both")   # which peak-position terms are refined
 _LN2 = math.log(2)
 _4LN2 = 4.0 * _LN2
@@ -402,6 +404,24 @@ class Fitter:
                 best, current = trial, v
         return current, best
 
+    def render(self, pid: str, strain: float, size: float, zero: float, disp: float = 0.0,
+               W: float | None = None, eta: float | None = None) -> np.ndarray:
+        """One phase's profile (max 1) with the refinement's peak model at given global parameters."""
+        W = self.inst.W if W is None else W
+        eta = self.inst.eta if eta is None else eta
+        key = ("render", pid, round(strain, 6), round(size, 2), round(zero, 4), round(disp, 4), round(W, 5),
+               round(eta, 3))
+        prof = self._cache.get(key)
+        if prof is None:
+            m = self.model(pid)
+            eps = np.full(m.n_lat, strain)
+            c, H, A, _ = self._phase_peaks(m, eps, (1.0 / size) if size > 0 else 0.0, 0.0, None, 1.0, zero, disp,
+                                           W, False)
+            prof, _ = _render(self.x, c, H, A, eta, False)
+            prof = prof / (float(prof.max()) or 1.0)
+            self._cache[key] = prof
+        return prof
+
     # --- whole-pattern refinement -------------------------------------------------------------
     def model(self, pid: str) -> PhaseModel:
         m = self._models.get(pid)
@@ -444,10 +464,22 @@ class Fitter:
                 dlnd_ds = (Gu[sel] * u[sel]) / (s[None, :] * q2[sel][:, None])
                 d2t = -2.0 * tan[:, None] * dlnd_ds                    # rad per unit s_i
                 dc_ds = np.degrees(d2t) - disp * np.sin(th)[:, None] * 0.5 * d2t
-                dc_deps = np.zeros((len(c), m.n_lat))
+                # the Bragg angle also moves LP and the widths
+                c2, s2t = np.cos(2 * th), np.sin(2 * th)
+                dlnlp_dth = -4 * c2 * s2t / (1 + c2 * c2) - 2 / tan + tan
+                sec2 = 1.0 / cos ** 2
+                dH2_dth = (2 * self.inst.U * tan + self.inst.V) * sec2 + 2 * hs * (
+                    Y * dsize * tan + e * np.degrees(4.0) * sec2)
+                dH_dth = np.where(h_inst2 > 1e-6, dH2_dth, 2 * hs * (Y * dsize * tan + e * np.degrees(4.0) * sec2)) \
+                    / (2 * H)
+                dth_ds = 0.5 * d2t
+                dc_deps, dH_deps, dA_deps = (np.zeros((len(c), m.n_lat)) for _ in range(3))
                 for ax in range(3):
                     dc_deps[:, m.ties[ax]] += dc_ds[:, ax]
-                extra.append({"dc_deps": dc_deps, "cos": cos, "dH_dW": 0.5 / H, "dH_dY": hs * dsize / H,
+                    dH_deps[:, m.ties[ax]] += dH_dth * dth_ds[:, ax]
+                    dA_deps[:, m.ties[ax]] += area * dlnlp_dth * dth_ds[:, ax]
+                extra.append({"dc_deps": dc_deps, "dH_deps": dH_deps, "dA_deps": dA_deps,
+                              "cos": cos, "dH_dW": 0.5 / H, "dH_dY": hs * dsize / H,
                               "dH_de": hs * dstr / H,
                               "dA_dr": (df2[sel] * lp * kv) if df2 is not None else None})
         c, H, A = np.concatenate(cs), np.concatenate(Hs), np.concatenate(As)
@@ -484,7 +516,9 @@ class Fitter:
             k = p[i] / m.norm
             d = lay.ph[i]
             for j, idx in enumerate(d["lat"]):
-                J[:, idx] = k * _bincols(parts, n, ex["dc_deps"][:, j], "c")
+                J[:, idx] = k * (_bincols(parts, n, ex["dc_deps"][:, j], "c") +
+                                 _bincols(parts, n, ex["dH_deps"][:, j], "H") +
+                                 _bincols(parts, n, ex["dA_deps"][:, j], "A"))
             J[:, d["Y"]] = k * _bincols(parts, n, ex["dH_dY"], "H")
             J[:, d["e"]] = k * _bincols(parts, n, ex["dH_de"], "H")
             if "r" in d:
@@ -610,32 +644,28 @@ class Fitter:
             self._model(pids, lay, p, True)[2] * sw[:, None]
 
     def _pick_texture(self, pids, lay: _Layout, p, J) -> list:
-        """Per phase, the texture axis with the largest predicted chi^2 drop (None if not worth it)."""
-        calc, _, _ = self._model(pids, lay, p, False)
-        r0 = self.sw * (self.y - calc)
-        chi2 = float(r0 @ r0)
-        # project out the directions already refined (scales, background, ...)
-        Q, _ = np.linalg.qr(J)
+        """Per phase, the texture axis whose trial r (``TEXTURE_TRIAL_R``) lowers chi^2 most, others fixed.
+
+        Each trial re-solves scales and background only (the other phases' refined profiles held),
+        so a phase costs len(TEXTURE_AXES) x len(TEXTURE_TRIAL_R) renders; an axis is kept when
+        it lowers chi^2 by ``TEXTURE_MIN_GAIN`` (relative).
+        """
+        _, cols, _ = self._model(pids, lay, p, False)
         g = lay.g
         out = []
         for i, pid in enumerate(pids):
             m = self.model(pid)
             eps, Y, e, _ = self._unpack(lay, p, i)
-            best, best_gain = None, TEXTURE_MIN_GAIN * chi2
+            others = [c for k, c in enumerate(cols) if k != i]
+            base = self.linear(others + [cols[i]])[0]
+            best, best_rwp = None, base * math.sqrt(1.0 - TEXTURE_MIN_GAIN)
             for axis in TEXTURE_AXES:
-                if np.linalg.norm(np.asarray(axis, float) @ m.B) == 0:
-                    continue
-                c, H, A, ex = self._phase_peaks(m, eps, Y, e, axis, 1.0, p[g["zero"]], p[g["disp"]], p[g["W"]], True)
-                _, parts = _render(self.x, c, H, A, p[g["eta"]], True)
-                j = p[i] / m.norm * _bincols(parts, len(self.x), ex["dA_dr"], "A")
-                j = self.sw * j
-                j = j - Q @ (Q.T @ j)
-                nj = float(j @ j)
-                if nj <= 0:
-                    continue
-                gain = float(j @ r0) ** 2 / nj
-                if gain > best_gain:
-                    best, best_gain = axis, gain
+                for r in TEXTURE_TRIAL_R:
+                    c, H, A, _ = self._phase_peaks(m, eps, Y, e, axis, r, p[g["zero"]], p[g["disp"]], p[g["W"]], False)
+                    prof, _ = _render(self.x, c, H, A, p[g["eta"]], False)
+                    rwp = self.linear(others + [prof / m.norm])[0]
+                    if rwp < best_rwp:
+                        best, best_rwp = axis, rwp
             out.append(best)
         return out
 

@@ -8,7 +8,8 @@ Every library or history look-up goes through ``ctx.view`` (:class:`~neon_hpc.xr
 which returns nothing dated on or after the task's date.  Outputs are small (peak lists,
 fractions, a down-sampled pattern) because they go into an LLM context.
 
-Toolsets: ``full`` (all tools) and ``minimal`` (raw pattern access + simulation only).
+Toolsets: ``full`` (every text tool), ``minimal`` (raw pattern access + simulation only) and
+``analyst`` (full + ``plot_fit``, which writes PNGs into ``TaskContext.plot_dir``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class TaskContext:
     library: Library = field(default_factory=load_library)
     task_id: str = ""
     cache: dict = field(default_factory=dict)
+    plot_dir: str = ""               # where plot_fit writes PNGs; "" = plotting refused
 
     @property
     def view(self) -> DatedView:
@@ -231,9 +233,21 @@ def tool_find_peaks(args: dict, ctx: TaskContext) -> dict:
     xs, h, w = observed_peaks(ctx.two_theta, ctx.intensity, float(args.get("min_relative_height", 0.02)),
                               int(args.get("max_peaks", 30)))
     lam = ctx.instrument.wavelength
-    return {"peaks": [{"two_theta": round(float(a), 3), "rel_height": round(float(b), 1), "fwhm": round(float(c), 3),
-                       "d": round(lam / (2 * math.sin(math.radians(a / 2))), 4)} for a, b, c in zip(xs, h, w)],
-            "count": int(len(xs))}
+    peaks = [{"two_theta": round(float(a), 3), "rel_height": round(float(b), 1), "fwhm": round(float(c), 3),
+              "d": round(lam / (2 * math.sin(math.radians(a / 2))), 4)} for a, b, c in zip(xs, h, w)]
+    out = {"peaks": peaks, "count": int(len(xs))}
+    last = _last_fit(ctx)
+    if last is not None and last[1].details.get("components"):
+        ids, res = last
+        comps = np.asarray(res.details["components"])
+        for pk in peaks:
+            i = int(np.argmin(np.abs(ctx.two_theta - pk["two_theta"])))
+            net_obs = float(ctx.intensity[i] - res.background[i]) or 1.0
+            k = int(np.argmax(comps[:, i]))
+            pk["explained_by"] = ids[k] if comps[k, i] > 0.1 * abs(net_obs) else None
+            pk["calc_over_obs"] = round(float(comps[:, i].sum()) / net_obs, 2)
+        out["last_fit"] = {"phases": ids, "rwp": round(res.rwp, 4), "gof": round(res.gof, 3)}
+    return out
 
 
 def tool_search_phases(args: dict, ctx: TaskContext) -> dict:
@@ -265,9 +279,15 @@ def tool_search_phases(args: dict, ctx: TaskContext) -> dict:
     return {"phases": out, "count": len(out), "visible_before": ctx.cutoff}
 
 
+def _last_fit(ctx: TaskContext):
+    return ctx.cache.get("_last_fit")
+
+
 def tool_simulate_phase(args: dict, ctx: TaskContext) -> dict:
     pid = _resolve_phase(args["phase"], ctx)
-    strain = float(args.get("strain", 0.0))
+    last = _last_fit(ctx)
+    refined = next((p for p in last[1].phases if p.phase_id == pid), None) if last else None
+    strain = float(args.get("strain", refined.strain if refined is not None else 0.0))
     lo = float(args.get("two_theta_min", ctx.two_theta[0]))
     hi = float(args.get("two_theta_max", ctx.two_theta[-1]))
     if hi <= lo:
@@ -276,26 +296,58 @@ def tool_simulate_phase(args: dict, ctx: TaskContext) -> dict:
     order = np.argsort(-inten)[: int(args.get("max_peaks", 20))]
     order = sorted(order, key=lambda i: tt[i])
     p = ctx.library.get(pid)
-    return {"phase": pid, "formula": p.display_formula or p.formula, "spacegroup": p.spacegroup,
-            "wavelength": ctx.instrument.wavelength,
-            "peaks": [{"two_theta": round(float(tt[i]), 3), "rel_intensity": round(float(inten[i]), 1),
-                       "d": round(float(d[i]), 4)} for i in order]}
+    out = {"phase": pid, "formula": p.display_formula or p.formula, "spacegroup": p.spacegroup,
+           "lattice": [round(v, 4) for v in p.lattice_params[:3]] + [round(v, 2) for v in p.lattice_params[3:]],
+           "wavelength": ctx.instrument.wavelength, "strain": round(strain, 5),
+           "peaks": [{"two_theta": round(float(tt[i]), 3), "rel_intensity": round(float(inten[i]), 1),
+                      "d": round(float(d[i]), 4)} for i in order]}
+    if refined is not None:
+        out["refined_in_last_fit"] = {"rwp": round(last[1].rwp, 4), "weight_fraction": round(refined.weight_fraction, 4),
+                                      "lattice": [round(v, 4) for v in refined.lattice[:3]] if refined.lattice else None,
+                                      "strain": round(refined.strain, 5),
+                                      "note": "peaks above are at the refined strain unless 'strain' is given"}
+    return out
 
 
 def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
     if len(set(ids)) != len(ids):
         raise ToolError("the same phase is listed twice")
-    return ctx.fitter().fit(ids, refine=refine, passes=1 if refine else 0)
+    res = ctx.fitter().fit(ids, refine=refine, passes=1 if refine else 0)
+    ctx.cache["_last_fit"] = (list(ids), res)
+    return res
+
+
+def _fit_report(res, ctx: TaskContext, z_min: float) -> dict:
+    """The fit as the agent reads it: quality, refined parameters, what is (not) detectable."""
+    from neon_hpc.xrd.fitting import detection_stats
+    detection_stats(ctx.fitter(), res, z_min)
+    out = res.summary()
+    detected = [p for p in res.phases if p.significance >= z_min] if res.refined else list(res.phases)
+    total = sum(p.weight_fraction for p in detected) or 1.0
+    for row, p in zip(out["phases"], res.phases):
+        if p in detected:
+            row["status"] = "detected"
+            row["weight_fraction"] = round(p.weight_fraction / total, 4)
+        else:
+            row["status"] = "not detectable"
+            row["weight_fraction"] = None
+            row["below_wt_fraction"] = round(max(p.detection_limit, p.weight_fraction), 4)
+        if res.refined:
+            row["rwp_without"] = round(p.rwp_without, 4)
+    return out
 
 
 def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
+    from neon_hpc.xrd.fitting import DETECTION_Z_MIN
     ids = [_resolve_phase(p, ctx) for p in args["phases"]]
     res = _fit(ids, ctx, bool(args.get("refine", True)))
     resid = ctx.intensity - res.calc
     xs, h, _ = observed_peaks(ctx.two_theta, np.clip(resid, 0, None) + res.background, 0.05, 8)
-    out = res.summary()
+    out = _fit_report(res, ctx, ctx.cache.get("detection_z_min", DETECTION_Z_MIN))
     out["unexplained_peaks"] = [[round(float(a), 3), round(float(b), 1)] for a, b in zip(xs, h)]
-    out["note"] = "weight fractions from scale factors (Hill-Howard); rwp: lower is better"
+    out["note"] = ("whole-pattern refinement; weight fractions (Hill-Howard, of the detected phases) with esd; "
+                   "rwp/rexp/gof: lower rwp is better, gof near 1 = fit at the noise; a phase whose refined "
+                   "scale is under the significance threshold is 'not detectable' (below_wt_fraction)")
     return out
 
 
@@ -304,11 +356,34 @@ def tool_compare_hypotheses(args: dict, ctx: TaskContext) -> dict:
     for key in ("a", "b"):
         ids = [_resolve_phase(p, ctx) for p in args[key]]
         r = _fit(ids, ctx, refine=True)
-        res[key] = {"phases": ids, "rwp": round(r.rwp, 4),
+        res[key] = {"phases": ids, "rwp": round(r.rwp, 4), "gof": round(r.gof, 3),
                     "weight_fractions": {p.phase_id: round(p.weight_fraction, 4) for p in r.phases}}
     better = "a" if res["a"]["rwp"] <= res["b"]["rwp"] else "b"
     return {**res, "better": better, "rwp_ratio": round(res["b"]["rwp"] / max(res["a"]["rwp"], 1e-9), 4),
             "note": "fewer phases at a similar rwp is the more likely answer"}
+
+
+def tool_plot_fit(args: dict, ctx: TaskContext) -> dict:
+    """Observed, calculated and difference curves of a fit as a PNG in ``ctx.plot_dir``."""
+    import re
+    from pathlib import Path
+    from neon_hpc.xrd.plot import plot_fit
+    if not ctx.plot_dir:
+        raise ToolError("plotting is off for this task (no plot directory configured)")
+    if args.get("phases"):
+        ids = [_resolve_phase(p, ctx) for p in args["phases"]]
+        res = _fit(ids, ctx, True)
+    else:
+        last = _last_fit(ctx)
+        if last is None:
+            raise ToolError("nothing fitted yet: give phases, or call fit_phases first")
+        ids, res = last
+    n = ctx.cache["_plots"] = ctx.cache.get("_plots", 0) + 1
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", ctx.task_id or "task")[:80]
+    path = Path(ctx.plot_dir) / f"{stem}-fit{n}.png"
+    plot_fit(ctx.two_theta, ctx.intensity, res, path, title=f"{ctx.task_id}: {', '.join(ids)}")
+    return {"path": str(path), "rwp": round(res.rwp, 4), "gof": round(res.gof, 3),
+            "phases": [p.phase_id for p in res.phases]}
 
 
 def tool_search_history(args: dict, ctx: TaskContext) -> dict:
@@ -345,14 +420,19 @@ TOOLS: dict[str, ToolSpec] = {t.name: t for t in [
              _obj({"phase": _PHASE_REF, "strain": {"type": "number", "minimum": -0.05, "maximum": 0.05},
                    **_RANGE, "max_peaks": {"type": "integer", "minimum": 1, "maximum": 200}}, ["phase"]),
              tool_simulate_phase),
-    ToolSpec("fit_phases", "Fit a set of phases to the measured pattern (scales, background, zero shift, per-phase "
-             "strain and crystallite size): weight fractions, Rwp and peaks left unexplained.",
+    ToolSpec("fit_phases", "Whole-pattern refinement of a set of phases (scales, background, zero shift, per-phase "
+             "lattice parameters, crystallite size, microstrain, preferred orientation): weight fractions with "
+             "esd, Rwp/Rexp/GoF, which phases are detectable, and peaks left unexplained.",
              _obj({"phases": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES},
                    "refine": {"type": "boolean"}}, ["phases"]), tool_fit_phases),
     ToolSpec("compare_hypotheses", "Fit two phase sets and say which explains the pattern better (Rwp).",
              _obj({"a": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES},
                    "b": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES}},
                   ["a", "b"]), tool_compare_hypotheses),
+    ToolSpec("plot_fit", "Write the observed, calculated and difference curves of a fit (the given phases, or the "
+             "last fit) to a PNG file; returns its path.",
+             _obj({"phases": {"type": "array", "items": _PHASE_REF, "minItems": 1, "maxItems": MAX_FIT_PHASES}}),
+             tool_plot_fit),
     ToolSpec("search_history", "Earlier experiments of the lab (before the task's date): precursors, conditions, "
              "verified phases; filter by elements (any of) or an exact chemical system.",
              _obj({"elements": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 12},
@@ -360,7 +440,8 @@ TOOLS: dict[str, ToolSpec] = {t.name: t for t in [
                    "limit": {"type": "integer", "minimum": 1, "maximum": 50}}), tool_search_history),
 ]}
 
-TOOLSETS = {"full": tuple(TOOLS), "minimal": ("get_pattern", "simulate_phase")}
+TOOLSETS = {"full": tuple(n for n in TOOLS if n != "plot_fit"), "minimal": ("get_pattern", "simulate_phase"),
+            "analyst": tuple(TOOLS)}       # analyst = full + plot_fit (needs TaskContext.plot_dir)
 
 
 def toolset(name: str) -> dict[str, ToolSpec]:
