@@ -12,6 +12,7 @@ Layout (the contract is written out in ``docs/rundir.md``)::
       weights/v_N/                 HF safetensors for the engines
       weights/LATEST               newest complete version (written last, atomically)
       state/                       small JSON state and heartbeats
+      state/lease.json             the live launch that owns the directory (launch/lease.py)
       logs/<role>/<rank>.log       human lines; metrics.jsonl beside them
 
 Rules: nothing is visible under its final name before it is complete; every publish is a

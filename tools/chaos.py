@@ -11,7 +11,8 @@ trainer while ``checkpoints/.step_N.tmp.*`` exists), ``publish`` (the trainer wh
 ``trajectories/tmp``), ``helper`` (one of megatron's checkpoint helpers of the trainer, a forked
 writer or the results Manager, during a save), ``launcher`` (``neon-hpc run`` itself after a
 step), ``trainer``/``node``/``worker``/``engine`` (that role a random time after the first
-step), ``all`` (every process of the run at once), or ``random`` (one of these, at random).
+step), ``all`` (every process of the run at once), or ``random`` (each of these once per round
+of 11 trials, in a random order, the role moments after a random delay).
 
 Recovery: wait for the killed launch to end by itself (bounded), then rerun the same command
 until it completes; a rerun refused because the old launch still holds the lease (exit 3) is
@@ -318,13 +319,14 @@ def _weights_complete(d: Path) -> bool:
     return True
 
 
-def run_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng: random.Random, log) -> dict:
+def run_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng: random.Random, log,
+              delay_s: float | None = None) -> dict:
     root = work / f"trial_{i:03d}"
     t = Trial(root, steps, sets, rng, log)
     problems: list[str] = []
     t0 = time.monotonic()
     launcher = t.launch()
-    fault = t.inject(moment, launcher, delay_s=rng.uniform(0.0, 30.0))
+    fault = t.inject(moment, launcher, delay_s=rng.uniform(0.0, 30.0) if delay_s is None else delay_s)
     log(f"trial {i} moment={moment}: {fault}")
     if launcher.poll() is None or moment == "launcher":
         t.wait_gone(launcher, problems)
@@ -342,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--moment", default="random", choices=("random",) + MOMENTS)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--delay-s", type=float, default=None,
+                    help="role moments: kill this long after the first step (default: random, 0-30 s)")
     ap.add_argument("--work-dir", default=None, help="where the trials' run directories go (kept)")
     ap.add_argument("--report", default=None, help="write every trial as JSON lines here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -359,9 +363,15 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     results = []
+    order: list[str] = []
     for i in range(a.trials):
-        moment = rng.choice(MOMENTS) if a.moment == "random" else a.moment
-        res = run_trial(i, moment, work, a.steps, sets, rng, log)
+        if a.moment == "random":   # every moment once per round, in a random order, at random times
+            if not order:
+                order = rng.sample(MOMENTS, len(MOMENTS))
+            moment = order.pop()
+        else:
+            moment = a.moment
+        res = run_trial(i, moment, work, a.steps, sets, rng, log, a.delay_s)
         results.append(res)
         if a.report:
             with open(a.report, "a") as f:

@@ -1,0 +1,191 @@
+"""Soak: what grows over a long run. Two parts, both against the real components.
+
+1. **Claim soak** (always): real shard writers publish small shards into ``ready/`` and the real
+   ``store.claim_step`` claims them step after step until ``claimed/`` holds ``--claim-shards``
+   shards (thousands). Per claim: latency, and the filesystem metadata operations the claiming
+   process makes (``os.listdir/scandir/stat/lstat/open/rename/replace/mkdir/unlink/rmdir`` and
+   ``open``, counted by wrapping them; h5py's own C-level opens are not seen). Growth is the
+   mean of the last 10 % of claims over the first 10 % (1.0 = flat).
+2. **Run soak** (``--run-s > 0``): ``neon-hpc run`` on the tiny model with ``--workers`` rollout
+   workers and short episodes, for a bounded time. Every ``--sample-s`` it records the RSS of
+   every process by role (launcher, trainer, node, engine, worker: each process's own RSS;
+   per role the largest) and the ``ready/`` backlog; then it stops the run with SIGINT. The
+   RSS slope is a least-squares fit over the samples after the first quarter (warm-up).
+
+Ends with ``RESULT soak_rss_growth_mb_per_h=... soak_claim_latency_growth=...
+soak_backlog_max=... soak_metadata_ops_per_claim_first=... soak_metadata_ops_per_claim_last=...``
+(``soak_rss_growth_mb_per_h`` and ``soak_backlog_max`` are ``nan`` without the run soak).
+
+    python tools/bench_soak.py --claim-shards 3000                   # part 1 only
+    python tools/bench_soak.py --run-s 1800 --workers 16            # both
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+_OS_OPS = ("listdir", "scandir", "stat", "lstat", "open", "rename", "replace", "mkdir", "unlink", "rmdir")
+
+
+@contextlib.contextmanager
+def count_metadata_ops():
+    """Count calls of the filesystem metadata functions above (and builtins.open) in this process."""
+    counts = {"n": 0}
+    saved = {name: getattr(os, name) for name in _OS_OPS}
+    saved_open = builtins.open
+
+    def wrap(fn):
+        def inner(*a, **k):
+            counts["n"] += 1
+            return fn(*a, **k)
+        return inner
+
+    for name, fn in saved.items():
+        setattr(os, name, wrap(fn))
+    builtins.open = wrap(saved_open)
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(os, name, fn)
+        builtins.open = saved_open
+
+
+def claim_soak(root: Path, total_shards: int, per_step: int) -> dict:
+    from neon_hpc.rundir import RunDir
+    from neon_hpc.store import ShardWriter, claim_step
+    from neon_hpc.store.config import StoreConfig
+    from neon_hpc.store.synthetic import make_trajectory
+
+    run = RunDir(root).create()
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(run.root, "soak", StoreConfig(flush_trajectories=1, fsync=False))
+    lat, ops, claimed = [], [], []
+    step = 0
+    while step * per_step < total_shards:
+        step += 1
+        for _ in range(per_step):
+            writer.add(make_trajectory(rng, 64, version=step - 1))
+        with count_metadata_ops() as c:
+            t0 = time.perf_counter()
+            claim_step(run.root, step, want=per_step, consumer="soak", trainer_version=step - 1,
+                       max_staleness=4, timeout_s=60)
+            lat.append(time.perf_counter() - t0)
+        ops.append(c["n"])
+        claimed.append(step * per_step)
+    k = max(1, len(lat) // 10)
+    return {"claims": len(lat), "shards": claimed[-1], "latency_first_s": float(np.mean(lat[:k])),
+            "latency_last_s": float(np.mean(lat[-k:])), "growth": float(np.mean(lat[-k:]) / np.mean(lat[:k])),
+            "ops_first": float(np.mean(ops[:k])), "ops_last": float(np.mean(ops[-k:]))}
+
+
+def _role(cmd: str) -> str | None:
+    for key, role in (("roles rollout-worker", "worker"), ("roles rollout-node", "node"),
+                      ("roles trainer", "trainer"), ("neon_hpc.cli run", "launcher")):
+        if key in cmd:
+            return role
+    return "engine" if "engine" in cmd else None
+
+
+def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
+    import psutil
+
+    from neon_hpc.store.claim import ready_count
+    cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir",
+           str(root), "--quiet", "--no-plot", "--set", "train.steps=100000", "--set", f"rollout.num_workers={workers}",
+           "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_every=50"]
+    out = open(root.parent / "soak_launcher.txt", "ab")
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    samples: list[tuple[float, dict[str, float]]] = []
+    backlog = []
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < run_s and p.poll() is None:
+            time.sleep(sample_s)
+            per_role: dict[str, float] = {}
+            for q in psutil.process_iter(["cmdline", "memory_info"]):
+                try:
+                    c = " ".join(q.info["cmdline"] or [])
+                    if str(root) not in c:
+                        continue
+                    role = _role(c)
+                    if role:
+                        per_role[role] = max(per_role.get(role, 0.0), q.info["memory_info"].rss / 2**20)
+                except (psutil.Error, TypeError):
+                    continue
+            samples.append((time.monotonic() - t0, per_role))
+            with contextlib.suppress(FileNotFoundError, OSError):
+                backlog.append(ready_count(root)[0])
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    slopes = {}
+    warm = [s for s in samples if s[0] >= run_s / 4]
+    for role in sorted({r for _, d in warm for r in d}):
+        pts = [(t, d[role]) for t, d in warm if role in d]
+        if len(pts) >= 3:
+            ts, ys = np.array([t for t, _ in pts]) / 3600.0, np.array([y for _, y in pts])
+            slopes[role] = float(np.polyfit(ts, ys, 1)[0])
+    steps = 0
+    with contextlib.suppress(FileNotFoundError):
+        steps = len({json.loads(line).get("step") for line in (root / "logs" / "trainer" / "metrics.jsonl")
+                     .read_text().splitlines() if line.strip()})
+    return {"slopes_mb_per_h": slopes, "backlog_max": max(backlog, default=0), "samples": len(samples),
+            "steps": steps, "rss_last_mb": samples[-1][1] if samples else {}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--claim-shards", type=int, default=3000)
+    ap.add_argument("--per-step", type=int, default=10, help="shards per claim in the claim soak")
+    ap.add_argument("--run-s", type=float, default=0.0, help="run soak duration (0: skip it)")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--work-dir", default=None)
+    a = ap.parse_args(argv)
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="neon-soak."))
+    work.mkdir(parents=True, exist_ok=True)
+    c = claim_soak(work / "claims", a.claim_shards, a.per_step)
+    print(f"claim soak: {c['claims']} claims, {c['shards']} shards in claimed/; latency "
+          f"{c['latency_first_s'] * 1e3:.1f} ms -> {c['latency_last_s'] * 1e3:.1f} ms (x{c['growth']:.2f}); "
+          f"metadata ops per claim {c['ops_first']:.0f} -> {c['ops_last']:.0f}", flush=True)
+    rss, backlog = math.nan, math.nan
+    if a.run_s > 0:
+        r = run_soak(work / "run", a.run_s, a.workers, a.sample_s)
+        print(f"run soak: {a.run_s:.0f}s, {a.workers} workers, {r['steps']} steps, {r['samples']} samples; "
+              f"RSS slope MB/h by role {json.dumps({k: round(v, 1) for k, v in r['slopes_mb_per_h'].items()})}; "
+              f"last RSS MB {json.dumps({k: round(v) for k, v in r['rss_last_mb'].items()})}; "
+              f"ready/ backlog max {r['backlog_max']}", flush=True)
+        rss = max(r["slopes_mb_per_h"].values(), default=math.nan)
+        backlog = r["backlog_max"]
+    print(f"work dir {work}")
+    print(f"RESULT soak_rss_growth_mb_per_h={rss:.1f} soak_claim_latency_growth={c['growth']:.2f} "
+          f"soak_backlog_max={backlog} soak_metadata_ops_per_claim_first={c['ops_first']:.0f} "
+          f"soak_metadata_ops_per_claim_last={c['ops_last']:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
