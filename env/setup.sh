@@ -43,6 +43,14 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
   log "installing torch==2.13.0"
   "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
+# SGLang's wheel, for its request types only (tests/test_engine_sglang_types.py reads
+# GenerateReqInput & co. from its source): SGLang cannot be imported here (its io_struct pulls
+# in triton, a matching torchvision and its GPU scheduler), so it is downloaded, not installed.
+SGLANG_WHEEL_DIR="$ROOT/.cache/wheels"
+if ! ls "$SGLANG_WHEEL_DIR"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+  log "downloading sglang==0.5.23 (no deps; source of its request types for the tests)"
+  "$VENV/bin/pip" download -q --no-deps -d "$SGLANG_WHEEL_DIR" "sglang==0.5.23"
+fi
 log "installing neon-hpc (editable) and its dependencies"
 "$VENV/bin/pip" install -q -e "$ROOT[test]"
 "$VENV/bin/python" -c 'import neon_hpc, torch, megatron.core, h5py, mpi4py; print("neon-hpc", neon_hpc.__version__, "torch", torch.__version__)'
