@@ -55,7 +55,7 @@ def test_non_object_arguments_and_unavailable_phases(ctx, task):
 
 def test_minimal_toolset_is_pattern_and_simulation_only(ctx):
     assert set(toolset("minimal")) == {"get_pattern", "simulate_phase"}
-    assert set(toolset("full")) == set(TOOLS)
+    assert set(toolset("analyst")) == set(TOOLS) and set(toolset("full")) == set(TOOLS) - {"plot_fit"}
     out = call_tool("search_phases", {"elements": ["Ni", "O"]}, ctx, tools=toolset("minimal"))
     assert "unknown tool" in out["error"]
     with pytest.raises(ValueError, match="unknown toolset"):
