@@ -145,6 +145,10 @@ def test_neon_hpc_run_and_the_sbatch_prepare_refuse_a_held_run_dir(tmp_path):
                             "--job-id", "99"], cwd=REPO, capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, NEON_LEASE_TOKEN="slurm-99-0"))
         assert r.returncode == 3 and token in r.stderr, r.stderr[-2000:]
+        r = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "launch", str(REPO / "configs" / "tiny_cpu.yaml"),
+                            "--run-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 3 and token in r.stderr, r.stderr[-2000:]     # refused before sbatch
+        assert not (tmp_path / "run" / "launch").exists()
         assert json.loads((tmp_path / "run" / "state" / "lease.json").read_text())["token"] == token
     finally:
         p.kill()

@@ -198,6 +198,16 @@ def acquire(run: RunDir, backend: str, job_id: str = "local", restart: int = 0,
     raise LeaseHeld(f"{run.root}: the lease changed hands repeatedly while acquiring it; try again")
 
 
+def check_free(run: RunDir) -> None:
+    """Raise :class:`LeaseHeld` if a live launch holds the run directory (``neon-hpc launch``
+    checks before it submits; the job itself acquires when it starts)."""
+    cur = read(run)
+    if cur is not None and owner_dead(run, cur) is None:
+        raise LeaseHeld(f"{run.root} is in use by {describe(cur)}{_alive_detail(run, cur)}. Wait for that run "
+                        f"to end (`neon-hpc status {run.root}`) or stop it; a run directory takes one launch "
+                        f"at a time")
+
+
 def _sweep(run: RunDir, dead: dict[str, Any], gen: int) -> None:
     import shutil
     shutil.rmtree(run.state / "lease.d" / str(dead.get("token")), ignore_errors=True)

@@ -78,6 +78,13 @@ def main(argv: list[str]) -> int:
         print(render_sbatch(cfg, a.config), end="")
         return 0
     run_dir = resolve_run_dir(cfg, a.run_dir)
+    from neon_hpc.launch.lease import LeaseHeld, check_free
+    from neon_hpc.rundir import RunDir
+    try:
+        check_free(RunDir(run_dir))   # the job takes the lease itself when it starts
+    except LeaseHeld as e:
+        print(f"neon-hpc launch: {e}", file=sys.stderr)
+        return 3
     job_id, script = submit(cfg, a.config, run_dir)
     print(f"submitted heterogeneous job {job_id} ({script})")
     print(f"follow it: neon-hpc status {run_dir}   neon-hpc tail {run_dir} --role trainer -f")
