@@ -12,8 +12,16 @@
    (``--splits``), and on the labelled real precursor mixtures (both scan lengths) when
    ``shared/data/xrd-real`` is found.
 
+3. Real dev set, leave one mixture out (``xrd.evaluate.evaluate_loo``): the baseline's detection
+   thresholds are fitted on the other mixtures for each held-out one; the default-threshold
+   score comes from the same traces.  ``xrd_fit_seconds``: CPU seconds of the whole baseline per
+   real pattern (search + refinements, one core); ``xrd_refine_seconds``: one refinement of the
+   true phases.
+
 Last line: ``RESULT xrd_sim_speedup_vs_pymatgen=... xrd_baseline_success_easy=...
-xrd_baseline_success_realistic=... xrd_baseline_success_real=...``
+xrd_baseline_success_realistic=... xrd_baseline_success_real=... xrd_baseline_success_real_loo=...
+xrd_baseline_success_real_loo_2min=... xrd_baseline_wf_mae_real_loo=... xrd_fit_seconds=...
+xrd_refine_seconds=...``
 """
 from __future__ import annotations
 
@@ -82,20 +90,47 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
     return rep.summary()
 
 
-def bench_real() -> dict | None:
-    from neon_hpc.xrd.evaluate import evaluate
+def bench_real() -> tuple[dict, dict] | None:
+    """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
+    from neon_hpc.xrd.baseline import Thresholds
+    from neon_hpc.xrd.evaluate import detection_limits_by_scan, evaluate_loo, report_from_traces, scan_of, trace_all
     from neon_hpc.xrd.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None
-    rep = evaluate(load_real_tasks("precursor_mixture"), name="real_dev",
-                   progress=lambda m: print("  " + m, file=sys.stderr, flush=True))
-    by_scan = {}
-    for row in rep.rows:
-        scan = row["task"].rsplit("--", 1)[-1]
-        by_scan.setdefault(scan, []).append(row["success"])
-    s = rep.summary()
-    s["by_scan"] = {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_scan.items())}
-    return s
+    tasks = load_real_tasks("precursor_mixture")
+    traced = trace_all(tasks, progress=lambda m: print("  " + m, file=sys.stderr, flush=True))
+    out = []
+    for rep, folds in ((report_from_traces(tasks, traced[0], Thresholds(), traced[1], "real_dev"), None),
+                       evaluate_loo(tasks, traced=traced)):
+        by_scan = {}
+        for t, row in zip(tasks, rep.rows):
+            by_scan.setdefault(scan_of(t), []).append(row["success"])
+        s = rep.summary()
+        s["by_scan"] = {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_scan.items())}
+        s["success_by_scan"] = {k: sum(v) / len(v) for k, v in by_scan.items()}
+        if folds is not None:
+            s["detection_limits"] = detection_limits_by_scan(folds)
+            s["misses"] = [(r["task"], r["predicted"], r["truth"]) for r in rep.rows if not r["success"]]
+        out.append(s)
+    out[0]["cpu_per_pattern"] = float(np.mean(traced[2]))
+    out[0]["wall_per_pattern"] = float(np.mean(traced[1]))
+    return out[0], out[1]
+
+
+def bench_refine(n: int = 6) -> float:
+    """CPU seconds of one whole-pattern refinement of the true phases (real 8-minute scans, else synthetic)."""
+    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.xrd.tools import TaskContext
+    tasks = load_real_tasks(scan="8min")[:n] if real_data_dir() else load_tasks("realistic", "test_id", n=n)
+    times = []
+    for t in tasks:
+        ctx = TaskContext.for_task(t, None)
+        ids = [p or "cur:TiO2_anatase" for p, _, _ in t.truth]
+        c0 = time.process_time()
+        ctx.fitter().fit(ids)
+        times.append(time.process_time() - c0)
+    return float(np.mean(times))
 
 
 def _line(s: dict) -> str:
@@ -126,14 +161,29 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(s), flush=True)
     real = None if args.skip_real else bench_real()
     if real:
-        print(_line(real) + f"  by scan: {real['by_scan']}", flush=True)
+        fixed, loo = real
+        print(_line(fixed) + f"  by scan: {fixed['by_scan']}  (default thresholds)", flush=True)
+        print(_line(loo) + f"  by scan: {loo['by_scan']}  (leave one mixture out)", flush=True)
+        print(f"  detection limits (weight fraction, median / max): {loo['detection_limits']}", flush=True)
+        for m in loo["misses"]:
+            print(f"  loo miss: {m}", flush=True)
+        print(f"  baseline per real pattern: {fixed['cpu_per_pattern']:.2f} s CPU, {fixed['wall_per_pattern']:.2f} s wall",
+              flush=True)
     else:
         print("real data: not found (set NEON_XRD_REAL_DATA) or skipped")
+    refine_s = bench_refine()
+    print(f"one refinement of the true phases: {refine_s:.2f} s CPU", flush=True)
     first = args.splits.split(",")[0]
+    nan = float("nan")
     print(f"RESULT xrd_sim_speedup_vs_pymatgen={sim['speedup']:.2f} "
           f"xrd_baseline_success_easy={results[('easy', first)]['success']:.3f} "
           f"xrd_baseline_success_realistic={results[('realistic', first)]['success']:.3f} "
-          f"xrd_baseline_success_real={real['success'] if real else float('nan'):.3f}")
+          f"xrd_baseline_success_real={real[0]['success'] if real else nan:.3f} "
+          f"xrd_baseline_success_real_loo={real[1]['success'] if real else nan:.3f} "
+          f"xrd_baseline_success_real_loo_2min={real[1]['success_by_scan'].get('2min', nan) if real else nan:.3f} "
+          f"xrd_baseline_wf_mae_real_loo={real[1]['wf_mae'] if real else nan:.4f} "
+          f"xrd_fit_seconds={real[0]['cpu_per_pattern'] if real else nan:.2f} "
+          f"xrd_refine_seconds={refine_s:.2f}")
     return 0
 
 

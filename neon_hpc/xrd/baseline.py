@@ -29,14 +29,15 @@ SCREEN_STRAINS = np.linspace(-0.01, 0.01, 21)
 SCREEN_ZEROS = np.linspace(-0.4, 0.4, 33)
 MATCH_TOL = 0.12
 MIN_SCORE = 0.4
-MAX_CANDIDATES = 10
+MAX_CANDIDATES = 12
+MAX_PER_FORMULA = 2
 MAX_PHASES = 4
 MIN_GAIN = 0.02               # default thresholds: set a priori (not fitted on the real dev set)
 Z_MIN = DETECTION_Z_MIN
 TRACE_MIN_GAIN = 0.004         # the trace records steps down to this gain (below every threshold tried)
 MIN_FRACTION = 0.02
 GREEDY_SIZES_NM = (0.0, 60.0, 25.0)
-GREEDY_STRAIN_STEPS = np.linspace(-0.002, 0.002, 9)
+GREEDY_STRAIN_STEPS = np.linspace(-0.002, 0.002, 5)
 
 
 @dataclass
@@ -85,7 +86,14 @@ def screen(ctx: TaskContext, candidates: list[str]) -> tuple[list[tuple[str, flo
         if s >= MIN_SCORE:
             scored.append((pid, s, eps, zero))
     scored.sort(key=lambda r: -r[1])
-    return scored[:MAX_CANDIDATES], px
+    per_formula: dict[str, int] = {}
+    kept = []
+    for row in scored:         # polymorphs of one formula (graphite, diamond, ...) do not crowd out the rest
+        f = ctx.library.get(row[0]).formula
+        per_formula[f] = per_formula.get(f, 0) + 1
+        if per_formula[f] <= MAX_PER_FORMULA:
+            kept.append(row)
+    return kept[:MAX_CANDIDATES], px
 
 
 def candidate_ids(ctx: TaskContext) -> list[str]:

@@ -100,25 +100,43 @@ def scan_of(task: Task) -> str:
     return task.id.rpartition("--")[2] if "--" in task.id else ""
 
 
+def trace_all(tasks: list[Task], store: Store | None = None, progress: Callable[[str], None] | None = None):
+    """The baseline's refinement trace of every task, with wall and CPU seconds per task."""
+    from neon_hpc.xrd.baseline import trace
+    store = store or build_store(tasks, ":memory:", include_real=True)
+    traces, wall, cpu = [], [], []
+    for i, task in enumerate(tasks):
+        t0, c0 = time.perf_counter(), time.process_time()
+        traces.append(trace(make_context(task, store)))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        if progress:
+            progress(f"[{i + 1}/{len(tasks)}] traced {task.id} ({wall[-1]:.1f} s wall, {cpu[-1]:.1f} s CPU, "
+                     f"{len(traces[-1].steps)} steps)")
+    return traces, wall, cpu
+
+
+def report_from_traces(tasks: list[Task], traces, thresholds, seconds, name: str, strict: bool = False) -> EvalReport:
+    """Score every task at one set of thresholds (no refitting of the search)."""
+    rep = EvalReport(name)
+    for task, tr, sec in zip(tasks, traces, seconds):
+        sol = tr.decide(thresholds)
+        rep.add(task, sol.phases, grade(sol.phases, task.truth, strict=strict), sec)
+    return rep
+
+
 def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = None,
-                 progress: Callable[[str], None] | None = None, grid=None) -> tuple[EvalReport, dict]:
+                 progress: Callable[[str], None] | None = None, grid=None, traced=None) -> tuple[EvalReport, dict]:
     """Leave one mixture out: the baseline's detection thresholds are chosen on the other mixtures only.
 
-    Each pattern's greedy refinement trace is computed once (:func:`neon_hpc.xrd.baseline.trace`);
+    Each pattern's greedy refinement trace is computed once (:func:`trace_all`, or ``traced``);
     for each held-out mixture, the thresholds of ``grid`` with the most successes on the rest
     (ties: lower weight-fraction MAE, then the earlier grid entry) decide its scans.  Returns the
     report over every held-out scan and per-fold details (chosen thresholds, detection limits).
     """
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID, trace
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
     grid = tuple(grid or THRESHOLD_GRID)
-    store = store or build_store(tasks, ":memory:", include_real=True)
-    traces, seconds = [], []
-    for i, task in enumerate(tasks):
-        t0 = time.perf_counter()
-        traces.append(trace(make_context(task, store)))
-        seconds.append(time.perf_counter() - t0)
-        if progress:
-            progress(f"[{i + 1}/{len(tasks)}] traced {task.id} ({seconds[-1]:.1f} s, {len(traces[-1].steps)} steps)")
+    traces, seconds, cpu = traced or trace_all(tasks, store, progress)
     outcome: dict = {}
 
     def result(i: int, j: int):
@@ -144,6 +162,7 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
         for i in held:
             sol, g = result(i, best)
             report.add(tasks[i], sol.phases, g, seconds[i])
+            report.rows[-1]["cpu_seconds"] = round(cpu[i], 2)
             fit = sol.details.get("fit", {})
             folds[mix].setdefault("scans", {})[scan_of(tasks[i])] = {
                 "success": g.success, "detection_limits": {
