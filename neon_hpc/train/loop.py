@@ -282,7 +282,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     # the K/V exchange group of split pieces: every data rank (DP x CP) of this TP/PP position;
     # every rank runs every slot's layers, so its one all-gather per layer cannot deadlock
     group = _exchange_group(len(data.plan))
-    t_fb = time.perf_counter()
+    t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
     be.ddp.zero_grad_buffer()
@@ -309,7 +309,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
     sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
-    fb_s = time.perf_counter() - t_fb
+    fb_s, fb_cpu = time.perf_counter() - t_fb, time.process_time() - c_fb
     finalize_model_grads([be.ddp])
     ok, grad_norm, _ = be.optimizer.step()
     sums = reduce_step_sums(be, sums)
@@ -321,6 +321,8 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     out["replayed_microbatches"] = int(sums["replayed_microbatches"])
     out["exchanged_microbatches"] = int(sums["exchanged_microbatches"])
     out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.plan))
+    # CPU time of this process over the same span (no time waiting for a busy CPU or a peer)
+    out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.plan))
     return out
 
 
