@@ -326,7 +326,7 @@ def run_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng:
     problems: list[str] = []
     t0 = time.monotonic()
     launcher = t.launch()
-    fault = t.inject(moment, launcher, delay_s=rng.uniform(0.0, 30.0) if delay_s is None else delay_s)
+    fault = t.inject(moment, launcher, delay_s=rng.uniform(0.0, 8.0) if delay_s is None else delay_s)
     log(f"trial {i} moment={moment}: {fault}")
     if launcher.poll() is None or moment == "launcher":
         t.wait_gone(launcher, problems)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delay-s", type=float, default=None,
-                    help="role moments: kill this long after the first step (default: random, 0-30 s)")
+                    help="role moments: kill this long after the first step (default: random, 0-8 s)")
     ap.add_argument("--work-dir", default=None, help="where the trials' run directories go (kept)")
     ap.add_argument("--report", default=None, help="write every trial as JSON lines here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
