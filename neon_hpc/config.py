@@ -78,6 +78,8 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if cfg.train.tensor_parallel > 1 and cfg.model.num_query_groups % cfg.train.tensor_parallel:
         errs.append(("train.tensor_parallel",
                      f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
+    from neon_hpc.models.adapters import get_adapter       # what the architecture refuses elsewhere
+    errs += get_adapter(cfg.model.arch).experiment_errors(cfg)
     cp, thr = cfg.train.context_parallel, cfg.balance.split_threshold_tokens
     if thr and (cp == 1 or thr < 2 * cp):
         errs.append(("balance.split_threshold_tokens",

@@ -188,6 +188,11 @@ class Adapter:
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(cfg.num_layers))
 
+    def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
+        """``[(key path, message)]``: what this architecture refuses in the rest of an experiment
+        config (trainer layout, balancer); ``neon-hpc config check`` reports them."""
+        return []
+
     def route_layout(self, cfg: ModelConfig) -> RouteLayout:
         return RouteLayout(rows=cfg.num_layers, moe_rows=tuple(self.moe_layers(cfg)))
 

@@ -81,6 +81,24 @@ class DeepseekV3Adapter(Adapter):
             errs.append(("yarn_factor", "0 (plain RoPE) or >= 1"))
         return errs
 
+    def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
+        cfg, t = exp.model, exp.train
+        errs = []
+        if t.context_parallel > 1:
+            errs.append(("train.context_parallel", f"{t.context_parallel}: MLA (model.arch={cfg.arch}) runs on an "
+                         f"SDPA core attention without the K/V exchange context parallelism needs; set it to 1"))
+        if exp.balance.split_threshold_tokens:
+            errs.append(("balance.split_threshold_tokens", f"model.arch={cfg.arch}: documents split across ranks "
+                         f"need a K/V exchange MLA does not have here; set it to 0"))
+        tp = t.tensor_parallel
+        for k, n in (("num_attention_heads", cfg.num_attention_heads),
+                     ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                     ("q_lora_rank", cfg.q_lora_rank or tp)):
+            if n % tp:
+                errs.append(("train.tensor_parallel", f"{tp} must divide model.{k} ({n}): the local spec "
+                                                      f"column-splits every MLA projection"))
+        return errs
+
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(cfg.first_dense_layers, cfg.num_layers))
 
