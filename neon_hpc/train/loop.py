@@ -255,6 +255,8 @@ def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
 
 
 def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | None = None) -> StepData:
+    from neon_hpc.replay.layout import to_trainer_rows
+    to_trainer_rows(trajs, cfg.model)          # engine rows (decoder layers) -> the trainer's MoE layers
     groups = [t.group_id or t.task_id for t in trajs]
     adv = group_advantages([t.reward for t in trajs], groups, norm=cfg.train.advantage_norm)
     for t, a in zip(trajs, adv):
