@@ -44,10 +44,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.engines import protocol
 from neon_hpc.rollout.engines.protocol import BadRequest, GenerateRequest
 
 MAX_BODY_BYTES = 64 << 20
+# a request's generation may run this long (a batch runs until all its members finish, so one
+# request with a huge max_new_tokens and ignore_eos would otherwise hold every request queued
+# behind it); then it ends with finish_reason abort, naming the budget
+REQUEST_TIME_BUDGET_S = 600.0
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -185,6 +190,7 @@ class _Job:
     versions: list[str] = field(default_factory=list)    # the weight version of each output token
     finish: dict | None = None
     gen: torch.Generator | None = None
+    deadline: float | None = None                        # time.monotonic() after which it is aborted
 
 
 @dataclass
@@ -197,9 +203,11 @@ class _Update:
 class Scheduler:
     """Owns the model; batches queued requests; swaps weights only between forwards."""
 
-    def __init__(self, model: LoadedModel, max_batch_size: int = 16):
+    def __init__(self, model: LoadedModel, max_batch_size: int = 16,
+                 request_time_budget_s: float | None = REQUEST_TIME_BUDGET_S):
         self.loaded = model
         self.max_batch_size = max_batch_size
+        self.request_time_budget_s = request_time_budget_s
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
         self._cv = threading.Condition()
         self._queue: deque[_Job] = deque()
@@ -215,7 +223,9 @@ class Scheduler:
 
     # --- called from handler threads -------------------------------------------------
     def submit(self, reqs: list[GenerateRequest]) -> list[_Job]:
-        jobs = [_Job(r) for r in reqs]
+        budget = self.request_time_budget_s
+        deadline = time.monotonic() + budget if budget else None
+        jobs = [_Job(r, deadline=deadline) for r in reqs]
         with self._cv:
             self._queue.extend(jobs)
             self._cv.notify_all()
@@ -380,6 +390,9 @@ class Scheduler:
             job.finish = {"type": "stop", "matched": tok}
         elif len(job.out) >= s.max_new_tokens:
             job.finish = {"type": "length", "length": s.max_new_tokens}
+        elif job.deadline is not None and time.monotonic() > job.deadline:
+            job.finish = {"type": "abort", "message": f"Abort: the request ran past this engine's per-request "
+                                                      f"time budget ({self.request_time_budget_s:g} s)"}
 
     def _answer(self, job: _Job, loaded: LoadedModel) -> None:
         req = job.req
@@ -414,10 +427,12 @@ class EngineServer(ThreadingHTTPServer):
     # socketserver's default backlog is 5: a burst of rollout workers would see resets.
     request_queue_size = 1024
 
-    def __init__(self, addr, scheduler: Scheduler, allowed_root: str | None = None):
+    def __init__(self, addr, scheduler: Scheduler, allowed_root: str | None = None,
+                 max_new_tokens_cap: int | None = None):
         super().__init__(addr, _Handler)
         self.scheduler = scheduler
         self.allowed_root = allowed_root
+        self.max_new_tokens_cap = max_new_tokens_cap   # None = the model's context
         self.swap_lock = threading.Lock()
 
     @property
@@ -443,19 +458,39 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message}})
+        self._send(status, {"error": {"message": clip_text(message, MESSAGE_CAP)}})
 
     def _body(self) -> Any:
-        n = int(self.headers.get("Content-Length") or 0)
+        """The JSON body, framed by a valid ``Content-Length`` within :data:`MAX_BODY_BYTES`.
+
+        A body whose length cannot be trusted (chunked, negative, not a number, two values)
+        or is over the limit is refused without reading it, and the connection is closed:
+        its remaining bytes cannot be told apart from a next request."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            self.close_connection = True
+            raise HTTPRefusal(411, "Transfer-Encoding: chunked is not supported; send a Content-Length")
+        values = self.headers.get_all("Content-Length") or []
+        if len(set(v.strip() for v in values)) > 1:
+            self.close_connection = True
+            raise HTTPRefusal(400, f"Content-Length given {len(values)} times with different values")
+        raw_n = values[0].strip() if values else "0"
+        if not (raw_n.isascii() and raw_n.isdigit()):
+            self.close_connection = True
+            raise HTTPRefusal(400, f"Content-Length: expected a non-negative integer, got {short_repr(raw_n)}")
+        n = int(raw_n)
         if n > MAX_BODY_BYTES:
-            raise BadRequest(f"body of {n} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+            self.close_connection = True
+            raise HTTPRefusal(413, f"body of {n} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
         raw = self.rfile.read(n) if n else b""
+        if len(raw) < n:
+            self.close_connection = True
+            raise HTTPRefusal(400, f"body ended after {len(raw)} of the {n} bytes of its Content-Length")
         if not raw:
             return {}
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"body is not valid JSON: {e}") from None
+            return json.loads(raw, parse_constant=_no_constants)
+        except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, NaN, nesting
+            raise BadRequest(f"body is not valid JSON: {clip_text(str(e), 300)}") from None
 
     def do_GET(self):
         sched = self.server.scheduler
@@ -490,17 +525,19 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body()
             if handler is None:
-                return self._error(404, f"no such endpoint: POST {path}")
+                return self._error(404, f"no such endpoint: POST {clip_text(path, 200)}")
             handler(body)
-        except BadRequest as e:
-            self._error(400, str(e))
-        except Exception as e:  # noqa: BLE001 - the server keeps serving
+        except BadRequest as e:   # the client's fault: 4xx, never 500
+            self._error(getattr(e, "status", 400), str(e))
+        except Exception as e:  # noqa: BLE001 - a server bug; the server keeps serving
             self._error(500, f"{type(e).__name__}: {e}")
 
     # --- endpoints --------------------------------------------------------------------
     def _generate(self, body: Any) -> None:
         sched = self.server.scheduler
         reqs = protocol.parse_generate(body, sched.loaded.vocab_size)
+        for req in reqs:   # every request fits before any joins a batch: a bad one fails alone
+            admit(req, sched.loaded, self.server.max_new_tokens_cap)
         jobs = sched.submit(reqs)
         for job in jobs:
             job.done.wait()
@@ -562,14 +599,59 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
 
+class HTTPRefusal(BadRequest):
+    """A client error with its own 4xx status (413 too large, 411 no length, ...)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def context_length(loaded: LoadedModel) -> int | None:
+    """Tokens the served model can attend over (prompt + generation), from its HF config."""
+    n = getattr(loaded.model.config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def admit(req: GenerateRequest, loaded: LoadedModel, max_new_tokens_cap: int | None = None) -> None:
+    """Refuse (400) a request that cannot run within this engine's limits, before it is queued:
+    ``max_new_tokens`` over the cap, a prompt that leaves no room in the context, or prompt
+    plus generation beyond it (generation past the context would index positions the model
+    never learnt)."""
+    ctx = context_length(loaded)
+    prompt, new = len(req.input_ids), req.sampling.max_new_tokens
+    cap = max_new_tokens_cap if max_new_tokens_cap is not None else ctx
+    if cap is not None and new > cap:
+        raise BadRequest(f"sampling_params.max_new_tokens={new} exceeds this engine's cap of {cap} "
+                         f"(--max-new-tokens-cap, default the model's context)")
+    if ctx is None:
+        return
+    if prompt >= ctx:
+        raise BadRequest(f"input_ids: the prompt has {prompt} tokens; the model's context is {ctx} "
+                         f"(max_position_embeddings), which leaves no room to generate: shorten the prompt")
+    if prompt + new > ctx:
+        raise BadRequest(f"prompt_tokens {prompt} + max_new_tokens {new} = {prompt + new} exceeds the model's "
+                         f"context of {ctx} tokens: lower max_new_tokens to at most {ctx - prompt}")
+
+
 # --------------------------------------------------------------------------------------
 # starting and stopping
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 16,
-          weight_version: str | None = None, allowed_root: str | None = None) -> EngineServer:
-    """Load the model and return a bound (not yet serving) server; call ``serve_forever``."""
+          weight_version: str | None = None, allowed_root: str | None = None,
+          max_new_tokens_cap: int | None = None,
+          request_time_budget_s: float | None = REQUEST_TIME_BUDGET_S) -> EngineServer:
+    """Load the model and return a bound (not yet serving) server; call ``serve_forever``.
+
+    ``allowed_root`` None lets ``update_weights_from_disk`` load from any path (library use);
+    the CLI defaults it to the weights directory holding ``--model``."""
     loaded = LoadedModel.load(model_path, weight_version)
-    return EngineServer((host, port), Scheduler(loaded, max_batch_size), allowed_root)
+    return EngineServer((host, port), Scheduler(loaded, max_batch_size, request_time_budget_s), allowed_root,
+                        max_new_tokens_cap)
 
 
 @dataclass
@@ -641,6 +723,13 @@ def start_server(model_path: str | os.PathLike, host: str = "127.0.0.1", port: i
     return ServerHandle(url=url, process=proc)
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="neon-hpc engine serve",
                                 description="Serve an HF MoE on CPU behind SGLang's /generate API subset.")
@@ -649,13 +738,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port (printed on stdout)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--weight-version", default=None, help="version of the initial weights (default: from v_N, else 0)")
-    p.add_argument("--allowed-root", default=None, help="refuse update_weights_from_disk outside this folder")
+    p.add_argument("--allowed-root", default=None,
+                   help="refuse update_weights_from_disk outside this folder (default: the weights directory "
+                        "holding --model, e.g. RUN/weights for RUN/weights/v_0)")
+    p.add_argument("--max-new-tokens-cap", type=_positive_int, default=None,
+                   help="refuse requests asking for more new tokens (default: the model's context)")
+    p.add_argument("--request-time-budget-s", type=float, default=REQUEST_TIME_BUDGET_S,
+                   help="a request generating longer is ended with finish_reason abort (0 = no budget)")
     a = p.parse_args(argv)
+    if not (a.request_time_budget_s >= 0 and a.request_time_budget_s != float("inf")):
+        p.error(f"--request-time-budget-s: expected a finite number >= 0, got {a.request_time_budget_s}")
+    allowed_root = a.allowed_root if a.allowed_root is not None else str(Path(a.model).resolve().parent)
     if not (Path(a.model) / "config.json").exists():
         print(f"neon-hpc engine serve: {a.model}/config.json not found; point --model at an HF weights "
               f"folder such as RUN/weights/v_0", file=sys.stderr)
         return 2
-    srv = serve(a.model, a.host, a.port, a.max_batch_size, a.weight_version, a.allowed_root)
+    srv = serve(a.model, a.host, a.port, a.max_batch_size, a.weight_version, allowed_root,
+                a.max_new_tokens_cap, a.request_time_budget_s or None)
     print(f"LISTENING {srv.url} weight_version={srv.scheduler.version}", flush=True)
     import signal
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=srv.shutdown, daemon=True).start())
