@@ -53,5 +53,20 @@ if ! ls "$SGLANG_WHEEL_DIR"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
 fi
 log "installing neon-hpc (editable) and its dependencies"
 "$VENV/bin/pip" install -q -e "$ROOT[test]"
-"$VENV/bin/python" -c 'import neon_hpc, torch, megatron.core, h5py, mpi4py; print("neon-hpc", neon_hpc.__version__, "torch", torch.__version__)'
+# Every module of the package imports in this venv, which pyproject.toml alone made on a fresh
+# machine (CI clones afresh, so .venv is new there): an undeclared dependency fails here.
+"$VENV/bin/python" - <<'PY'
+import importlib, pkgutil, warnings
+warnings.simplefilter("ignore")
+import neon_hpc, torch
+failed = []
+for m in pkgutil.walk_packages(neon_hpc.__path__, "neon_hpc."):
+    try:
+        importlib.import_module(m.name)
+    except Exception as e:  # report every module, then fail
+        failed.append(f"{m.name}: {type(e).__name__}: {e}")
+if failed:
+    raise SystemExit("modules that do not import from this venv:\n  " + "\n  ".join(failed))
+print("neon-hpc", neon_hpc.__version__, "torch", torch.__version__, "- every module imports")
+PY
 log "done. Activate with: source $VENV/bin/activate"
