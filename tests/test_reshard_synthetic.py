@@ -72,6 +72,7 @@ def test_fast_path_equals_serial_byte_for_byte_in_process(ckpt, serial_out, tmp_
     stats = convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf", ranks=ranks)
     assert torch.get_num_threads() == threads          # an in-process caller keeps its setting
     assert stats["ranks"] == ranks and stats["files"] == ranks
+    assert stats["digests_verified"] and stats["digest_reread_bytes"] == 0   # checked without a second read
     assert_same_tensors(tmp_path / "hf", serial_out)
 
 

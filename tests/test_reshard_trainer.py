@@ -135,6 +135,7 @@ def test_round_trip_without_hf_config_dir_gives_megatron_logits(trained, tmp_pat
     from transformers import AutoModelForCausalLM
     stats = convert(trained["step"], tmp_path / "hf")
     assert stats["config_source"].startswith("the checkpoint's own") and stats["digests_verified"]
+    assert stats["digest_reread_bytes"] == 0
     assert stats["guessed_config_fields"] == [] and not (tmp_path / "hf" / "README.md").exists()
     model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

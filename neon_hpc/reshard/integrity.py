@@ -143,6 +143,14 @@ class Digests:
     def expected(self, file: str, offset: int, length: int) -> str | None:
         return self.files.get(file, {}).get("items", {}).get(item_key(offset, length))
 
+    def matches_parts(self, file: str, offset: int, length: int, parts) -> bool:
+        """Whether bytes held in pieces (in file order) hash to the saved digest (not joined)."""
+        want = self.expected(file, offset, length)
+        h = xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        return want is not None and h.hexdigest() == want
+
     def check(self, file: str, offset: int, length: int, data, what) -> None:
         """Raise naming the file, byte range and ``what`` (a string, or a callable giving it:
         only called on a mismatch) when ``data`` is not what was saved there."""

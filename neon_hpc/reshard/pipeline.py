@@ -231,6 +231,7 @@ def _stats(plan: Plan, mode: str, results: list[dict], final: dict, seconds: flo
         "seconds": seconds,
         "read_bytes": sum(r["read_bytes"] for r in per_rank),
         "write_bytes": sum(r["write_bytes"] for r in per_rank),
+        "digest_reread_bytes": sum(r.get("digest_reread_bytes", 0) for r in per_rank),
         "peak_rss_bytes_per_process": [res.get("peak_rss_bytes", 0) for res in results],
         "peak_rss_bytes_sum": sum(res.get("peak_rss_bytes", 0) for res in results),
         "files": final.get("files"), "tensors": final.get("tensors"), "verified": final.get("verified"),
