@@ -44,16 +44,23 @@ def _ref_row(doc: int, pos: int) -> int:
     return sum(LENGTHS[:doc]) + pos
 
 
-def _worker(out: str) -> None:
-    from neon_hpc.models import megatron as mm
+def _model_config(arch: str):
     from neon_hpc.models.config import ModelConfig
+    if arch == "qwen3_moe":
+        return ModelConfig()
+    from neon_hpc import config as C
+    return C.load(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")).model
+
+
+def _worker(out: str, arch: str) -> None:
+    from neon_hpc.models import megatron as mm
     from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.batch import block_causal_mask
 
     import torch.distributed as dist
     mm.init_parallel(tp=1, ep=1, pp=1, backend="gloo", seed=7)
     me = dist.get_rank()
-    model = mm.build_gpt_model(ModelConfig(), seed=7)
+    model = mm.build_gpt_model(_model_config(arch), seed=7)
     toks, w = _tokens(), _weights()
     params = [p for p in model.parameters()]
 
@@ -93,13 +100,13 @@ def _worker(out: str) -> None:
     mm.destroy_parallel()
 
 
-def _run_pair(tmp_path: Path) -> list[dict]:
+def _run_pair(tmp_path: Path, arch: str) -> list[dict]:
     port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"r{r}.json")], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"r{r}.json"), arch], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -116,8 +123,9 @@ def _run_pair(tmp_path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_early_late_chunks_match_one_process_exactly(tmp_path):
-    res = _run_pair(tmp_path)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])   # GQA (PieceAttention), MLA (SDPA core)
+def test_early_late_chunks_match_one_process_exactly(tmp_path, arch):
+    res = _run_pair(tmp_path, arch)
     for r, x in enumerate(res):
         assert x["exchanged"] and x["rows_per_rank"] == 8, x
         assert x["logit_err"] <= 1e-5 * max(1.0, x["logit_scale"]), (r, x)
@@ -147,4 +155,4 @@ def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

@@ -40,6 +40,9 @@ class SDPACoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         from neon_hpc.models.cp_attention import active_layout
         lay = active_layout()
+        if attention_mask is None and lay is not None and lay.exchanges:
+            from neon_hpc.models.cp_attention import piece_attention   # K/V of split documents (16a)
+            return piece_attention(query, key, value, lay, self.scale)
         if attention_mask is None and lay is not None:
             allowed = _layout_allowed(lay, q.shape[2], q.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)

@@ -30,6 +30,10 @@ model (``sum n_i^2``), not the packed ``S^2`` of a dense mask.  Without a layout
 module is megatron's ``DotProductAttention`` unchanged (dense mask), which is also the
 reference the tests compare against.
 
+MLA (deepseek_v3): its core attention (``models/core_attention.SDPACoreAttention``) reads
+the same layout and hands micro-batches with an exchange to :func:`piece_attention` (value
+head dim != q/k head dim is handled); RoPE of its YaRN rotary is hooked the same way.
+
 Not done: Transformer Engine's CP attention is never used (the local spec has no TE); on
 CUDA this module runs as plain torch ops (untested on GPU here).
 """
@@ -223,6 +227,15 @@ class PieceAttention(DotProductAttention):
             raise ValueError("PieceAttention: query-key layer scaling and softmax offsets are not supported")
         return _piece_attention(query, key, value, lay, self.softmax_scale,
                                 self.num_attention_heads_per_partition, self.num_query_groups_per_partition)
+
+
+def piece_attention(query, key, value, lay: AttentionLayout, scale: float | None = None) -> torch.Tensor:
+    """The layout's attention for any core attention with megatron's ``[s, b, heads, dim]``
+    tensors (heads and groups from the shapes; value head dim may differ, as in MLA);
+    ``scale`` None = ``1/sqrt(q head dim)``.  Returns ``[s, b, heads * v_dim]``."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return _piece_attention(query, key, value, lay, scale, query.shape[2], key.shape[2])
 
 
 def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_heads: int,
