@@ -19,11 +19,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
 from neon_hpc.xrd.simulate import Instrument, phase_reflections, two_theta_of
 from neon_hpc.xrd.store import DatedView, Store
 
 MAX_FIT_PHASES = 6
+# what one call may carry, checked before its arguments are validated: a million-key object
+# or a 10 MB value must come back as a short error, not be walked or echoed whole
+MAX_ARGUMENTS = 32
+MAX_ARGUMENT_CHARS = 16384
 
 
 @dataclass
@@ -102,7 +107,7 @@ def validate_args(schema: dict, value: Any, where: str = "arguments") -> None:
         if "maximum" in schema and value > schema["maximum"]:
             raise ToolError(f"{where}: must be <= {schema['maximum']}, got {value}")
     if "enum" in schema and value not in schema["enum"]:
-        raise ToolError(f"{where}: must be one of {schema['enum']}, got {value!r}")
+        raise ToolError(f"{where}: must be one of {schema['enum']}, got {short_repr(value)}")
     if t == "string" and len(value) > schema.get("maxLength", 200):
         raise ToolError(f"{where}: string too long (max {schema.get('maxLength', 200)} characters)")
     if t == "array":
@@ -120,8 +125,9 @@ def validate_args(schema: dict, value: Any, where: str = "arguments") -> None:
         if schema.get("additionalProperties") is False:
             extra = [k for k in value if k not in props]
             if extra:
-                raise ToolError(f"{where}: unknown argument(s) {', '.join(map(str, extra))}; "
-                                f"valid: {', '.join(props) or 'none'}")
+                named = ", ".join(clip_text(str(k), 60) for k in extra[:8]) + (f" and {len(extra) - 8} more"
+                                                                          if len(extra) > 8 else "")
+                raise ToolError(f"{where}: unknown argument(s) {named}; valid: {', '.join(props) or 'none'}")
         for k, v in value.items():
             if k in props:
                 validate_args(props[k], v, f"{k}")
@@ -450,22 +456,40 @@ def toolset(name: str) -> dict[str, ToolSpec]:
     return {n: TOOLS[n] for n in TOOLSETS[name]}
 
 
+def _error(message: str) -> dict:
+    return {"error": clip_text(message, MESSAGE_CAP)}
+
+
+def _argument_chars(args: dict) -> int:
+    """Characters of ``args`` as JSON (a walk that stops once past the limit)."""
+    import json
+    try:
+        return len(json.dumps(args, default=str, separators=(",", ":")))
+    except (ValueError, RecursionError):   # circular or absurdly deep: over any limit
+        return MAX_ARGUMENT_CHARS + 1
+
+
 def call_tool(name: str, args: dict, ctx: TaskContext, tools: dict[str, ToolSpec] | None = None) -> dict:
-    """Run one tool call; never raises (errors come back as {"error": message})."""
+    """Run one tool call; never raises (errors come back as {"error": message}, at most
+    ``bounded.MESSAGE_CAP`` characters, whatever the call carried)."""
     available = tools if tools is not None else TOOLS
     try:
         if not isinstance(name, str) or name not in available:
-            return {"error": f"unknown tool {name!r}; available: {', '.join(available)}"}
+            return _error(f"unknown tool {short_repr(name, 80)}; available: {', '.join(available)}")
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            return {"error": f"{name}: arguments must be a JSON object, got {type(args).__name__}"}
+            return _error(f"{name}: arguments must be a JSON object, got {type(args).__name__}")
+        if len(args) > MAX_ARGUMENTS:
+            return _error(f"{name}: {len(args)} arguments; a tool takes at most {MAX_ARGUMENTS}")
+        if _argument_chars(args) > MAX_ARGUMENT_CHARS:
+            return _error(f"{name}: arguments over {MAX_ARGUMENT_CHARS} characters as JSON; send smaller values")
         spec = available[name]
         validate_args(spec.parameters, args)
         return spec.function(args, ctx)
     except ToolError as e:
-        return {"error": f"{name}: {e}"}
+        return _error(f"{name}: {e}")
     except (KeyError, ValueError, TypeError) as e:
-        return {"error": f"{name}: {e}"}
+        return _error(f"{name}: {e}")
     except Exception as e:  # noqa: BLE001 - the episode must survive any tool failure
-        return {"error": f"{name}: internal error ({type(e).__name__}: {e})"}
+        return _error(f"{name}: internal error ({type(e).__name__}: {e})")

@@ -17,7 +17,7 @@ from typing import Any
 import requests
 
 from neon_hpc.replay import is_transient
-from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action
+from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 
 FORMAT_HINT = ("Call a tool as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> (one per "
                "message) and give the final answer as <answer>...</answer>.")
@@ -100,10 +100,13 @@ class ChatEpisode:
     def _act(self, text: str, native: list) -> bool:
         if native:
             fn = native[0].get("function", {})
-            try:
-                action = ToolCall(fn.get("name", ""), json.loads(fn.get("arguments") or "{}"))
-            except json.JSONDecodeError as e:
-                action = Malformed(f"tool call arguments are not JSON ({e.msg})")
+            raw_args = fn.get("arguments") or "{}"
+            action = too_long("tool call arguments", raw_args) if isinstance(raw_args, str) else None
+            if action is None:
+                try:
+                    action = ToolCall(fn.get("name", ""), json.loads(raw_args))
+                except (json.JSONDecodeError, TypeError) as e:
+                    action = Malformed(f"tool call arguments are not JSON ({getattr(e, 'msg', e)})")
         else:
             action = parse_action(text)
         if isinstance(action, Answer):

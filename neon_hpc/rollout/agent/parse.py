@@ -15,7 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from neon_hpc.bounded import short_repr
 from neon_hpc.rollout.agent.template import TAGS
+
+# a tool call longer than this is refused before it is parsed: a model (or an attacker
+# writing into its context) must not make the agent walk a 10 MB JSON object
+MAX_TOOL_CALL_CHARS = 16384
 
 
 @dataclass
@@ -60,7 +65,18 @@ def parse_action(text: str) -> Action:
     return Nothing(text)
 
 
+def too_long(what: str, text: str) -> Malformed | None:
+    """A Malformed for a tool call (or its arguments) over :data:`MAX_TOOL_CALL_CHARS`."""
+    if len(text) > MAX_TOOL_CALL_CHARS:
+        return Malformed(f"{what} of {len(text)} characters is over the {MAX_TOOL_CALL_CHARS}-character "
+                         f"limit; send a shorter call")
+    return None
+
+
 def parse_tool_call(body: str) -> ToolCall | Malformed:
+    long = too_long("tool call", body)
+    if long:
+        return long
     body = body.strip()
     if not body:
         return Malformed("empty tool call; write <tool_call>NAME key=value ...</tool_call>")
@@ -91,12 +107,12 @@ def _parse_compact_call(body: str) -> ToolCall | Malformed:
     words = body.split()
     name, args, positional = words[0], {}, []
     if not name.replace("_", "").isalnum():
-        return Malformed(f"tool name {name!r} is not a word")
+        return Malformed(f"tool name {short_repr(name, 80)} is not a word")
     for w in words[1:]:
         if "=" in w:
             k, v = w.split("=", 1)
             if not k:
-                return Malformed(f"argument {w!r} has no name before '='")
+                return Malformed(f"argument {short_repr(w, 80)} has no name before '='")
             args[k] = _scalar(v)
         else:
             positional.append(_scalar(w))

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from neon_hpc.bounded import clip_text, short_repr
 from neon_hpc.rollout.agent.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
 
@@ -109,7 +110,7 @@ class XRDEnv:
         args = dict(call.arguments)
         if call.positional:
             if spec is None:
-                return {"error": f"unknown tool {call.name!r}; available: {', '.join(self.tools)}"}
+                return {"error": f"unknown tool {short_repr(call.name, 80)}; available: {', '.join(self.tools)}"}
             bound = _bind_positional(spec.parameters, call.positional)
             if isinstance(bound, str):
                 return {"error": f"{call.name}: {bound}"}
@@ -118,9 +119,7 @@ class XRDEnv:
 
     def format_result(self, result: dict) -> str:
         text = json.dumps(result, separators=(",", ":"), default=str)
-        if len(text) > self.max_tool_chars:
-            text = text[: self.max_tool_chars - 12] + "...(cut)"
-        return text
+        return clip_text(text, self.max_tool_chars)   # the marker says how much was cut
 
     # --- answers -----------------------------------------------------------------------
     def parse_answer(self, text: str | None) -> list[tuple[str, float]]:
