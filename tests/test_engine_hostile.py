@@ -27,6 +27,8 @@ from neon_hpc.bounded import MESSAGE_CAP
 from neon_hpc.models import hf
 from neon_hpc.models.config import ModelConfig
 
+pytestmark = pytest.mark.slow   # one engine process for the module (~40 s to start on 2 shared cores)
+
 CONTEXT = ModelConfig().max_position_embeddings
 BUDGET_S = 2.0
 

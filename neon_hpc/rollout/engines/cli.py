@@ -1,6 +1,8 @@
 """``neon-hpc engine``: serve the embedded engine, or print SGLang launch lines.
 
     neon-hpc engine serve --model RUN/weights/v_0 [--host 127.0.0.1] [--port N] [--max-batch-size 16]
+                          [--allowed-root DIR (default: RUN/weights)] [--max-new-tokens-cap N]
+                          [--request-time-budget-s S]
     neon-hpc engine sglang-cmd CONFIG [--set key=value ...]
 """
 
