@@ -261,3 +261,11 @@ def test_cli_defaults_allowed_root_to_its_weights_directory(engine, weights):
     st, body = post(url, "/update_weights_from_disk", {"model_path": str(weights / "weights" / "v_1"),
                                                        "weight_version": "1"})
     assert st == 200 and body["success"] is True, body
+
+
+def test_client_quotes_a_huge_server_error_bounded():
+    """An upstream server (SGLang) that echoes a huge input in its error: the client's
+    EngineError message stays small, marked as cut."""
+    from neon_hpc.rollout.engines.client import _error_message
+    msg = _error_message(json.dumps({"error": {"message": "bad: " + "q" * (5 << 20)}}).encode())
+    assert len(msg) <= MESSAGE_CAP and "truncated" in msg and msg.startswith("bad: q")

@@ -19,8 +19,9 @@ The model and optimizer are loadable into another TP/EP/PP/CP/DP layout (torch_d
 its keys are global, each rank loads the slices its shards cover); the RNG
 states are per rank and restored only when the layout is the same (otherwise reseeded from
 ``train.seed + step``, logged).  ``rng/*.pt`` hold only tensors and load with
-``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles that this
-trainer wrote itself into its own run directory.
+``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles, so every
+checkpoint is checked by :func:`refuse_untrusted` (an allowlist unpickler for ``.metadata``,
+``weights_only=True`` for ``common.pt``) before megatron loads it.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from neon_hpc.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.rollout.engines import protocol
 
 
@@ -281,6 +282,10 @@ def _topk_from_config(model_path: str | None) -> int | None:
 
 
 def _error_message(raw: bytes) -> str:
+    return clip_text(_raw_error_message(raw), MESSAGE_CAP)   # a server may echo a huge input
+
+
+def _raw_error_message(raw: bytes) -> str:
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
