@@ -3,7 +3,7 @@ transformers' DeepseekV3ForCausalLM give the same logits and choose the same exp
 and TP=2 x EP=2 over gloo; the trainer's checkpoint and weights publish through both paths
 (direct export and reshard of the trainer-written torch_dist checkpoint) into HF folders that
 transformers loads with the trainer's logits.  Tolerance: max |logit diff| < 1e-4 (float32;
-measured ~2e-7)."""
+measured 4e-7 at TP=1, 8e-7 at TP=2 x EP=2)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def _publish_worker(rank: int, world: int, port: int, out: str, tp: int, ep: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("tp,ep", [(2, 2)])     # (1, 1) also passes (3.6e-7); left out for time
 def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
     import torch.multiprocessing as mp
     from neon_hpc.models.parity import hf_logits
@@ -155,3 +155,25 @@ def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
         err = float(np.abs(got - ref).max())
         print(f"deepseek_v3 TP={tp} EP={ep} publish {via}: max|logits_hf - logits_trainer| = {err:.2e}")
         assert err < TOL, (via, err)
+
+
+def test_kimi_example_passes_the_adapter():
+    """configs/kimi_k2_1300xh200.yaml: the adapter's model rules and experiment rules hold, its
+    HF config is Kimi-K2's architecture, and megatron accepts its config at TP=8 x EP=64."""
+    from pathlib import Path
+    from neon_hpc import config
+    from neon_hpc.models.config import arch_errors
+    from neon_hpc.models.megatron import transformer_config
+    cfg = config.load(Path(__file__).resolve().parents[1] / "configs" / "kimi_k2_1300xh200.yaml")
+    ad = get_adapter(cfg.model.arch)
+    assert ad.name == "deepseek_v3" and arch_errors(cfg.model) == [] and ad.experiment_errors(cfg) == []
+    hf = ad.hf_config_dict(cfg.model)
+    assert (hf["n_routed_experts"], hf["num_experts_per_tok"], hf["first_k_dense_replace"], hf["n_shared_experts"],
+            hf["q_lora_rank"], hf["kv_lora_rank"], hf["rope_parameters"]["rope_type"]) == (384, 8, 1, 1, 1536, 512, "yarn")
+    assert ad.moe_layers(cfg.model) == list(range(1, 61))
+    t = transformer_config(cfg.model, tp=cfg.train.tensor_parallel, ep=cfg.train.expert_parallel)
+    assert t.multi_latent_attention and t.moe_layer_freq[:2] == [0, 1] and t.rope_type == "yarn"
+    assert t.moe_router_score_function == "sigmoid" and t.moe_router_enable_expert_bias
+    bad = config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")
+    bad.train.context_parallel = 2
+    assert [k for k, _ in ad.experiment_errors(bad)] == ["train.context_parallel"]
