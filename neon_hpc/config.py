@@ -192,7 +192,7 @@ def _convert(tp: Any, value: Any, key: str, where: str) -> Any:
 
 
 def _from_dict(cls: type, data: dict, prefix: str, where: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = constraints.type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():

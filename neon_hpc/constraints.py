@@ -40,6 +40,7 @@ nothing of neon_hpc, so every section module can import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -144,6 +145,13 @@ def _numeric_kind(tp: Any) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, computed once per class (config loads are frequent in tests)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=None)
 def declared(cls: type) -> dict[str, Range]:
     """The section's ``CHECKS``, after making sure every name in it is a field."""
     checks = dict(getattr(cls, "CHECKS", {}) or {})
@@ -217,7 +225,7 @@ def check(obj: Any, prefix: str = "") -> list[Violation]:
     """Every violation in the config section ``obj`` and the sections nested in it."""
     cls = type(obj)
     checks = declared(cls)
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     out: list[Violation] = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
