@@ -351,9 +351,8 @@ def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
     xs, h, _ = observed_peaks(ctx.two_theta, np.clip(resid, 0, None) + res.background, 0.05, 8)
     out = _fit_report(res, ctx, ctx.cache.get("detection_z_min", DETECTION_Z_MIN))
     out["unexplained_peaks"] = [[round(float(a), 3), round(float(b), 1)] for a, b in zip(xs, h)]
-    out["note"] = ("whole-pattern refinement; weight fractions (Hill-Howard, of the detected phases) with esd; "
-                   "rwp/rexp/gof: lower rwp is better, gof near 1 = fit at the noise; a phase whose refined "
-                   "scale is under the significance threshold is 'not detectable' (below_wt_fraction)")
+    out["note"] = ("Rietveld fit; wt fractions of detected phases +- esd; gof~1 = fit at the noise; "
+                   "'not detectable' = refined scale under the significance threshold")
     return out
 
 
