@@ -66,6 +66,12 @@ class ConfigError(ValueError):
 
 def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     errs = []
+    if cfg.rollout.max_total_tokens > cfg.model.max_position_embeddings:
+        # the engines refuse prompt + generation beyond the context (embedded: engines.embedded.admit)
+        errs.append(("rollout.max_total_tokens",
+                     f"{cfg.rollout.max_total_tokens} is over model.max_position_embeddings "
+                     f"({cfg.model.max_position_embeddings}): episodes would grow past the context the "
+                     f"engines serve; lower it to at most {cfg.model.max_position_embeddings}"))
     if cfg.mode == "async" and cfg.train.off_policy_correction == "none":
         errs.append(("train.off_policy_correction",
                      "an async run trains on tokens from older weight versions; with no off-policy "
