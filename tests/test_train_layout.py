@@ -1,0 +1,218 @@
+"""The trainer's layouts: the flagship config checks, a shape-reduced copy of its layout trains
+for real, checkpoints move between layouts, and layouts the trainer cannot honour are refused
+(by ``neon-hpc config check`` and by the trainer, before any model is built) naming the key.
+
+The shape-reduced Kimi layout keeps the structure of ``configs/kimi_k2_1300xh200.yaml``'s
+``train:`` section (pipeline stages with a short last stage, expert parallelism over the
+ranks of a stage, data parallelism; context parallelism as configured) at sizes two cores
+run: 3 layers over PP=2 (2 + 1, like Kimi's 7 x 8 + 5), EP=2, TP=1, 4 ranks, on the tiny
+qwen3_moe shape (not MLA: the reduced copy is of the layout).  As configured (CP=1) that is
+PP=2 x DP=2; a second case puts a CP pair with split documents in the DP pair's place.  Each
+trains the same data as one process to 1e-5 (losses and gradient norms), then its checkpoint
+resumes in one process (PP 2 -> 1, EP 2 -> 1, DP or CP 2 -> 1) and continues its losses.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from neon_hpc import config as C
+from neon_hpc.logs import read_metrics
+from neon_hpc.rundir import RunDir
+from test_train_loop import add_shards, start, wait_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+KIMI = ROOT / "configs" / "kimi_k2_1300xh200.yaml"
+LAYERS, K, E, PER_STEP, STEPS = 3, 2, 4, 8, 3
+
+
+# --------------------------------------------------------------------------------------
+# the flagship config and refusals (fast: no model is built)
+
+def test_kimi_config_passes_config_check_with_the_trainer_rules(tmp_path):
+    # model.init_checkpoint is a cluster path (/lustre/...); config check looks for an HF folder
+    # there, so it is pointed at one holding the config.json this model implies (no weights)
+    import json
+
+    from neon_hpc.models.adapters import get_adapter
+    hf = tmp_path / "kimi-hf"
+    hf.mkdir()
+    mcfg = C.load(KIMI).model
+    (hf / "config.json").write_text(json.dumps(get_adapter(mcfg.arch).hf_config_dict(mcfg)))
+    out = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", str(KIMI),
+                          "--set", f"model.init_checkpoint={hf}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from neon_hpc.train.layout import layout_errors, stage_layers, world_size
+    cfg = C.load(KIMI)
+    assert layout_errors(cfg) == []
+    assert world_size(cfg) == cfg.launch.train.nodes * cfg.launch.train.tasks_per_node == 512
+    t = cfg.train
+    assert stage_layers(cfg.model.num_layers, t.pipeline_parallel, t.pipeline_first_stage_layers,
+                        t.pipeline_last_stage_layers) == [8] * 7 + [5]
+
+
+@pytest.mark.parametrize("sets, key", [
+    # 64 nodes x 8 = 512 ranks started, twice the configured DP asks for 1024
+    ([f"train.data_parallel={2 * yaml.safe_load(KIMI.read_text())['train']['data_parallel']}"],
+     "train.data_parallel"),
+    # 61 layers do not split over 8 even stages
+    (["train.pipeline_last_stage_layers=0"], "train.pipeline_parallel"),
+    # 5 + 7 * x = 61 has no integer x
+    (["train.pipeline_last_stage_layers=6"], "train.pipeline_first_stage_layers"),
+    # a stage holds tp*cp*dp = 64 ranks: EP 128 does not fit
+    (["train.expert_parallel=128"], "train.expert_parallel"),
+    (["train.virtual_pipeline_stages=2", "train.pipeline_last_stage_layers=0", "model.num_layers=64"],
+     "train.virtual_pipeline_stages"),
+    # TP 8 splits the vocabulary rows
+    (["model.vocab_size=163844"], "train.tensor_parallel"),
+], ids=["world", "pp_layers", "uneven_layers", "ep", "vpp", "tp_vocab"])
+def test_config_check_refuses_layouts_the_trainer_cannot_run(sets, key):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(KIMI, sets)
+    assert f": {key}: " in str(e.value)
+
+
+def test_trainer_refuses_a_world_that_is_not_the_layout_before_building(tmp_path):
+    cfg = C.load(None, ["train.data_parallel=2", "train.expert_parallel=2"])
+    run = RunDir(tmp_path / "run").create()
+    run.run_yaml.write_text(C.dump(cfg))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "neon_hpc.train", "--config", str(run.run_yaml),
+                          "--run-dir", str(run.root)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "train.data_parallel" in out.stderr and "1 trainer process(es) started" in out.stderr
+    assert not run.checkpoint_steps() and not run.weight_versions()
+
+
+# --------------------------------------------------------------------------------------
+# the shape-reduced Kimi layout, for real
+
+def _trajectories(step: int, rng: np.random.Generator):
+    from neon_hpc.store import Trajectory
+    out = []
+    for i in range(PER_STEP):
+        n = int(rng.integers(6, 20))
+        prompt = int(rng.integers(2, 4))
+        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
+        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(LAYERS)]) for _ in range(n)])
+        out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
+                              logprobs=np.where(mask > 0, rng.normal(-5.5, 0.3, n), 0).astype(np.float32),
+                              versions=np.where(mask > 0, max(0, step - 2), -1).astype(np.int32),
+                              routed_experts=routes.astype(np.int32), reward=float(rng.integers(0, 2)),
+                              task_id=f"s{step}g{i // 4}", group_id=f"s{step}g{i // 4}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def kimi_data(tmp_path_factory):
+    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.models.hf import build_hf_model, save_hf
+    from neon_hpc.store import ShardWriter
+    from neon_hpc.store.config import StoreConfig
+
+    root = tmp_path_factory.mktemp("kimi_data")
+    mcfg = ModelConfig(num_layers=LAYERS)
+    init = save_hf(build_hf_model(mcfg, seed=13), mcfg, root / "init_hf")
+    scratch = RunDir(root / "scratch").create()
+    rng = np.random.default_rng(7)
+    shards = []
+    w = ShardWriter(scratch.root, "fixture", StoreConfig(flush_trajectories=10 * PER_STEP))
+    for step in range(1, STEPS + 1):
+        for t in _trajectories(step, rng):
+            w.add(t)
+        shards.append(w.flush())
+        time.sleep(0.002)
+    return {"init": init, "shards": shards}
+
+
+def reduced_kimi_sets(cp: int | None = None) -> list[str]:
+    """Kimi's train layout structure at toy sizes, 4 ranks (see the module docstring).
+
+    ``cp=None``: as the example has it (its ``context_parallel``, 1 while MLA has no K/V
+    exchange here, so the 4 ranks are PP=2 x DP=2); ``cp=2``: the same pipeline and experts
+    with a CP pair that cuts documents into early/late chunks (the qwen3_moe attention has the
+    K/V exchange), so the exchange runs inside 1F1B.
+    """
+    k = yaml.safe_load(KIMI.read_text())["train"]
+    assert k["pipeline_parallel"] > 1 and k["pipeline_last_stage_layers"] > 0 and k["expert_parallel"] > 1
+    cp = cp or min(k["context_parallel"], 2)
+    sets = ["train.pipeline_parallel=2", "train.pipeline_last_stage_layers=1", f"train.context_parallel={cp}",
+            "train.expert_parallel=2", f"train.data_parallel={2 // cp}", "train.tensor_parallel=1"]
+    if cp > 1:
+        sets.append("balance.split_threshold_tokens=8")   # documents of >= 8 tokens cut over the CP pair
+    return sets
+
+
+def _run(tmp: Path, data, *sets: str) -> RunDir:
+    cfg = C.load(None, [f"model.num_layers={LAYERS}", f"train.trajectories_per_step={PER_STEP}",
+                        "train.checkpoint_every=2", "train.publish_every=1", "train.lr=0.002",
+                        "rollout.max_staleness=8", "train.wait_for_data_s=300",
+                        f"model.init_checkpoint={data['init']}", *sets])
+    run = RunDir(tmp / "run").create()
+    run.run_yaml.write_text(C.dump(cfg))
+    return run
+
+
+def metrics(run) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run.root, "trainer") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, kimi_data):
+    run = _run(tmp_path_factory.mktemp("one"), kimi_data, f"train.steps={STEPS}")
+    for s in range(1, STEPS + 1):
+        add_shards(run, kimi_data, [s])
+    wait_ok(run, start(run, 1))
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [None, 2], ids=["as_configured", "with_cp2"])
+def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path, kimi_data, one_process, cp):
+    sets = reduced_kimi_sets(cp)
+    cp = int(next(x for x in sets if x.startswith("train.context_parallel=")).split("=")[1])
+    run = _run(tmp_path, kimi_data, "train.steps=2", *sets)
+    add_shards(run, kimi_data, [1, 2])
+    wait_ok(run, start(run, 4), timeout=400)
+    got, want = metrics(run), metrics(one_process)
+    for s in (1, 2):
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5, abs=1e-7)
+        assert got[s]["grad_norm"] == pytest.approx(want[s]["grad_norm"], rel=1e-5)
+        assert got[s]["replay_docs_missing"] == 0 and got[s]["replayed_microbatches"] >= 1
+        assert got[s]["plan"]["cp"] == cp and got[s]["plan"]["pp_stages"] == 2
+        if cp > 1:
+            assert got[s]["exchanged_microbatches"] >= 1    # documents cut over the CP pair
+    # PP 2 -> 1, CP 2 -> 1, EP 2 -> 1: the torch_dist checkpoint reshards into one process
+    add_shards(run, kimi_data, [3])
+    wait_ok(run, start(run, 1, "train.pipeline_parallel=1", "train.pipeline_last_stage_layers=0",
+                       "train.context_parallel=1", "train.expert_parallel=1", "train.data_parallel=1",
+                       "balance.split_threshold_tokens=0", f"train.steps={STEPS}"))
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3]
+    assert got[3]["loss"] == pytest.approx(want[3]["loss"], rel=1e-5, abs=1e-7)
+    assert got[3]["grad_norm"] == pytest.approx(want[3]["grad_norm"], rel=1e-4)
+
+
+def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
+    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.train.backend import Backend, Layout
+    from neon_hpc.train.layout import stage_layers
+
+    per_stage = stage_layers(5, 2, 0, 2)
+    assert per_stage == [3, 2]
+    rows = []
+    for pp_rank, n in enumerate(per_stage):
+        lay = Layout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
+                     pp_rank=pp_rank, layer_offset=sum(per_stage[:pp_rank]), num_local_layers=n)
+        be = Backend(model_cfg=ModelConfig(num_layers=5), layout=lay, model=None, ddp=None, optimizer=None,
+                     replay=True)
+        rows.append(be.route_rows())
+    assert rows == [[0, 1, 2], [3, 4]]
