@@ -27,9 +27,12 @@ class attributes, not dataclass fields), beside the fields they describe::
 
 ``CHECKS`` maps a field name to a :class:`Range` (integers stay below ``2**63`` and floats
 stay finite whatever the range says, unless ``Range(finite=False)``).  A ``Rule`` is a
-predicate over the whole section plus the message shown when it is false; the message is
-formatted with the section's fields.  A name in ``CHECKS`` or a ``Rule`` that is not a
-field is a programming error and raises ``TypeError`` at once.
+predicate over the whole section plus what is allowed, shown when it is false (a format
+string over the section's fields, or a function of the section).  A name in ``CHECKS`` or a
+``Rule`` that is not a field is a programming error and raises ``TypeError`` at once.  A
+check that needs code (e.g. per-architecture adapters) may stay a ``validate()`` method
+returning ``[(field, message)]``; its findings are reported the same way, after the ranges
+and rules pass.  Rules across sections live in ``neon_hpc.config._cross_checks``.
 
 :func:`check` walks a config (sections nested to any depth) and returns every violation as
 ``(key path, value, what is allowed)``; :mod:`neon_hpc.config` turns them into one error
