@@ -216,3 +216,18 @@ def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
                      replay=True)
         rows.append(be.route_rows())
     assert rows == [[0, 1, 2], [3, 4]]
+
+
+def test_a_stage_with_a_dense_layer_replays_only_its_moe_layers():
+    # Kimi-K2 / DeepSeek-V3: the first layer is dense; routes carry the MoE layers' rows only
+    from neon_hpc.models.testing import tiny_dsv3
+    from neon_hpc.train.backend import Backend, Layout
+
+    mcfg = tiny_dsv3()                      # 3 layers: 0 dense, 1 and 2 MoE
+    rows = []
+    for pp_rank, (offset, n) in enumerate([(0, 2), (2, 1)]):
+        lay = Layout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
+                     pp_rank=pp_rank, layer_offset=offset, num_local_layers=n)
+        rows.append(Backend(model_cfg=mcfg, layout=lay, model=None, ddp=None, optimizer=None,
+                            replay=True).route_rows())
+    assert rows == [[0], [1]]
