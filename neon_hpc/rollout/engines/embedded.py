@@ -356,6 +356,8 @@ class Scheduler:
             for i, job in enumerate(batch):
                 if job.finish is None:
                     self._sample(job, logits[i], loaded)
+                    if job.finish is not None:   # answered now: a long neighbour in the batch never holds it
+                        self._answer(job, loaded)
                 step[i, 0] = job.out[-1] if job.out else 0
             if all(j.finish is not None for j in batch):
                 break
@@ -374,7 +376,8 @@ class Scheduler:
                 if job.finish is None:  # only tokens that still need a successor were forwarded
                     job.routes.append(routes[i].numpy().astype(np.int32))
         for job in batch:
-            self._answer(job, self.loaded)
+            if not job.done.is_set():
+                self._answer(job, self.loaded)
 
     def _sample(self, job: _Job, logits: torch.Tensor, loaded: LoadedModel) -> None:
         s = job.req.sampling
