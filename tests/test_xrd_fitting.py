@@ -154,6 +154,8 @@ def test_eval_protocol_loo_needs_the_real_data(capsys):
     from neon_hpc.xrd.cli import main
     assert main(["eval", "--protocol", "loo", "--preset", "tiny"]) == 2
     assert "needs --data" in capsys.readouterr().err
+    assert main(["eval", "--protocol", "fit-on-train", "--preset", "tiny", "--split", "train"]) == 2
+    assert "synthetic presets only" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(real_data_dir() is None, reason="shared/data/xrd-real not beside the repository "

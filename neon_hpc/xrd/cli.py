@@ -79,6 +79,23 @@ def _cmd_eval(args, argv: list[str]) -> int:
     progress = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
     if args.protocol == "loo":
         return _eval_loo(args, progress)
+    if args.protocol == "fit-on-train":
+        from neon_hpc.xrd.evaluate import evaluate_fit_on_train
+        if args.data or args.tasks or args.split in ("train", "all") or args.solver != "baseline":
+            print("neon-hpc xrd eval --protocol fit-on-train: synthetic presets only (--preset P --split test_id|"
+                  "test_ood|test_temporal), --solver baseline; thresholds are fitted on --n train tasks", file=sys.stderr)
+            return 2
+        rep, info = evaluate_fit_on_train(args.preset, args.split, args.n, args.seed, progress=progress)
+        s = rep.summary()
+        lo, hi = s["success_ci95"]
+        print(f"{args.preset + '/' + args.split:<28} n={s['n']:<4} success={s['success']:.3f} [{lo:.3f}, {hi:.3f}]  "
+              f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
+              f"(thresholds {info['thresholds']} fitted on {info['train_n']} train tasks: "
+              f"{info['train_successes']}/{info['train_n']})")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"solver": args.solver, "protocol": "fit-on-train", "info": info,
+                                                   "results": [{**s, "rows": rep.rows}]}, indent=1))
+        return 0
     groups = []
     if args.data:
         from neon_hpc.xrd.real import load_real_tasks
@@ -167,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="real data folder (xrd-real): scores its labelled precursor mixtures")
     ev.add_argument("--scan", choices=("2min", "8min"), help="only this scan length of the real data")
     ev.add_argument("--tasks", help="a task folder written by `neon-hpc xrd tasks`")
-    ev.add_argument("--protocol", choices=("fixed", "loo"), default="fixed",
+    ev.add_argument("--protocol", choices=("fixed", "loo", "fit-on-train"), default="fixed",
                     help="fixed: the solver's default thresholds; loo: leave one real mixture out, thresholds "
-                         "fitted on the other mixtures (needs --data)")
+                         "fitted on the other mixtures (needs --data); fit-on-train: synthetic preset, thresholds "
+                         "fitted on --n train tasks, scored on --split")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (neon_hpc.rollout.agent.eval_cli)")

@@ -183,3 +183,53 @@ def detection_limits_by_scan(folds: dict) -> dict[str, dict]:
             by.setdefault(scan, []).extend(row["detection_limits"].values())
     return {k: {"median": round(statistics.median(v), 4), "max": round(max(v), 4), "n": len(v)}
             for k, v in sorted(by.items()) if v}
+
+
+def _grid_answers(args) -> list:
+    """(worker) one task's answers at every grid point: [(phases, success, abs errors), ...]."""
+    task, grid = args
+    from neon_hpc.xrd.baseline import trace
+    t0, c0 = time.perf_counter(), time.process_time()
+    store = build_store([task], ":memory:", include_real=False)
+    tr = trace(make_context(task, store))
+    out = []
+    for th in grid:
+        sol = tr.decide(th)
+        g = grade(sol.phases, task.truth)
+        out.append((sol.phases, g))
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def choose_thresholds(answers: list, grid) -> int:
+    """Index of the grid point with the most successes over ``answers`` (ties: lower MAE, then earlier)."""
+    def score(j):
+        gs = [a[j][1] for a in answers]
+        errs = [e for g in gs for e in g.details["abs_errors"].values()]
+        return (sum(g.success for g in gs), -sum(errs) / max(1, len(errs)), -j)
+    return max(range(len(grid)), key=score)
+
+
+def evaluate_fit_on_train(preset: str, split: str, n: int, seed: int = 0, workers: int = 2, grid=None,
+                          progress: Callable[[str], None] | None = None) -> tuple[EvalReport, dict]:
+    """Synthetic presets: the baseline's thresholds fitted on ``n`` train tasks, scored on ``split``."""
+    from concurrent.futures import ProcessPoolExecutor
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
+    from neon_hpc.xrd.tasks import load_tasks
+    if split == "train":
+        raise ValueError("fit-on-train scores a split other than train (the thresholds are fitted there)")
+    grid = tuple(grid or THRESHOLD_GRID)
+    train, test = load_tasks(preset, "train", seed, n), load_tasks(preset, split, seed, n)
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(_grid_answers, [(t, grid) for t in train + test]))
+    tr_ans = [r[0] for r in results[:len(train)]]
+    best = choose_thresholds(tr_ans, grid)
+    rep = EvalReport(f"{preset}/{split} (thresholds fitted on {len(train)} train tasks)")
+    for task, (ans, wall, cpu) in zip(test, results[len(train):]):
+        phases, g = ans[best]
+        rep.add(task, phases, g, wall)
+        rep.rows[-1]["cpu_seconds"] = round(cpu, 2)
+    info = {"thresholds": grid[best].__dict__,
+            "train_successes": sum(a[best][1].success for a in tr_ans), "train_n": len(train)}
+    if progress:
+        progress(f"thresholds {info['thresholds']} ({info['train_successes']}/{len(train)} train tasks)")
+    return rep, info
