@@ -182,8 +182,11 @@ class Trial:
     def inject(self, moment: str, launcher: subprocess.Popen, delay_s: float) -> str:
         t0 = time.monotonic()
         armed_at = None
+        snap_at = 0.0
         while launcher.poll() is None:
-            self.snapshot(psutil.Process(launcher.pid))
+            if time.monotonic() - snap_at > 1.0:   # a process-table scan is slow: keep the poll fast
+                self.snapshot(psutil.Process(launcher.pid))
+                snap_at = time.monotonic()
             if moment in ("launcher", "trainer", "node", "worker", "engine", "all"):
                 if self.steps_done() >= 1 and armed_at is None:
                     armed_at = time.monotonic()
