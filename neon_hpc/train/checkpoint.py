@@ -6,6 +6,9 @@ renamed into place by rank 0 after every rank finished writing)::
     .metadata, __R_K.distcp, common.pt, metadata.json   megatron torch_dist: model + optimizer
     trainer_state.json                                   step, weight version, data cursor, layout
     rng/rank_R.pt                                        each rank's RNG states (tensors only)
+    integrity.json                                       xxh3 digest per .distcp file and per blob
+                                                         (neon_hpc/reshard/integrity.py); checked on resume
+    config.json                                          the model's HF config (reshard needs nothing else)
 
 ``trainer_state.json``::
 
@@ -26,8 +29,11 @@ checkpoint is checked by :func:`refuse_untrusted` (an allowlist unpickler for ``
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import shutil
+import sys
 import signal
 import time
 from pathlib import Path
@@ -35,6 +41,8 @@ from typing import Any
 
 import torch
 
+from neon_hpc.reshard import integrity
+from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
 from neon_hpc.train.backend import Backend, param_digest
 from neon_hpc.train import writers
@@ -135,7 +143,11 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
         torch.save(_rng_state(), staging / "rng" / f"rank_{lay.rank}.pt")
         digest = param_digest(be)
         _barrier(lay.world)
+        blob_digests = _seal_share(staging, lay.rank, lay.world)   # every rank digests its own .distcp files
         if lay.rank == 0:
+            integrity.write(staging, blob_digests)
+            (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
+                                                             sort_keys=True) + "\n")
             full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
                           "layout": lay.as_record()}
             (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
@@ -194,10 +206,13 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     ckpt = run.checkpoint(step)
     state = read_state(ckpt)
     refuse_untrusted(ckpt)          # before megatron unpickles anything in it
-    loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
+    lay = be.layout
+    with verified_reads(ckpt, lay.rank) as digests:      # every blob checked as DCP reads it
+        loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
+    state["digests_verified"] = digests is not None
     be.model.load_state_dict(loaded["model"], strict=False)
     be.optimizer.load_state_dict(loaded["optimizer"])
-    lay = be.layout
+    _check_param_digest(ckpt, state, be)
     saved_layout = {"cp": 1, "vpp": 1, **state.get("layout", {})}   # older records lack cp, vpp
     same_layout = all(saved_layout.get(k) == v for k, v in lay.as_record().items())
     rng_file = ckpt / "rng" / f"rank_{lay.rank}.pt"
@@ -206,6 +221,72 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
         _set_rng_state(torch.load(rng_file, weights_only=True))
     _barrier(lay.world)
     return state
+
+
+def _seal_share(staging: Path, rank: int, world: int) -> dict[str, dict]:
+    """Digests of this rank's share of the ``.distcp`` files, merged over ranks (all ranks get all)."""
+    mine = integrity.compute(staging, rank, world)
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+@contextlib.contextmanager
+def verified_reads(ckpt: Path, rank: int = 0):
+    """Within: megatron's torch_dist load checks every storage item it reads against the
+    checkpoint's ``integrity.json`` (on the bytes it reads anyway). Yields the digests, or
+    None (with a warning) for a checkpoint saved without them."""
+    digests = integrity.load(ckpt)
+    if digests is None:
+        if rank == 0:
+            print(f"neon-hpc train: warning: checkpoint {ckpt} {integrity.UNVERIFIED_WARNING}",
+                  file=sys.stderr, flush=True)
+        yield None
+        return
+    from megatron.core.dist_checkpointing.strategies import torch as mtorch
+    real = getattr(mtorch, "_get_filesystem_reader", None)
+    if real is None:
+        raise RuntimeError(f"{ckpt}: this megatron-core has no strategies.torch._get_filesystem_reader, so the "
+                           f"checkpoint's digests cannot be checked while loading; update "
+                           f"neon_hpc/train/checkpoint.verified_reads for this megatron-core version")
+
+    def reader(*args, **kwargs):
+        return integrity.guard_reader(real(*args, **kwargs), digests)
+
+    mtorch._get_filesystem_reader = reader
+    try:
+        yield digests
+    except BaseException as e:   # DCP wraps a reader's error per rank (CheckpointException): surface ours
+        failures = getattr(e, "failures", None) or {}
+        found = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        ours = next((f for f in found if isinstance(f, integrity.IntegrityError)), None)
+        if ours is not None:
+            raise integrity.IntegrityError(str(ours)) from e
+        raise
+    finally:
+        mtorch._get_filesystem_reader = real
+
+
+def _check_param_digest(ckpt: Path, state: dict[str, Any], be: Backend) -> None:
+    """Rank 0's parameters after the load must give the digest recorded at the save, when rank 0
+    holds the same shard as then (same TP, EP, PP); a mismatch stops every rank."""
+    lay, saved_layout = be.layout, state.get("layout", {})
+    saved = state.get("param_digest_rank0")
+    same_shard = all(saved_layout.get(k, 1) == getattr(lay, k, 1) for k in ("tp", "ep", "pp"))
+    error = None
+    if lay.rank == 0 and saved is not None and same_shard:
+        now = param_digest(be)
+        if not math.isclose(now, saved, rel_tol=1e-9, abs_tol=0.0):
+            error = (f"{ckpt}: rank 0's parameters after loading give param_digest {now!r}, the save recorded "
+                     f"{saved!r} ({STATE_FILE} param_digest_rank0): the loaded weights are not the saved ones. "
+                     f"Resume from an older checkpoint or restore this one from another copy.")
+    state["param_digest_checked"] = bool(saved is not None and same_shard)
+    error = _bcast(error, lay.rank, lay.world)
+    if error:
+        raise integrity.IntegrityError(error)
 
 
 def latest_complete(run: RunDir) -> int | None:
