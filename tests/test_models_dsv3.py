@@ -175,5 +175,5 @@ def test_kimi_example_passes_the_adapter():
     assert t.multi_latent_attention and t.moe_layer_freq[:2] == [0, 1] and t.rope_type == "yarn"
     assert t.moe_router_score_function == "sigmoid" and t.moe_router_enable_expert_bias
     bad = config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")
-    bad.train.context_parallel = 2
-    assert [k for k, _ in ad.experiment_errors(bad)] == ["train.context_parallel"]
+    bad.train.tensor_parallel = 3           # divides neither the 4 heads nor q_lora_rank 32
+    assert [k for k, _ in ad.experiment_errors(bad)] == ["train.tensor_parallel"] * 2

@@ -9,8 +9,8 @@ Masks: megatron passes ``attention_mask`` as bool ``[b|1, 1, s, s]`` with True =
 (a block-causal mask of packed documents).  ``None`` with a piece layout active (the trainer
 packs documents without a dense mask, :mod:`neon_hpc.models.cp_attention`) means causal
 within each document by its true positions; ``None`` without one means causal.  A layout that
-exchanges K/V between ranks (context parallelism, split documents) is refused: MLA has no
-such exchange here.  Dropout is not
+exchanges K/V between ranks (context parallelism, documents split across DP ranks) goes to
+:func:`neon_hpc.models.cp_attention.piece_attention` (the trainer-layout work's K/V all-gather).  Dropout is not
 implemented (the policy configs use 0.0; any other value is refused at construction).
 """
 

@@ -84,12 +84,6 @@ class DeepseekV3Adapter(Adapter):
     def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
         cfg, t = exp.model, exp.train
         errs = []
-        if t.context_parallel > 1:
-            errs.append(("train.context_parallel", f"{t.context_parallel}: MLA (model.arch={cfg.arch}) runs on an "
-                         f"SDPA core attention without the K/V exchange context parallelism needs; set it to 1"))
-        if exp.balance.split_threshold_tokens:
-            errs.append(("balance.split_threshold_tokens", f"model.arch={cfg.arch}: documents split across ranks "
-                         f"need a K/V exchange MLA does not have here; set it to 0"))
         tp = t.tensor_parallel
         for k, n in (("num_attention_heads", cfg.num_attention_heads),
                      ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
