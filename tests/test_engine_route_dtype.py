@@ -79,3 +79,35 @@ def test_row_count_derived_from_payload_in_the_advertised_dtype():
 def test_encode_refuses_ids_that_do_not_fit_the_dtype():
     with pytest.raises(ValueError, match="uint8"):
         protocol.encode_routes(np.full((1, 1, 2), 300), "uint8")
+
+
+def test_embedded_engine_sends_the_configured_dtype_and_the_client_decodes_it(tmp_path, monkeypatch):
+    """Over HTTP: SGLANG_ROUTED_EXPERTS_DTYPE=uint8 on the (embedded) server -> a quarter of the
+    int32 bytes, advertised in meta_info; the client's routes equal the int32 server's."""
+    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.models.hf import build_hf_model, save_hf
+    from neon_hpc.rollout.engines.embedded import start_server
+    cfg = ModelConfig()
+    path = save_hf(build_hf_model(cfg, seed=1), cfg, tmp_path / "v_0")
+    got = {}
+    for dtype in ("int32", "uint8"):
+        monkeypatch.setenv("SGLANG_ROUTED_EXPERTS_DTYPE", dtype)
+        with start_server(path, in_process=True) as srv:
+            r = EngineClient(srv.url).generate([1, 2, 3, 4], {"temperature": 0.0, "max_new_tokens": 4},
+                                               return_routed_experts=True)
+        assert r.meta_info["routed_experts_dtype"] == dtype
+        got[dtype] = (r.routed_experts, len(protocol.base64.b64decode(r.meta_info["routed_experts"])))
+    assert np.array_equal(got["int32"][0], got["uint8"][0]) and got["int32"][0].shape[1:] == (cfg.num_layers, 2)
+    assert got["uint8"][1] * 4 == got["int32"][1]
+
+
+def test_embedded_engine_refuses_a_dtype_too_narrow_for_its_experts(tmp_path, monkeypatch):
+    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.models.hf import build_hf_model, save_hf
+    from neon_hpc.rollout.engines.embedded import LoadedModel, Scheduler
+    cfg = ModelConfig(num_experts=300, moe_router_topk=2, vocab_size=64, hidden_size=16, num_attention_heads=2,
+                      num_query_groups=1, head_dim=8, moe_ffn_hidden_size=8, num_layers=1)
+    path = save_hf(build_hf_model(cfg, seed=1), cfg, tmp_path / "v_0")
+    monkeypatch.setenv("SGLANG_ROUTED_EXPERTS_DTYPE", "uint8")
+    with pytest.raises(ValueError, match="cannot hold expert ids up to 299"):
+        Scheduler(LoadedModel.load(path))

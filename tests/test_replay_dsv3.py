@@ -108,7 +108,8 @@ def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
 
 
 def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
-    """Same weights, no replay: megatron's own sigmoid+bias grouped top-k picks the HF experts."""
+    """Teacher-forced HF routes (laid out as SGLang's) replay exactly, and with the same weights
+    megatron's own sigmoid+bias grouped top-k picks the same experts without replay."""
     from neon_hpc.models.adapters.base import RouteLayout
     be, engine = trainer
     rng = np.random.default_rng(0)
@@ -127,8 +128,10 @@ def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
                    versions=np.zeros(len(tokens), np.int32), routed_experts=wire, task_id="tf", group_id="g")
     mb = build([t])
     _, free = routing_maps(be, mb, replay=False)
+    _, replayed = routing_maps(be, mb, replay=True)
     for j in range(2):
         assert torch.equal(free[j].bool(), one_hot(mb.routes[:, j])), f"MoE layer {j}"
+        assert torch.equal(replayed[j].bool(), one_hot(mb.routes[:, j])), f"MoE layer {j} (replay)"
 
 
 @pytest.mark.parametrize("rows", [2, 4])

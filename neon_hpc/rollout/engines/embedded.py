@@ -77,7 +77,9 @@ class LoadedModel:
         self.eos_ids = _as_list(getattr(cfg, "eos_token_id", None))
         adapter = adapter_for_hf_config({"model_type": cfg.model_type})
         # SGLang's route layout: one row per decoder layer, zeros where a layer does not route
-        self.route_layout = adapter.route_layout(adapter.model_config_from_hf(cfg))
+        mcfg = adapter.model_config_from_hf(cfg)
+        self.route_layout = adapter.route_layout(mcfg)
+        self.num_experts = int(mcfg.num_experts)
         hooked = adapter.hf_routers(model)
         if [layer for layer, _ in hooked] != list(self.route_layout.moe_rows):
             raise RuntimeError(f"{path}: routers found at decoder layers {[l for l, _ in hooked]}, but the "
@@ -209,6 +211,16 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.request_time_budget_s = request_time_budget_s
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
+        # SGLang's SGLANG_ROUTED_EXPERTS_DTYPE: routes on the wire in a narrower dtype, advertised
+        # in meta_info.routed_experts_dtype (unset: int32, not advertised)
+        self.route_dtype = os.environ.get("SGLANG_ROUTED_EXPERTS_DTYPE") or None
+        if self.route_dtype is not None:
+            if self.route_dtype not in protocol.ROUTE_DTYPES:
+                raise ValueError(f"SGLANG_ROUTED_EXPERTS_DTYPE={self.route_dtype!r}: one of "
+                                 f"{', '.join(protocol.ROUTE_DTYPES)}")
+            if np.iinfo(protocol.ROUTE_DTYPES[self.route_dtype]).max < model.num_experts - 1:
+                raise ValueError(f"SGLANG_ROUTED_EXPERTS_DTYPE={self.route_dtype}: cannot hold expert ids up to "
+                                 f"{model.num_experts - 1}")
         self._cv = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._update: _Update | None = None
@@ -416,7 +428,10 @@ class Scheduler:
                     else np.zeros((0, loaded.route_rows, loaded.top_k), np.int32))
             if allr.shape[0] < rows:  # an aborted request: only what was forwarded exists
                 rows = allr.shape[0]
-            meta["routed_experts"] = protocol.encode_routes(allr[req.routed_experts_start_len:rows])
+            meta["routed_experts"] = protocol.encode_routes(allr[req.routed_experts_start_len:rows],
+                                                            self.route_dtype or "int32")
+            if self.route_dtype is not None:
+                meta["routed_experts_dtype"] = self.route_dtype
         job.result = {"output_ids": list(job.out), "meta_info": meta}
         job.done.set()
 
