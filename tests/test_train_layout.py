@@ -5,9 +5,11 @@ for real, checkpoints move between layouts, and layouts the trainer cannot honou
 The shape-reduced Kimi layout keeps the structure of ``configs/kimi_k2_1300xh200.yaml``'s
 ``train:`` section (pipeline stages with a short last stage, expert parallelism over the
 ranks of a stage, data parallelism; context parallelism as configured) at sizes two cores
-run: 3 layers over PP=2 (2 + 1, like Kimi's 7 x 8 + 5), EP=2, TP=1, 4 ranks, on the tiny
-qwen3_moe shape (not MLA: the reduced copy is of the layout).  As configured (CP=1) that is
-PP=2 x DP=2; a second case puts a CP pair with split documents in the DP pair's place.  Each
+run: 3 layers over PP=2 (2 + 1, like Kimi's 7 x 8 + 5), EP=2, TP=1, 4 ranks.  As configured
+it runs Kimi's architecture shrunk (the tiny DeepSeek-V3 of ``configs/tiny_dsv3_cpu.yaml``:
+MLA, a dense first layer on stage 0 beside a MoE layer, a shared expert) at CP=1, i.e.
+PP=2 x DP=2; a second case, on the tiny qwen3_moe (whose attention has the K/V exchange MLA
+lacks here), puts a CP pair cutting documents into early/late chunks in the DP pair's place.  Each
 trains the same data as one process to 1e-5 (losses and gradient norms), then its checkpoint
 resumes in one process (PP 2 -> 1, EP 2 -> 1, DP or CP 2 -> 1) and continues its losses.
 """
@@ -95,7 +97,8 @@ def test_trainer_refuses_a_world_that_is_not_the_layout_before_building(tmp_path
 # --------------------------------------------------------------------------------------
 # the shape-reduced Kimi layout, for real
 
-def _trajectories(step: int, rng: np.random.Generator):
+def _trajectories(step: int, rng: np.random.Generator, dense_rows: int = 0):
+    """Routes in the engines' layout (one row per decoder layer; zeros for dense layers)."""
     from neon_hpc.store import Trajectory
     out = []
     for i in range(PER_STEP):
@@ -103,6 +106,7 @@ def _trajectories(step: int, rng: np.random.Generator):
         prompt = int(rng.integers(2, 4))
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
         routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(LAYERS)]) for _ in range(n)])
+        routes[:, :dense_rows] = 0
         out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
                               logprobs=np.where(mask > 0, rng.normal(-5.5, 0.3, n), 0).astype(np.float32),
                               versions=np.where(mask > 0, max(0, step - 2), -1).astype(np.int32),
@@ -111,26 +115,49 @@ def _trajectories(step: int, rng: np.random.Generator):
     return out
 
 
-@pytest.fixture(scope="module")
-def kimi_data(tmp_path_factory):
+def _model(arch: str):
+    """(config file the run starts from, its model section): the tiny qwen3_moe with 3 layers, or
+    the tiny DeepSeek-V3 of configs/tiny_dsv3_cpu.yaml (Kimi-K2's architecture: MLA, a dense first
+    layer, then MoE layers with a shared expert; 3 layers)."""
     from neon_hpc.models.config import ModelConfig
-    from neon_hpc.models.hf import build_hf_model, save_hf
+    from neon_hpc.models.testing import TINY_DSV3_YAML, tiny_dsv3
+    if arch == "deepseek_v3":
+        return TINY_DSV3_YAML, tiny_dsv3()
+    return None, ModelConfig(num_layers=LAYERS)
+
+
+def _dataset(root: Path, arch: str):
+    from neon_hpc.models.hf import save_hf
+    from neon_hpc.models.testing import decisive_hf
     from neon_hpc.store import ShardWriter
     from neon_hpc.store.config import StoreConfig
 
-    root = tmp_path_factory.mktemp("kimi_data")
-    mcfg = ModelConfig(num_layers=LAYERS)
-    init = save_hf(build_hf_model(mcfg, seed=13), mcfg, root / "init_hf")
+    _, mcfg = _model(arch)
+    assert mcfg.num_layers == LAYERS and mcfg.num_experts == E and mcfg.moe_router_topk == K
+    init = save_hf(decisive_hf(mcfg, seed=13), mcfg, root / "init_hf")
     scratch = RunDir(root / "scratch").create()
     rng = np.random.default_rng(7)
     shards = []
     w = ShardWriter(scratch.root, "fixture", StoreConfig(flush_trajectories=10 * PER_STEP))
     for step in range(1, STEPS + 1):
-        for t in _trajectories(step, rng):
+        for t in _trajectories(step, rng, dense_rows=mcfg.first_dense_layers):
             w.add(t)
         shards.append(w.flush())
         time.sleep(0.002)
-    return {"init": init, "shards": shards}
+    return {"init": init, "shards": shards, "arch": arch}
+
+
+_DATA: dict[str, dict] = {}
+_ONE: dict[str, RunDir] = {}
+
+
+@pytest.fixture(scope="module")
+def kimi_data(tmp_path_factory):
+    def get(arch: str):
+        if arch not in _DATA:
+            _DATA[arch] = _dataset(tmp_path_factory.mktemp(f"data_{arch}"), arch)
+        return _DATA[arch]
+    return get
 
 
 def reduced_kimi_sets(cp: int | None = None) -> list[str]:
@@ -141,21 +168,26 @@ def reduced_kimi_sets(cp: int | None = None) -> list[str]:
     with a CP pair that cuts documents into early/late chunks (the qwen3_moe attention has the
     K/V exchange), so the exchange runs inside 1F1B.
     """
-    k = yaml.safe_load(KIMI.read_text())["train"]
+    kimi = yaml.safe_load(KIMI.read_text())
+    k = kimi["train"]
     assert k["pipeline_parallel"] > 1 and k["pipeline_last_stage_layers"] > 0 and k["expert_parallel"] > 1
     cp = cp or min(k["context_parallel"], 2)
     sets = ["train.pipeline_parallel=2", "train.pipeline_last_stage_layers=1", f"train.context_parallel={cp}",
             "train.expert_parallel=2", f"train.data_parallel={2 // cp}", "train.tensor_parallel=1"]
     if cp > 1:
         sets.append("balance.split_threshold_tokens=8")   # documents of >= 8 tokens cut over the CP pair
+    else:
+        split = kimi["balance"].get("split_sequences")
+        sets.append(f"balance.split_sequences={'null' if split is None else str(split).lower()}")
     return sets
 
 
 def _run(tmp: Path, data, *sets: str) -> RunDir:
-    cfg = C.load(None, [f"model.num_layers={LAYERS}", f"train.trajectories_per_step={PER_STEP}",
-                        "train.checkpoint_every=2", "train.publish_every=1", "train.lr=0.002",
-                        "rollout.max_staleness=8", "train.wait_for_data_s=300",
-                        f"model.init_checkpoint={data['init']}", *sets])
+    base, _ = _model(data["arch"])
+    cfg = C.load(base, [f"train.trajectories_per_step={PER_STEP}", "train.checkpoint_every=2",
+                        "train.publish_every=1", "train.lr=0.002", "rollout.max_staleness=8",
+                        "train.wait_for_data_s=300", f"model.init_checkpoint={data['init']}",
+                        *([] if base else [f"model.num_layers={LAYERS}"]), *sets])
     run = RunDir(tmp / "run").create()
     run.run_yaml.write_text(C.dump(cfg))
     return run
@@ -167,22 +199,30 @@ def metrics(run) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, kimi_data):
-    run = _run(tmp_path_factory.mktemp("one"), kimi_data, f"train.steps={STEPS}")
-    for s in range(1, STEPS + 1):
-        add_shards(run, kimi_data, [s])
-    wait_ok(run, start(run, 1))
-    return run
+    """The same data trained by one process, per architecture."""
+    def get(arch: str) -> RunDir:
+        if arch not in _ONE:
+            data = kimi_data(arch)
+            run = _run(tmp_path_factory.mktemp(f"one_{arch}"), data, f"train.steps={STEPS}")
+            add_shards(run, data, range(1, STEPS + 1))
+            wait_ok(run, start(run, 1))
+            _ONE[arch] = run
+        return _ONE[arch]
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [None, 2], ids=["as_configured", "with_cp2"])
-def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path, kimi_data, one_process, cp):
+@pytest.mark.parametrize("arch, cp", [("deepseek_v3", None), ("qwen3_moe", 2)],
+                         ids=["kimi_arch_as_configured", "qwen3_with_cp2"])
+def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path, kimi_data, one_process, arch,
+                                                                        cp):
     sets = reduced_kimi_sets(cp)
     cp = int(next(x for x in sets if x.startswith("train.context_parallel=")).split("=")[1])
-    run = _run(tmp_path, kimi_data, "train.steps=2", *sets)
-    add_shards(run, kimi_data, [1, 2])
+    data, one = kimi_data(arch), one_process(arch)
+    run = _run(tmp_path, data, "train.steps=2", *sets)
+    add_shards(run, data, [1, 2])
     wait_ok(run, start(run, 4), timeout=400)
-    got, want = metrics(run), metrics(one_process)
+    got, want = metrics(run), metrics(one)
     for s in (1, 2):
         assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5, abs=1e-7)
         assert got[s]["grad_norm"] == pytest.approx(want[s]["grad_norm"], rel=1e-5)
@@ -191,7 +231,7 @@ def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path
         if cp > 1:
             assert got[s]["exchanged_microbatches"] >= 1    # documents cut over the CP pair
     # PP 2 -> 1, CP 2 -> 1, EP 2 -> 1: the torch_dist checkpoint reshards into one process
-    add_shards(run, kimi_data, [3])
+    add_shards(run, data, [3])
     wait_ok(run, start(run, 1, "train.pipeline_parallel=1", "train.pipeline_last_stage_layers=0",
                        "train.context_parallel=1", "train.expert_parallel=1", "train.data_parallel=1",
                        "balance.split_threshold_tokens=0", f"train.steps={STEPS}"))
