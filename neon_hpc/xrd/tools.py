@@ -13,10 +13,12 @@ Toolsets: ``full`` (every text tool), ``minimal`` (raw pattern access + simulati
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import jsonschema
 import numpy as np
 
 from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
@@ -86,51 +88,91 @@ class ToolSpec:
 
 
 # ----------------------------------------------------------------------------------------------
-# argument validation (the subset of JSON schema our tools use)
+# argument validation: JSON Schema (draft 2020-12) by the jsonschema package; what comes back
+# is one readable message naming the argument and what it allows, bounded like every echo
 
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+def _finite_number(checker, value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (not isinstance(value, float) or math.isfinite(value)))
+
+
+def _finite_integer(checker, value) -> bool:
+    return _finite_number(checker, value) and (isinstance(value, int) or value.is_integer())
+
+
+# NaN passes every minimum/maximum comparison, so "number" and "integer" mean finite here
+_ArgValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"number": _finite_number, "integer": _finite_integer}))
+_VALIDATORS: dict[int, tuple[dict, Any]] = {}      # id(schema) -> (schema, validator); schemas are module constants
+# which error of several to report: a missing or unknown argument first, then a wrong type
+_RANK = {"required": 0, "additionalProperties": 1, "type": 2}
+_MAX_ERRORS = 64                                   # errors looked at before picking one
+
+
+def _validator(schema: dict):
+    hit = _VALIDATORS.get(id(schema))
+    if hit is None or hit[0] is not schema:
+        _ArgValidator.check_schema(schema)         # a broken tool schema is a bug, refused loudly
+        hit = _VALIDATORS[id(schema)] = (schema, _ArgValidator(schema))
+    return hit[1]
+
+
+def _where(path, root: str) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or root
+
+
+def _describe(e, where: str) -> str:
+    """One jsonschema error as 'ARG: what is wrong; what is allowed'."""
+    kw, allowed, value = e.validator, e.validator_value, e.instance
+    if kw == "type":
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{where}: must be a finite number"
+        want = " or ".join(allowed) if isinstance(allowed, list) else allowed
+        return f"{where}: expected {want}, got {type(value).__name__} {short_repr(value, 80)}"
+    if kw == "required":
+        missing = [k for k in allowed if k not in value]
+        return f"{where}: missing required argument(s) {', '.join(missing)}"
+    if kw == "additionalProperties":
+        known = list(e.schema.get("properties", {}))
+        extra = [k for k in value if k not in known]
+        named = ", ".join(clip_text(str(k), 60) for k in extra[:8]) + (f" and {len(extra) - 8} more"
+                                                                  if len(extra) > 8 else "")
+        what = "argument(s)" if not e.absolute_path else "key(s)"
+        return f"{where}: unknown {what} {named}; valid: {', '.join(known) or 'none'}"
+    bounds = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
+    if kw in bounds:
+        return f"{where}: must be {bounds[kw]} {allowed}, got {short_repr(value, 80)}"
+    if kw == "enum":
+        return f"{where}: must be one of {short_repr(allowed)}, got {short_repr(value, 80)}"
+    if kw == "const":
+        return f"{where}: must be {short_repr(allowed, 80)}, got {short_repr(value, 80)}"
+    if kw == "maxLength":
+        return f"{where}: string too long (max {allowed} characters)"
+    if kw == "minLength":
+        return f"{where}: needs at least {allowed} character(s)"
+    if kw == "pattern":
+        return f"{where}: must match {short_repr(allowed, 80)}, got {short_repr(value, 80)}"
+    if kw == "minItems":
+        return f"{where}: needs at least {allowed} item(s)"
+    if kw == "maxItems":
+        return f"{where}: at most {allowed} items, got {len(value)}"
+    if kw == "uniqueItems":
+        return f"{where}: items must be unique"
+    return f"{where}: {clip_text(e.message, 300)}"      # other keywords: jsonschema's own words
 
 
 def validate_args(schema: dict, value: Any, where: str = "arguments") -> None:
-    t = schema.get("type")
-    if t:
-        ok = isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
-        if t == "integer" and isinstance(value, float) and value.is_integer():
-            ok = True
-        if not ok:
-            raise ToolError(f"{where}: expected {t}, got {type(value).__name__} {value!r}"[:300])
-    if t in ("integer", "number"):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ToolError(f"{where}: must be a finite number")
-        if "minimum" in schema and value < schema["minimum"]:
-            raise ToolError(f"{where}: must be >= {schema['minimum']}, got {value}")
-        if "maximum" in schema and value > schema["maximum"]:
-            raise ToolError(f"{where}: must be <= {schema['maximum']}, got {value}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise ToolError(f"{where}: must be one of {schema['enum']}, got {short_repr(value)}")
-    if t == "string" and len(value) > schema.get("maxLength", 200):
-        raise ToolError(f"{where}: string too long (max {schema.get('maxLength', 200)} characters)")
-    if t == "array":
-        if len(value) < schema.get("minItems", 0):
-            raise ToolError(f"{where}: needs at least {schema['minItems']} item(s)")
-        if len(value) > schema.get("maxItems", 10 ** 9):
-            raise ToolError(f"{where}: at most {schema['maxItems']} items, got {len(value)}")
-        for i, item in enumerate(value):
-            validate_args(schema.get("items", {}), item, f"{where}[{i}]")
-    if t == "object":
-        props = schema.get("properties", {})
-        missing = [k for k in schema.get("required", []) if k not in value]
-        if missing:
-            raise ToolError(f"{where}: missing required argument(s) {', '.join(missing)}")
-        if schema.get("additionalProperties") is False:
-            extra = [k for k in value if k not in props]
-            if extra:
-                named = ", ".join(clip_text(str(k), 60) for k in extra[:8]) + (f" and {len(extra) - 8} more"
-                                                                          if len(extra) > 8 else "")
-                raise ToolError(f"{where}: unknown argument(s) {named}; valid: {', '.join(props) or 'none'}")
-        for k, v in value.items():
-            if k in props:
-                validate_args(props[k], v, f"{k}")
+    """Raise :class:`ToolError` naming the first problem of ``value`` against ``schema``
+    (missing/unknown arguments before types, shallow before deep)."""
+    errors = list(itertools.islice(_validator(schema).iter_errors(value), _MAX_ERRORS))
+    if errors:
+        e = min(errors, key=lambda e: (len(e.absolute_path), _RANK.get(e.validator, 3)))
+        raise ToolError(_describe(e, _where(e.absolute_path, where)))
 
 
 def _obj(properties: dict, required: list[str] = ()) -> dict:
