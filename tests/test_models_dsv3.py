@@ -82,6 +82,7 @@ def test_yarn_reaches_both_configs():
     assert rp["rope_type"] == "yarn" and rp["factor"] == 4.0 and rp["original_max_position_embeddings"] == 64
 
 
+@pytest.mark.slow      # a spawned megatron process: ~70 s on the loaded 2-core machine
 def test_parity_tp1(hf_dir):
     from neon_hpc.models import parity
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 8))
