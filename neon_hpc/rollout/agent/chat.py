@@ -1,10 +1,13 @@
-"""Episodes against an OpenAI-style chat endpoint (``POST {url}/v1/chat/completions``).
+"""Episodes against an OpenAI-compatible chat endpoint (``POST {url}/v1/chat/completions``).
 
 For evaluation only: a chat API returns text, not token ids, logprobs or routes, so these
 episodes have no token books.  The same environment, parser and limits as the token-level
-loop apply; tool results go back as ``user`` messages (``<|tool|>``-less APIs differ on the
-``tool`` role without native tool calls).  Native OpenAI ``tool_calls`` in a response are
-also accepted.
+loop apply.  The client is the official ``openai`` package (its connection pool, timeout and
+retries).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
+a native call in ``message.tool_calls`` is answered with a ``tool`` message carrying its
+``tool_call_id``.  A model that writes ``<tool_call>{...}</tool_call>`` in its text instead is
+read as before (the text protocol is the fallback), and its results go back as ``user``
+messages.
 """
 
 from __future__ import annotations
@@ -14,44 +17,59 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import requests
+import openai
 
-from neon_hpc.replay import is_transient
+from neon_hpc.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 
 FORMAT_HINT = ("Call a tool as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> (one per "
                "message) and give the final answer as <answer>...</answer>.")
+STOP = ["</tool_call>", "</answer>"]
+
+
+class ChatError(RuntimeError):
+    """A chat request that failed for good (after the client's retries, or not retryable)."""
+
+
+def _retryable(e: Exception) -> bool:
+    """What the openai client itself retries: connection errors, timeouts, 408/409/429/5xx."""
+    if isinstance(e, openai.APIConnectionError):
+        return True
+    return isinstance(e, openai.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500)
 
 
 class ChatClient:
-    """Minimal OpenAI-compatible chat client with retries on transient HTTP errors."""
+    """OpenAI-compatible chat client: ``openai.OpenAI`` with ``timeout_s`` per attempt and
+    ``retries`` retries (the client's exponential backoff with jitter, honouring Retry-After)
+    on connection errors, timeouts, 408/409/429 and 5xx.  ``native_tools=False`` never sends
+    ``tools=`` (for servers that refuse it); the text protocol then carries every call."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0,
-                 retries: int = 3, backoff_s: float = 0.5):
+                 retries: int = 3, native_tools: bool = True):
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
-        self.model, self.timeout_s, self.retries, self.backoff_s = model, timeout_s, retries, backoff_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.session = requests.Session()
+        self.model, self.timeout_s, self.retries, self.native_tools = model, timeout_s, retries, native_tools
+        # no key: no Authorization header at all (a local server), and never OPENAI_API_KEY from the
+        # environment, which must not travel to whatever endpoint was named (_enforce_credentials is the
+        # client's own switch for that, a constructor argument of the pinned openai==3.51.0)
+        self.client = openai.OpenAI(base_url=self.url, api_key=api_key or "", timeout=timeout_s, max_retries=retries,
+                                    _enforce_credentials=False)
+        self._headers = {} if api_key else {"Authorization": openai.omit}
 
-    def complete(self, messages: list[dict], max_tokens: int, temperature: float) -> dict:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "stop": ["</tool_call>", "</answer>"]}
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = self.session.post(f"{self.url}/chat/completions", json=body, timeout=self.timeout_s,
-                                      headers=self.headers)
-                r.raise_for_status()
-                return r.json()
-            except Exception as e:  # noqa: BLE001 - classified by is_transient
-                if not is_transient(e):
-                    raise
-                last = e
-        raise RuntimeError(f"{self.url}/chat/completions failed after {self.retries + 1} attempts: {last}")
+    def complete(self, messages: list[dict], max_tokens: int, temperature: float,
+                 tools: list[dict] | None = None) -> dict:
+        """One chat completion as the JSON object the server sent (``choices``, ``usage``...)."""
+        extra = {"tools": tools} if tools and self.native_tools else {}
+        try:
+            resp = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                       temperature=temperature, stop=STOP,
+                                                       extra_headers=self._headers, **extra)
+        except openai.APIError as e:
+            how = f"retryable, gave up after at most {self.retries + 1} attempts" if _retryable(e) else "not retryable"
+            raise ChatError(clip_text(f"{self.url}/chat/completions failed ({how}): {type(e).__name__}: {e}",
+                                      MESSAGE_CAP)) from e
+        return resp.to_dict()
 
 
 @dataclass
@@ -82,8 +100,14 @@ class ChatEpisode:
                 break
         return self
 
+    def _tool_schemas(self) -> list[dict] | None:
+        """The environment's tools as OpenAI ``tools=`` entries (None when it has none)."""
+        tools = getattr(self.env, "tools", None) or {}
+        return [t.openai_schema() for t in tools.values() if hasattr(t, "openai_schema")] or None
+
     def _ask(self) -> tuple[str, list]:
-        resp = self.client.complete(self.messages, self.cfg.max_new_tokens, self.cfg.temperature)
+        resp = self.client.complete(self.messages, self.cfg.max_new_tokens, self.cfg.temperature,
+                                    tools=self._tool_schemas())
         usage = resp.get("usage") or {}
         self.tokens = int(usage.get("total_tokens", self.tokens))
         self.gen_tokens += int(usage.get("completion_tokens", 0))
@@ -94,8 +118,12 @@ class ChatEpisode:
             text += "</tool_call>"     # the stop string is trimmed by OpenAI-style servers
         if finish == "stop" and "<answer>" in text and "</answer>" not in text:
             text += "</answer>"
-        self.messages.append({"role": "assistant", "content": text})
-        return text, msg.get("tool_calls") or []
+        native = [c for c in msg.get("tool_calls") or [] if isinstance(c, dict)]
+        turn = {"role": "assistant", "content": text}
+        if native:
+            turn["tool_calls"] = native     # the tool messages that follow answer these ids
+        self.messages.append(turn)
+        return text, native
 
     def _act(self, text: str, native: list) -> bool:
         if native:
@@ -123,5 +151,13 @@ class ChatEpisode:
         else:
             self.counts["no_action_turns"] += 1
             result = {"error": "no tool call and no answer. " + FORMAT_HINT}
-        self.messages.append({"role": "user", "content": "Tool result: " + self.env.format_result(result)})
+        if not native:
+            self.messages.append({"role": "user", "content": "Tool result: " + self.env.format_result(result)})
+            return False
+        # every native call gets its tool message (an API refuses a conversation that leaves one unanswered)
+        self.messages.append({"role": "tool", "tool_call_id": native[0].get("id", ""),
+                              "content": self.env.format_result(result)})
+        for extra in native[1:]:
+            self.messages.append({"role": "tool", "tool_call_id": extra.get("id", ""), "content": self.env.format_result(
+                {"error": "not run: one tool call per turn; call it again on its own"})})
         return False
