@@ -12,6 +12,7 @@ from typing import Any
 
 REPR_CAP = 200        # characters of a bad value quoted inside a message
 MESSAGE_CAP = 2000    # characters of one error message (engine error bodies, tool errors)
+LOG_LINE_CAP = 8192   # characters of one log message (logs.RoleLogger)
 MARKER = "...[truncated {n} chars]"
 
 

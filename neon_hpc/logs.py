@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neon_hpc.bounded import LOG_LINE_CAP, clip_text
+
 
 def job_id() -> str:
     """The Slurm job id (het jobs: the leader's), or ``local`` outside Slurm."""
@@ -30,6 +32,9 @@ class _Context(logging.Filter):
         self.version: int | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > LOG_LINE_CAP:   # a message quoting outside input (a response, a tool call)
+            record.msg, record.args = clip_text(msg, LOG_LINE_CAP), ()
         record.job = job_id()
         record.role, record.rank = self.role, self.rank
         extra = []

@@ -131,3 +131,17 @@ def test_hostile_calls_never_raise_nor_open_files_outside(ctx):
         assert isinstance(out, dict) and len(json.dumps(out, default=str)) < 20_000
     bad = [p for p in opened if any(s in p for s in ("passwd", "shadow", "environ", "boot.ini", "/etc/"))]
     assert not bad, bad
+
+
+def test_log_lines_quoting_input_are_capped(tmp_path):
+    from neon_hpc.bounded import LOG_LINE_CAP
+    from neon_hpc.logs import RoleLogger
+    log = RoleLogger.open(tmp_path, "rollout", 0, echo=False)
+    try:
+        log.info("engine said: %s", "e" * (10 << 20))
+        log.info("short line %d", 7)
+    finally:
+        log.close()
+    lines = (tmp_path / "logs" / "rollout" / "0.log").read_text().splitlines()
+    assert len(lines) == 2 and len(lines[0]) < LOG_LINE_CAP + 200 and "truncated" in lines[0]
+    assert lines[1].endswith("short line 7")
