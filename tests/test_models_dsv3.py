@@ -96,6 +96,25 @@ def test_parity_tp1(hf_dir):
 
 
 @pytest.mark.slow
+def test_parity_yarn(tmp_path):
+    """YaRN RoPE (factor 4 over an original context of 16, mscale_all_dim 1) on 48 tokens: the
+    scaled frequencies and the attention-scale correction agree in both homes."""
+    from dataclasses import replace
+    from neon_hpc.models import parity
+    from neon_hpc.models.hf import save_hf
+    y = replace(CFG, yarn_factor=4.0, yarn_original_max_position_embeddings=16, yarn_mscale_all_dim=1.0,
+                max_position_embeddings=64)
+    d = save_hf(decisive_hf(y, 0, noise=0.05), y, tmp_path / "v_0")
+    ids = np.random.default_rng(0).integers(0, y.vocab_size, size=(2, 48))
+    ref, hf_routes = parity.hf_logits(d, ids, with_routes=True)
+    got, finite, meg_routes = parity.megatron_logits(d, ids, tp=1, ep=1, with_routes=True)
+    err = float(np.abs(ref - got).max())
+    print(f"deepseek_v3 + YaRN TP=1: max|logits_hf - logits_megatron| = {err:.2e}")
+    assert err < TOL and finite
+    assert np.array_equal(np.sort(hf_routes, -1), np.sort(meg_routes, -1))
+
+
+@pytest.mark.slow
 def test_parity_tp2_ep2(hf_dir):
     from neon_hpc.models import parity
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 8))
