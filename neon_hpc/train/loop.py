@@ -41,7 +41,7 @@ from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.batch import build_microbatch, input_lengths
-from neon_hpc.train.loss import (LossConfig, add_terms, group_advantages, policy_loss, staleness_histogram,
+from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
 ROLE = "trainer"
