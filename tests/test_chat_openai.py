@@ -2,7 +2,8 @@
 
 The server (real HTTP, started here) answers ``/v1/chat/completions`` like OpenAI: a transient
 503 first, then native ``tool_calls``, then an answer.  The ``openai`` package is the client under
-test (its retries, timeout and auth headers); the episode runs the real XRD tools.
+test (its timeout, auth headers and errors, retried by ``neon_hpc.httpretry``); the episode runs
+the real XRD tools.
 """
 
 from __future__ import annotations
@@ -162,6 +163,6 @@ def test_failures_are_reported_with_the_endpoint(serve):
         ChatClient(url, "m", retries=3).complete([{"role": "user", "content": "hi"}], 8, 0.0)
     assert len(srv.seen) == 1                                      # a 400 is not retried
     srv, url = serve(error(503, "x" * 100_000))
-    with pytest.raises(ChatError, match=r"gave up after at most 2 attempts\): InternalServerError") as info:
+    with pytest.raises(ChatError, match=r"transient, gave up after 2 attempts\): InternalServerError") as info:
         ChatClient(url, "m", retries=1).complete([{"role": "user", "content": "hi"}], 8, 0.0)
     assert len(srv.seen) == 2 and len(str(info.value)) <= 2000 and "truncated" in str(info.value)

@@ -14,27 +14,10 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from neon_hpc.httpretry import RetryPolicy, is_transient
 from neon_hpc.replay.cache import RouteCache, RouteMismatch, ReplayStats
 
 ReplayMode = Literal["delta", "full", "off"]
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A failure worth retrying: connection trouble, timeouts, HTTP 5xx / 429.
-
-    A 4xx other than 429 is a bug in the request, so it is raised, never retried.
-    """
-    status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
-    resp = getattr(exc, "response", None)
-    if status is None and resp is not None:
-        status = getattr(resp, "status_code", None) or getattr(resp, "status", None)
-    if isinstance(status, int):
-        return (status >= 500 and status not in (501, 505)) or status == 429
-    if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
-        return True
-    name = type(exc).__name__
-    return any(k in name for k in ("Connection", "Timeout", "RemoteDisconnected", "ChunkedEncoding",
-                                   "ProtocolError", "ReadError"))
 
 
 class ReplayConversation:
@@ -42,7 +25,9 @@ class ReplayConversation:
 
     ``mode``: ``delta`` (ask only the newest rows), ``full`` (ask everything every turn: the
     baseline) or ``off`` (no routes).  ``max_retries`` bounds retries of one turn after a
-    dropped response or a row mismatch; each retry resamples the turn with a full export.
+    dropped response (transient by :func:`neon_hpc.httpretry.is_transient`) or a row mismatch;
+    each retry resamples the turn with a full export, after the delay of the project's one
+    :class:`~neon_hpc.httpretry.RetryPolicy` (exponential from ``backoff_s``, Retry-After honoured).
     """
 
     def __init__(self, client: Any, mode: ReplayMode = "delta", max_retries: int = 2,
@@ -51,6 +36,7 @@ class ReplayConversation:
             raise ValueError(f"replay mode must be 'delta', 'full' or 'off', got {mode!r}")
         self.client, self.mode = client, mode
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.policy = RetryPolicy(retries=max_retries, backoff_s=backoff_s)
         self.version_of = version_of
         self.cache = RouteCache("full" if mode == "full" else "delta")
         self.retries = 0
@@ -67,7 +53,7 @@ class ReplayConversation:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.retries += 1
-                time.sleep(self.backoff_s * attempt)
+                time.sleep(self.policy.delay(attempt, last))
             start = self.cache.plan(input_ids) if self.mode != "off" else 0
             try:
                 res = self.client.generate(input_ids, sampling_params, return_logprob=True,

@@ -2,8 +2,8 @@
 
 For evaluation only: a chat API returns text, not token ids, logprobs or routes, so these
 episodes have no token books.  The same environment, parser and limits as the token-level
-loop apply.  The client is the official ``openai`` package (its connection pool, timeout and
-retries).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
+loop apply.  The client is the official ``openai`` package (its connection pool and timeout),
+retried by the project's one policy (``neon_hpc.httpretry``).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
 a native call in ``message.tool_calls`` is answered with a ``tool`` message carrying its
 ``tool_call_id``.  A model that writes ``<tool_call>{...}</tool_call>`` in its text instead is
 read as before (the text protocol is the fallback), and its results go back as ``user``
@@ -20,6 +20,7 @@ from typing import Any
 import openai
 
 from neon_hpc.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.httpretry import RetryPolicy, is_transient
 from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 
 FORMAT_HINT = ("Call a tool as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> (one per "
@@ -28,45 +29,46 @@ STOP = ["</tool_call>", "</answer>"]
 
 
 class ChatError(RuntimeError):
-    """A chat request that failed for good (after the client's retries, or not retryable)."""
-
-
-def _retryable(e: Exception) -> bool:
-    """What the openai client itself retries: connection errors, timeouts, 408/409/429/5xx."""
-    if isinstance(e, openai.APIConnectionError):
-        return True
-    return isinstance(e, openai.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500)
+    """A chat request that failed for good (retries spent, or not retryable)."""
 
 
 class ChatClient:
-    """OpenAI-compatible chat client: ``openai.OpenAI`` with ``timeout_s`` per attempt and
-    ``retries`` retries (the client's exponential backoff with jitter, honouring Retry-After)
-    on connection errors, timeouts, 408/409/429 and 5xx.  ``native_tools=False`` never sends
-    ``tools=`` (for servers that refuse it); the text protocol then carries every call."""
+    """OpenAI-compatible chat client: ``openai.OpenAI`` (pooled connections, ``timeout_s`` per
+    attempt) retried by the project's one policy (:class:`neon_hpc.httpretry.RetryPolicy`:
+    ``retries`` retries, exponential backoff from ``backoff_s``, Retry-After honoured) on the
+    errors :func:`neon_hpc.httpretry.is_transient` calls transient (connection errors, timeouts,
+    408, 429, 5xx but 501/505).  ``native_tools=False`` never sends ``tools=`` (for servers that
+    refuse it); the text protocol then carries every call."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0,
-                 retries: int = 3, native_tools: bool = True):
+                 retries: int = 3, backoff_s: float = 0.5, native_tools: bool = True):
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
-        self.model, self.timeout_s, self.retries, self.native_tools = model, timeout_s, retries, native_tools
+        self.model, self.timeout_s, self.native_tools = model, timeout_s, native_tools
+        self.policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
         # no key: no Authorization header at all (a local server), and never OPENAI_API_KEY from the
         # environment, which must not travel to whatever endpoint was named (_enforce_credentials is the
-        # client's own switch for that, a constructor argument of the pinned openai==3.51.0)
-        self.client = openai.OpenAI(base_url=self.url, api_key=api_key or "", timeout=timeout_s, max_retries=retries,
+        # client's own switch for that, a constructor argument of the pinned openai==3.51.0).
+        # max_retries=0: the retries are the policy's, one taxonomy for every client of the project
+        self.client = openai.OpenAI(base_url=self.url, api_key=api_key or "", timeout=timeout_s, max_retries=0,
                                     _enforce_credentials=False)
         self._headers = {} if api_key else {"Authorization": openai.omit}
+
+    @property
+    def retries(self) -> int:
+        return self.policy.retries
 
     def complete(self, messages: list[dict], max_tokens: int, temperature: float,
                  tools: list[dict] | None = None) -> dict:
         """One chat completion as the JSON object the server sent (``choices``, ``usage``...)."""
         extra = {"tools": tools} if tools and self.native_tools else {}
         try:
-            resp = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
-                                                       temperature=temperature, stop=STOP,
-                                                       extra_headers=self._headers, **extra)
+            resp = self.policy.call(lambda: self.client.chat.completions.create(
+                model=self.model, messages=messages, max_tokens=max_tokens, temperature=temperature, stop=STOP,
+                extra_headers=self._headers, **extra))
         except openai.APIError as e:
-            how = f"retryable, gave up after at most {self.retries + 1} attempts" if _retryable(e) else "not retryable"
+            how = f"transient, gave up after {self.policy.attempts} attempts" if is_transient(e) else "not retryable"
             raise ChatError(clip_text(f"{self.url}/chat/completions failed ({how}): {type(e).__name__}: {e}",
                                       MESSAGE_CAP)) from e
         return resp.to_dict()

@@ -11,8 +11,10 @@ from the payload size.  The payload is decoded in ``meta_info.routed_experts_dty
 (int32 / uint16 / uint8; absent = int32); a payload whose size does not fit is refused.
 
 Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
-errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``),
-which callers may retry.
+errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``).
+Which of them are worth retrying is the project's one taxonomy, :mod:`neon_hpc.httpretry`
+(``EngineError.transient``; callers retry with its ``RetryPolicy``, as replay does).  The
+transport is still one urllib connection per request (no pooling).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from neon_hpc.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.httpretry import retryable_status
 from neon_hpc.rollout.engines import protocol
 
 
@@ -37,6 +40,12 @@ class EngineError(RuntimeError):
         super().__init__(f"{url}: HTTP {status}: {message}" if url else f"HTTP {status}: {message}")
         self.status = self.status_code = status
         self.message = message
+        self.transient = retryable_status(status)    # 5xx/429/408: retry; 4xx: fix the request
+
+
+class RoutePayloadError(EngineError, ValueError):
+    """``routed_experts`` that do not decode into the rows asked for (a short or misfit payload):
+    a ValueError too, so replay resamples the turn with a full export (its ``row_mismatch``)."""
 
 
 @dataclass
@@ -162,7 +171,7 @@ class EngineClient:
                     rows = nbytes // (item * layers * top_k)  # only what was forwarded before the abort
                 routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
             except ValueError as e:
-                raise EngineError(502, str(e), self.base_url) from None
+                raise RoutePayloadError(502, str(e), self.base_url) from None
         version = meta.get("weight_version")
         spans = _spans(meta.get("weight_versions"), len(output_ids), self.base_url)
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
@@ -197,7 +206,7 @@ class EngineClient:
         if self.num_moe_layers is not None:
             return int(self.num_moe_layers), top_k
         if rows <= 0 or nbytes % (item * rows * top_k):
-            raise EngineError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows x top_k {top_k} "
+            raise RoutePayloadError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows x top_k {top_k} "
                                    f"x {item} bytes; pass num_moe_layers= to EngineClient", self.base_url)
         return nbytes // (item * rows * top_k), top_k
 
