@@ -117,3 +117,36 @@ def test_retry_after_is_honoured_up_to_the_cap(status_server):
     assert p.delay(1, busy.value) == 0.0                      # the server's Retry-After: 0
     assert p.delay(2, info.value) == 6.0                      # no response headers kept: our backoff
     assert srv.hits == 2
+
+
+class KeepAlive(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.server.peers.append(self.client_address)        # one entry per request: which socket
+        out = json.dumps({"model_path": "m", "moe_router_topk": 2}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+def test_engine_clients_share_pooled_connections():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    srv.daemon_threads, srv.peers = True, []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        for _ in range(3):
+            assert EngineClient(url, timeout=5).model_info()["moe_router_topk"] == 2   # a fresh client each time
+        one = EngineClient(url, timeout=5)
+        for _ in range(3):
+            one.model_info()
+        assert len(srv.peers) == 6 and len(set(srv.peers)) == 1     # six requests, one TCP connection
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -1,7 +1,8 @@
 """The client rollout workers use for both engines: SGLang servers and our embedded engine.
 
-It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over plain HTTP
-with the standard library, so it has no dependency beyond numpy.
+It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over HTTP with
+``httpx``: one pooled client per process (keep-alive connections shared by every
+``EngineClient`` of the process; a forked child builds its own).
 
 Routes need the model's top-k and the rows per token (SGLang: one per decoder layer, the
 ``num_moe_layers=`` argument) to be reshaped.  Pass them (``num_moe_layers=``, ``top_k=``)
@@ -13,24 +14,40 @@ from the payload size.  The payload is decoded in ``meta_info.routed_experts_dty
 Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
 errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``).
 Which of them are worth retrying is the project's one taxonomy, :mod:`neon_hpc.httpretry`
-(``EngineError.transient``; callers retry with its ``RetryPolicy``, as replay does).  The
-transport is still one urllib connection per request (no pooling).
+(``EngineError.transient``; callers retry with its ``RetryPolicy``, as replay does).
 """
 
 from __future__ import annotations
 
 import json
-import socket
-import urllib.error
-import urllib.request
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import httpx
 import numpy as np
 
 from neon_hpc.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.httpretry import retryable_status
 from neon_hpc.rollout.engines import protocol
+
+
+_POOL: tuple[int, httpx.Client] | None = None     # (pid, client): sockets never cross a fork
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> httpx.Client:
+    """The process's pooled HTTP client (thread-safe), built on first use and after a fork."""
+    global _POOL
+    pool = _POOL
+    if pool is None or pool[0] != os.getpid():
+        with _POOL_LOCK:
+            if _POOL is None or _POOL[0] != os.getpid():
+                _POOL = (os.getpid(), httpx.Client(limits=httpx.Limits(max_connections=512,
+                                                                       max_keepalive_connections=128)))
+            pool = _POOL
+    return pool[1]
 
 
 class EngineError(RuntimeError):
@@ -95,7 +112,7 @@ class GenerateResult:
 
 
 class EngineClient:
-    """One engine's HTTP API.  Thread-safe (no shared connection state)."""
+    """One engine's HTTP API.  Thread-safe (the process's pooled httpx client)."""
 
     def __init__(self, base_url: str, timeout: float = 600.0, num_moe_layers: int | None = None,
                  top_k: int | None = None):
@@ -108,20 +125,16 @@ class EngineClient:
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
                  parse: bool = True) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        url, t = self.base_url + path, self.timeout if timeout is None else timeout
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise EngineError(e.code, _error_message(e.read()), self.base_url + path) from None
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                raise TimeoutError(f"{self.base_url}{path}: timed out") from None
-            raise ConnectionError(f"{self.base_url}{path}: {reason}") from None
-        except socket.timeout:
-            raise TimeoutError(f"{self.base_url}{path}: timed out after {timeout or self.timeout}s") from None
+            resp = _pool().request(method, url, content=data, headers={"Content-Type": "application/json"}, timeout=t)
+        except httpx.TimeoutException:
+            raise TimeoutError(f"{url}: timed out after {t}s") from None
+        except httpx.TransportError as e:    # refused, reset, a response cut short, no such host
+            raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+        if resp.status_code >= 400:
+            raise EngineError(resp.status_code, _error_message(resp.content), url)
+        raw = resp.content
         return json.loads(raw) if raw and parse else None
 
     # --- API ----------------------------------------------------------------------------
