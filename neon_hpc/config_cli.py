@@ -39,12 +39,13 @@ def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
     path = cfg.model.init_checkpoint
     if not path:
         return []
+    from neon_hpc.train.backend import init_checkpoint_kind
     p = Path(path)
-    if (p / "config.json").exists():
-        return []
-    if not (p / ".metadata").exists():
-        return [("trainer", f"model.init_checkpoint: {path} is neither an HF folder (config.json) nor a "
-                            f"torch_dist checkpoint (.metadata)")]
+    try:
+        if init_checkpoint_kind(p) == "hf":
+            return []
+    except FileNotFoundError as e:
+        return [("trainer", str(e))]
     from neon_hpc.reshard.metadata import CheckpointError
     from neon_hpc.train.checkpoint import refuse_untrusted
     try:

@@ -399,15 +399,31 @@ def load_full_state_dict(be: Backend, full: dict[str, torch.Tensor]) -> None:
                                                 ep_rank=be.layout.ep_rank, ep=be.layout.ep))
 
 
+def init_checkpoint_kind(path: str | Path) -> str:
+    """``"torch_dist"`` or ``"hf"``: what ``model.init_checkpoint`` points at; FileNotFoundError if neither.
+
+    ``.metadata`` decides first: a neon-hpc trainer checkpoint is torch_dist and also carries
+    the model's ``config.json`` (for reshard), but no safetensors.
+    """
+    p = Path(path)
+    if (p / ".metadata").exists():
+        return "torch_dist"
+    if (p / "config.json").exists():
+        return "hf"
+    raise FileNotFoundError(f"model.init_checkpoint={path}: neither a torch_dist checkpoint (.metadata) nor an "
+                            f"HF folder (config.json + safetensors)")
+
+
 def load_initial_weights(be: Backend, path: str) -> None:
     """Start from an HF folder (``config.json`` + safetensors) or a torch_dist checkpoint (model only)."""
     from neon_hpc.models.convert import hf_to_megatron
     from neon_hpc.models.hf import read_hf_state_dict
 
     p = Path(path)
-    if (p / "config.json").exists():
+    kind = init_checkpoint_kind(p)
+    if kind == "hf":
         load_full_state_dict(be, hf_to_megatron(read_hf_state_dict(p), be.model_cfg))
-    elif (p / ".metadata").exists():
+    else:
         from megatron.core import dist_checkpointing
 
         from neon_hpc.train.checkpoint import refuse_untrusted
@@ -415,9 +431,6 @@ def load_initial_weights(be: Backend, path: str) -> None:
         sharded = {"model": be.model.sharded_state_dict()}
         loaded = dist_checkpointing.load(sharded, str(p))
         be.model.load_state_dict(loaded["model"], strict=False)
-    else:
-        raise FileNotFoundError(f"model.init_checkpoint={path}: neither an HF folder (config.json) nor a "
-                                f"torch_dist checkpoint (.metadata)")
 
 
 def param_digest(be: Backend) -> float:
