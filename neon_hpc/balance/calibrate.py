@@ -72,7 +72,8 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     runner.run([(0, min(lengths))])                      # warm-up: allocator, kernels
     mbs = [[(0, int(n))] for n in lengths] + [[(0, n)] * k for n, k in PACKED]
     times = []
-    for i, mb in enumerate(mbs):
+    from neon_hpc.progress import bar
+    for i, mb in enumerate(bar(mbs, desc="calibrate", unit="mb")):
         t = runner.best_of(mb, repeats)
         times.append(t)
         say(f"[{i + 1}/{len(mbs)}] {len(mb)} x {mb[0][1]} tokens: {t * 1e3:.2f} ms")

@@ -13,7 +13,6 @@ import contextlib
 import io
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,25 +221,17 @@ class WriteBehind:
 
 
 class Progress:
-    """Rank 0's progress line: bytes done of its share, bytes/s, ETA (stderr, ~1/s)."""
+    """Rank 0's progress bar over the bytes of its share (``neon_hpc.progress``: terminals only)."""
 
     def __init__(self, total_bytes: int, enabled: bool, label: str = "reshard"):
-        self.total, self.enabled, self.label = max(total_bytes, 1), enabled, label
-        self.done, self.t0, self._last = 0, time.monotonic(), 0.0
+        from neon_hpc.progress import bar
+        self._bar = bar(total=max(total_bytes, 1), desc=label, unit="B", unit_scale=True, show=enabled)
 
     def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 1.0 or self.done >= self.total):
-            self._last = now
-            rate = self.done / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else 0.0
-            print(f"\r{self.label}: {100 * self.done / self.total:5.1f}%  {self.done / 1e9:.2f}/"
-                  f"{self.total / 1e9:.2f} GB  {rate / 1e6:.0f} MB/s  ETA {eta:.0f}s", end="", file=sys.stderr, flush=True)
+        self._bar.update(n)
 
     def finish(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
+        self._bar.close()
 
 
 def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:

@@ -75,7 +75,8 @@ def evaluate(tasks: list[Task], solver: Callable = baseline_solver, name: str = 
              store: Store | None = None, progress: Callable[[str], None] | None = None) -> EvalReport:
     store = store or build_store(tasks, ":memory:", include_real=True)
     report = EvalReport(name or (tasks[0].split if tasks else "empty"))
-    for i, task in enumerate(tasks):
+    from neon_hpc.progress import bar
+    for i, task in enumerate(bar(tasks, desc=f"eval {report.name}", unit="task")):
         t0 = time.perf_counter()
         ctx = make_context(task, store)
         try:

@@ -294,7 +294,9 @@ def load_tasks(preset: str, split: str, seed: int = 0, n: int | None = None) -> 
     if count is None:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     lib = load_library()
-    return [make_task(preset, split, seed, i, lib) for i in range(int(count))]
+    from neon_hpc.progress import bar
+    return [make_task(preset, split, seed, i, lib)
+            for i in bar(range(int(count)), desc=f"tasks {preset}/{split}", unit="task")]
 
 
 # ----------------------------------------------------------------------------------------------
