@@ -13,7 +13,8 @@ from neon_hpc.models.config import ModelConfig
 
 KIMI = dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,
             num_attention_heads=64, num_query_groups=64, head_dim=128, ffn_hidden_size=18432,
-            moe_ffn_hidden_size=2048, num_experts=384, moe_router_topk=8)
+            moe_ffn_hidden_size=2048, num_experts=384, moe_router_topk=8, first_dense_layers=1,
+            num_shared_experts=1)
 KIMI_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)
 
 

@@ -148,7 +148,7 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     deepseek = arch == "deepseek_v3"
     h, L = cfg.hidden_size, cfg.num_layers
     H, G, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
-    dense_layers = _pick(num_dense_layers, cfg, ("first_k_dense_replace", "num_dense_layers"),
+    dense_layers = _pick(num_dense_layers, cfg, ("first_dense_layers", "first_k_dense_replace", "num_dense_layers"),
                          1 if deepseek else 0)
     dense_layers = min(int(dense_layers), L)
     n_shared = _pick(num_shared_experts, cfg, ("moe_shared_expert_count", "num_shared_experts",
@@ -156,10 +156,11 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     shared_ffn = _pick(shared_expert_ffn_hidden_size, cfg,
                        ("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
                        cfg.moe_ffn_hidden_size)
+    # ModelConfig writes "not MLA" as 0 for these (models/config.py), other configs as absent
     q_lora = _pick(q_lora_rank, cfg, ("q_lora_rank",), None)
-    kv_lora = _pick(kv_lora_rank, cfg, ("kv_lora_rank",), None)
-    rope_d = _pick(qk_rope_head_dim, cfg, ("qk_rope_head_dim",), None)
-    v_d = _pick(v_head_dim, cfg, ("v_head_dim",), d)
+    kv_lora = _pick(kv_lora_rank, cfg, ("kv_lora_rank",), None) or None
+    rope_d = _pick(qk_rope_head_dim, cfg, ("qk_rope_head_dim",), None) or None
+    v_d = _pick(v_head_dim, cfg, ("v_head_dim",), d) or d
 
     mla = deepseek and kv_lora is not None and rope_d is not None
     if mla:
