@@ -28,8 +28,11 @@ class SDPACoreAttention(torch.nn.Module):
         if p:
             raise ValueError(f"SDPACoreAttention has no dropout; attention_dropout={p} must be 0.0")
         if getattr(config, "context_parallel_size", 1) > 1:
-            raise NotImplementedError("MLA's SDPA core attention does not run under context parallelism "
-                                      "(train.context_parallel must be 1 for deepseek_v3)")
+            # neon-hpc never sets megatron's own CP: its CP ranks are megatron DP ranks and split
+            # documents exchange K/V in cp_attention.piece_attention (see forward)
+            raise NotImplementedError("MLA's SDPA core attention does not run under megatron's own context "
+                                      "parallelism; neon-hpc's train.context_parallel goes through "
+                                      "neon_hpc.models.cp_attention instead")
         self.scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -60,10 +63,7 @@ def _layout_allowed(lay, s: int, device) -> torch.Tensor:
     cached = getattr(lay, "_sdpa_allowed", None)
     if cached is not None and cached.shape[0] == s:
         return cached
-    if lay.exchanges:
-        raise NotImplementedError("MLA attention does not exchange K/V between ranks: documents split "
-                                  "across ranks (train.context_parallel > 1 or balance.split_threshold_tokens) "
-                                  "are not supported for deepseek_v3")
+    # layouts that exchange K/V never get here: forward hands them to cp_attention.piece_attention
     allowed = torch.zeros(s, s, dtype=torch.bool)
     for g in lay.groups:
         qi = g.q_idx.cpu()
