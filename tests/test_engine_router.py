@@ -12,19 +12,16 @@ Pins what the fleet relies on and why ``engine.router`` defaults to ``mini_lb``:
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pathlib import Path
 
 import pytest
 
 from neon_hpc.netutil import free_port
+from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.protocol import BadRequest, parse_generate
 
@@ -32,51 +29,9 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra: run `bash env/setup.sh`")
 
 
-class _Recorder(ThreadingHTTPServer):
-    """Answers like an SGLang server and records every /generate body it gets."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj):
-                raw = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(h):
-                if h.path == "/health":
-                    return h._send(200, {})
-                h._send(404, {"error": {"message": f"no route {h.path}"}})
-
-            def do_POST(h):
-                body = json.loads(h.rfile.read(int(h.headers.get("Content-Length") or 0)))
-                self.bodies.append(body)
-                h._send(200, {"output_ids": [7], "meta_info": {
-                    "id": body.get("rid", "x"), "finish_reason": {"type": "length", "length": 1},
-                    "prompt_tokens": len(body["input_ids"]), "completion_tokens": 1, "cached_tokens": 0,
-                    "weight_version": "0", "output_token_logprobs": [[-0.5, 7, None]]}})
-
-        super().__init__(("127.0.0.1", free_port()), Handler)
-        self.daemon_threads = True
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
 @pytest.fixture(params=["mini_lb", "rust"])
 def router(request, tmp_path):
-    prefill, decode = _Recorder(), _Recorder()
+    prefill, decode = RecordingServer(), RecordingServer()
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
            *(["--mini-lb"] if request.param == "mini_lb" else []),

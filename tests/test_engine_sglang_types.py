@@ -11,15 +11,12 @@ must use only their field names, and values of the declared kind.
 from __future__ import annotations
 
 import ast
-import json
-import threading
 import zipfile
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from neon_hpc.netutil import free_port
+from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 
 SGLANG_VERSION = "0.5.23"
@@ -53,41 +50,6 @@ def sglang_types() -> dict[str, dict[str, str]]:
     return out
 
 
-class _Wire(ThreadingHTTPServer):
-    """Records each POST body and answers like SGLang."""
-
-    def __init__(self):
-        self.posts: list[tuple[str, dict]] = []
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(h):
-                body = json.loads(h.rfile.read(int(h.headers.get("Content-Length") or 0)))
-                self.posts.append((h.path, body))
-                if h.path == "/generate":
-                    n = len(body["input_ids"])
-                    out = {"output_ids": [3], "meta_info": {
-                        "id": body.get("rid", "x"), "finish_reason": {"type": "length", "length": 1},
-                        "prompt_tokens": n, "completion_tokens": 1, "cached_tokens": 0, "weight_version": "0",
-                        "output_token_logprobs": [[-0.1, 3, None]]}}
-                else:
-                    out = {"success": True, "message": "ok", "num_paused_requests": 0}
-                raw = json.dumps(out).encode()
-                h.send_response(200)
-                h.send_header("Content-Type", "application/json")
-                h.send_header("Content-Length", str(len(raw)))
-                h.end_headers()
-                h.wfile.write(raw)
-
-        super().__init__(("127.0.0.1", free_port()), H)
-        self.daemon_threads = True
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 _KIND = {bool: ("bool",), int: ("int",), float: ("float", "int"), str: ("str",), list: ("List", "list", "Set"),
          dict: ("Dict", "dict")}
 
@@ -102,8 +64,8 @@ def _fits(value, annotation: str) -> bool:
 
 
 def test_every_request_the_client_sends_fits_sglangs_request_types(sglang_types):
-    srv = _Wire()
-    c = EngineClient(f"http://127.0.0.1:{srv.server_address[1]}", timeout=30)
+    srv = RecordingServer()
+    c = EngineClient(srv.url, timeout=30)
     sp = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 8, "min_new_tokens": 0,
           "stop_token_ids": [2], "ignore_eos": False, "seed": 5, "skip_special_tokens": False, "no_stop_trim": True}
     c.generate([1, 2, 3], sp, return_logprob=True, return_routed_experts=True, routed_experts_start_len=2, rid="r")
