@@ -26,6 +26,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# (command, subcommand, flag) -> module: a subcommand whose handler lives in a higher layer than the
+# command's own module (the xrd environment must not import the rollout that drives it)
+ROUTES: dict[tuple[str, str, str], str] = {
+    ("xrd", "eval", "--endpoint"): "neon_hpc.rollout.agent.eval_cli",   # LLM agent evaluation
+}
+
+
+def _route(name: str, rest: list[str]) -> tuple[str, list[str]] | None:
+    """(module, argv) when ``rest`` is a routed subcommand with its flag, e.g. ``xrd eval --endpoint URL``."""
+    for (cmd, sub, flag), module in ROUTES.items():
+        if name == cmd and rest[:1] == [sub] and any(a == flag or a.startswith(flag + "=") for a in rest[1:]):
+            return module, rest[1:]
+    return None
+
+
 def _usage() -> str:
     lines = ["usage: neon-hpc COMMAND [ARGS...]", "", "commands:"]
     for name, (_mod, desc) in COMMANDS.items():
@@ -49,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     module_name = COMMANDS[name][0]
+    routed = _route(name, rest)
+    if routed:
+        module_name, rest = routed
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

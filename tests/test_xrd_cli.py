@@ -4,7 +4,7 @@ import sys
 import types
 
 from neon_hpc.cli import main as neon_main
-from neon_hpc.xrd.cli import AGENT_EVAL_MODULE, main
+from neon_hpc.xrd.cli import main
 
 
 def test_library_summary_and_listing(capsys):
@@ -31,16 +31,49 @@ def test_unknown_solver_is_an_error(capsys):
     assert "unknown solver" in capsys.readouterr().err
 
 
-def test_endpoint_is_delegated_to_the_agent_evaluator(monkeypatch):
+AGENT_EVAL_MODULE = "neon_hpc.rollout.agent.eval_cli"
+
+
+def test_endpoint_is_routed_to_the_agent_evaluator_by_the_top_cli(monkeypatch):
     seen = {}
     fake = types.ModuleType(AGENT_EVAL_MODULE)
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, AGENT_EVAL_MODULE, fake)
-    assert main(["eval", "--endpoint", "http://127.0.0.1:9/v1", "--split", "test_id"]) == 0
+    assert neon_main(["xrd", "eval", "--endpoint", "http://127.0.0.1:9/v1", "--split", "test_id"]) == 0
     assert seen["argv"] == ["--endpoint", "http://127.0.0.1:9/v1", "--split", "test_id"]
+    seen.clear()
+    assert neon_main(["xrd", "eval", "--split", "real", "--endpoint=http://127.0.0.1:9"]) == 0
+    assert seen["argv"] == ["--split", "real", "--endpoint=http://127.0.0.1:9"]
 
 
 def test_endpoint_without_the_agent_module_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, AGENT_EVAL_MODULE, None)      # import fails like a missing module
-    rc = main(["eval", "--endpoint", "http://127.0.0.1:9/v1"])
-    assert rc == 3 and "not in this checkout" in capsys.readouterr().err
+    rc = neon_main(["xrd", "eval", "--endpoint", "http://127.0.0.1:9/v1"])
+    assert rc == 3 and AGENT_EVAL_MODULE in capsys.readouterr().err
+
+
+def test_the_xrd_cli_alone_refuses_endpoint_and_names_the_command(capsys):
+    assert main(["eval", "--endpoint", "http://127.0.0.1:9/v1"]) == 2
+    err = capsys.readouterr().err
+    assert "neon-hpc xrd eval --endpoint URL" in err and AGENT_EVAL_MODULE in err
+
+
+def test_xrd_never_imports_the_rollout_layer():
+    """Dependency direction (issue 23): the environment is below the agent that drives it."""
+    import ast
+    import subprocess
+    from pathlib import Path
+    import neon_hpc.xrd
+    pkg = Path(neon_hpc.xrd.__file__).parent
+    for f in sorted(pkg.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("neon_hpc.rollout") for n in names), f"{f.name} imports {names}"
+            assert not (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.startswith("neon_hpc.rollout")), f"{f.name} names {node.value!r}"
+    mods = ", ".join(f"neon_hpc.xrd.{f.stem}" for f in sorted(pkg.glob("*.py")) if f.stem != "__init__")
+    code = (f"import sys, importlib\nfor m in '{mods}'.split(', '): importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('neon_hpc.rollout'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

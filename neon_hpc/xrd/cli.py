@@ -4,18 +4,18 @@
     neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR [--db postgresql://...]
     neon-hpc xrd eval --solver baseline --preset easy --split test_id [--n 20] [--json OUT]
     neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min] [--protocol loo]
-    neon-hpc xrd eval --endpoint URL ...      (LLM agent: neon_hpc.rollout.agent.eval_cli)
+    neon-hpc xrd eval --endpoint URL ...      (LLM agent: routed by neon_hpc/cli.py to
+                                               neon_hpc.rollout.agent.eval_cli; this package never
+                                               imports the rollout that drives it)
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections import Counter
 from pathlib import Path
 
-AGENT_EVAL_MODULE = "neon_hpc.rollout.agent.eval_cli"
 SPLIT_CHOICES = ("train", "test_id", "test_ood", "test_temporal", "all")
 
 
@@ -56,21 +56,17 @@ def _cmd_tasks(args) -> int:
     return 0
 
 
-def _delegate_endpoint(argv: list[str]) -> int | None:
-    try:
-        mod = importlib.import_module(AGENT_EVAL_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name and AGENT_EVAL_MODULE.startswith(e.name):
-            print("neon-hpc xrd eval --endpoint: the agent evaluation (neon_hpc.rollout.agent.eval_cli) is not "
-                  "in this checkout", file=sys.stderr)
-            return 3
-        raise
-    return int(mod.main(argv) or 0)
+def _refuse_endpoint() -> int:
+    """--endpoint reached this module directly (not through ``neon-hpc``): the agent evaluator is a layer up."""
+    print("neon-hpc xrd eval --endpoint: the LLM agent evaluation lives in the rollout layer; run it as "
+          "`neon-hpc xrd eval --endpoint URL ...` (neon_hpc/cli.py routes it) or "
+          "`python -m neon_hpc.rollout.agent.eval_cli --endpoint URL ...`", file=sys.stderr)
+    return 2
 
 
 def _cmd_eval(args, argv: list[str]) -> int:
     if args.endpoint:
-        return _delegate_endpoint(argv)
+        return _refuse_endpoint()
     from neon_hpc.xrd.evaluate import SOLVERS, evaluate
     from neon_hpc.xrd.tasks import load_tasks, read_tasks
     if args.solver not in SOLVERS:
@@ -190,16 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "fitted on --n train tasks, scored on --split")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
     ev.add_argument("--json", help="write the summary and per-task rows here")
-    ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (neon_hpc.rollout.agent.eval_cli)")
+    ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (`neon-hpc xrd eval --endpoint URL "
+                                       "--help` for its options: neon_hpc.rollout.agent.eval_cli)")
     ev.add_argument("-v", "--verbose", action="store_true")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "eval" and "--endpoint" in " ".join(argv):
-        # the agent evaluator owns its own flags: hand it everything after "eval"
-        return _delegate_endpoint(argv[1:])
+    if argv and argv[0] == "eval" and any(a == "--endpoint" or a.startswith("--endpoint=") for a in argv[1:]):
+        return _refuse_endpoint()       # neon_hpc/cli.py routes `xrd eval --endpoint` before reaching here
     args = build_parser().parse_args(argv)
     if args.cmd == "library":
         return _cmd_library(args)
