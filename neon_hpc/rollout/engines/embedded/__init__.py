@@ -1,0 +1,40 @@
+"""The embedded inference engine: a tiny HF MoE on CPU behind SGLang's HTTP API subset.
+
+Wire format: :mod:`neon_hpc.rollout.engines.protocol`.  Inside, three parts:
+
+- HTTP handler threads (``ThreadingHTTPServer``) parse and validate requests, then wait;
+- one **scheduler thread** owns the model: it takes up to ``max_batch_size`` queued
+  requests, runs them as one batch (left-padded prefill, then one decode forward per step
+  with a KV cache) until every member has finished, answers them, and only then looks at
+  the queue again;
+- weight updates are loaded by the handler thread (off the critical path) and swapped in by
+  the scheduler, never during a forward.  Unpaused, like SGLang's writer lock, an update
+  waits for the running batch and queued requests wait for the update, so a response comes
+  from one version.  Paused ``in_place`` (or ``retract``), the swap happens at once, as
+  upstream: a running batch is held between two decode steps and, on
+  ``/continue_generation``, goes on with the new weights **and its KV cache** (the cache
+  of the tokens so far is not recomputed).  Every generated token records the version that
+  sampled it; a response reports them as SGLang does: ``meta_info.weight_versions``
+  ``[{"version", "start", "end"}]`` over the output tokens (end exclusive) and
+  ``weight_version`` = the last span's version.
+
+Routes are captured from the model's own routers (a forward hook on each router the
+architecture adapter names) during prefill and decode, never recomputed afterwards.  Their
+layout is SGLang's: one row per decoder layer, zeros for layers that do not route (dense
+first layers); a shared expert is not a routed choice and has no column.
+
+Modules: ``model`` (the model and its router hooks), ``scheduler`` (batching, sampling,
+weight swaps), ``server`` (HTTP endpoints, framing, admission), ``launcher`` (start/stop,
+the CLI; ``python -m neon_hpc.rollout.engines.embedded``).
+"""
+
+from neon_hpc.rollout.engines.embedded.model import LoadedModel, version_from_path
+from neon_hpc.rollout.engines.embedded.scheduler import (PAUSE_MODES, REQUEST_TIME_BUDGET_S, Scheduler,
+                                                         weight_version_meta)
+from neon_hpc.rollout.engines.embedded.server import (MAX_BODY_BYTES, EngineServer, HTTPRefusal, _Handler, admit,
+                                                      context_length, serve)
+from neon_hpc.rollout.engines.embedded.launcher import ServerHandle, main, start_server
+
+__all__ = ["LoadedModel", "version_from_path", "PAUSE_MODES", "REQUEST_TIME_BUDGET_S", "Scheduler",
+           "weight_version_meta", "MAX_BODY_BYTES", "EngineServer", "HTTPRefusal", "admit", "context_length",
+           "serve", "ServerHandle", "main", "start_server"]
