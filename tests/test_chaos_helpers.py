@@ -1,6 +1,7 @@
 """A trainer survives, or cleanly fails, the death of any of megatron's checkpoint helpers
 (issue 20, fault 1): a SIGKILLed forked writer, and a results Manager SIGKILLed during a save
 (the next save then starts a new one). Never a hang, never a raw BrokenPipeError, no helper left behind.
+A writer that is alive but stuck (SIGSTOP) is bounded by ``train.checkpoint_write_timeout_s``.
 
 Real megatron-core torch_dist saves of the tiny model over gloo. The only addition is a
 pause at the start of each writer child (HOLD_WRITERS), so the test can kill it mid-save."""
@@ -64,7 +65,10 @@ def save(step):
     except BaseException as e:
         return {"ok": False, "error": repr(e)[:300], "type": type(e).__name__}
 
-report(first=save(1))          # writers held: the test kills one (or the Manager)
+if sys.argv[1] == "stuck":      # a short deadline for the save whose writer the test stops
+    writers.configure(float(sys.argv[3]))
+report(first=save(1))          # writers held: the test kills one (or the Manager), or stops one
+writers.configure(1800.0)
 report(children=children(), manager=fa._results_queue._manager._process.pid)
 hold.unlink(missing_ok=True)
 report(second=save(2))
@@ -73,11 +77,11 @@ B.teardown()
 """
 
 
-def _start(tmp_path: Path, mode: str) -> subprocess.Popen:
+def _start(tmp_path: Path, mode: str, *extra: str) -> subprocess.Popen:
     (tmp_path / "hold").write_text("")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, "-c", PROG, mode, str(tmp_path)], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", PROG, mode, str(tmp_path), *extra], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -162,3 +166,34 @@ def test_a_manager_killed_during_a_save_is_a_clear_error_not_a_broken_pipe(tmp_p
     assert rec["second"]["ok"], rec["second"]      # a new Manager for the next save
     assert rec["steps"] == [2] and rec["staging"] == []
     assert "BrokenPipeError" not in rec["stderr"].replace("BrokenPipeError:", "")
+
+
+@pytest.mark.slow
+def test_a_stuck_writer_is_bounded_by_the_deadline_killed_and_the_next_save_works(tmp_path):
+    """SIGSTOP one forked writer (alive, never reporting): the save fails once the deadline
+    passes, naming the pid, its state and the key; the stopped writer is killed and reaped;
+    nothing of the step is published and the next save works (the run resumes)."""
+    proc = _start(tmp_path, "stuck", "6")
+    try:
+        held = _writers(tmp_path, proc)
+        os.kill(held[0], signal.SIGSTOP)
+        (tmp_path / "hold").unlink()               # the other writers go on and report
+        rec = _finish(proc)
+        left = [p for p in held if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in held:                           # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    first = rec["first"]
+    assert first["ok"] is False and first["type"] == "CheckpointWriterError", first
+    assert f"pid {held[0]}, stopped" in first["error"], first
+    assert "train.checkpoint_write_timeout_s" in first["error"], first
+    assert left == [], f"writers outlived the failed save (checked before the test's own clean-up): {left}"
+    assert set(rec["children"]) <= {rec["manager"]}, rec["children"]
+    assert rec["second"]["ok"], rec["second"]
+    assert rec["steps"] == [2] and rec["staging"] == [], rec
+    assert "Traceback" not in rec["stderr"]

@@ -30,6 +30,7 @@ class TrainConfig:
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
     wait_for_data_s: float = 600.0
+    checkpoint_write_timeout_s: float = 1800.0   # a save whose megatron writers have not all reported by then fails
     seed: int = 1234
 
     CHECKS = {
@@ -44,4 +45,5 @@ class TrainConfig:
                                     "tensor_parallel", "pipeline_parallel", "expert_parallel",
                                     "context_parallel", "data_parallel", "virtual_pipeline_stages")},
         "wait_for_data_s": above(0, note="seconds"),
+        "checkpoint_write_timeout_s": above(0, note="seconds (train/writers.py: stuck checkpoint writers)"),
     }

@@ -16,8 +16,17 @@ exited: then it kills the other writers, reaps them, and reports a
 turns the Manager's connection errors into the same error, naming the Manager's pid, and
 :func:`manager_alive` lets the next save start a new Manager instead of failing.
 
-What it does not do: bound a writer that is alive but stuck (a hung filesystem); that
-looks the same as a slow one from here.
+A writer that is alive but stuck (stopped, blocked on a hung filesystem) is bounded by a
+deadline, ``train.checkpoint_write_timeout_s`` (:func:`configure`; the trainer sets it at
+start): a save whose writers have not all reported by then kills them all, reaps them, and
+raises a :class:`CheckpointWriterError` naming each late writer's pid and state (``stopped``,
+``disk-sleep``, ...) and the key to raise if saves are legitimately that slow. Nothing of the
+failed save is published (the staging directory is removed), so a rerun resumes from the
+previous checkpoint.
+
+What it does not do: tell a stuck writer from a slow one before the deadline, or kill a
+writer stuck in the kernel (uninterruptible sleep on a dead filesystem ignores SIGKILL until
+the I/O returns; the error then says so).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import gc
 import logging
 import multiprocessing as mp
 import queue
+import time
 from functools import partial
 from typing import Any
 
@@ -35,10 +45,33 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5          # how often a waiting save checks its writers are still alive
 REAP_S = 10.0         # how long a writer gets to exit after its result (or after a kill)
 _LAST_FAILURE: str | None = None   # why the current save's writers failed (set in the trainer process)
+_DEADLINE_S: float | None = None   # train.checkpoint_write_timeout_s, set by configure(); None: the config default
 
 
 class CheckpointWriterError(RuntimeError):
     """A checkpoint helper process died or became unreachable; the checkpoint was not written."""
+
+
+def configure(write_timeout_s: float) -> None:
+    """Set the deadline of one save's writers (``train.checkpoint_write_timeout_s``)."""
+    global _DEADLINE_S
+    _DEADLINE_S = float(write_timeout_s)
+
+
+def deadline_s() -> float:
+    if _DEADLINE_S is not None:
+        return _DEADLINE_S
+    from neon_hpc.train.config import TrainConfig
+    return float(TrainConfig.checkpoint_write_timeout_s)
+
+
+def _proc_state(pid: int | None) -> str:
+    """The kernel's word for a live process (``stopped``, ``disk-sleep``, ``sleeping``, ...)."""
+    import psutil
+    try:
+        return psutil.Process(pid).status()
+    except (psutil.Error, TypeError, ValueError):
+        return "gone"
 
 
 def _exit_text(code: int | None) -> str:
@@ -71,7 +104,7 @@ def write_buckets_bounded(transform_list: list, use_msc: bool, rank: int, write_
                                      kwargs=kwargs, name=f"neon-ckpt-writer-{rank}.{i}"))
         for p in procs:
             p.start()
-        out = _collect(procs, results)
+        out = _collect(procs, results, time.monotonic() + deadline_s())
     finally:
         _reap(procs, kill_first=isinstance(out, Exception))
         if was_enabled:
@@ -94,9 +127,13 @@ def _reap(procs: list, kill_first: bool) -> None:
         if p.is_alive():
             p.kill()
             p.join(REAP_S)
+        if p.is_alive():     # SIGKILL pending: stuck in the kernel (a dead filesystem); say so
+            log.error("megatron checkpoint writer pid %d did not end %.0fs after SIGKILL (state %s: stuck in "
+                      "the kernel, e.g. on a hung filesystem); it ends when its I/O returns",
+                      p.pid, REAP_S, _proc_state(p.pid))
 
 
-def _collect(procs: list, results: Any) -> dict | Exception:
+def _collect(procs: list, results: Any, deadline: float) -> dict | Exception:
     got: dict[int, Any] = {}
     while len(got) < len(procs):
         try:
@@ -104,6 +141,14 @@ def _collect(procs: list, results: Any) -> dict | Exception:
         except queue.Empty:
             dead = [(i, p) for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
             if not dead:
+                if time.monotonic() > deadline:
+                    late = ", ".join(f"writer {i} (pid {p.pid}, {_proc_state(p.pid)})"
+                                     for i, p in enumerate(procs) if i not in got)
+                    return CheckpointWriterError(
+                        f"megatron checkpoint writers still running {deadline_s():.0f}s after the save began, "
+                        f"without a result: {late}; they were killed and the checkpoint was not written. "
+                        f"A writer stopped or blocked on a hung filesystem looks like this: check the "
+                        f"filesystem; if saves are legitimately this slow, raise train.checkpoint_write_timeout_s")
                 continue
             try:   # a writer that put its result and exited: the result may still be in the pipe
                 idx, res = results.get(timeout=POLL_S)
