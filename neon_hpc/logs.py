@@ -129,17 +129,68 @@ class RoleLogger:
             self._sinks = None
 
 
+def _records(lines) -> list[dict[str, Any]]:
+    """The JSON records among ``lines`` (a torn or foreign line is skipped)."""
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    return out
+
+
+def metrics_path(run_root: str | os.PathLike, role: str) -> Path:
+    return Path(run_root) / "logs" / role / "metrics.jsonl"
+
+
 def read_metrics(run_root: str | os.PathLike, role: str) -> list[dict[str, Any]]:
     """All metric records of one role (tolerates a torn last line of a live writer)."""
-    p = Path(run_root) / "logs" / role / "metrics.jsonl"
-    out = []
     try:
-        with open(p) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
+        with open(metrics_path(run_root, role)) as f:
+            return _records(f)
     except FileNotFoundError:
-        pass
-    return out
+        return []
+
+
+class MetricsTail:
+    """One role's ``metrics.jsonl`` read incrementally: each :meth:`read` returns the records
+    appended since the previous one, reading only the new bytes.
+
+    A last line without its newline yet (a writer mid-line) is kept back until it is complete.
+    A file that was truncated, or replaced by another one (rotated, a new run directory
+    copied in: another inode, fewer bytes than already read, or different first bytes), is
+    read again from its start; :attr:`restarts` counts those. A missing file reads as empty.
+    """
+
+    HEAD = 64     # first bytes remembered to notice a file rewritten in place past the old offset
+
+    def __init__(self, run_root: str | os.PathLike, role: str):
+        self.path = metrics_path(run_root, role)
+        self.offset = 0           # bytes of the current file consumed (complete lines + held partial)
+        self.bytes_read = 0       # total bytes read from disk, for tests and benchmarks
+        self.restarts = 0
+        self._ino: int | None = None
+        self._head = b""
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            head = os.pread(f.fileno(), min(self.HEAD, len(self._head) or self.HEAD), 0) if self.offset else b""
+            if self.offset and (st.st_ino != self._ino or st.st_size < self.offset or head != self._head):
+                self.offset, self._partial, self._head = 0, b"", b""
+                self.restarts += 1
+            self._ino = st.st_ino
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        self.bytes_read += len(chunk)
+        if len(self._head) < self.HEAD:
+            self._head = (self._head + chunk)[:self.HEAD]
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        return _records(lines)

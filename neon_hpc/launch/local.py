@@ -26,7 +26,7 @@ from pathlib import Path
 from neon_hpc import config
 from neon_hpc.launch import lease
 from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
-from neon_hpc.logs import RoleLogger, read_metrics
+from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.rundir import RunDir, atomic_write_json
 
@@ -49,6 +49,7 @@ class LocalRun:
         self.node: subprocess.Popen | None = None
         self.interrupted = False
         self.interrupted_at: float | None = None
+        self.metrics = MetricsTail(run.root, "trainer")   # read incrementally, once a second
 
     def say(self, msg: str) -> None:
         self.log.info("%s", msg)
@@ -95,23 +96,20 @@ class LocalRun:
         self.say(f"{msg}; stopping this launch")
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def progress(self, seen: int) -> int:
-        recs = read_metrics(self.run.root, "trainer")
-        for r in recs[seen:]:   # records in file order; a re-trained step is shown again
+    def progress(self) -> None:
+        for r in self.metrics.read():   # new records in file order; a re-trained step is shown again
             self.say(f"step {r.get('step')}/{self.cfg.train.steps}  reward {r.get('reward_mean', float('nan')):.3f}  "
                      f"trajectories {r.get('trajectories', '-')}  staleness mean {r.get('staleness_mean', 0):.2f} "
                      f"max {r.get('staleness_max', '-')}  wait {r.get('wait_s', 0):.1f}s  "
                      f"step {r.get('step_time_s', 0):.1f}s  -> weights v_{r.get('version', '-')}")
-        return len(recs)
 
     def wait(self) -> int:
-        seen = len(read_metrics(self.run.root, "trainer"))   # a resumed run: only new steps
-        if seen:
-            done = len(trainer_steps(read_metrics(self.run.root, "trainer")))
-            self.say(f"resuming: {done} step(s) already done in {self.run.root}")
+        before = self.metrics.read()   # a resumed run: only new steps are shown
+        if before:
+            self.say(f"resuming: {len(trainer_steps(before))} step(s) already done in {self.run.root}")
         rc = None
         while True:
-            seen = self.progress(seen)
+            self.progress()
             codes = [p.poll() for p in self.trainers]
             if any(c not in (None, 0) for c in codes):
                 bad = next(i for i, c in enumerate(codes) if c not in (None, 0))
@@ -135,7 +133,7 @@ class LocalRun:
                 rc = 1
                 break
             time.sleep(1.0)
-        self.progress(seen)
+        self.progress()
         preempted = (self.run.state / "trainer_preempted.json").exists()
         if rc == 0 and not preempted and not self.interrupted:
             atomic_write_json(self.run.state / "finished.json", {"time": time.time()})
