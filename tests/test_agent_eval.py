@@ -26,6 +26,8 @@ TOK = load_tokenizer()
 
 TRUTH = {sample_label(t.id): ", ".join(f"{pid} {wf}" for pid, _f, wf in t.truth)
          for split in ("test_id", "test_ood") for t in load_tasks("tiny", split, 0, 3)}
+FIT_PHASES = {sample_label(t.id): [pid for pid, _f, _w in t.truth]
+              for split in ("test_id", "test_ood") for t in load_tasks("tiny", split, 0, 3)}
 
 
 class Scripted(ThreadingHTTPServer):
@@ -33,16 +35,22 @@ class Scripted(ThreadingHTTPServer):
 
     def __init__(self, policy):
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.policy, self.requests = policy, 0
+        self.policy, self.requests, self.seen = policy, 0, {}
 
     def reply(self, conversation: str) -> str:
         if self.policy == "silent":
             return ""
         if self.policy == "judge_yes":
             return "YES"
+        label = re.search(r"Sample (\S+), measured", conversation).group(1)
         if "<|tool|>" not in conversation and "Tool result" not in conversation:
+            if self.policy == "fit":          # fit the true phases; the tool's text shows its threshold
+                return ('<tool_call>{"name": "fit_phases", "arguments": {"phases": %s}}</tool_call>'
+                        % json.dumps(FIT_PHASES[label]))
             return '<tool_call>{"name": "find_peaks", "arguments": {"max_peaks": 5}}</tool_call>'
-        answer = TRUTH[re.search(r"Sample (\S+), measured", conversation).group(1)]
+        if self.policy == "fit":
+            self.seen[label] = [float(z) for z in re.findall(r'"detection_z_min":\s*([0-9.]+)', conversation)]
+        answer = TRUTH[label]
         return answer + "</answer>" if conversation.endswith("<answer>") else f"<answer>{answer}</answer>"
 
 
@@ -95,6 +103,7 @@ def scripted():
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         return f"http://127.0.0.1:{srv.server_address[1]}"
+    make.servers = servers
     yield make
     for s in servers:
         s.shutdown()
@@ -182,3 +191,70 @@ def test_unreachable_endpoint_fails_fast_with_a_message(tmp_path, capsys):
                         "--out", str(tmp_path)])
     assert rc == 2 and "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
     assert not (tmp_path / "eval.json").exists()
+
+
+# --- --protocol: fit_phases' detection threshold never comes from what is scored --------------
+
+def _fit_run(scripted, tmp_path, *args):
+    url = scripted("fit")
+    rc = eval_cli.main(["--endpoint", url, "--api", "chat", "--prompt-style", "full", "--max-turns", "3",
+                        "--max-new-tokens", "200", "--max-total-tokens", "40000", "--no-progress",
+                        "--out", str(tmp_path), *args])
+    assert rc == 0
+    return json.loads((tmp_path / "eval.json").read_text()), scripted.servers[-1].seen
+
+
+def test_protocol_fit_on_train_uses_the_threshold_fitted_on_train_tasks(scripted, tmp_path):
+    from neon_hpc.xrd.evaluate import thresholds_fitted_on_train
+    from neon_hpc.xrd.fitting import DETECTION_Z_MIN
+    th, info = thresholds_fitted_on_train("tiny", 3, 0)
+    assert all(t.startswith("tiny-train-") for t in info["train_tasks"]) and len(info["train_tasks"]) == 3
+    assert th.z_min != DETECTION_Z_MIN           # else the test could not tell the two apart
+    report, seen = _fit_run(scripted, tmp_path, "--preset", "tiny", "--split", "test_id,test_ood", "--n", "3",
+                            "--protocol", "fit-on-train")
+    assert report["meta"]["protocol"] == "fit-on-train"
+    assert report["protocol"]["test_id"]["thresholds"] == th.__dict__
+    assert len(report["episodes"]) == 6
+    for ep in report["episodes"]:
+        assert ep["detection_z_min"] == th.z_min and ep["thresholds_fitted_on"] == info["train_tasks"]
+        assert ep["task_id"] not in ep["thresholds_fitted_on"] and ep["success"] == 1.0
+    assert len(seen) == 6 and all(v == [th.z_min] for v in seen.values())   # what fit_phases told the model
+    fixed, seen = _fit_run(scripted, tmp_path / "fixed", "--preset", "tiny", "--split", "test_id", "--n", "2")
+    assert all(v == [DETECTION_Z_MIN] for v in seen.values()) and len(seen) == 2
+    assert all(ep["detection_z_min"] is None for ep in fixed["episodes"])
+
+
+def test_protocol_refuses_splits_it_cannot_score_before_any_request(tmp_path, capsys):
+    base = ["--endpoint", "http://127.0.0.1:9", "--api", "chat", "--no-progress", "--out", str(tmp_path)]
+    assert eval_cli.main(base + ["--protocol", "loo", "--split", "test_id"]) == 2
+    assert "--protocol loo" in capsys.readouterr().err
+    assert eval_cli.main(base + ["--protocol", "fit-on-train", "--split", "test_id,train"]) == 2
+    assert "fit-on-train" in capsys.readouterr().err
+    assert not (tmp_path / "eval.json").exists()
+
+
+@pytest.mark.slow
+def test_protocol_loo_fits_each_mixture_on_the_others(scripted, tmp_path):
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
+    from neon_hpc.xrd.evaluate import choose_thresholds, mixture_of, trace_all
+    from neon_hpc.xrd.grader import grade
+    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    if real_data_dir() is None:
+        pytest.skip("shared/data/xrd-real not found (set NEON_XRD_REAL_DATA)")
+    tasks = load_real_tasks("precursor_mixture")[:4]            # 2 mixtures x 2 scans
+    for t in tasks:
+        label = sample_label(t.id)
+        TRUTH[label] = ", ".join(f"{pid or f} {wf}" for pid, f, wf in t.truth)
+        FIT_PHASES[label] = [pid for pid, _f, _w in t.truth]
+    report, seen = _fit_run(scripted, tmp_path, "--split", "real", "--n", "4", "--protocol", "loo")
+    assert len(report["episodes"]) == 4 and set(report["protocol"]["real"]["folds"]) == {mixture_of(t) for t in tasks}
+    traces = trace_all(tasks)[0]
+    for t in tasks:
+        ep = next(e for e in report["episodes"] if e["task_id"] == t.id)
+        rest = [i for i, u in enumerate(tasks) if mixture_of(u) != mixture_of(t)]
+        assert sorted(ep["thresholds_fitted_on"]) == sorted(tasks[i].id for i in rest)   # never its own mixture
+        answers = [[(None, grade(traces[i].decide(th).phases, tasks[i].truth)) for th in THRESHOLD_GRID]
+                   for i in rest]
+        expected = THRESHOLD_GRID[choose_thresholds(answers, THRESHOLD_GRID)]
+        assert ep["detection_z_min"] == expected.z_min
+        assert seen[sample_label(t.id)] == [expected.z_min]

@@ -126,19 +126,14 @@ def report_from_traces(tasks: list[Task], traces, thresholds, seconds, name: str
     return rep
 
 
-def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = None,
-                 progress: Callable[[str], None] | None = None, grid=None, traced=None) -> tuple[EvalReport, dict]:
-    """Leave one mixture out: the baseline's detection thresholds are chosen on the other mixtures only.
+def loo_folds(tasks: list[Task], traces, grid, strict: bool = False, outcome: dict | None = None) -> dict[str, dict]:
+    """Per held-out mixture, the grid point fitted on the *other* mixtures' scans only.
 
-    Each pattern's greedy refinement trace is computed once (:func:`trace_all`, or ``traced``);
-    for each held-out mixture, the thresholds of ``grid`` with the most successes on the rest
-    (ties: lower weight-fraction MAE, then the earlier grid entry) decide its scans.  Returns the
-    report over every held-out scan and per-fold details (chosen thresholds, detection limits).
+    ``{mixture: {"index": j, "thresholds": grid[j], "held": [task indices], "rest": [task indices],
+    "rest_successes": n}}``: j has the most successes over ``rest`` (ties: lower weight-fraction
+    MAE, then the earlier grid entry).  ``outcome`` caches ``(task index, j) -> (Solution, Grade)``.
     """
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    grid = tuple(grid or THRESHOLD_GRID)
-    traces, seconds, cpu = traced or trace_all(tasks, store, progress)
-    outcome: dict = {}
+    outcome = {} if outcome is None else outcome
 
     def result(i: int, j: int):
         if (i, j) not in outcome:
@@ -146,11 +141,13 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
             outcome[(i, j)] = (sol, grade(sol.phases, tasks[i].truth, strict=strict))
         return outcome[(i, j)]
 
-    report = EvalReport("real_dev-loo")
-    folds = {}
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         groups.setdefault(mixture_of(t), []).append(i)
+    if len(groups) < 2:
+        raise ValueError(f"leave one mixture out needs at least 2 mixtures, got {len(groups)} "
+                         f"({', '.join(groups) or 'no tasks'})")
+    folds = {}
     for mix, held in groups.items():
         rest = [i for i in range(len(tasks)) if i not in held]
 
@@ -159,20 +156,48 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
             errs = [e for g in gs for e in g.details["abs_errors"].values()]
             return (sum(g.success for g in gs), -sum(errs) / max(1, len(errs)), -j)
         best = max(range(len(grid)), key=score)
-        folds[mix] = {"thresholds": grid[best].__dict__, "rest_successes": score(best)[0], "rest_n": len(rest)}
-        for i in held:
-            sol, g = result(i, best)
+        folds[mix] = {"index": best, "thresholds": grid[best], "held": held, "rest": rest,
+                      "rest_successes": score(best)[0]}
+    return folds
+
+
+def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = None,
+                 progress: Callable[[str], None] | None = None, grid=None, traced=None) -> tuple[EvalReport, dict]:
+    """Leave one mixture out: the baseline's detection thresholds are chosen on the other mixtures only.
+
+    Each pattern's greedy refinement trace is computed once (:func:`trace_all`, or ``traced``);
+    for each held-out mixture, :func:`loo_folds` picks the thresholds of ``grid`` on the rest,
+    and they decide its scans.  Returns the report over every held-out scan and per-fold details
+    (chosen thresholds, detection limits).
+    """
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
+    grid = tuple(grid or THRESHOLD_GRID)
+    traces, seconds, cpu = traced or trace_all(tasks, store, progress)
+    outcome: dict = {}
+    report = EvalReport("real_dev-loo")
+    folds = {}
+    for mix, fold in loo_folds(tasks, traces, grid, strict, outcome).items():
+        best, th = fold["index"], fold["thresholds"]
+        folds[mix] = {"thresholds": th.__dict__, "rest_successes": fold["rest_successes"],
+                      "rest_n": len(fold["rest"])}
+        for i in fold["held"]:
+            sol, g = outcome[(i, best)] if (i, best) in outcome else _decide(traces[i], th, tasks[i], strict)
             report.add(tasks[i], sol.phases, g, seconds[i])
             report.rows[-1]["cpu_seconds"] = round(cpu[i], 2)
             fit = sol.details.get("fit", {})
             folds[mix].setdefault("scans", {})[scan_of(tasks[i])] = {
                 "success": g.success, "detection_limits": {
-                    p["phase_id"]: round(grid[best].z_min * p["wf_esd"], 4) for p in fit.get("phases", [])},
+                    p["phase_id"]: round(th.z_min * p["wf_esd"], 4) for p in fit.get("phases", [])},
                 "not_detectable": sol.details.get("not_detectable", [])}
             if progress:
-                progress(f"{tasks[i].id}: thresholds {grid[best].__dict__} (fitted on {len(rest)} other scans) "
+                progress(f"{tasks[i].id}: thresholds {th.__dict__} (fitted on {len(fold['rest'])} other scans) "
                          f"success={g.success}")
     return report, folds
+
+
+def _decide(tr, th, task: Task, strict: bool):
+    sol = tr.decide(th)
+    return sol, grade(sol.phases, task.truth, strict=strict)
 
 
 def detection_limits_by_scan(folds: dict) -> dict[str, dict]:
@@ -208,6 +233,24 @@ def choose_thresholds(answers: list, grid) -> int:
         errs = [e for g in gs for e in g.details["abs_errors"].values()]
         return (sum(g.success for g in gs), -sum(errs) / max(1, len(errs)), -j)
     return max(range(len(grid)), key=score)
+
+
+def thresholds_fitted_on_train(preset: str, n: int, seed: int = 0, workers: int = 2, grid=None,
+                               progress: Callable[[str], None] | None = None) -> tuple[object, dict]:
+    """The baseline's thresholds fitted on ``n`` train tasks of ``preset`` (nothing of another split is seen)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
+    from neon_hpc.xrd.tasks import load_tasks
+    grid = tuple(grid or THRESHOLD_GRID)
+    train = load_tasks(preset, "train", seed, n)
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(train)))) as pool:
+        answers = [r[0] for r in pool.map(_grid_answers, [(t, grid) for t in train])]
+    best = choose_thresholds(answers, grid)
+    info = {"thresholds": grid[best].__dict__, "train_successes": sum(a[best][1].success for a in answers),
+            "train_n": len(train), "train_tasks": [t.id for t in train]}
+    if progress:
+        progress(f"thresholds {info['thresholds']} ({info['train_successes']}/{len(train)} train tasks)")
+    return grid[best], info
 
 
 def evaluate_fit_on_train(preset: str, split: str, n: int, seed: int = 0, workers: int = 2, grid=None,

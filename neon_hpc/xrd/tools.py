@@ -46,6 +46,8 @@ class TaskContext:
     task_id: str = ""
     cache: dict = field(default_factory=dict)
     plot_dir: str = ""               # where plot_fit writes PNGs; "" = plotting refused
+    detection_z_min: float | None = None   # fit_phases' significance threshold; None = fitting.DETECTION_Z_MIN
+                                           # (an evaluation protocol sets one fitted on other data)
 
     @property
     def view(self) -> DatedView:
@@ -391,10 +393,11 @@ def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
     res = _fit(ids, ctx, bool(args.get("refine", True)))
     resid = ctx.intensity - res.calc
     xs, h, _ = observed_peaks(ctx.two_theta, np.clip(resid, 0, None) + res.background, 0.05, 8)
-    out = _fit_report(res, ctx, ctx.cache.get("detection_z_min", DETECTION_Z_MIN))
+    z_min = DETECTION_Z_MIN if ctx.detection_z_min is None else float(ctx.detection_z_min)
+    out = {"detection_z_min": z_min, **_fit_report(res, ctx, z_min)}   # first: tool results may be clipped
     out["unexplained_peaks"] = [[round(float(a), 3), round(float(b), 1)] for a, b in zip(xs, h)]
     out["note"] = ("Rietveld fit; wt fractions of detected phases +- esd; gof~1 = fit at the noise; "
-                   "'not detectable' = refined scale under the significance threshold")
+                   "'not detectable' = refined scale under detection_z_min esds")
     return out
 
 

@@ -8,6 +8,15 @@ episode, tokens per solved sample.  ``--tools minimal`` is the toolset ablation.
 ``--judge URL=MODEL`` (repeatable) adds a panel of LLM judges (majority vote); the report then
 shows their agreement with the deterministic grader, which stays the score.
 
+``--protocol`` (as ``neon-hpc xrd eval --protocol`` does for the baseline): the significance
+threshold the agent's ``fit_phases`` applies ("detected" / "not detectable") is never taken from
+what is scored.  ``fixed``: the a-priori ``DETECTION_Z_MIN``.  ``loo`` (``--split real``): for each
+held-out mixture, the baseline's thresholds fitted on the *other* mixtures' scans
+(``xrd.evaluate.loo_folds``) set its scans' ``fit_phases``.  ``fit-on-train`` (synthetic splits
+other than train): the thresholds fitted on ``--n`` train tasks of the preset
+(``xrd.evaluate.thresholds_fitted_on_train``).  Each episode records the threshold it used and the
+tasks it was fitted on.
+
 Outputs: ``OUT/eval.json`` (summaries and every episode's record) and ``OUT/eval.md``.
 """
 
@@ -26,6 +35,7 @@ from neon_hpc.rollout.agent.report import markdown_table, summarize
 from neon_hpc.rollout.config import RolloutConfig
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
+PROTOCOLS = ("fixed", "loo", "fit-on-train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--judge", action="append", default=[], metavar="URL=MODEL",
                     help="an LLM judge (chat API); repeat for a panel (majority vote)")
     ap.add_argument("--data", default="", help="real data folder for --split real (default: the one xrd finds)")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="fixed",
+                    help="fit_phases' detection threshold: fixed (a priori); loo (--split real: fitted on the "
+                         "other mixtures); fit-on-train (synthetic test splits: fitted on --n train tasks)")
     ap.add_argument("--out", default="eval_out", help="folder for eval.json and eval.md")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -115,6 +128,56 @@ def _grade_numbers(details: Any) -> tuple[float | None, float | None]:
     return f1, mae
 
 
+def protocol_error(protocol: str, splits: list[str]) -> str | None:
+    """Why ``--protocol`` cannot score these splits, or None."""
+    if protocol == "loo" and splits != ["real"]:
+        return ("--protocol loo leaves one real mixture out: use it with --split real only "
+                f"(got --split {','.join(splits)})")
+    if protocol == "fit-on-train" and any(s in ("train", "real") for s in splits):
+        return ("--protocol fit-on-train fits the threshold on train tasks of --preset: score test_id, test_ood "
+                f"or test_temporal (got --split {','.join(splits)})")
+    return None
+
+
+def protocol_thresholds(args, tasks: list, cache: dict) -> tuple[list[dict | None], dict]:
+    """Per task, the detection threshold its fit_phases uses and what it was fitted on; and the split's info.
+
+    Never fitted on the task it is used for: ``loo`` fits on the other mixtures of ``tasks``,
+    ``fit-on-train`` on train tasks only (one fit per run, kept in ``cache``).
+    """
+    if args.protocol == "fixed":
+        return [None] * len(tasks), {"protocol": "fixed"}
+    from neon_hpc.xrd import evaluate
+    if args.protocol == "fit-on-train":
+        if "train" not in cache:
+            cache["train"] = evaluate.thresholds_fitted_on_train(args.preset, args.n, args.seed)
+        th, info = cache["train"]
+        row = {"z_min": th.z_min, "min_gain": th.min_gain, "fitted_on": info["train_tasks"]}
+        return [row] * len(tasks), {"protocol": "fit-on-train", **info}
+    from neon_hpc.xrd.baseline import THRESHOLD_GRID
+    traces, _, _ = evaluate.trace_all(tasks)
+    folds = evaluate.loo_folds(tasks, traces, THRESHOLD_GRID)
+    rows: list[dict | None] = [None] * len(tasks)
+    info = {"protocol": "loo", "folds": {}}
+    for mix, fold in folds.items():
+        th = fold["thresholds"]
+        row = {"z_min": th.z_min, "min_gain": th.min_gain, "fitted_on": [tasks[i].id for i in fold["rest"]]}
+        for i in fold["held"]:
+            rows[i] = row
+        info["folds"][mix] = {"thresholds": th.__dict__, "rest_successes": fold["rest_successes"],
+                              "rest_n": len(fold["rest"])}
+    return rows, info
+
+
+def environment(task, cfg, threshold: dict | None):
+    """The task's XRDEnv, its fit_phases at the protocol's threshold (None: the a-priori one)."""
+    from neon_hpc.rollout.agent.group import as_environment
+    env = as_environment(task, cfg)
+    if threshold is not None:
+        env.ctx.detection_z_min = threshold["z_min"]
+    return env
+
+
 def episode_generate(client, task, tokenizer, cfg) -> dict:
     from neon_hpc.rollout.agent.group import run_episode
     t = run_episode(client, task, tokenizer, cfg)
@@ -130,7 +193,7 @@ def episode_generate(client, task, tokenizer, cfg) -> dict:
 def episode_chat(client, task, cfg) -> dict:
     from neon_hpc.rollout.agent.chat import ChatEpisode
     from neon_hpc.rollout.agent.group import as_environment
-    env = as_environment(task, cfg)
+    env = as_environment(task, cfg)      # a task or an XRDEnv (see environment())
     t0 = time.monotonic()
     ep = ChatEpisode(client, env, cfg).run()
     predicted = env.parse_answer(ep.answer_text) if ep.answer_text is not None else None
@@ -170,8 +233,10 @@ def truth_text(task: Any) -> str:
         return repr(truth)
 
 
-def run_split(args, split: str, cfg: RolloutConfig, api: str) -> list[dict]:
+def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None = None) -> tuple[list[dict], dict]:
     tasks = load_split_tasks(args, split)
+    thresholds, info = protocol_thresholds(args, tasks, {} if cache is None else cache)
+    threshold_of = {id(t): th for t, th in zip(tasks, thresholds)}
     if api == "generate":
         from neon_hpc.models.tokenizer import load_tokenizer
         from neon_hpc.rollout.engines.client import EngineClient
@@ -183,8 +248,9 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str) -> list[dict]:
         work = lambda task: episode_chat(client, task, cfg)
 
     def one(task):
+        threshold = threshold_of[id(task)]
         try:
-            rec = work(task)
+            rec = work(environment(task, cfg, threshold))
         except Exception as e:  # noqa: BLE001 - one failed episode is a recorded failure, not a crash
             rec = {"task_id": str(getattr(task, "task_id", getattr(task, "id", "?"))), "success": 0.0,
                    "dense": 0.0, "turns": 0, "tokens": 0, "gen_tokens": 0, "phase_f1": None,
@@ -192,6 +258,9 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str) -> list[dict]:
         if args.judge:
             rec["judge"] = judge_panel(args.judge, rec, truth_text(task), args.api_key)
         rec["split"] = split
+        rec["detection_z_min"] = threshold["z_min"] if threshold else None
+        if threshold:
+            rec["thresholds_fitted_on"] = threshold["fitted_on"]
         return rec
 
     records = []
@@ -207,35 +276,43 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str) -> list[dict]:
                 bar.set_postfix(success=f"{sum(r['success'] for r in records) / len(records):.2f}")
     if bar is not None:
         bar.close()
-    return sorted(records, key=lambda r: r["task_id"])
+    return sorted(records, key=lambda r: r["task_id"]), info
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = rollout_config(args)
-    api = detect_api(args.endpoint) if args.api == "auto" else args.api
-    why = reachable(args.endpoint, api)
-    if why:
-        print(f"neon-hpc xrd eval: cannot reach {args.endpoint} ({why}); is the server up?", file=sys.stderr)
-        return 2
     splits = [s.strip() for s in args.split.split(",") if s.strip()]
     for s in splits:
         if s not in SPLITS + ("real",):
             print(f"neon-hpc xrd eval: unknown split {s!r}; choose from {', '.join(SPLITS)}, real",
                   file=sys.stderr)
             return 2
-    summaries, records = {}, []
+    why = protocol_error(args.protocol, splits)
+    if why:
+        print(f"neon-hpc xrd eval: {why}", file=sys.stderr)
+        return 2
+    api = detect_api(args.endpoint) if args.api == "auto" else args.api
+    why = reachable(args.endpoint, api)
+    if why:
+        print(f"neon-hpc xrd eval: cannot reach {args.endpoint} ({why}); is the server up?", file=sys.stderr)
+        return 2
+    summaries, records, protocol = {}, [], {}
+    cache: dict = {}
     for split in splits:
-        recs = run_split(args, split, cfg, api)
+        recs, protocol[split] = run_split(args, split, cfg, api, cache)
         summaries[split] = summarize(recs)
         records += recs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from neon_hpc.rundir import atomic_write_json, atomic_write_text
     meta = {"endpoint": args.endpoint, "model": args.model, "api": api, "preset": args.preset,
-            "tools": args.tools, "seed": args.seed, "n": args.n, "temperature": args.temperature}
-    atomic_write_json(out / "eval.json", {"meta": meta, "summaries": summaries, "episodes": records})
-    md = (f"# XRD eval: {args.model} ({api} API, tools={args.tools}, preset={args.preset})\n\n"
+            "tools": args.tools, "seed": args.seed, "n": args.n, "temperature": args.temperature,
+            "protocol": args.protocol}
+    atomic_write_json(out / "eval.json", {"meta": meta, "summaries": summaries, "protocol": protocol,
+                                          "episodes": records})
+    md = (f"# XRD eval: {args.model} ({api} API, tools={args.tools}, preset={args.preset}, "
+          f"protocol={args.protocol})\n\n"
           + markdown_table(summaries))
     atomic_write_text(out / "eval.md", md)
     print(md)
