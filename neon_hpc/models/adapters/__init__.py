@@ -2,12 +2,14 @@
 the Megatron <-> HF name and slicing rules, and the route layout.
 
 Adding an architecture = one module here defining an :class:`~.base.Adapter` subclass, plus
-its line in ``_ADAPTERS``.  Importing this package imports no torch, transformers or megatron
-(reshard's ``--dry-run`` uses it); the methods that need them import them.
+its line in ``_ADAPTERS``, and its name and config tables in :mod:`neon_hpc.hfmap`.
+Importing this package imports no torch, transformers or megatron; the methods that need them
+import them.
 """
 
 from __future__ import annotations
 
+from neon_hpc import hfmap
 from neon_hpc.models.adapters.base import (EXPERT_RULES, TOP_RULES, Adapter, QKVShape, RouteLayout,
                                            RouteLayoutError, Rule)
 from neon_hpc.models.adapters.deepseek_v3 import DeepseekV3Adapter
@@ -15,8 +17,8 @@ from neon_hpc.models.adapters.qwen3_moe import Qwen3MoeAdapter
 
 _ADAPTERS: dict[str, Adapter] = {a.name: a for a in (Qwen3MoeAdapter(), DeepseekV3Adapter())}
 ARCHES = tuple(_ADAPTERS)
-# names (config ``model.arch`` and HF ``model_type``) -> adapter; Kimi-K2 ships DeepSeek-V3 weights
-MODEL_TYPES = {**{a: a for a in ARCHES}, "kimi_k2": "deepseek_v3"}
+# names (config ``model.arch`` and HF ``model_type``) -> architecture: the mapping's (neon_hpc.hfmap)
+MODEL_TYPES = hfmap.MODEL_TYPES
 
 
 def get_adapter(arch: str) -> Adapter:

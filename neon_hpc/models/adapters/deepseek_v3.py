@@ -21,33 +21,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.models.adapters.base import COMMON_LAYER_RULES, Adapter, Rule
+from neon_hpc.hfmap import deepseek_v3 as _map
+from neon_hpc.models.adapters.base import Adapter
 from neon_hpc.models.adapters.qwen3_moe import _getter
 from neon_hpc.models.config import ModelConfig
 
-LAYER_RULES: dict[str, Rule] = {
-    **COMMON_LAYER_RULES,
-    "mlp.router.expert_bias": Rule(("mlp.gate.e_score_correction_bias",)),
-    "mlp.shared_experts.linear_fc1.weight": Rule(("mlp.shared_experts.gate_proj.weight",
-                                                  "mlp.shared_experts.up_proj.weight"), "swiglu", "swiglu"),
-    "mlp.shared_experts.linear_fc2.weight": Rule(("mlp.shared_experts.down_proj.weight",), tp="cols"),
-    "self_attention.linear_q_proj.weight": Rule(("self_attn.q_proj.weight",), tp="rows"),
-    "self_attention.linear_q_down_proj.weight": Rule(("self_attn.q_a_proj.weight",), tp="rows"),
-    "self_attention.linear_q_up_proj.weight": Rule(("self_attn.q_b_proj.weight",), tp="rows"),
-    "self_attention.q_layernorm.weight": Rule(("self_attn.q_a_layernorm.weight",)),
-    "self_attention.linear_kv_down_proj.weight": Rule(("self_attn.kv_a_proj_with_mqa.weight",), tp="rows"),
-    "self_attention.linear_kv_up_proj.weight": Rule(("self_attn.kv_b_proj.weight",), tp="rows"),
-    "self_attention.kv_layernorm.weight": Rule(("self_attn.kv_a_layernorm.weight",)),
-    # Transformer Engine spellings of the two MLA norms (fused into the up-projections)
-    "self_attention.linear_q_up_proj.layer_norm_weight": Rule(("self_attn.q_a_layernorm.weight",), alias=True),
-    "self_attention.linear_kv_up_proj.layer_norm_weight": Rule(("self_attn.kv_a_layernorm.weight",), alias=True),
-}
+LAYER_RULES = _map.LAYER_RULES        # the rules live in neon_hpc.hfmap (reshard reads them too)
 
 
 class DeepseekV3Adapter(Adapter):
-    name = "deepseek_v3"
-    hf_model_type = "deepseek_v3"
-    hf_architecture = "DeepseekV3ForCausalLM"
+    name = _map.NAME
+    hf_model_type = _map.HF_MODEL_TYPE
+    hf_architecture = _map.HF_ARCHITECTURE
     layer_rules = LAYER_RULES
 
     # --- pure -----------------------------------------------------------------------------
@@ -110,28 +95,10 @@ class DeepseekV3Adapter(Adapter):
         return ["input_layernorm.weight", "pre_mlp_layernorm.weight"] + att + mlp
 
     def rope_parameters(self, cfg: ModelConfig) -> dict:
-        if not cfg.yarn_factor:
-            return {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
-        return {"rope_type": "yarn", "rope_theta": float(cfg.rope_theta), "factor": float(cfg.yarn_factor),
-                "original_max_position_embeddings": int(cfg.yarn_original_max_position_embeddings),
-                "beta_fast": float(cfg.yarn_beta_fast), "beta_slow": float(cfg.yarn_beta_slow),
-                "mscale": float(cfg.yarn_mscale), "mscale_all_dim": float(cfg.yarn_mscale_all_dim)}
+        return _map.rope_parameters(cfg)
 
     def hf_config_dict(self, cfg: ModelConfig) -> dict:
-        return dict(
-            model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-            n_shared_experts=cfg.num_shared_experts, n_routed_experts=cfg.num_experts,
-            routed_scaling_factor=float(cfg.routed_scaling_factor), kv_lora_rank=cfg.kv_lora_rank,
-            q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.router_groups,
-            topk_group=cfg.router_group_topk, num_experts_per_tok=cfg.moe_router_topk,
-            first_k_dense_replace=cfg.first_dense_layers, norm_topk_prob=True, hidden_act="silu",
-            rms_norm_eps=cfg.norm_epsilon, rope_parameters=self.rope_parameters(cfg), rope_interleave=True,
-            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
-            attention_bias=False, num_nextn_predict_layers=0, initializer_range=0.02, dtype="float32")
+        return _map.hf_config_dict(cfg)
 
     def model_config_from_hf(self, hf_cfg: Any) -> ModelConfig:
         g = _getter(hf_cfg)

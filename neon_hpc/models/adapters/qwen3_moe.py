@@ -6,27 +6,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.models.adapters.base import COMMON_LAYER_RULES, Adapter, QKVShape, Rule
+from neon_hpc.hfmap import qwen3_moe as _map
+from neon_hpc.models.adapters.base import Adapter, QKVShape
 from neon_hpc.models.config import ModelConfig
 
-LAYER_RULES: dict[str, Rule] = {
-    **COMMON_LAYER_RULES,
-    "self_attention.linear_qkv.weight": Rule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                              "self_attn.v_proj.weight"), "qkv", "rows"),
-    "self_attention.linear_qkv.bias": Rule(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                            "self_attn.v_proj.bias"), "qkv", "rows"),
-    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
-    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
-}
+LAYER_RULES = _map.LAYER_RULES        # the rules live in neon_hpc.hfmap (reshard reads them too)
 _MOE_LAYER = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
               "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
               "self_attention.k_layernorm.weight", "mlp.router.weight")
 
 
 class Qwen3MoeAdapter(Adapter):
-    name = "qwen3_moe"
-    hf_model_type = "qwen3_moe"
-    hf_architecture = "Qwen3MoeForCausalLM"
+    name = _map.NAME
+    hf_model_type = _map.HF_MODEL_TYPE
+    hf_architecture = _map.HF_ARCHITECTURE
     layer_rules = LAYER_RULES
 
     def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -50,17 +43,7 @@ class Qwen3MoeAdapter(Adapter):
         return list(_MOE_LAYER)
 
     def hf_config_dict(self, cfg: ModelConfig) -> dict:
-        return dict(
-            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_query_groups, head_dim=cfg.head_dim,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[], rms_norm_eps=cfg.norm_epsilon,
-            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
-            attention_bias=False, initializer_range=0.02, dtype="float32")
+        return _map.hf_config_dict(cfg)
 
     def model_config_from_hf(self, hf_cfg: Any) -> ModelConfig:
         g = _getter(hf_cfg)

@@ -1,0 +1,52 @@
+"""Qwen3-MoE: the megatron <-> HF weight names and the ``config.json`` fields.
+
+Every layer MoE, GQA attention with fused ``linear_qkv`` (per query group ``[q heads, k, v]``)
+and per-head q/k RMSNorm, softmax top-k router with renormalised weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from neon_hpc.hfmap.rules import COMMON_LAYER_RULES, Rule
+
+NAME = "qwen3_moe"
+HF_MODEL_TYPE = "qwen3_moe"
+HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
+
+LAYER_RULES: dict[str, Rule] = {
+    **COMMON_LAYER_RULES,
+    "self_attention.linear_qkv.weight": Rule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.v_proj.weight"), "qkv", "rows"),
+    "self_attention.linear_qkv.bias": Rule(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                            "self_attn.v_proj.bias"), "qkv", "rows"),
+    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
+}
+
+# config.json field -> ModelConfig field (the same value under the two names)
+HF_FIELDS: dict[str, str] = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
+    "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups", "head_dim": "head_dim",
+    "moe_intermediate_size": "moe_ffn_hidden_size", "num_experts": "num_experts",
+    "num_experts_per_tok": "moe_router_topk", "rms_norm_eps": "norm_epsilon",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+def hf_fields(values: Mapping[str, Any]) -> dict:
+    """The ``config.json`` fields of the ModelConfig fields in ``values`` (absent ones left out),
+    plus what the architecture fixes (model type, renormalised top-k)."""
+    out = {"model_type": HF_MODEL_TYPE, "architectures": [HF_ARCHITECTURE], "norm_topk_prob": True}
+    out.update({hf: values[f] for hf, f in HF_FIELDS.items() if f in values})
+    return out
+
+
+def hf_config_dict(cfg: Any) -> dict:
+    """The whole ``config.json`` of a ModelConfig (what the trainer writes and reshard reads)."""
+    d = hf_fields({f: getattr(cfg, f) for f in HF_FIELDS.values()})
+    d.update(decoder_sparse_step=1, mlp_only_layers=[],
+             rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+             tie_word_embeddings=False, attention_bias=False, initializer_range=0.02, dtype="float32")
+    return d
