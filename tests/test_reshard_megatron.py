@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neon_hpc.reshard import convert
-from neon_hpc.reshard.fixtures import LAYOUTS, layout_name, shared
+from reshard_fixtures import LAYOUTS, layout_name, shared
 
 TOL = 1e-4
 

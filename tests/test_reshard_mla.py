@@ -1,10 +1,11 @@
-"""DeepSeek-V3-style MLA model (dense first layer, shared experts, sigmoid router with expert
-bias, per-layer keys because the layers are heterogeneous) saved by megatron-core, converted,
-and loaded by transformers' DeepseekV3ForCausalLM: logits equal (float32, tolerance 1e-4).
+"""The tiny DeepSeek-V3 (MLA; dense first layer, shared expert, sigmoid router with expert bias
+and grouped top-k; per-layer keys because the layers are heterogeneous) saved by megatron-core,
+converted, and loaded by transformers' DeepseekV3ForCausalLM: logits equal (float32, tolerance 1e-4).
 
-megatron-core's MLA needs Transformer Engine's core attention for its separate k/v head dims;
-the fixture swaps in a plain causal SDPA with the same interface (see fixtures.py), so the
-megatron side is real except that one attention kernel.
+The megatron model is the trainer's own build (``models.megatron.build_gpt_model``: the
+adapter's MLA config and local spec, whose core attention is ``models.core_attention``'s SDPA,
+since megatron-core's local one cannot take MLA's separate k/v head dims); see
+``tests/reshard_fixtures.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from neon_hpc.reshard import convert
-from neon_hpc.reshard.fixtures import shared
+from reshard_fixtures import shared
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +49,13 @@ def test_mla_converted_checkpoint_gives_megatron_logits(saved, tmp_path):
 
 
 def test_mla_config_derived_from_shapes_matches_the_model(saved, tmp_path):
-    from neon_hpc.reshard.fixtures import MLA_HF_CONFIG
+    from reshard_fixtures import mla_hf_config
+    want = mla_hf_config()
     stats = convert(saved / "ckpt", tmp_path / "hf", arch="deepseek_v3", allow_guessed_config=True)
     import json
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     for k in ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
               "v_head_dim", "n_routed_experts", "first_k_dense_replace", "intermediate_size",
               "moe_intermediate_size", "n_shared_experts", "num_hidden_layers", "vocab_size", "hidden_size"):
-        assert cfg[k] == MLA_HF_CONFIG[k], k
+        assert cfg[k] == want[k], k
     assert "rope_theta" in stats["guessed_config_fields"]

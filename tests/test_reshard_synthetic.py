@@ -1,7 +1,7 @@
 """Fast path vs serial path, MPI ranks, and failure modes on a real torch_dist checkpoint.
 
 The checkpoint is saved once per session (with the other reshard fixtures, see
-``neon_hpc/reshard/fixtures.py``) by megatron-core's ``dist_checkpointing.save`` from two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
+``tests/reshard_fixtures.py``) by megatron-core's ``dist_checkpointing.save`` from two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
 TP=2, vocab padded 250 -> 256, bf16 weights, fp32 router, fp32 optimizer state alongside).
 """
 
@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.pipeline import ReshardError, build_plan
-from neon_hpc.reshard.fixtures import shared
+from reshard_fixtures import shared
 from neon_hpc.reshard.serial import materialize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
-"""Megatron-core checkpoint keys -> HF tensors: the architecture adapters' name rules
-(:mod:`neon_hpc.models.adapters`, the same tables the trainer's exporter uses) applied to
-torch_dist keys and shapes (pure, no I/O).
+"""Megatron-core checkpoint keys -> HF tensors: the name rules of :mod:`neon_hpc.hfmap` (the
+same objects the trainer's adapters and exporter use) applied to torch_dist keys and shapes
+(pure, no I/O).
 
 A *slab* is one source tensor indexed by its leading layer / expert axes (``[L, E, 2I, H]``
 at ``(l, e)`` is one expert's ``[2I, H]``).  A rule turns one slab into HF tensors by an
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
-from neon_hpc.models.adapters import ARCHES, EXPERT_RULES, MODEL_TYPES, TOP_RULES, get_adapter
-from neon_hpc.models.adapters.base import IGNORED_SUFFIXES, QKVShape, qkv_part, qkv_rows
-from neon_hpc.models.adapters.base import Rule as NameRule
+from neon_hpc.hfmap import (ARCHES, EXPERT_RULES, IGNORED_SUFFIXES, LAYER_RULES, MODEL_TYPES, TOP_RULES, QKVShape,
+                            qkv_part, qkv_rows)
+from neon_hpc.hfmap import Rule as NameRule
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
+
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
@@ -153,7 +154,6 @@ def _rule(table: dict[str, NameRule], suffix: str) -> Rule | None:
 _EXPERT_PREFIX = "mlp.experts.experts."          # torch_dist: experts stacked on an expert axis
 _EXPERT = {_EXPERT_PREFIX + k: v for k, v in EXPERT_RULES.items()}
 _TOP = TOP_RULES
-LAYER_RULES = {a: get_adapter(a).layer_rules for a in ARCHES}
 # Keys that are model state but carry no HF tensor (TE extra state, routing statistics).
 _IGNORED_SUFFIXES = tuple("." + s if s.startswith("_") else s for s in IGNORED_SUFFIXES)
 

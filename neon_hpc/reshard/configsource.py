@@ -23,11 +23,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neon_hpc.hfmap import hf_config_dict
 from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
 from neon_hpc.reshard.metadata import Checkpoint
 
 CONFIG_FILE = "config.json"
-RUN_CONFIG = "run.yaml"
+from neon_hpc.protocol.rundir import RUN_YAML as RUN_CONFIG  # noqa: E402  (the run's config file)
 # What the shapes of a checkpoint cannot tell (beyond what derive_hf_config lists itself).
 _ALWAYS_GUESSED = ["vocab_size (real, unpadded)", "rope_theta", "rms_norm_eps", "num_experts_per_tok",
                    "max_position_embeddings"]
@@ -60,18 +61,12 @@ def _run_yaml(ckpt_path: Path) -> Path:
 
 
 def hf_config_for_model(model_cfg) -> dict:
-    """The HF ``config.json`` (a dict) that a :class:`~neon_hpc.models.config.ModelConfig` implies.
+    """The HF ``config.json`` (a dict) that a ``model:`` section (a ModelConfig) implies.
 
     The trainer writes this into each checkpoint, and reshard derives it from a run's
-    ``run.yaml``: one function, so both agree."""
-    try:
-        from neon_hpc.models.adapters import get_adapter   # the per-architecture adapters (issue 17)
-    except ImportError:
-        get_adapter = None
-    if get_adapter is not None:
-        return dict(get_adapter(model_cfg.arch).hf_config_dict(model_cfg))
-    from neon_hpc.models.hf import hf_config
-    return hf_config(model_cfg).to_dict()
+    ``run.yaml``: one function (:func:`neon_hpc.hfmap.hf_config_dict`, which the architecture
+    adapters' ``hf_config_dict`` is too), so both agree."""
+    return dict(hf_config_dict(model_cfg))
 
 
 def _read_json(path: Path) -> dict:

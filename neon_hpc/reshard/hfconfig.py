@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+from neon_hpc.hfmap import ARCHES, table
 from neon_hpc.reshard.arch import MappingError
 from neon_hpc.reshard.metadata import Checkpoint
 
@@ -63,7 +64,13 @@ def _num_layers(ckpt: Checkpoint) -> int:
 
 
 def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
-    """A config.json from the checkpoint's shapes; returns it and the fields that were guessed."""
+    """A config.json from the checkpoint's shapes; returns it and the fields that were guessed.
+
+    The shapes give model fields (:class:`~neon_hpc.models.config.ModelConfig`'s names); their
+    HF names, and what the architecture fixes, are the mapping's (:func:`neon_hpc.hfmap` ``hf_fields``),
+    the same table the trainer's ``config.json`` is written from."""
+    if arch not in ARCHES:
+        raise MappingError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHES)}")
     emb = _shape(ckpt, "embedding.word_embeddings.weight")
     if emb is None:
         raise MappingError(f"{ckpt.path}: no embedding.word_embeddings.weight; cannot derive an HF config; "
@@ -71,31 +78,35 @@ def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
     vocab, hidden = emb
     fc1 = _layer_key_shape(ckpt, "mlp.experts.experts.linear_fc1.weight")
     proj = _layer_key_shape(ckpt, "self_attention.linear_proj.weight")
-    cfg = {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": _num_layers(ckpt),
-           "tie_word_embeddings": "output_layer.weight" not in ckpt.tensors}
+    fields = {"vocab_size": vocab, "hidden_size": hidden, "num_layers": _num_layers(ckpt)}
     guessed = ["vocab_size (padded rows kept)", "rope_theta", "rms_norm_eps", "num_experts_per_tok",
                "max_position_embeddings"]
     if fc1 is not None:
-        cfg["moe_intermediate_size"] = fc1[-2] // 2
+        fields["moe_ffn_hidden_size"] = fc1[-2] // 2
     if arch == "qwen3_moe":
-        kn = _layer_key_shape(ckpt, "self_attention.k_layernorm.weight")
-        qkv = _layer_key_shape(ckpt, "self_attention.linear_qkv.weight")
-        if kn is None or qkv is None or proj is None:
-            raise MappingError(f"{ckpt.path}: cannot derive head_dim / head counts (no k_layernorm, linear_qkv "
-                               f"or linear_proj); pass --hf-config-dir")
-        head_dim = kn[0]
-        heads = proj[-1] // head_dim
-        groups = (qkv[0] // head_dim - heads) // 2
-        cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim,
-                   num_attention_heads=heads, num_key_value_heads=groups,
-                   num_experts=fc1[0] if fc1 is not None and len(fc1) == 3 else None,
-                   intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=True)
-    elif arch == "deepseek_v3":
-        cfg.update(_derive_mla(ckpt, proj, fc1))
-        guessed += ["routed_scaling_factor", "n_group", "topk_group"]
+        fields.update(_derive_gqa(ckpt, proj, fc1))
     else:
-        raise MappingError(f"unknown architecture {arch!r}; supported: qwen3_moe, deepseek_v3")
+        fields.update(_derive_mla(ckpt, proj, fc1))
+        guessed += ["routed_scaling_factor", "n_group", "topk_group"]
+    cfg = table(arch).hf_fields(fields)
+    cfg["tie_word_embeddings"] = "output_layer.weight" not in ckpt.tensors
     return cfg, guessed
+
+
+def _derive_gqa(ckpt: Checkpoint, proj, fc1) -> dict:
+    """Qwen3-MoE fields from GQA shapes: k_layernorm = head_dim, linear_proj cols = heads x head_dim,
+    linear_qkv rows = (heads + 2 groups) x head_dim.  The dense width is not in an all-MoE
+    checkpoint: it is guessed as the expert width."""
+    kn = _layer_key_shape(ckpt, "self_attention.k_layernorm.weight")
+    qkv = _layer_key_shape(ckpt, "self_attention.linear_qkv.weight")
+    if kn is None or qkv is None or proj is None:
+        raise MappingError(f"{ckpt.path}: cannot derive head_dim / head counts (no k_layernorm, linear_qkv "
+                           f"or linear_proj); pass --hf-config-dir")
+    head_dim = kn[0]
+    heads = proj[-1] // head_dim
+    return dict(head_dim=head_dim, num_attention_heads=heads, num_query_groups=(qkv[0] // head_dim - heads) // 2,
+                num_experts=fc1[0] if fc1 is not None and len(fc1) == 3 else None,
+                ffn_hidden_size=fc1[-2] // 2 if fc1 is not None else None)
 
 
 def _dense_layers(ckpt: Checkpoint) -> list[int]:
@@ -125,14 +136,11 @@ def _derive_mla(ckpt: Checkpoint, proj, fc1) -> dict:
     dense_fc1 = ckpt.tensors[f"decoder.layers.{dense[0]}.mlp.linear_fc1.weight"].shape if dense else None
     shared = _layer_key_shape(ckpt, "mlp.shared_experts.linear_fc1.weight")
     moe_i = fc1[-2] // 2 if fc1 is not None else None
-    return dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_attention_heads=heads,
-                num_key_value_heads=heads, q_lora_rank=q_down[0] if q_down is not None else None,
+    return dict(num_attention_heads=heads, q_lora_rank=q_down[0] if q_down is not None else 0,
                 kv_lora_rank=kv_rank, qk_rope_head_dim=rope, qk_nope_head_dim=h_nope // heads,
-                v_head_dim=proj[-1] // heads, n_routed_experts=fc1[0] if fc1 is not None else None,
-                first_k_dense_replace=len(dense),
-                intermediate_size=dense_fc1[0] // 2 if dense_fc1 else moe_i,
-                n_shared_experts=(shared[0] // 2) // moe_i if shared is not None and moe_i else 0,
-                rope_interleave=True, norm_topk_prob=True)
+                v_head_dim=proj[-1] // heads, num_experts=fc1[0] if fc1 is not None else None,
+                first_dense_layers=len(dense), ffn_hidden_size=dense_fc1[0] // 2 if dense_fc1 else moe_i,
+                num_shared_experts=(shared[0] // 2) // moe_i if shared is not None and moe_i else 0)
 
 
 def write_hf_side(dst: Path, cfg: dict, hf_config_dir: str | Path | None) -> list[str]:

@@ -1,4 +1,8 @@
-"""Test fixtures: real megatron-core checkpoints of the tiny Qwen3-MoE at several layouts.
+"""Test fixtures for the reshard tests: real megatron-core checkpoints of the tiny Qwen3-MoE at
+several layouts, of the tiny DeepSeek-V3 (MLA), and the synthetic checkpoint.
+
+Test support, so it lives under ``tests/`` (the reshard tool imports none of the models;
+this module builds them).
 
 ``save_layouts(out_dir, layouts)`` starts two gloo processes once, and for each ``(tp, ep)``
 builds the megatron-core GPTModel (``neon_hpc.models``), moves every weight away from its
@@ -6,8 +10,7 @@ initial value (norms away from 1, so swapped norms would show in the logits), co
 logits of fixed token ids, and saves the model's sharded state dict with
 ``dist_checkpointing.save`` (torch_dist).  Written per layout ``L = tp{tp}_ep{ep}``:
 ``L/ckpt/`` (the checkpoint), ``L/logits.npy``, and once ``hf_config/config.json`` and
-``ids.npy``.  megatron-core is imported here only in the spawned processes; the converter
-never imports this module.
+``ids.npy``.  megatron-core is imported here only in the spawned processes.
 """
 
 from __future__ import annotations
@@ -92,61 +95,20 @@ def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2
 
 
 # ---------------------------------------------------------------------------------------
-# DeepSeek-V3-style MLA model: dense first layer, shared experts, sigmoid router with bias
-
-MLA_HF_CONFIG = dict(
-    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=256, hidden_size=64,
-    intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
-    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-    n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-    rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleave=True, tie_word_embeddings=False,
-    max_position_embeddings=256, attention_bias=False)
+# DeepSeek-V3 with MLA: the tiny DeepSeek-V3 of configs/tiny_dsv3_cpu.yaml (dense first layer,
+# shared expert, sigmoid router with expert bias, grouped top-k), built as the trainer builds it
 
 
-def _mla_core_attention():
-    """Causal SDPA with megatron's core-attention interface.
-
-    megatron-core's local ``DotProductAttention`` cannot take MLA's separate k/v head dims
-    (only Transformer Engine's can, which needs CUDA), so the MLA fixture uses this plain
-    stand-in; everything else (projections, norms, RoPE, router, experts) is megatron's.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    class CausalSDPA(torch.nn.Module):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type=None, softmax_scale=None, **_):
-            super().__init__()
-            self.scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **_):
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))      # [b, h, s, d]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            return o.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-    return CausalSDPA
+def mla_model_config():
+    """The MLA fixture's model: ``neon_hpc.models.testing.tiny_dsv3()`` (the example's ``model:``)."""
+    from neon_hpc.models.testing import tiny_dsv3
+    return tiny_dsv3()
 
 
-def _mla_config():
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-    c = MLA_HF_CONFIG
-    return MLATransformerConfig(
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
-        ffn_hidden_size=c["intermediate_size"], q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
-        qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        rope_type="rope", rotary_base=c["rope_theta"], normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
-        qk_layernorm=True, num_moe_experts=c["n_routed_experts"], moe_layer_freq=[0, 1],
-        moe_ffn_hidden_size=c["moe_intermediate_size"], moe_router_topk=c["num_experts_per_tok"],
-        moe_shared_expert_intermediate_size=c["moe_intermediate_size"] * c["n_shared_experts"],
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False, moe_permute_fusion=False, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=torch.float32, use_cpu_initialization=True)
+def mla_hf_config() -> dict:
+    """Its HF ``config.json``: what the trainer writes for it (``neon_hpc.hfmap.hf_config_dict``)."""
+    from neon_hpc.hfmap import hf_config_dict
+    return hf_config_dict(mla_model_config())
 
 
 def _mla_worker(rank: int, out: str, seq: int) -> None:
@@ -158,31 +120,22 @@ def _mla_worker(rank: int, out: str, seq: int) -> None:
 
 
 def _mla_in_group(out: str, seq: int) -> None:
-    """Build, run and save the MLA model on every rank of the group (TP=1: ranks are DP replicas)."""
+    """Build (``models.megatron.build_gpt_model``: the adapter's MLA config and local spec with
+    its SDPA core attention), run and save the MLA model on every rank of the group (TP=1:
+    ranks are DP replicas)."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from neon_hpc.models import megatron
+    cfg = mla_model_config()
     megatron.init_parallel(tp=1, ep=1)
-    import megatron.core.transformer.multi_latent_attention as mla
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    if not isinstance(mla.TELinear, type):   # without TE it is a placeholder; isinstance() would raise
-        mla.TELinear = type("NoTELinear", (), {})
-    cfg = _mla_config()
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
-    torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=MLA_HF_CONFIG["vocab_size"],
-                     max_sequence_length=256, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False, rotary_base=int(MLA_HF_CONFIG["rope_theta"]))
+    model = megatron.build_gpt_model(cfg)
     _perturb(model, 0, 0)
     for name, buf in model.named_buffers():
         if name.endswith("expert_bias"):   # a non-zero bias, so a dropped or misnamed bias shows in routing
             buf.copy_(0.5 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(7)))
     model.eval()
-    ids = np.random.default_rng(0).integers(0, MLA_HF_CONFIG["vocab_size"], size=(2, seq))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, seq))
     with torch.no_grad():
         logits = megatron.forward_logits(model, torch.from_numpy(ids))
     out_p = Path(out)
@@ -207,7 +160,7 @@ def save_mla(out_dir: str | os.PathLike, seq: int = 8) -> Path:
 def _write_mla_config(out: Path) -> None:
     import json
     (out / "hf_config").mkdir(parents=True, exist_ok=True)
-    (out / "hf_config" / "config.json").write_text(json.dumps(MLA_HF_CONFIG, indent=1))
+    (out / "hf_config" / "config.json").write_text(json.dumps(mla_hf_config(), indent=1))
 
 
 # ---------------------------------------------------------------------------------------
