@@ -37,6 +37,7 @@ from neon_hpc.launch.config import LaunchConfig
 from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.plan.config import PlanConfig
+from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.rollout.config import EngineConfig, RolloutConfig
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.train.config import TrainConfig
@@ -58,6 +59,7 @@ class ExperimentConfig:
     xrd: XRDConfig = field(default_factory=XRDConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
 
 class ConfigError(ValueError):

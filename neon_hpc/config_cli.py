@@ -76,11 +76,17 @@ def _tasks(cfg: ExperimentConfig) -> list[Problem]:
 
 
 def _tokenizer(cfg: ExperimentConfig) -> list[Problem]:
-    if cfg.model.vocab_size <= 256:
-        return []   # the built-in xrd-tiny tokenizer
-    if not cfg.model.init_checkpoint:
-        return [("rollout worker", f"model.vocab_size={cfg.model.vocab_size} needs the tokenizer of "
-                                   f"model.init_checkpoint, which is empty: set it to the model's HF folder")]
+    tok = cfg.model.tokenizer
+    if tok == "xrd-tiny":
+        return []   # the built-in tokenizer
+    if not tok:
+        if not cfg.model.init_checkpoint:
+            return [("rollout worker", "model.tokenizer is \"\" (the tokenizer saved in model.init_checkpoint), "
+                                       "but model.init_checkpoint is empty: set one of them to the model's HF folder")]
+        return []
+    if not Path(tok).exists():
+        return [("rollout worker", f"model.tokenizer: {tok} does not exist; use 'xrd-tiny', a directory or file "
+                                   f"with neon_tokenizer.json, or the model's HF tokenizer folder")]
     return []
 
 

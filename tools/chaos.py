@@ -49,7 +49,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from neon_hpc.rundir import RunDir  # noqa: E402
+from neon_hpc.protocol.records import ClaimRecord, Finished, Phase, TrainerBeat  # noqa: E402
+from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 
 MOMENTS = ("claim", "checkpoint", "publish", "flush", "helper", "launcher", "trainer", "node", "worker",
            "engine", "all")
@@ -145,11 +146,11 @@ class Trial:
         except (FileNotFoundError, json.JSONDecodeError):
             return 0
 
-    def trainer_phase(self) -> dict:
+    def trainer_phase(self) -> TrainerBeat | None:
         try:
-            return json.loads(self.run.heartbeat_file("trainer", 0).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+            return TrainerBeat.read(self.run, 0)
+        except RunDirError:
+            return None
 
     # --- the fault ------------------------------------------------------------------------
     def victims(self, moment: str, launcher: subprocess.Popen) -> list[psutil.Process] | None:
@@ -157,7 +158,7 @@ class Trial:
         r = self.run
         if moment == "claim":
             ph = self.trainer_phase()
-            return by_role(self.root, "trainer") if ph.get("phase") == "claiming" and (ph.get("step") or 0) >= 2 else None
+            return by_role(self.root, "trainer") if ph and ph.phase is Phase.CLAIMING and (ph.step or 0) >= 2 else None
         if moment == "checkpoint":
             return by_role(self.root, "trainer") if staging(r.checkpoints) else None
         if moment == "publish":
@@ -254,18 +255,17 @@ class Trial:
         r = self.run
         if rc != 0:
             problems.append(f"the last rerun exited {rc}, not 0")
-        if not (r.state / "finished.json").exists():
-            problems.append("state/finished.json is missing: the run did not complete")
+        if not Finished.present(r):
+            problems.append(f"{r.finished_file} is missing: the run did not complete")
         ready = {p.name for p in r.traj_ready.glob("*.h5")}
         owner: dict[str, int] = {}
         for step_dir in sorted(r.traj_claimed.glob("step_*")):
             step = int(step_dir.name.split("_")[1])
-            rec_f = step_dir / "CLAIM.json"
-            if not rec_f.exists():
-                problems.append(f"{step_dir} has no CLAIM.json (a half-done claim left behind)")
+            rec = ClaimRecord.read_in(step_dir)
+            if rec is None:
+                problems.append(f"{step_dir} has no commit record (a half-done claim left behind)")
                 continue
-            rec = json.loads(rec_f.read_text())
-            for s in rec.get("shards", []):
+            for s in rec.shards:
                 name = s["name"]
                 if name in owner:
                     problems.append(f"shard {name} claimed by steps {owner[name]} and {step}: trained twice")
@@ -285,7 +285,7 @@ class Trial:
             steps = sorted({json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()})
         if steps != list(range(1, self.steps + 1)):
             problems.append(f"trainer steps in metrics are {steps}, not 1..{self.steps}")
-        missing = [s for s in range(1, self.steps + 1) if not (r.claimed_step(s) / "CLAIM.json").exists()]
+        missing = [s for s in range(1, self.steps + 1) if not ClaimRecord.committed(r.claimed_step(s))]
         if missing:
             problems.append(f"steps without a committed claim: {missing}")
         latest = r.latest_weights()

@@ -4,9 +4,7 @@ summarise a run from its metrics."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,8 @@ from typing import Any
 from neon_hpc import config
 from neon_hpc.config import ConfigError, ExperimentConfig
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir, atomic_write_json, atomic_write_text, read_json, remove_stale_tmp
+from neon_hpc.protocol.records import Finished, JobRecord, Preempted
+from neon_hpc.protocol.rundir import RunDir, atomic_write_text, remove_stale_tmp
 
 
 def resolve_run_dir(cfg: ExperimentConfig, run_dir: str | None) -> Path:
@@ -62,14 +61,9 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
               f"{', '.join(diffs)} and is not used for those keys (start a new --run-dir to change them)",
               file=sys.stderr)
     sweep_staging(run)
-    for p in (run.state / "finished.json", run.state / "trainer_preempted.json"):
-        p.unlink(missing_ok=True)
-    job = read_json(run.state / "job.json", {}) or {}
-    starts = int(job.get("starts", 0)) + 1
-    now = time.time()
-    atomic_write_json(run.state / "job.json", {"job_id": job_id, "backend": backend, "host": socket.gethostname(),
-                                               "started": now, "first_started": job.get("first_started", now),
-                                               "starts": starts})
+    Finished.clear(run)
+    Preempted.clear(run)
+    JobRecord.start(run, job_id, backend)
     return run, cfg
 
 
@@ -114,8 +108,8 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     rollout = [r for r in events if "event" not in r]
     spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
                     if r.get("version_min", -1) >= 0)
-    job = read_json(run.state / "job.json", {}) or {}
-    started = job.get("first_started", job.get("started"))
+    job = JobRecord.read(run)
+    started = job and (job.first_started if job.first_started is not None else job.started)
     times = [r["time"] for r in trainer + rollout]
     wall = (max(times) - min([started] + times if started else times)) if times else 0.0
     wait = sum(r.get("wait_s", 0.0) for r in trainer)

@@ -44,11 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.rundir import RunDir, atomic_write_json, fsync_dir, read_json
+from neon_hpc.protocol.rundir import LEASE, RunDir, atomic_write_json, fsync_dir, read_json
 
 RENEW_S = 2.0       # how often every process of a launch renews the lease
 TTL_S = 30.0        # a lease not renewed for this long belongs to a dead launch
-LEASE = "lease.json"
 
 
 class LeaseHeld(RuntimeError):
@@ -73,7 +72,7 @@ def new_token(job_id: str = "local", restart: int = 0) -> str:
 
 
 def lease_path(run: RunDir) -> Path:
-    return run.state / LEASE
+    return run.lease_file
 
 
 def read(run: RunDir) -> dict[str, Any] | None:

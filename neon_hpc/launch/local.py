@@ -10,7 +10,7 @@ killed; a second Ctrl-C kills at once); running the same command again resumes.
 One launch per run directory: the launcher takes the lease (``launch.lease``) before anything
 else and refuses (exit 3) while another launch of the same directory lives. Its processes
 renew it, and stop by themselves when the launcher is gone (``roles``: the trainer
-checkpoints first) or when the trainer has finished (``state/finished.json``).
+checkpoints first) or when the trainer has finished (the finished marker, ``neon_hpc.protocol``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from neon_hpc.launch import lease
 from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.records import Finished, mark_finished
+from neon_hpc.protocol.rundir import RunDir
 
 
 STOP_GRACE_S = 120.0   # after Ctrl-C/SIGTERM: how long the trainer gets to checkpoint and everyone to stop
@@ -126,7 +127,7 @@ class LocalRun:
                          f"(its log: neon-hpc tail {self.run.root} --role trainer)")
                 rc = 1
                 break
-            finished = (self.run.state / "finished.json").exists()   # the trainer's: the node stops on it
+            finished = Finished.present(self.run)   # the trainer's: the node stops on it
             if self.node is not None and self.node.poll() is not None and not self.interrupted and not finished:
                 self.say(f"the rollout node exited (code {self.node.returncode}); stopping the run. Its log: "
                          f"{self.run.log_dir('rollout-node') / '0.stderr'}")
@@ -134,9 +135,8 @@ class LocalRun:
                 break
             time.sleep(1.0)
         self.progress()
-        preempted = (self.run.state / "trainer_preempted.json").exists()
-        if rc == 0 and not preempted and not self.interrupted:
-            atomic_write_json(self.run.state / "finished.json", {"time": time.time()})
+        if rc == 0 and not self.interrupted:
+            mark_finished(self.run, by="launcher")   # not when the trainer was preempted
         self.stop()
         return rc if not self.interrupted else 130
 

@@ -15,7 +15,7 @@ Around every trainer and rollout node:
   launcher is gone (re-parented: SIGKILLed, crashed), the process stops itself with SIGTERM
   (the trainer checkpoints first, the node stops its workers and engines), so nothing of a
   run outlives its launcher for long;
-* the trainer's rank 0 writes ``state/finished.json`` when it has done all its steps (not
+* the trainer's rank 0 writes the finished marker when it has done all its steps (not
   when preempted), so the rollout side stops by itself even without a launcher to tell it;
 * a dead megatron checkpoint helper (``train.writers.CheckpointWriterError``), or a full or
   read-only filesystem (``rundir.StorageError``), ends the trainer with exit 2 and one line
@@ -55,12 +55,9 @@ def watch_launcher(role: str) -> threading.Thread | None:
 
 
 def mark_finished(run_dir: str) -> None:
-    """``state/finished.json``: every trainer step is done; the rollout side stops on it."""
-    from neon_hpc.rundir import RunDir, atomic_write_json
-    from neon_hpc.train.loop import PREEMPT_FILE
-    run = RunDir(run_dir)
-    if not (run.state / PREEMPT_FILE).exists():
-        atomic_write_json(run.state / "finished.json", {"time": time.time(), "by": "trainer"})
+    """The finished marker: every trainer step is done; the rollout side stops on it."""
+    from neon_hpc.protocol import RunDir, mark_finished as mark
+    mark(RunDir(run_dir), by="trainer")
 
 
 def _trainer(cfg, run_dir: str) -> int:

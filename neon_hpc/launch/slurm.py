@@ -8,8 +8,8 @@ The text that reaches Slurm is reviewed like code: ``sbatch/neon_rl.sbatch`` is 
 renderer's output for ``configs/tiny_cpu.yaml`` and a test keeps the two identical.
 
 Signals and requeue: ``--signal=USR1@<s>`` makes Slurm send SIGUSR1 to every job step
-``<s>`` seconds before the time limit; the trainer checkpoints and exits 0 with
-``state/trainer_preempted.json``, the rollout side flushes, and the script requeues the job
+``<s>`` seconds before the time limit; the trainer checkpoints and exits 0 leaving the
+preemption marker (``neon_hpc.protocol``), the rollout side flushes, and the script requeues the job
 (``--requeue``), which resumes from the run directory alone. A failed step fails the job
 (``--kill-on-bad-exit``); the script waits for whichever group ends first and stops the
 other, so nothing keeps running after the job.
@@ -33,9 +33,11 @@ echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostn
 # one live launch per run directory: this job (this restart of it) takes the lease first, or
 # exits 3 naming the launch that holds it; every task renews it (neon_hpc/launch/lease.py)
 export NEON_LEASE_TOKEN="slurm-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
-# run.yaml is written once (a requeued job resumes with it); job.json records this job id
+# the run's config is written once (a requeued job resumes with it); the job record names this job
 "$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit $?
-RUN_YAML="$RUN_DIR/run.yaml"
+# the run directory's names are the protocol's (neon_hpc/protocol/README.md): asked, never spelled here
+proto() { "$PY" -m neon_hpc.protocol "$@" "$RUN_DIR"; }
+RUN_YAML="$(proto path run-yaml)"
 
 # torch.distributed rendezvous on the first node of the trainer group, by its NodeAddr
 # (the node name need not resolve: emulated nodes, clusters with a separate fabric name)
@@ -71,19 +73,15 @@ trap stop_all TERM INT
 # (scancel -s USR1 --batch, or --signal=B:USR1), it must not kill the job before they are done
 trap 'echo "[neon-rl] SIGUSR1: the trainer checkpoints, the rollout side flushes"' USR1
 
-mark_finished() {
-  "$PY" -c 'import sys, time; from neon_hpc.rundir import atomic_write_json; atomic_write_json(sys.argv[1], {"time": time.time()})' \
-    "$RUN_DIR/state/finished.json"
-}
 
 # whichever group ends first decides; the other is stopped (SIGTERM: flush / checkpoint)
 while kill -0 "$TRAINER" 2>/dev/null && kill -0 "$ROLLOUT" 2>/dev/null; do sleep 1; done
 if ! kill -0 "$TRAINER" 2>/dev/null; then
   reap "$TRAINER"; RC=$?
-  if [ "$RC" -eq 0 ] && [ ! -e "$RUN_DIR/state/trainer_preempted.json" ]; then
-    # all steps done: the rollout nodes see finished.json and stop their workers and engines
-    # themselves; signalling srun instead would make Slurm kill the step's tasks outright
-    mark_finished
+  if [ "$RC" -eq 0 ] && ! proto preempted; then
+    # all steps done: the rollout nodes see the finished marker and stop their workers and
+    # engines themselves; signalling srun instead would make Slurm kill the step's tasks outright
+    proto finish
     for _ in $(seq 60); do kill -0 "$ROLLOUT" 2>/dev/null || break; sleep 1; done
   fi
   kill -TERM "$ROLLOUT" 2>/dev/null; reap "$ROLLOUT" 60
@@ -96,18 +94,18 @@ else
     echo "[neon-rl] rollout group failed (exit ${RC}); stopping the trainer (it checkpoints first)"
     kill -TERM "$TRAINER" 2>/dev/null; reap "$TRAINER" 180
     # a failure is not a preemption: no requeue loop; rerunning the job resumes from the checkpoint
-    rm -f "$RUN_DIR/state/trainer_preempted.json"
+    proto clear-preempted
   fi
 fi
 
-if [ -e "$RUN_DIR/state/trainer_preempted.json" ]; then
+if proto preempted; then
   echo "[neon-rl] trainer checkpointed before the time limit; requeueing job ${SLURM_JOB_ID}"
   release_lease
   scontrol requeue "${SLURM_JOB_ID}"
   exit 0
 fi
 if [ "$RC" -eq 0 ]; then
-  mark_finished
+  proto finish
 fi
 release_lease
 echo "[neon-rl] done (exit ${RC})"

@@ -47,6 +47,9 @@ class ModelConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     init_checkpoint: str = ""           # HF or torch_dist path to start from; "" = random init from seed
+    # the rollout's tokenizer: "xrd-tiny" (built in, 256 ids), a directory or file with
+    # neon_tokenizer.json, a local HF tokenizer directory, or "" = the one saved in init_checkpoint
+    tokenizer: str = "xrd-tiny"
     seed: int = 1234
 
     CHECKS = {

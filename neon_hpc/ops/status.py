@@ -17,7 +17,8 @@ from typing import Any
 
 from neon_hpc.launch.common import trained_versions_and_waste
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir, read_json
+from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
+from neon_hpc.protocol.rundir import RunDir
 
 
 def slurm_state(job_id: str) -> str:
@@ -77,7 +78,8 @@ def last_errors(run: RunDir, n: int = 5) -> list[str]:
 def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
     run = RunDir(run_dir)
     run.check()
-    job = read_json(run.state / "job.json", {}) or {}
+    rec = JobRecord.read(run)
+    job = rec.to_json() if rec else {}
     trainer = read_metrics(run.root, "trainer")
     rollout = [r for r in read_metrics(run.root, "rollout") if "event" not in r]
     latest = run.latest_weights()
@@ -96,10 +98,9 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
         "trainer_tokens_per_s": _rate(trainer, "tokens"),
         "rollout_tokens_per_s": _rate(rollout, "tokens"),
         "reward_last": trainer[-1].get("reward_mean") if trainer else None,
-        "finished": read_json(run.state / "finished.json"),
+        "finished": (lambda f: f.to_json() if f else None)(Finished.read(run)),
         "errors": last_errors(run),
-        "engines": [read_json(f) or {} for f in sorted((run.state / "engines").glob("node*.json"),
-                                                        key=lambda f: int(f.stem[4:] or 0))],
+        "engines": [e.to_json() for e in EngineRecord.read_all(run)],
     }
     return info
 

@@ -81,6 +81,7 @@ from neon_hpc.plan.params import SimParams
 from neon_hpc.plan.slots import EpisodeSlots, WorkerSlots, _Group
 from neon_hpc.plan.trainer import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
+from neon_hpc.protocol import admission as rule
 
 __all__ = ["POLICIES", "SimResult", "simulate"]
 
@@ -128,6 +129,9 @@ class _Sim:
         self._node_busy = False             # a weight check or load is scheduled
         self._node_anchor = -float(np.random.default_rng(p.seed + 2).uniform(0.0, p.weight_poll_s)) \
             if p.weight_poll_s > 0 else 0.0
+        # in place, a load pauses the engines' running requests for its duration (slots.py)
+        self.pause_s = p.weight_load_s if (p.pause_on_load and self.in_place and not self.batch_mode) else 0.0
+        self.pause_begun = 0.0              # engine pause seconds begun so far
         # groups
         self.groups_open = 0
         self.open: _Group | None = None
@@ -154,18 +158,15 @@ class _Sim:
         if self.batch_mode:
             return self.quota > 0
         ready = self.ready_n * self.G
-        if ready > p.backpressure_steps * p.trajectories_per_step:
+        if p.admission == "steps_ahead":     # the rollout worker's rule, the same function
+            # in flight: what the workers' heartbeats say (worker mode), else what is running;
+            # the version gap: the group starts on the engines' version, behind the one the
+            # trainer's next claim trains (a step in progress is one more)
+            lag = rule.version_gap(self.trains, self.version, self.published) if self.use_gap else 0
+            return rule.admit(ready, self.slots.in_flight_beaten(), self.G, p.trajectories_per_step,
+                              p.backpressure_steps, p.max_staleness, lag)[0] == rule.OK
+        if rule.backpressured(ready, p.trajectories_per_step, p.backpressure_steps):
             return False
-        if p.admission == "steps_ahead":     # neon_hpc.rollout.worker.admission
-            # in flight: what the workers' heartbeats say (worker mode), else what is running
-            inflight = self.slots.in_flight_beaten()
-            pending = ready + inflight + self.G
-            estimate = math.ceil(pending / p.trajectories_per_step) - 1
-            if self.use_gap and self.trains > self.version:
-                # neon_hpc.rollout.worker.version_gap: the group starts on the engines' version,
-                # behind the one the trainer's next claim trains (a step in progress is one more)
-                estimate += self.trains - self.version
-            return estimate <= p.max_staleness
         oldest = self._oldest_unconsumed()
         return oldest is None or self.step - oldest < p.max_staleness or self._starved
 
@@ -351,6 +352,7 @@ class _Sim:
 
     def _node_check(self, _e) -> None:
         v = self.published
+        self.pause_begun += self.pause_s
         self.env.timeout(self.p.weight_load_s, value=v).callbacks.append(self._node_loaded)
 
     def _node_loaded(self, e) -> None:

@@ -11,8 +11,8 @@ time including ``wait_s``, the time blocked waiting for data; ``staleness_mean``
 It then simulates the same configuration with the run's *component* measurements (the
 durations of its GRPO groups, resampled; each step's time without the wait, in order; the
 weight load time of ``RUN/logs/rollout-node/metrics.jsonl``) and the real processes'
-buffering and polling (shard flush policy from the config, poll intervals from the code:
-see ``PROCESS_PARAMS`` and ``sim.py``), and compares
+buffering and polling (shard flush policy and poll intervals from the run's config, its
+``store`` and ``protocol`` sections: see ``PROCESS_PARAMS`` and ``sim.py``), and compares
 the *system* quantities that emerge from their interplay, which the simulation has to get
 right on its own: trainer idle fraction, rollout idle fraction, staleness mean and max.
 A worker runs one group at a time, so the simulation uses one slot per worker and treats a
@@ -36,6 +36,7 @@ from neon_hpc import config
 from neon_hpc.logs import read_metrics
 from neon_hpc.plan.params import Sourced, from_experiment
 from neon_hpc.plan.sim import simulate
+from neon_hpc.protocol.rundir import RunDir
 
 BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "staleness_max": 1.0,
          "wasted_tokens": 0.05}
@@ -98,10 +99,10 @@ class ValidationReport:
 # --------------------------------------------------------------------------------------
 
 def _load(run_dir: Path) -> tuple[Any, list[dict], list[dict]]:
-    run_yaml = run_dir / "run.yaml"
+    run_yaml = RunDir(run_dir).run_yaml
     if not run_yaml.exists():
         raise RunDataError(f"{run_yaml}: missing; compare_with_run needs a run directory written by "
-                           f"neon-hpc run/launch (run.yaml is written once at launch)")
+                           f"neon-hpc run/launch (its config is written there once, at launch)")
     cfg = config.load(run_yaml)
     steps = [r for r in read_metrics(run_dir, "trainer") if "step_time_s" in r and "wait_s" in r]
     rollout = read_metrics(run_dir, "rollout")
@@ -195,7 +196,8 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     workers = len({r.get("worker", r.get("rank")) for r in rollout if "episode_s" in r}) or cfg.rollout.num_workers
     measured = measure(steps, rollout, workers)
 
-    sourced = from_experiment(cfg, str(run_dir / "run.yaml"))
+    run_yaml = RunDir(run_dir).run_yaml
+    sourced = from_experiment(cfg, str(run_yaml))
     compute = [max(float(r["step_time_s"]) - float(r["wait_s"]), 0.0) for r in all_steps]
     consumed = statistics.fmean(max(int(r.get("trajectories", cfg.train.trajectories_per_step)), 1)
                                 for r in all_steps)
@@ -204,7 +206,7 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     per_step_groups = max(1, math.ceil(cfg.train.trajectories_per_step / G))
     # a group is the unit of work: one slot per worker, one "episode" per group
     sourced.set("group_size", 1, f"{where} (a group = one unit of work)")
-    sourced.set("trajectories_per_step", per_step_groups, f"config {run_dir}/run.yaml (in groups per step)")
+    sourced.set("trajectories_per_step", per_step_groups, f"config {run_yaml} (in groups per step)")
     sourced.set("rollout_slots", workers, f"{where} (distinct rollout workers)")
     sourced.set("slot_mode", "worker", "neon_hpc.rollout.worker (one group at a time)")
     factor = busy_per_group_factor(rollout, durations)
@@ -219,17 +221,16 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
                 f"{where}/trainer/metrics.jsonl checkpoint_s (written after the publish), per step")
     sourced.set("model_bytes", 0.0, "included in the measured step time")
     sourced.set("replay_mode", "off", "included in the measured episode times")
-    sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_dir}/run.yaml: mode")
+    sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_yaml}: mode")
     sourced.set("steps", len(all_steps), f"{where} (steps in the run)")
-    from neon_hpc.rollout.node import WEIGHT_POLL_S
-    from neon_hpc.rollout.worker import ADMISSION_POLL_S
-    from neon_hpc.store.claim import DEFAULT_POLL_S
-    sourced.set("version_gap", True, "neon_hpc.rollout.worker.version_gap (admission adds the engines' version lag)")
-    sourced.set("admission_poll_s", ADMISSION_POLL_S, "neon_hpc.rollout.worker.ADMISSION_POLL_S")
-    sourced.set("claim_poll_s", DEFAULT_POLL_S, "neon_hpc.store.claim.DEFAULT_POLL_S")
+    sourced.set("version_gap", True, "neon_hpc.protocol.admission.version_gap (admission adds the engines' "
+                                     "version lag)")
+    # the poll intervals the run's processes used: its config's protocol section
+    for name, key in (("admission_poll_s", "admission_poll_s"), ("claim_poll_s", "claim_poll_s"),
+                      ("weight_poll_s", "weight_poll_s")):
+        sourced.set(name, getattr(cfg.protocol, key), f"config {run_yaml}: protocol.{key}")
     sourced.set("flush_trajectories", math.ceil(cfg.store.flush_trajectories / G),
-                f"config {run_dir}/run.yaml: store.flush_trajectories / rollout.group_size (in groups)")
-    sourced.set("weight_poll_s", WEIGHT_POLL_S, "neon_hpc.rollout.node.WEIGHT_POLL_S")
+                f"config {run_yaml}: store.flush_trajectories / rollout.group_size (in groups)")
     loads = [float(r["seconds"]) for r in read_metrics(run_dir, "rollout-node")
              if r.get("event") == "weights_loaded" and "seconds" in r]
     if loads:

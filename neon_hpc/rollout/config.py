@@ -87,6 +87,7 @@ class RolloutConfig:
     prompt_style: Literal["auto", "compact", "full"] = "auto"  # auto: compact for the tiny preset
     max_tool_chars: int = 2000        # tool results are cut to this many characters
     request_retries: int = 2          # retries of one turn after a dropped response
+    wait_for_weights_s: float = 600.0  # a rollout node waits this long for the trainer's first weights
 
     CHECKS = {
         **{k: at_least(1) for k in ("num_workers", "group_size", "max_turns", "max_new_tokens",
@@ -98,4 +99,5 @@ class RolloutConfig:
         "max_tool_chars": at_least(16, "tool errors must stay readable"),
         "answer_max_new_tokens": at_least(0, "0 = max_new_tokens"),
         "request_retries": at_least(0),
+        "wait_for_weights_s": above(0, note="seconds"),
     }

@@ -35,7 +35,8 @@ from pathlib import Path
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
 from neon_hpc.procutil import child_setup
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
+from neon_hpc.protocol.rundir import RunDir
 
 
 def _node_rank() -> int:
@@ -46,7 +47,8 @@ def _node_count() -> int:
     return int(os.environ.get("NEON_NODE_COUNT", os.environ.get("SLURM_NTASKS", "1")))
 
 
-def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop) -> tuple[int, Path] | None:
+def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop,
+                     poll_s: float = 0.5) -> tuple[int, Path] | None:
     t0 = time.monotonic()
     warned = False
     while not stop():
@@ -59,11 +61,10 @@ def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop) -> tu
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"no weights in {run.latest_file} after {timeout_s:.0f}s: is the trainer running? "
                                f"see `neon-hpc tail {run.root} --role trainer`")
-        time.sleep(0.5)
+        time.sleep(poll_s)
     return None
 
 
-WEIGHT_POLL_S = 0.5      # how often the node checks weights/LATEST (the planner models the lag)
 CRASH_WINDOW_S = 60.0   # a worker that dies sooner than this after its start "crashed fast"
 MAX_FAST_DEATHS = 5      # ... this many times in a row: a bug, not bad luck; fail the node
 
@@ -134,8 +135,7 @@ class RolloutNode:
     def _write_engine_state(self) -> None:
         """``state/engines/node<r>.json``: where this node's engines serve and the version they
         hold (workers add the lag to their staleness estimate; ``neon-hpc status`` shows it)."""
-        atomic_write_json(self.run.state / "engines" / f"node{self.rank}.json",
-                          dict(self.engine_state, version=self.loaded_version, pid=os.getpid(), time=time.time()))
+        EngineRecord(**self.engine_state, version=self.loaded_version).write(self.run, self.rank)
 
     def worker_url(self, w: int) -> str:
         ext = os.environ.get("NEON_ENGINE_URLS")
@@ -206,7 +206,7 @@ class RolloutNode:
             rc = p.poll()
             if rc is None or w in self.respawn_at:
                 continue
-            if self.stopping or (self.run.state / "finished.json").exists():
+            if self.stopping or Finished.present(self.run):
                 continue
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             stderr = self.run.log_dir("rollout") / f"{w}.stderr"
@@ -234,14 +234,15 @@ class RolloutNode:
         signal.signal(signal.SIGINT, self._stop)
         self.run.log_dir("rollout").mkdir(parents=True, exist_ok=True)
         try:
-            latest = wait_for_weights(self.run, self.log, self.cfg.train.wait_for_data_s, lambda: self.stopping)
+            latest = wait_for_weights(self.run, self.log, self.cfg.rollout.wait_for_weights_s, lambda: self.stopping,
+                                      self.cfg.protocol.weight_poll_s)
             if latest is None:
                 return 0
             if not os.environ.get("NEON_ENGINE_URLS") and not self.start_engines(*latest):
                 return 1 if self.failed else 0
             for w in self.my_workers():
                 self.spawn(w)
-            while not self.stopping and not (self.run.state / "finished.json").exists():
+            while not self.stopping and not Finished.present(self.run):
                 dead = self.engine_death()
                 if dead:
                     time.sleep(0.5)   # a job-wide SIGTERM reaches the engines and this node together
@@ -256,9 +257,9 @@ class RolloutNode:
                 if self.failed:
                     return 1
                 beat = {"version": self.loaded_version} if self.clients else {}   # engines whose weights it updates
-                self.run.beat("rollout-node", self.rank, workers=len([p for p in self.workers.values() if p.poll() is None]),
-                              restarts=self.restarts, **beat)
-                time.sleep(WEIGHT_POLL_S)
+                NodeBeat(rank=self.rank, workers=len([p for p in self.workers.values() if p.poll() is None]),
+                         restarts=self.restarts, **beat).write(self.run)
+                time.sleep(self.cfg.protocol.weight_poll_s)
         finally:
             self.shutdown()
         return 0

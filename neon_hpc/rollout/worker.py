@@ -14,13 +14,15 @@ for the trainer, except where the run asks it to:
 * **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
   data, the worker waits: producing more would only make it stale.
 
+The rule is :mod:`neon_hpc.protocol.admission`'s (the simulator calls the same function), and
+every record the worker reads or writes is :mod:`neon_hpc.protocol.records`'; its poll
+intervals are the config's ``protocol`` section.
 Both waits are logged and written to metrics.jsonl as ``event`` records, never silent.
 SIGTERM/SIGUSR1 make the worker finish the current group, flush its shard and exit 0.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import signal
@@ -28,12 +30,13 @@ import time
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger, job_id
-from neon_hpc.rundir import RunDir, read_json
+from neon_hpc.protocol import admission as rule
+from neon_hpc.protocol.config import ProtocolConfig
+from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
+from neon_hpc.protocol.rundir import RunDir
 
-
-ADMISSION_POLL_S = 0.25   # a refused worker re-checks admission this often (the planner models it)
-HEARTBEAT_S = 10.0        # a worker in a long group re-beats this often (admission ignores beats > 60 s old)
-FULL_RECHECK_S = 5.0      # a refused worker re-reads everything at least this often (dead workers' beats expire)
+# default of the beater's period; the run's is cfg.protocol.worker_heartbeat_s
+HEARTBEAT_S = ProtocolConfig.worker_heartbeat_s
 
 
 class _Stop:
@@ -52,61 +55,34 @@ def ready_trajectories(run: RunDir) -> int:
     return ready_count(run.root)[1]
 
 
-def pending_trajectories(run: RunDir) -> tuple[int, int]:
+def pending_trajectories(run: RunDir, expiry_s: float = ProtocolConfig.heartbeat_expiry_s) -> tuple[int, int]:
     """(trajectories ready in ready/, trajectories in flight across live workers)."""
-    ready = ready_trajectories(run)
-    inflight = 0
-    for hb in run.heartbeats("rollout"):   # not the trainer ranks' or nodes' (hundreds at scale)
-        if hb.get("age_s", 1e9) < 60:
-            inflight += int(hb.get("in_flight", 0))
-    return ready, inflight
+    # the workers' beats only, not the trainer ranks' or nodes' (hundreds at scale)
+    return ready_trajectories(run), rule.in_flight(WorkerBeat.read_all(run), time.time(), expiry_s)
 
 
-def _trainer_and_engines(run: RunDir, node: int | None) -> tuple[dict, dict]:
-    """The trainer's (rank 0) heartbeat and this node's engine record (``{}`` when absent)."""
-    node = int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
-    return (read_json(run.heartbeat_file("trainer", 0)) or {},
-            read_json(run.state / "engines" / f"node{node}.json") or {})
+def _node(node: int | None) -> int:
+    return int(os.environ.get("NEON_NODE_RANK", "0")) if node is None else node
 
 
 def version_gap(run: RunDir, node: int | None = None) -> int:
     """Versions between the weights the trainer's *next* claim trains and what this node's
-    engines serve now: a group admitted now is that stale even if consumed at once.
-
-    The trainer's next claim trains ``v_N`` once step ``N`` has claimed its data (heartbeat
-    phase ``training``/``stepped``/``done``) and ``v_{N-1}`` while step ``N`` still claims
-    (``claiming``/``waiting_for_data``); without a trainer heartbeat, ``weights/LATEST``.
-    The rollout node records the version its engines loaded in ``state/engines/node<r>.json``
-    (before it starts workers, and after every load); engines started elsewhere
-    (``NEON_ENGINE_URLS``) have no record and count as serving ``LATEST``.
+    engines serve now (:func:`neon_hpc.protocol.admission.gap_from_records`): a group admitted
+    now is that stale even if consumed at once. Engines started elsewhere
+    (``NEON_ENGINE_URLS``) have no engine record and count as serving the newest published version.
     """
-    hb, st = _trainer_and_engines(run, node)
     latest = run.latest_weights()
-    published = latest[0] if latest else 0
-    step = hb.get("step")
-    if isinstance(step, int):
-        trains = step - 1 if hb.get("phase") in ("claiming", "waiting_for_data") else step
-    else:
-        trains = published
-    serving = st["version"] if isinstance(st.get("version"), int) and st["version"] >= 0 else published
-    return max(0, trains - serving)
+    return rule.gap_from_records(TrainerBeat.read(run, 0), EngineRecord.read(run, _node(node)),
+                                 latest[0] if latest else 0)
 
 
 def admission(run: RunDir, cfg: ExperimentConfig, group: int, lag: int = 0) -> tuple[str, float]:
-    """('ok' | 'backpressure' | 'admission_wait', staleness estimate) for starting one more group now.
-
-    The estimate is the trainer steps that pass before the group is consumed plus ``lag``,
-    the :func:`version_gap` between the trainer's next claim and the engines.
-    """
-    ready, inflight = pending_trajectories(run)
-    per_step = cfg.train.trajectories_per_step
-    if ready > cfg.rollout.backpressure_steps * per_step:
-        return "backpressure", ready / per_step
-    # the trainer consumes FIFO by publish order: this group lands after everything pending
-    steps_ahead = math.ceil((ready + inflight + group) / per_step) - 1
-    if steps_ahead + lag > cfg.rollout.max_staleness:
-        return "admission_wait", float(steps_ahead + lag)
-    return "ok", float(steps_ahead + lag)
+    """(verdict, staleness estimate) for starting one more group now: the protocol's rule
+    (:func:`neon_hpc.protocol.admission.admit`) over ready/, the workers' beats and ``lag``,
+    the :func:`version_gap` between the trainer's next claim and the engines."""
+    ready, inflight = pending_trajectories(run, cfg.protocol.heartbeat_expiry_s)
+    return rule.admit(ready, inflight, group, cfg.train.trajectories_per_step, cfg.rollout.backpressure_steps,
+                      cfg.rollout.max_staleness, lag)
 
 
 def wake_key(run: RunDir, node: int | None = None) -> tuple:
@@ -119,18 +95,20 @@ def wake_key(run: RunDir, node: int | None = None) -> tuple:
     each poll: at 384 workers that would be ~10^5-10^6 metadata operations a second on the
     shared filesystem.
     """
-    hb, st = _trainer_and_engines(run, node)
-    return hb.get("step"), hb.get("phase"), st.get("version")
+    hb, st = TrainerBeat.read(run, 0), EngineRecord.read(run, _node(node))
+    return (hb.step if hb else None, hb.phase if hb else None, st.version if st else None)
 
 
 class _Beater:
-    """The worker's heartbeat: written at each state change, and every HEARTBEAT_S seconds
-    from a thread while a group runs (an hour-long episode must not look dead, neither to
-    ``neon-hpc status`` nor to the other workers' admission, which drops beats over 60 s)."""
+    """The worker's heartbeat: written at each state change, and every ``every_s`` seconds
+    (``protocol.worker_heartbeat_s``) from a thread while a group runs (an hour-long episode
+    must not look dead, neither to ``neon-hpc status`` nor to the other workers' admission,
+    which drops beats older than ``protocol.heartbeat_expiry_s``)."""
 
-    def __init__(self, run: RunDir, worker: int):
+    def __init__(self, run: RunDir, worker: int, every_s: float | None = None):
         import threading
         self.run, self.worker, self.fields = run, worker, {}
+        self.every = HEARTBEAT_S if every_s is None else every_s
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
@@ -139,13 +117,13 @@ class _Beater:
     def beat(self, **fields) -> None:
         with self.lock:
             self.fields = fields
-            self.run.beat("rollout", self.worker, **fields)
+            WorkerBeat(rank=self.worker, **fields).write(self.run)
 
     def _loop(self) -> None:
-        while not self.done.wait(HEARTBEAT_S):
+        while not self.done.wait(self.every):
             with self.lock:
                 if self.fields:
-                    self.run.beat("rollout", self.worker, **self.fields)
+                    WorkerBeat(rank=self.worker, **self.fields).write(self.run)
 
     def close(self) -> None:
         self.done.set()
@@ -176,7 +154,7 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     signal.signal(signal.SIGUSR1, stop)
     signal.signal(signal.SIGINT, stop)
 
-    tokenizer = load_tokenizer("xrd-tiny") if cfg.model.vocab_size <= 256 else load_tokenizer(cfg.model.init_checkpoint)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)   # "": init_checkpoint's
     tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=cfg.xrd.num_tasks)
     if not tasks:
         log.error("no tasks for preset=%s split=%s; check the xrd section of the config", cfg.xrd.preset, cfg.xrd.split)
@@ -190,20 +168,21 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     groups = episodes = tokens = 0
     log.info("rollout worker %d up: engine %s, %d tasks (%s/%s), writer %s", worker, engine_url,
              len(tasks), cfg.xrd.preset, cfg.xrd.split, writer_id)
-    beater = _Beater(run, worker)
+    poll = cfg.protocol
+    beater = _Beater(run, worker, poll.worker_heartbeat_s)
     with ShardWriter(run.root, writer_id, cfg.store) as writer:
-        while not stop.requested and not (run.state / "finished.json").exists():
+        while not stop.requested and not Finished.present(run):
             lag = version_gap(run)
             verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
-            if verdict != "ok":
+            if verdict != rule.OK:
                 reason, t0 = verdict, time.monotonic()
                 writer.flush()  # let the trainer have what we hold
                 beater.beat(in_flight=0, groups=groups, waiting=verdict)
                 key, checked = wake_key(run), time.monotonic()
-                while verdict != "ok" and not stop.requested and not (run.state / "finished.json").exists():
-                    time.sleep(ADMISSION_POLL_S)
+                while verdict != rule.OK and not stop.requested and not Finished.present(run):
+                    time.sleep(poll.admission_poll_s)
                     now_key = wake_key(run)
-                    if now_key == key and time.monotonic() - checked < FULL_RECHECK_S:
+                    if now_key == key and time.monotonic() - checked < poll.admission_recheck_s:
                         continue
                     key, checked = now_key, time.monotonic()
                     lag = version_gap(run)

@@ -37,26 +37,25 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.rundir import (RunDir, atomic_write_json, atomic_write_text, fsync_dir, read_json,
-                             remove_stale_tmp, staging_dir_for)
+from neon_hpc.protocol.config import ProtocolConfig
+from neon_hpc.protocol.records import CLAIM_RECORD_NAMES, ClaimOwner, ClaimRecord, DroppedRecord
+from neon_hpc.protocol.rundir import CLAIM as CLAIM_FILE  # noqa: F401
+from neon_hpc.protocol.rundir import DROPPED as DROPPED_FILE  # noqa: F401
+from neon_hpc.protocol.rundir import OWNER as OWNER_FILE
+from neon_hpc.protocol.rundir import REASON_SUFFIX
+from neon_hpc.protocol.rundir import RunDir, atomic_write_text, fsync_dir, remove_stale_tmp, staging_dir_for
 from neon_hpc.store import schema as S
 from neon_hpc.store.reader import ShardError, read_shard
 from neon_hpc.store.trajectory import Trajectory
 
 log = logging.getLogger("neon_hpc.store")
 
-CLAIM_FILE = "CLAIM.json"
-OWNER_FILE = "OWNER.json"
-DROPPED_FILE = "dropped_stale.json"
-REASON_SUFFIX = ".reason.txt"
-
-
-DEFAULT_POLL_S = 0.2   # how often a waiting claim looks at ready/ (the planner models it)
+# CLAIM_FILE, OWNER_FILE, DROPPED_FILE, REASON_SUFFIX: the record names, re-exported from neon_hpc.protocol
+DEFAULT_POLL_S = ProtocolConfig.claim_poll_s   # how often a waiting claim looks at ready/ (the trainer passes its config's)
 STALE_POLICIES = ("mask", "drop")
 
 
@@ -130,7 +129,7 @@ def claimed_steps(run_dir) -> list[int]:
     rd = _rundir(run_dir)
     steps = []
     for p in rd.traj_claimed.glob("step_*"):
-        if (p / CLAIM_FILE).is_file() and p.name[5:].isdigit():
+        if ClaimRecord.committed(p) and p.name[5:].isdigit():
             steps.append(int(p.name[5:]))
     return sorted(steps)
 
@@ -189,10 +188,9 @@ class _Claim:
     # --- ownership ----------------------------------------------------------------------
     def open(self) -> None:
         """Create claimed/step_N/ owned by us in one rename, or take over our own half-claim."""
-        owner = {"consumer": self.consumer, "pid": os.getpid(), "host": socket.gethostname(),
-                 "time": time.time(), "step": self.step}
+        owner = ClaimOwner.mine(self.consumer, self.step)
         staging = staging_dir_for(self.dir)
-        atomic_write_json(staging / OWNER_FILE, owner)
+        owner.write_in(staging)
         try:
             os.rename(staging, self.dir)
             fsync_dir(self.dir.parent)
@@ -201,27 +199,25 @@ class _Claim:
             shutil.rmtree(staging, ignore_errors=True)
             if not self.dir.is_dir():
                 raise
-        prev = read_json(self.dir / OWNER_FILE, default={}) or {}
-        if prev.get("consumer") not in (None, self.consumer):
+        prev = ClaimOwner.read_in(self.dir) or ClaimOwner()
+        if prev.consumer not in (None, self.consumer):
             raise ClaimConflict(
-                f"{self.dir}: step {self.step} is being claimed by consumer {prev.get('consumer')!r} "
-                f"(pid {prev.get('pid')} on {prev.get('host')}); a step has one consumer. If that "
+                f"{self.dir}: step {self.step} is being claimed by consumer {prev.consumer!r} "
+                f"(pid {prev.pid} on {prev.host}); a step has one consumer. If that "
                 f"process is dead, delete {self.dir / OWNER_FILE} and this consumer completes the claim")
-        log.warning("%s: completing a claim left unfinished by pid %s on %s", self.dir,
-                    prev.get("pid"), prev.get("host"))
-        atomic_write_json(self.dir / OWNER_FILE, owner)
+        log.warning("%s: completing a claim left unfinished by pid %s on %s", self.dir, prev.pid, prev.host)
+        owner.write_in(self.dir)
 
     def abandon_if_empty(self) -> None:
         """Remove our claim dir when it holds no shard (only our records and hidden temp files)."""
-        meta = (OWNER_FILE, CLAIM_FILE, DROPPED_FILE)
-        if not self.shards and not [n for n in _visible(os.listdir(self.dir)) if n not in meta]:
+        if not self.shards and not [n for n in _visible(os.listdir(self.dir)) if n not in CLAIM_RECORD_NAMES]:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # --- taking shards ------------------------------------------------------------------
     def absorb_existing(self) -> None:
         """Roll forward: shards a crashed attempt already moved in are this step's."""
         for name in _visible(os.listdir(self.dir)):
-            if name not in (OWNER_FILE, CLAIM_FILE, DROPPED_FILE):
+            if name not in CLAIM_RECORD_NAMES:
                 self.absorb(self.dir / name)
 
     def take_from_ready(self, want: int) -> int:
@@ -274,27 +270,24 @@ class _Claim:
 
     # --- commit -------------------------------------------------------------------------
     def commit(self, want: int, waited_s: float, claim_s: float) -> ClaimResult:
-        atomic_write_json(self.dir / DROPPED_FILE, {"step": self.step, "trainer_version": self.trainer_version,
-                                                    "max_staleness": self.max_staleness,
-                                                    "stale_policy": self.stale_policy,
-                                                    "dropped": self.dropped})
+        dropped_file = DroppedRecord(step=self.step, trainer_version=self.trainer_version,
+                                     max_staleness=self.max_staleness, stale_policy=self.stale_policy,
+                                     dropped=self.dropped).write_in(self.dir)
         dropped_tokens = sum(int(d.get("tokens", 0)) for d in self.dropped)
-        record = {
-            "step": self.step, "consumer": self.consumer, "time": time.time(), "want": want,
-            "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
-            "shards": [{"name": p.name, "kept": self.kept_index[p.name]} for p in self.shards],
-            "trajectories": len(self.trajectories),
-            "tokens": sum(t.num_tokens for t in self.trajectories),
-            "dropped_stale": len(self.dropped), "quarantined": [p.name for p in self.quarantined],
-            "waited_s": waited_s, "claim_s": claim_s, "stale_policy": self.stale_policy,
-            "generated_tokens": self.generated, "masked_stale_tokens": self.masked,
-            "dropped_stale_tokens": dropped_tokens,
-        }
-        atomic_write_json(self.dir / CLAIM_FILE, record)
+        ClaimRecord(
+            step=self.step, consumer=self.consumer, time=time.time(), want=want,
+            trainer_version=self.trainer_version, max_staleness=self.max_staleness,
+            shards=[{"name": p.name, "kept": self.kept_index[p.name]} for p in self.shards],
+            trajectories=len(self.trajectories),
+            tokens=sum(t.num_tokens for t in self.trajectories),
+            dropped_stale=len(self.dropped), quarantined=[p.name for p in self.quarantined],
+            waited_s=waited_s, claim_s=claim_s, stale_policy=self.stale_policy,
+            generated_tokens=self.generated, masked_stale_tokens=self.masked,
+            dropped_stale_tokens=dropped_tokens,
+        ).write_in(self.dir)
         if self.dropped:
             log.warning("step %d: dropped %d trajectories older than %d versions behind v%s (see %s)",
-                        self.step, len(self.dropped), self.max_staleness, self.trainer_version,
-                        self.dir / DROPPED_FILE)
+                        self.step, len(self.dropped), self.max_staleness, self.trainer_version, dropped_file)
         return ClaimResult(self.step, self.trajectories, self.shards, len(self.dropped),
                            self.quarantined, waited_s, claim_s, generated_tokens=self.generated,
                            masked_stale_tokens=self.masked, dropped_stale_tokens=dropped_tokens)
@@ -321,11 +314,11 @@ def _apply_stale_policy(t: Trajectory, trainer_version: int | None, max_stalenes
 
 def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
     d = rd.claimed_step(step)
-    record = read_json(d / CLAIM_FILE)
+    record = ClaimRecord.read_in(d)
     if record is None:
         return None
     trajs, shards = [], []
-    for entry in record["shards"]:
+    for entry in record.shards:
         path = d / entry["name"]
         if not path.is_file():
             raise ShardError(path, f"listed in {d / CLAIM_FILE} but missing; the claim of step {step} "
@@ -333,15 +326,13 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
         got = read_shard(path)
         trajs.extend(got[i] for i in entry["kept"])
         shards.append(path)
-    policy = record.get("stale_policy", "drop")
-    if policy == "mask":   # the same tokens train as at the commit
+    if record.stale_policy == "mask":   # the same tokens train as at the commit
         for t in trajs:
-            _apply_stale_policy(t, record.get("trainer_version"), record.get("max_staleness"), policy)
-    q = [rd.traj_quarantine / n for n in record.get("quarantined", [])]
-    return ClaimResult(step, trajs, shards, int(record.get("dropped_stale", 0)), q, 0.0, 0.0, resumed=True,
-                       generated_tokens=int(record.get("generated_tokens", 0)),
-                       masked_stale_tokens=int(record.get("masked_stale_tokens", 0)),
-                       dropped_stale_tokens=int(record.get("dropped_stale_tokens", 0)))
+            _apply_stale_policy(t, record.trainer_version, record.max_staleness, record.stale_policy)
+    q = [rd.traj_quarantine / n for n in record.quarantined]
+    return ClaimResult(step, trajs, shards, record.dropped_stale, q, 0.0, 0.0, resumed=True,
+                       generated_tokens=record.generated_tokens, masked_stale_tokens=record.masked_stale_tokens,
+                       dropped_stale_tokens=record.dropped_stale_tokens)
 
 
 def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,

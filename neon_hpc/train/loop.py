@@ -21,7 +21,8 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N``.
 
 SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
-``state/trainer_preempted.json`` and exit 0 (the Slurm job requeues; resume is automatic).
+the preemption marker (``neon_hpc.protocol.Preempted``) and exit 0 (the Slurm job requeues;
+resume is automatic).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ import numpy as np
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.batch import build_microbatch, input_lengths
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
 ROLE = "trainer"
-PREEMPT_FILE = "trainer_preempted.json"
 # One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
 # half-done claim (the store refuses a claim owned by another consumer).
 CONSUMER = "trainer"
@@ -184,7 +185,8 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
-                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout.stale_policy)
+                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout.stale_policy,
+                  poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -208,7 +210,7 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
             status["state"] = "preempted"      # a signal reached some rank while rank 0 waited
         if status["state"] != "waiting":
             break
-        run.beat(ROLE, rank, step=step, phase="waiting_for_data", waited_s=status["waited_s"])
+        TrainerBeat(rank=rank, step=step, phase=Phase.WAITING_FOR_DATA, waited_s=status["waited_s"]).write(run)
         if rank == 0 and status["waited_s"] >= next_note:
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
@@ -412,7 +414,7 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
     t = cfg.train
     from neon_hpc.train import writers
     writers.configure(t.checkpoint_write_timeout_s)   # the deadline of a save's megatron writers
-    run.beat(ROLE, rank, step=None, phase="starting")
+    TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
     be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
                  weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=t.router_replay == "replay",
                  seed=t.seed, pp_first_stage_layers=t.pipeline_first_stage_layers,
@@ -437,7 +439,7 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
-        run.beat(ROLE, rank, step=step, version=step - 1, phase="claiming")
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.CLAIMING).write(run)
         claim = _claim(run, cfg, step, rank, world, pre, log)
         if claim["state"] == "preempted":
             step -= 1
@@ -447,7 +449,7 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
             raise TrainerError(claim["error"])
         res = claim["result"]
         # right after the claim: rollout workers waiting for admission watch this phase change
-        run.beat(ROLE, rank, step=step, version=step - 1, phase="training")
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
         m = train_step(be, data, lcfg)
         stop = _any_rank(pre.requested, world)
@@ -479,19 +481,18 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
         if saved_at != step:
             ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}})
         if rank == 0:
-            atomic_write_json(run.state / PREEMPT_FILE, {"step": step, "signal": pre.signum, "time": time.time(),
-                                                         "checkpoint": str(run.checkpoint(step))})
+            Preempted(step=step, signal=pre.signum, checkpoint=str(run.checkpoint(step))).write(run)
         log.info("preempted (signal %s): checkpoint step_%d written, exiting 0 for requeue", pre.signum, step)
     else:
         log.info("done: %d steps", step)
-    run.beat(ROLE, rank, step=step, version=step, phase="preempted" if preempted else "done")
+    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.PREEMPTED if preempted else Phase.DONE).write(run)
     B.teardown()
     return 0
 
 
 def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepData, m: dict,
             waited_s: float, step_s: float, published: int | None) -> None:
-    run.beat(ROLE, rank, step=step, version=step, phase="stepped")
+    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.STEPPED).write(run)
     if rank != 0:
         return
     trajs = data.trajectories

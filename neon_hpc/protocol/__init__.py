@@ -1,0 +1,15 @@
+"""The run-directory protocol: the one contract between the roles (``README.md`` here).
+
+* :mod:`neon_hpc.protocol.rundir`: every path of the run directory and the atomic publish;
+* :mod:`neon_hpc.protocol.records`: the typed records and their read and write functions;
+* :mod:`neon_hpc.protocol.admission`: the admission rule (worker and simulator);
+* :mod:`neon_hpc.protocol.config`: the ``protocol`` config section (poll intervals);
+* ``python -m neon_hpc.protocol``: the same for shell scripts (the sbatch body).
+
+Imports nothing of the roles; only the standard library and :mod:`neon_hpc.constraints`.
+"""
+
+from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401
+                                       JobRecord, NodeBeat, Phase, Preempted, Record, TrainerBeat, WorkerBeat,
+                                       mark_finished)
+from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: F401

@@ -1,0 +1,460 @@
+"""The typed records of the run directory, and the only functions that read and write them.
+
+Each record is a dataclass: ``write(run)`` publishes it atomically at its one path, and
+``read(run, ...)`` returns it, or ``None`` when the file is absent.  A reader that meets a
+file that is not such a record (torn by a writer that did not publish atomically, edited by
+hand, or some other program's file) raises :class:`~neon_hpc.protocol.rundir.RunDirError`
+naming the file, the field and what was expected; it never guesses.  Fields a newer writer
+adds are kept in ``extra`` and written back unchanged.
+
+Records: :class:`TrainerBeat` (with :class:`Phase`), :class:`WorkerBeat`, :class:`NodeBeat`,
+:class:`EngineRecord`, :class:`JobRecord`, the markers :class:`Finished` and
+:class:`Preempted`, and a claim's :class:`ClaimOwner`, :class:`DroppedRecord` and
+:class:`ClaimRecord`.  The contract (who writes what, when) is ``neon_hpc/protocol/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import socket
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
+from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
+from neon_hpc.protocol.rundir import OWNER as OWNER_NAME
+from neon_hpc.protocol.rundir import RunDir, RunDirError, atomic_write_json, read_json
+
+
+class Phase(str, enum.Enum):
+    """Where the trainer's step loop is (its heartbeat's ``phase``)."""
+
+    STARTING = "starting"                  # building the model, before the first step
+    CLAIMING = "claiming"                  # step N claims its data (it trains v_{N-1})
+    WAITING_FOR_DATA = "waiting_for_data"  # ... and is still waiting for enough of it
+    TRAINING = "training"                  # step N has its data and trains v_{N-1} into v_N
+    STEPPED = "stepped"                    # step N is done (v_N exists)
+    PREEMPTED = "preempted"                # checkpointed and stopped on a signal
+    DONE = "done"                          # every step is done
+
+    @property
+    def claiming(self) -> bool:
+        """Step N's claim is not committed yet: the next claim trains v_{N-1}."""
+        return self in (Phase.CLAIMING, Phase.WAITING_FOR_DATA)
+
+
+# --------------------------------------------------------------------------------------
+# the generic part: dataclass <-> JSON with a check of every field
+
+_SIMPLE = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,), dict: (dict,)}
+
+
+def _check(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_check(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(value, str) and value in tp._value2member_map_
+    base = origin or tp
+    if base in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, _SIMPLE.get(base, (base,)))
+
+
+@dataclass
+class Record:
+    """Base of every record: JSON in, JSON out, one path."""
+
+    KIND: ClassVar[str] = "record"
+    extra: dict = field(default_factory=dict, repr=False)
+
+    # ---- JSON -------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            if v is None and f.default is None:
+                continue          # an unset optional field is absent (the reader's default)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str | os.PathLike = "<record>"):
+        if not isinstance(obj, dict):
+            raise RunDirError(f"{path}: not a {cls.KIND} record (a JSON {type(obj).__name__}, not an object); "
+                              f"it was not written by neon-hpc. Move it aside and restart")
+        hints = typing.get_type_hints(cls)
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "extra":
+                continue
+            if f.name not in obj:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise RunDirError(f"{path}: not a {cls.KIND} record (no {f.name!r} field); it was not "
+                                      f"written by neon-hpc. Move it aside and restart")
+                continue
+            v, tp = obj[f.name], hints[f.name]
+            if not _check(v, tp):
+                raise RunDirError(f"{path}: not a {cls.KIND} record (field {f.name!r} is {v!r}, expected "
+                                  f"{_type_name(tp)}); it was not written by neon-hpc. Move it aside and restart")
+            kw[f.name] = _coerce(v, tp)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(extra={k: v for k, v in obj.items() if k not in names}, **kw)
+
+    # ---- files ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        """The record at ``path``; None when the file is absent."""
+        obj = read_json(path)
+        return None if obj is None else cls.from_json(obj, path)
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_json(path, self.to_json())
+
+
+def _coerce(v: Any, tp: Any) -> Any:
+    for a in (typing.get_args(tp) or (tp,)):
+        if isinstance(a, type) and issubclass(a, enum.Enum) and isinstance(v, str):
+            return a(v)
+        if a is float and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+    return v
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args and typing.get_origin(tp) is not list and typing.get_origin(tp) is not dict:
+        return " or ".join(_type_name(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(typing.get_origin(tp) or tp, "__name__", str(tp))
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+# --------------------------------------------------------------------------------------
+# heartbeats: state/heartbeats/<role>.<rank>.json
+
+@dataclass
+class _Beat(Record):
+    ROLE: ClassVar[str] = ""
+    rank: int | str = 0
+    time: float = 0.0
+    pid: int | None = None
+    host: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.ROLE, **super().to_json()}
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str | os.PathLike = "<record>"):
+        if isinstance(obj, dict):
+            obj = {k: v for k, v in obj.items() if k not in ("role", "age_s")}
+        return super().from_json(obj, path)
+
+    def write(self, run: RunDir) -> None:
+        """Publish the beat, stamped now with this process's pid and host."""
+        self.time, self.pid, self.host = time.time(), os.getpid(), _host()
+        self.save(run.heartbeat_file(self.ROLE, self.rank))
+
+    @classmethod
+    def read(cls, run: RunDir, rank: int | str = 0):
+        return cls.load(run.heartbeat_file(cls.ROLE, rank))
+
+    @classmethod
+    def read_all(cls, run: RunDir) -> list:
+        """Every beat of this role, by file name (absent directory: none)."""
+        out = []
+        for p in sorted(run.heartbeats_dir.glob(f"{cls.ROLE}.*.json")):
+            b = cls.load(p)
+            if b is not None:
+                out.append(b)
+        return out
+
+    def age_s(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.time
+
+
+@dataclass
+class TrainerBeat(_Beat):
+    """A trainer rank's heartbeat: the step it is on and its :class:`Phase`."""
+
+    KIND: ClassVar[str] = "trainer heartbeat"
+    ROLE: ClassVar[str] = "trainer"
+    step: int | None = None
+    phase: Phase = Phase.STARTING
+    version: int | None = None
+    waited_s: float | None = None
+
+
+@dataclass
+class WorkerBeat(_Beat):
+    """A rollout worker's heartbeat: the trajectories it has in flight (admission counts them)."""
+
+    KIND: ClassVar[str] = "rollout worker heartbeat"
+    ROLE: ClassVar[str] = "rollout"
+    in_flight: int = 0
+    groups: int = 0
+    episodes: int | None = None
+    tokens: int | None = None
+    task: str | None = None
+    waiting: str | None = None       # the admission verdict it waits on, while refused
+    stopped: bool = False
+
+
+@dataclass
+class NodeBeat(_Beat):
+    """A rollout node's heartbeat: its live workers, restarts, and the version its engines hold."""
+
+    KIND: ClassVar[str] = "rollout node heartbeat"
+    ROLE: ClassVar[str] = "rollout-node"
+    workers: int = 0
+    restarts: int = 0
+    version: int | None = None
+
+
+# --------------------------------------------------------------------------------------
+# state/engines/node<r>.json
+
+@dataclass
+class EngineRecord(Record):
+    """Where rollout node ``node``'s engines serve and the weight version they hold."""
+
+    KIND: ClassVar[str] = "engine record"
+    urls: list = field(default_factory=list)
+    version: int = -1
+    kind: str = "embedded"
+    workers_url: str | None = None
+    pid: int | None = None
+    time: float | None = None
+
+    def write(self, run: RunDir, node: int) -> None:
+        self.pid, self.time = os.getpid(), time.time()
+        self.save(run.engine_file(node))
+
+    @classmethod
+    def read(cls, run: RunDir, node: int) -> "EngineRecord | None":
+        return cls.load(run.engine_file(node))
+
+    @classmethod
+    def read_all(cls, run: RunDir) -> list["EngineRecord"]:
+        """Every node's record, in node order."""
+        files = sorted(run.engines_dir.glob("node*.json"), key=lambda f: int(f.stem[4:] or 0)
+                       if f.stem[4:].isdigit() else -1)
+        return [r for r in map(cls.load, files) if r is not None]
+
+    @property
+    def serving(self) -> int | None:
+        """The version the engines hold, None before they loaded one."""
+        return self.version if self.version >= 0 else None
+
+
+# --------------------------------------------------------------------------------------
+# state/job.json
+
+@dataclass
+class JobRecord(Record):
+    """The launch that owns the run: its job id and backend, and how often the run started."""
+
+    KIND: ClassVar[str] = "job record"
+    job_id: str = "local"
+    backend: str = "local"
+    host: str | None = None
+    started: float | None = None
+    first_started: float | None = None
+    starts: int = 0
+
+    def write(self, run: RunDir) -> None:
+        self.save(run.job_file)
+
+    @classmethod
+    def read(cls, run: RunDir) -> "JobRecord | None":
+        return cls.load(run.job_file)
+
+    @classmethod
+    def start(cls, run: RunDir, job_id: str, backend: str) -> "JobRecord":
+        """Record one more start of the run by this launch (the first start is kept)."""
+        prev = cls.read(run) or cls()
+        now = time.time()
+        rec = cls(job_id=str(job_id), backend=backend, host=_host(), started=now,
+                  first_started=prev.first_started if prev.first_started is not None else now,
+                  starts=prev.starts + 1)
+        rec.write(run)
+        return rec
+
+
+# --------------------------------------------------------------------------------------
+# markers: state/finished.json, state/trainer_preempted.json
+
+@dataclass
+class _Marker(Record):
+    time: float = 0.0
+
+    @staticmethod
+    def path(run: RunDir) -> Path:
+        raise NotImplementedError
+
+    def write(self, run: RunDir) -> None:
+        if not self.time:
+            self.time = time.time()
+        self.save(self.path(run))
+
+    @classmethod
+    def read(cls, run: RunDir):
+        return cls.load(cls.path(run))
+
+    @classmethod
+    def present(cls, run: RunDir) -> bool:
+        """The marker exists (polled by every role: one stat, the file is not opened)."""
+        return cls.path(run).exists()
+
+    @classmethod
+    def clear(cls, run: RunDir) -> None:
+        cls.path(run).unlink(missing_ok=True)
+
+
+@dataclass
+class Finished(_Marker):
+    """Every trainer step is done: the rollout side stops its workers and engines."""
+
+    KIND: ClassVar[str] = "finished marker"
+    by: str | None = None
+
+    @staticmethod
+    def path(run: RunDir) -> Path:
+        return run.finished_file
+
+
+@dataclass
+class Preempted(_Marker):
+    """The trainer checkpointed ``step`` and stopped on a signal: the job requeues, the run resumes."""
+
+    KIND: ClassVar[str] = "preemption marker"
+    step: int | None = None
+    signal: int | None = None
+    checkpoint: str | None = None
+
+    @staticmethod
+    def path(run: RunDir) -> Path:
+        return run.preempted_file
+
+
+def mark_finished(run: RunDir, by: str | None = None) -> bool:
+    """Write the finished marker unless the trainer was preempted; True if written."""
+    if Preempted.present(run):
+        return False
+    Finished(by=by).write(run)
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# a claim: trajectories/claimed/step_N/{OWNER.json, dropped_stale.json, CLAIM.json}
+
+@dataclass
+class ClaimOwner(Record):
+    """Who is claiming step N (written first: it names the consumer a half-done claim belongs to)."""
+
+    KIND: ClassVar[str] = "claim owner record"
+    consumer: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    time: float | None = None
+    step: int | None = None
+
+    @classmethod
+    def mine(cls, consumer: str, step: int) -> "ClaimOwner":
+        return cls(consumer=consumer, pid=os.getpid(), host=_host(), time=time.time(), step=step)
+
+    @classmethod
+    def read_in(cls, claim_dir: Path) -> "ClaimOwner | None":
+        return cls.load(claim_dir / OWNER_NAME)
+
+    def write_in(self, claim_dir: Path) -> None:
+        self.save(claim_dir / OWNER_NAME)
+
+
+@dataclass
+class DroppedRecord(Record):
+    """The trajectories step N's claim dropped for staleness (written before the commit)."""
+
+    KIND: ClassVar[str] = "dropped-stale record"
+    step: int = 0
+    trainer_version: int | None = None
+    max_staleness: int | None = None
+    stale_policy: str = "drop"
+    dropped: list = field(default_factory=list)
+
+    def write_in(self, claim_dir: Path) -> Path:
+        self.save(claim_dir / DROPPED_NAME)
+        return claim_dir / DROPPED_NAME
+
+
+@dataclass
+class ClaimRecord(Record):
+    """Step N's commit record, written last: the claim is complete once it exists."""
+
+    KIND: ClassVar[str] = "claim record"
+    step: int = 0
+    shards: list = field(default_factory=list)        # [{"name": shard file, "kept": [index, ...]}]
+    consumer: str | None = None
+    time: float | None = None
+    want: int | None = None
+    trainer_version: int | None = None
+    max_staleness: int | None = None
+    trajectories: int = 0
+    tokens: int = 0
+    dropped_stale: int = 0
+    quarantined: list = field(default_factory=list)
+    waited_s: float = 0.0
+    claim_s: float = 0.0
+    stale_policy: str = "drop"
+    generated_tokens: int = 0
+    masked_stale_tokens: int = 0
+    dropped_stale_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str | os.PathLike = "<record>"):
+        rec = super().from_json(obj, path)
+        for i, s in enumerate(rec.shards):
+            if not (isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("kept"), list)):
+                raise RunDirError(f"{path}: not a {cls.KIND} record (shards[{i}] is {s!r}, expected "
+                                  f"{{'name': str, 'kept': [int]}}); move the step's directory aside to claim afresh")
+        return rec
+
+    @classmethod
+    def read_in(cls, claim_dir: Path) -> "ClaimRecord | None":
+        return cls.load(claim_dir / CLAIM_NAME)
+
+    @classmethod
+    def read(cls, run: RunDir, step: int) -> "ClaimRecord | None":
+        return cls.load(run.claim_file(step))
+
+    def write_in(self, claim_dir: Path) -> None:
+        self.save(claim_dir / CLAIM_NAME)
+
+    @staticmethod
+    def committed(claim_dir: Path) -> bool:
+        return (claim_dir / CLAIM_NAME).is_file()
+
+
+CLAIM_RECORD_NAMES = (OWNER_NAME, CLAIM_NAME, DROPPED_NAME)   # the records in a claim directory (not shards)
+
+
+def iter_records() -> Iterator[type[Record]]:
+    """Every record type (the tests round-trip each)."""
+    yield from (TrainerBeat, WorkerBeat, NodeBeat, EngineRecord, JobRecord, Finished, Preempted,
+                ClaimOwner, DroppedRecord, ClaimRecord)
