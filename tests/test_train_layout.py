@@ -73,7 +73,8 @@ def test_kimi_config_passes_config_check_with_the_trainer_rules(tmp_path):
     (["train.pipeline_last_stage_layers=6"], "train.pipeline_first_stage_layers"),
     # a stage holds tp*cp*dp = 64 ranks: EP 128 does not fit
     (["train.expert_parallel=128"], "train.expert_parallel"),
-    (["train.virtual_pipeline_stages=2", "train.pipeline_last_stage_layers=0", "model.num_layers=64"],
+    # 8 layers per stage do not make 3 equal model chunks (interleaved PP)
+    (["train.virtual_pipeline_stages=3", "train.pipeline_last_stage_layers=0", "model.num_layers=64"],
      "train.virtual_pipeline_stages"),
     # TP 8 splits the vocabulary rows
     (["model.vocab_size=163844"], "train.tensor_parallel"),

@@ -25,13 +25,15 @@ from neon_hpc.netutil import free_port
 
 
 def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
-                  seed: int | None = None) -> dict[str, int]:
+                  seed: int | None = None, vpp: int = 1) -> dict[str, int]:
     """Initialise torch.distributed and megatron's parallel state; returns this rank's coordinates.
 
     The process group comes from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, as set by torchrun, ``srun`` wrappers or our launcher); without them a
     single-process group is created on a free localhost port.  Calling it again with the same
-    sizes is a no-op; with different sizes it rebuilds megatron's groups.
+    sizes is a no-op; with different sizes it rebuilds megatron's groups.  ``vpp > 1``: that
+    many model chunks per pipeline stage (megatron's virtual pipeline size: the interleaved
+    schedule).
     """
     cpu_shim.apply()
     import torch.distributed as dist
@@ -54,12 +56,14 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
     if ps.model_parallel_is_initialized():
         same = (ps.get_tensor_model_parallel_world_size() == tp
                 and ps.get_expert_model_parallel_world_size() == ep
-                and ps.get_pipeline_model_parallel_world_size() == pp)
+                and ps.get_pipeline_model_parallel_world_size() == pp
+                and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == vpp)
         if not same:
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     model_parallel_cuda_manual_seed(1234 if seed is None else seed)
     return {"rank": dist.get_rank(), "world_size": world,
             "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
@@ -127,17 +131,21 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
     return ad.transformer_config(cfg, tp, ep, routing_replay, base, overrides)
 
 
-def layer_spec(cfg: ModelConfig, tcfg):
-    """The local-spec layer spec of ``cfg.arch`` (one spec, or a block spec with per-layer specs)."""
-    return get_adapter(cfg.arch).layer_spec(cfg, tcfg)
+def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
+    """The local-spec layer spec of ``cfg.arch`` (one spec, or a block spec with per-layer specs
+    of model chunk ``vp_stage``'s layers under the interleaved schedule)."""
+    return get_adapter(cfg.arch).layer_spec(cfg, tcfg, vp_stage=vp_stage)
 
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
-                    seed: int | None = None, **overrides: Any):
+                    seed: int | None = None, vp_stage: int | None = None, **overrides: Any):
     """This rank's shard of the GPTModel (needs :func:`init_parallel` first).
 
     ``seed`` (default ``cfg.seed``) reseeds megatron's RNG tracker so that a fresh model's
-    initial weights are reproducible.
+    initial weights are reproducible.  ``vp_stage``: which of this stage's model chunks to
+    build under the interleaved schedule (``init_parallel(vpp=V)`` and the override
+    ``virtual_pipeline_model_parallel_size=V``); only chunk 0 of the first stage embeds and
+    only chunk V-1 of the last stage has the output layer.
     """
     cpu_shim.apply()
     from megatron.core import parallel_state as ps
@@ -155,12 +163,14 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     torch.manual_seed(s)
     model_parallel_cuda_manual_seed(s)
     tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
-    spec = layer_spec(cfg, tcfg)
+    spec = layer_spec(cfg, tcfg, vp_stage)
     from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
     cp_attention.hook_spec(spec)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     vp_stage=vp_stage,
                      parallel_output=True, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(cfg.rope_theta))
     cp_attention.use_document_positions(model)

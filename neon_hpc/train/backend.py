@@ -55,8 +55,22 @@ class Layout:
     cp: int = 1
     cp_rank: int = 0
     vpp: int = 1
-    layer_offset: int = 0            # global index of this stage's first decoder layer
-    num_local_layers: int = 0        # decoder layers on this stage
+    layer_offset: int = 0            # global index of this stage's first decoder layer (chunk 0's under V > 1)
+    num_local_layers: int = 0        # decoder layers on this stage (chunk 0's under V > 1)
+    chunks: tuple = ()               # V > 1: ((first global layer, layers), ...) per model chunk
+
+    @property
+    def chunk_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``(first global layer, layers)`` of each model chunk on this stage (one without V > 1)."""
+        return tuple(self.chunks) or ((self.layer_offset, self.num_local_layers),)
+
+    def first_chunk(self, c: int) -> bool:
+        """Chunk ``c`` embeds the tokens (chunk 0 of the first stage)."""
+        return self.first_stage and c == 0
+
+    def last_chunk(self, c: int) -> bool:
+        """Chunk ``c`` holds the final norm and output layer (the last chunk of the last stage)."""
+        return self.last_stage and c == len(self.chunk_ranges) - 1
 
     @property
     def first_stage(self) -> bool:
@@ -72,14 +86,49 @@ class Layout:
                 "world": self.world}
 
 
-@dataclass
 class Backend:
-    model_cfg: ModelConfig
-    layout: Layout
-    model: Any              # megatron GPTModel (this rank's shard)
-    ddp: Any                # megatron DistributedDataParallel around it
-    optimizer: Any          # megatron optimizer (ChainedOptimizer)
-    replay: bool
+    """This rank's model: one megatron ``GPTModel`` per model chunk (one without virtual stages).
+
+    ``models[c]`` / ``ddps[c]``: chunk ``c`` and its ``DistributedDataParallel`` (each chunk has
+    its own grad buffer, as in megatron's training loop); ``optimizer``: one megatron optimizer
+    over every chunk.  ``model`` / ``ddp`` name the single chunk of a layout without virtual
+    stages and refuse under V > 1 (code that means "the model" must then say which chunk).
+    ``replay_spans[c]``: the ``[lo, hi)`` slice of ``RouterReplay.global_router_replay_instances``
+    built for chunk ``c``'s MoE layers.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, layout: Layout, model: Any = None, ddp: Any = None,
+                 optimizer: Any = None, replay: bool = True, models: list | None = None,
+                 ddps: list | None = None, replay_spans: list[tuple[int, int]] | None = None) -> None:
+        self.model_cfg, self.layout, self.optimizer, self.replay = model_cfg, layout, optimizer, replay
+        self.models = list(models) if models is not None else [model]
+        self.ddps = list(ddps) if ddps is not None else [ddp]
+        self.replay_spans = replay_spans
+
+    def _single(self, what: str, items: list):
+        if len(items) != 1:
+            raise RuntimeError(f"this rank holds {len(items)} model chunks (train.virtual_pipeline_stages="
+                               f"{len(items)}): use be.{what}s[c] for chunk c, not be.{what}")
+        return items[0]
+
+    @property
+    def model(self):
+        return self._single("model", self.models)
+
+    @property
+    def ddp(self):
+        return self._single("ddp", self.ddps)
+
+    def zero_grad(self) -> None:
+        """Zero every chunk's grad buffer and the optimizer's grads (before a step's micro-batches)."""
+        for d in self.ddps:
+            d.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def finalize_grads(self) -> None:
+        """megatron's ``finalize_model_grads`` over every chunk (DP/expert-DP reduction, SP norms)."""
+        from megatron.core.distributed import finalize_model_grads
+        finalize_model_grads(self.ddps)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -103,22 +152,35 @@ class Backend:
         from neon_hpc.models.adapters import get_adapter       # dense first layers do not route
         return list(get_adapter(self.model_cfg.arch).moe_layers(self.model_cfg))
 
-    def route_rows(self) -> list[int]:
-        """Which rows of the ``[S, moe_layers, k]`` routes this pipeline stage's routers replay."""
-        lay = self.layout
-        mine = range(lay.layer_offset, lay.layer_offset + lay.num_local_layers)
-        return [i for i, layer in enumerate(self.moe_layer_ids()) if layer in mine]
+    def route_rows(self, chunk: int | None = None) -> list[int]:
+        """Which rows of the ``[S, moe_layers, k]`` routes this pipeline stage's routers replay.
+
+        ``chunk``: only model chunk ``chunk``'s layers; ``None``: every chunk's, in build order
+        (chunk 0 first), which is the order of the ``RouterReplay`` instances.
+        """
+        ranges = self.layout.chunk_ranges
+        chunks = range(len(ranges)) if chunk is None else [chunk]
+        ids = self.moe_layer_ids()
+        return [i for c in chunks for i, layer in enumerate(ids)
+                if ranges[c][0] <= layer < ranges[c][0] + ranges[c][1]]
 
 
-def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: int = 0) -> dict[str, Any]:
-    """TransformerConfig fields for ``pp`` stages (empty for PP = 1)."""
+def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: int = 0,
+                       vpp: int = 1) -> dict[str, Any]:
+    """TransformerConfig fields for ``pp`` stages of ``vpp`` model chunks each (empty for PP = 1)."""
     if pp == 1:
         return {}
     return dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                 variable_seq_lengths=True,                 # packed micro-batches differ in length
                 batch_p2p_comm=torch.cuda.is_available(),  # gloo: ordered isend/irecv, not batch_isend_irecv
                 num_layers_in_first_pipeline_stage=first_stage_layers or None,
-                num_layers_in_last_pipeline_stage=last_stage_layers or None)
+                num_layers_in_last_pipeline_stage=last_stage_layers or None,
+                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+
+
+# Chunk c > 0 of a stage is initialised from seed + CHUNK_SEED_STRIDE * c (chunk 0 from the seed
+# itself, as without virtual stages), so two chunks of one stage never start as copies.
+CHUNK_SEED_STRIDE = 7919
 
 
 def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: float = 1e-3,
@@ -129,18 +191,20 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
 
     ``cp`` is recorded in the layout only: CP ranks are megatron DP ranks (the CP attention of
     :mod:`neon_hpc.models.cp_attention` exchanges K/V itself), so megatron's DP size is dp*cp.
+    ``vpp > 1``: that many model chunks per stage (interleaved 1F1B), each its own GPTModel and
+    DDP, with layers as :func:`neon_hpc.train.layout.chunk_layers` assigns them.
     """
     from neon_hpc.models import megatron as mm
     from neon_hpc.train import cpu_optimizer
-    from neon_hpc.train.layout import stage_layers
+    from neon_hpc.train.layout import chunk_layers, stage_layers
 
-    if vpp != 1:
-        raise NotImplementedError(f"train.virtual_pipeline_stages={vpp}: the interleaved schedule is not "
-                                  f"wired in this trainer yet; set it to 1 (plain 1F1B)")
     per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"train.virtual_pipeline_stages={vpp} needs train.pipeline_parallel > 1")
+    planned = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed)
+    coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
     cpu_optimizer.apply()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -150,32 +214,42 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     RouterReplay.clear_global_router_replay_instances()
-    model = mm.build_gpt_model(model_cfg, tp=tp, ep=ep, routing_replay=replay, seed=seed,
-                               **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers))
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    n_local, offset = len(model.decoder.layers), get_transformer_layer_offset(model.config)
-    if n_local != per_stage[pp_rank] or offset != sum(per_stage[:pp_rank]):
-        raise RuntimeError(f"pipeline stage {pp_rank}: megatron built layers [{offset}, {offset + n_local}), "
-                           f"train/layout.py planned {per_stage} per stage (the two rules disagree)")
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    _mark_tp_local_expert_grads(model, tp, ep)
+    models, ddps, spans, built = [], [], [], []
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    for c in range(vpp):
+        lo = len(RouterReplay.global_router_replay_instances)
+        model = mm.build_gpt_model(model_cfg, tp=tp, ep=ep, routing_replay=replay,
+                                   seed=seed + CHUNK_SEED_STRIDE * c, vp_stage=c if vpp > 1 else None,
+                                   **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp))
+        spans.append((lo, len(RouterReplay.global_router_replay_instances)))
+        built.append((get_transformer_layer_offset(model.config, vp_stage=c if vpp > 1 else None),
+                      len(model.decoder.layers)))
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        _mark_tp_local_expert_grads(model, tp, ep)
+        models.append(model)
+        ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model))
+    if built != planned[pp_rank]:
+        raise RuntimeError(f"pipeline stage {pp_rank}: megatron built (first layer, layers) {built} per model "
+                           f"chunk, train/layout.py planned {planned[pp_rank]} (the two rules disagree)")
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
                               clip_grad=grad_clip, bf16=False, fp16=False, params_dtype=torch.float32,
                               use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = get_megatron_optimizer(opt_cfg, ddps)
+    (offset, n_local) = built[0]
     layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
                     dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, cp=cp,
                     cp_rank=coords["dp_rank"] % cp, layer_offset=offset,
-                    num_local_layers=n_local)
-    be = Backend(model_cfg=model_cfg, layout=layout, model=model, ddp=ddp, optimizer=optimizer, replay=replay)
-    if replay and len(RouterReplay.global_router_replay_instances) != len(be.route_rows()):
-        raise RuntimeError(f"expected {len(be.route_rows())} RouterReplay instances on pipeline stage {pp_rank} "
-                           f"after the build, found {len(RouterReplay.global_router_replay_instances)}")
+                    num_local_layers=n_local, chunks=tuple(built) if vpp > 1 else ())
+    be = Backend(model_cfg=model_cfg, layout=layout, optimizer=optimizer, replay=replay, models=models,
+                 ddps=ddps, replay_spans=spans)
+    for c, (lo, hi) in enumerate(spans):
+        if replay and hi - lo != len(be.route_rows(c)):
+            raise RuntimeError(f"expected {len(be.route_rows(c))} RouterReplay instances for model chunk {c} "
+                               f"on pipeline stage {pp_rank} after the build, found {hi - lo}")
     return be
 
 
@@ -218,11 +292,14 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None) -> torch.Tensor:
-    """Per-position logprob of each label token under the current weights, ``[1, S]``.
+def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk: int = 0) -> torch.Tensor:
+    """Model chunk ``chunk``'s forward of one micro-batch: on the last chunk of the last stage
+    the per-position logprob of each label token under the current weights, ``[1, S]``; on
+    the others their hidden states (the input comes from ``set_input_tensor``, as megatron's
+    schedules set it).
 
     With replay (default: whenever the backend was built with it and the micro-batch has
-    routes) every MoE router takes the recorded experts instead of its own top-k.
+    routes) every MoE router of the chunk takes the recorded experts instead of its own top-k.
     """
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -230,21 +307,42 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None) -> tor
     if use_replay and not be.replay:
         raise ValueError("replay requested but the model was built without routing replay (train.router_replay: off)")
     dev = _device()
+    routers = []
+    if be.replay:
+        lo, hi = be.replay_spans[chunk] if be.replay_spans else (0, len(RouterReplay.global_router_replay_instances))
+        routers = RouterReplay.global_router_replay_instances[lo:hi]
     if use_replay:
-        RouterReplay.set_replay_data([t.to(dev) for t in replay_tensors(
-            mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel, layers=be.route_rows())])
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        rows = replay_tensors(mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel,
+                              layers=be.route_rows(chunk))
+        for router, t in zip(routers, rows, strict=True):
+            router.set_target_indices(t.to(dev))
+            router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
-        out = be.ddp(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                     attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                     labels=mb.labels.to(dev))
+        out = be.ddps[chunk](input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                             labels=mb.labels.to(dev))
     finally:
-        if be.replay:
-            # set_target_indices appends to a backward-replay list on every call: clear per micro-batch.
-            RouterReplay.clear_global_indices()
-            RouterReplay.clear_global_router_replay_action()
-    # the last stage returns the per-token cross-entropy; the others their hidden states
-    return -out.float() if be.layout.last_stage else out
+        # set_target_indices appends to a backward-replay list on every call: clear per micro-batch
+        # (no recompute: the backward, which 1F1B runs later, needs no replay)
+        for router in routers:
+            router.clear_indices()
+            router.clear_router_replay_action()
+    # the last chunk of the last stage returns the per-token cross-entropy; the others hidden states
+    return -out.float() if be.layout.last_chunk(chunk) else out
+
+
+def microbatch_group_size(n: int, pp: int) -> int:
+    """Micro-batches per virtual-stage group for the interleaved schedule with ``n`` micro-batches.
+
+    megatron-core 0.16.1 needs the group size ``g`` in ``[pp, n]`` and ``n % g`` either 0 or
+    ``>= pp``; its default ``g = pp`` then needs ``n % pp == 0``.  The planner's micro-batch
+    count is whatever the step's data gives (at least ``pp``), so this picks the smallest valid
+    ``g`` (``pp`` whenever ``n % pp == 0``: megatron's depth-first schedule; always some ``g <= n``).
+    """
+    if n < pp:
+        raise ValueError(f"the interleaved schedule needs at least pipeline_parallel={pp} micro-batches, "
+                         f"the plan has {n} (balance.min_microbatches below train.pipeline_parallel?)")
+    return next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
 
 
 def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
@@ -257,8 +355,10 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     is already a sum over the step's tokens divided by their global count, so the loss handed
     to the schedule is multiplied by that number first.  ``forward_context(j)``, if given, is
     entered around micro-batch ``j``'s forward (its backward may run later, after other
-    forwards: 1F1B).  Gradients are not finalised here
-    (``finalize_model_grads_func`` stays unset): the caller does it once after this returns.
+    forwards: 1F1B), on every model chunk.  With V model chunks per stage the schedule is
+    megatron's interleaved 1F1B: each chunk reads the micro-batches in the plan's order from its
+    own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
+    unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -268,13 +368,14 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     if n == 0:
         return {}
     sums: dict[str, float] = {}
-
-    index = iter(range(n))
+    chunk_of = {id(d): c for c, d in enumerate(be.ddps)}
+    vpp = len(be.ddps)
 
     def step(data_iter, model):
-        mb, j = next(data_iter), next(index)
+        j, mb = next(data_iter)
+        c = chunk_of[id(model)]
         with (forward_context(j) if forward_context is not None else contextlib.nullcontext()):
-            out = forward_logp(be, mb)
+            out = forward_logp(be, mb, chunk=c)
 
         def loss_func(logp):
             loss, terms = loss_fn(logp, mb)
@@ -283,7 +384,14 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
             return loss * n, torch.ones((), dtype=torch.int), {}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter(microbatches), model=[be.ddp],
+    if vpp > 1:
+        g = microbatch_group_size(n, be.layout.pp)
+        for m in be.models:
+            m.config.microbatch_group_size_per_vp_stage = g
+        data = [iter(list(enumerate(microbatches))) for _ in range(vpp)]
+    else:
+        data = iter(list(enumerate(microbatches)))
+    get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=be.ddps,
                                 num_microbatches=n, seq_length=max(mb.seq_len for mb in microbatches),
                                 micro_batch_size=1, forward_only=False)
     return sums
@@ -317,20 +425,22 @@ def _renumber_layer(key: str, shift: int) -> str:
     return key if m is None else f"decoder.layers.{int(m.group(1)) + shift}.{key[m.end():]}"
 
 
-def stage_state_dict(full: dict[str, torch.Tensor], lay: Layout) -> dict[str, torch.Tensor]:
-    """The part of a full (all-layer) state dict this pipeline stage holds, in its local numbering."""
+def stage_state_dict(full: dict[str, torch.Tensor], lay: Layout, chunk: int = 0) -> dict[str, torch.Tensor]:
+    """The part of a full (all-layer) state dict model chunk ``chunk`` of this pipeline stage
+    holds (the stage itself without virtual stages), in its local numbering."""
     out = {}
-    lo, hi = lay.layer_offset, lay.layer_offset + lay.num_local_layers
+    lo, n = lay.chunk_ranges[chunk]
+    hi = lo + n
     for key, t in full.items():
         m = _LAYER.match(key)
         if m:
             if lo <= int(m.group(1)) < hi:
                 out[_renumber_layer(key, -lo)] = t
         elif key.startswith(_FIRST_STAGE):
-            if lay.first_stage:
+            if lay.first_chunk(chunk):
                 out[key] = t
         elif key.startswith(_LAST_STAGE):
-            if lay.last_stage:
+            if lay.last_chunk(chunk):
                 out[key] = t
         else:
             out[key] = t
@@ -356,10 +466,13 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     import torch.distributed as dist
 
     lay = be.layout
-    shift = lay.layer_offset          # pipeline stages number their layers from 0: make them global
-    sd = {_renumber_layer(k, shift): v.detach().cpu() for k, v in be.model.state_dict().items()
-          if not k.endswith("_extra_state")}
-    dims = {_renumber_layer(k, shift): d for k, d in _partition_dims(be.model).items()}
+    sd: dict[str, torch.Tensor] = {}
+    dims: dict[str, int | None] = {}
+    for model, (shift, _n) in zip(be.models, lay.chunk_ranges, strict=True):
+        # stages (and model chunks) number their layers from 0: make them global
+        sd.update({_renumber_layer(k, shift): v.detach().cpu() for k, v in model.state_dict().items()
+                   if not k.endswith("_extra_state")})
+        dims.update({_renumber_layer(k, shift): d for k, d in _partition_dims(model).items()})
     mine = (lay.tp_rank, lay.ep_rank, sd, dims)
     if lay.world == 1:
         gathered = [mine]
@@ -394,9 +507,10 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
 def load_full_state_dict(be: Backend, full: dict[str, torch.Tensor]) -> None:
     """Load an unsharded megatron state dict into this rank's shard (every rank calls it)."""
     from neon_hpc.models.convert import load_into_megatron, shard_for_rank
-    load_into_megatron(be.model, shard_for_rank(stage_state_dict(full, be.layout), be.model_cfg,
-                                                tp_rank=be.layout.tp_rank, tp=be.layout.tp,
-                                                ep_rank=be.layout.ep_rank, ep=be.layout.ep))
+    for c, model in enumerate(be.models):
+        load_into_megatron(model, shard_for_rank(stage_state_dict(full, be.layout, c), be.model_cfg,
+                                                 tp_rank=be.layout.tp_rank, tp=be.layout.tp,
+                                                 ep_rank=be.layout.ep_rank, ep=be.layout.ep))
 
 
 def init_checkpoint_kind(path: str | Path) -> str:
@@ -428,14 +542,31 @@ def load_initial_weights(be: Backend, path: str) -> None:
 
         from neon_hpc.train.checkpoint import refuse_untrusted
         refuse_untrusted(p)          # a foreign checkpoint: its pickles could run code in megatron's load
-        sharded = {"model": be.model.sharded_state_dict()}
-        loaded = dist_checkpointing.load(sharded, str(p))
-        be.model.load_state_dict(loaded["model"], strict=False)
+        loaded = dist_checkpointing.load(model_sharded_state_dict(be), str(p))
+        load_model_state(be, loaded)
+
+
+def model_keys(be: Backend) -> list[str]:
+    """Top-level keys of the model chunks in a checkpoint's sharded state dict: ``model`` for one
+    chunk, ``model0 .. model{V-1}`` for V (megatron-LM's names).  torch_dist matches tensors by
+    their global sharded keys, not by these, so either loads into the other."""
+    return ["model"] if len(be.models) == 1 else [f"model{c}" for c in range(len(be.models))]
+
+
+def model_sharded_state_dict(be: Backend) -> dict[str, Any]:
+    """``{model_key: chunk.sharded_state_dict()}`` for every model chunk (:func:`model_keys`)."""
+    return {k: m.sharded_state_dict() for k, m in zip(model_keys(be), be.models)}
+
+
+def load_model_state(be: Backend, loaded: dict[str, Any]) -> None:
+    """Load each chunk's part of a ``dist_checkpointing.load`` result of :func:`model_sharded_state_dict`."""
+    for k, m in zip(model_keys(be), be.models):
+        m.load_state_dict(loaded[k], strict=False)
 
 
 def param_digest(be: Backend) -> float:
     """A cheap fingerprint of this rank's parameters (sum of |w|, float64), for logs and tests."""
-    return float(sum(p.detach().double().abs().sum() for p in be.model.parameters()))
+    return float(sum(p.detach().double().abs().sum() for m in be.models for p in m.parameters()))
 
 
 def reduce_sums(values: dict[str, float], group=None) -> dict[str, float]:

@@ -44,7 +44,7 @@ import torch
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
-from neon_hpc.train.backend import Backend, param_digest
+from neon_hpc.train.backend import Backend, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
 
 STATE_FILE = "trainer_state.json"
@@ -66,8 +66,13 @@ def _barrier(world: int) -> None:
 
 
 def _sharded(be: Backend, is_loading: bool) -> dict:
-    model_sd = be.model.sharded_state_dict()
-    return {"model": model_sd, "optimizer": be.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    """Model chunks under ``model`` (``model0 .. model{V-1}`` with virtual stages) + the optimizer.
+
+    The optimizer's state is keyed by the model's global sharded keys (it finds them in the
+    chunks' dicts whatever their nesting), so a checkpoint saved with V chunks loads with
+    another V, PP, TP, EP, CP or DP."""
+    model_sd = model_sharded_state_dict(be)
+    return {**model_sd, "optimizer": be.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -210,7 +215,7 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     with verified_reads(ckpt, lay.rank) as digests:      # every blob checked as DCP reads it
         loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
     state["digests_verified"] = digests is not None
-    be.model.load_state_dict(loaded["model"], strict=False)
+    load_model_state(be, loaded)
     be.optimizer.load_state_dict(loaded["optimizer"])
     _check_param_digest(ckpt, state, be)
     saved_layout = {"cp": 1, "vpp": 1, **state.get("layout", {})}   # older records lack cp, vpp
@@ -272,10 +277,10 @@ def verified_reads(ckpt: Path, rank: int = 0):
 
 def _check_param_digest(ckpt: Path, state: dict[str, Any], be: Backend) -> None:
     """Rank 0's parameters after the load must give the digest recorded at the save, when rank 0
-    holds the same shard as then (same TP, EP, PP); a mismatch stops every rank."""
+    holds the same shard as then (same TP, EP, PP, virtual stages); a mismatch stops every rank."""
     lay, saved_layout = be.layout, state.get("layout", {})
     saved = state.get("param_digest_rank0")
-    same_shard = all(saved_layout.get(k, 1) == getattr(lay, k, 1) for k in ("tp", "ep", "pp"))
+    same_shard = all(saved_layout.get(k, 1) == getattr(lay, k, 1) for k in ("tp", "ep", "pp", "vpp"))
     error = None
     if lay.rank == 0 and saved is not None and same_shard:
         now = param_digest(be)

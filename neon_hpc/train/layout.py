@@ -11,7 +11,9 @@ must divide ``tp * cp * dp``.  Layers per pipeline stage: even, or with
 ``train.pipeline_first_stage_layers`` / ``pipeline_last_stage_layers`` set the first/last
 stage take that many and the others share the rest evenly (megatron-core's
 ``num_layers_in_first/last_pipeline_stage``).  With ``train.virtual_pipeline_stages: V > 1``
-(interleaved 1F1B) each stage's layers are split into V model chunks.
+(interleaved 1F1B) each stage's layers are split into V model chunks of equal size, so V must
+divide every stage's layer count (megatron's rule, uneven first/last stages included), and
+chunk ``c`` of stage ``r`` holds the layers :func:`chunk_layers` gives.
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> lis
     if rest <= 0 or rest % rest_stages:
         raise ValueError(f"{rest} layer(s) left for {rest_stages} middle/even stage(s) do not divide evenly")
     return [fixed.get(i, rest // rest_stages) for i in range(pp)]
+
+
+def chunk_layers(per_stage: list[int], vpp: int) -> list[list[tuple[int, int]]]:
+    """``[stage][chunk] = (first global layer, layers)`` for ``vpp`` model chunks per stage.
+
+    megatron-core's interleaved assignment (``get_transformer_layer_offset`` with a
+    ``vp_stage``): the model is cut into ``vpp`` consecutive virtual passes of
+    ``num_layers / vpp`` layers, and pass ``c`` is spread over the stages in order, stage ``r``
+    taking ``per_stage[r] / vpp`` of it.  ``vpp = 1`` is plain PP (one chunk per stage).
+    """
+    if any(n % vpp for n in per_stage):
+        raise ValueError(f"virtual_pipeline_stages={vpp} does not divide the layers per stage {per_stage}")
+    total = sum(per_stage) // vpp
+    return [[(c * total + sum(per_stage[:r]) // vpp, n // vpp) for c in range(vpp)]
+            for r, n in enumerate(per_stage)]
 
 
 def layout_errors(cfg: Any) -> Errors:
@@ -85,18 +102,24 @@ def layout_errors(cfg: Any) -> Errors:
     v = t.virtual_pipeline_stages
     if v > 1:
         if pp == 1:
-            errs.append(("train.virtual_pipeline_stages", f"{v} needs train.pipeline_parallel > 1"))
-        elif t.pipeline_first_stage_layers or t.pipeline_last_stage_layers:
             errs.append(("train.virtual_pipeline_stages",
-                         f"{v} with uneven first/last stages is not supported here; set it to 1 or the "
-                         f"pipeline_*_stage_layers keys to 0"))
-        elif per_stage[0] % v:
-            errs.append(("train.virtual_pipeline_stages",
-                         f"{v} must divide the {per_stage[0]} layers of each pipeline stage"))
+                         f"{v} model chunks per stage need train.pipeline_parallel > 1 (the interleaved "
+                         f"schedule runs over pipeline stages); set it to 1 or raise train.pipeline_parallel"))
         else:
-            errs.append(("train.virtual_pipeline_stages",
-                         f"{v}: the interleaved schedule (model chunks per stage) is not wired in this "
-                         f"trainer yet; set it to 1 (plain 1F1B)"))
+            bad = [(i, n) for i, n in enumerate(per_stage) if n % v]
+            if bad:
+                i, n = bad[0]
+                errs.append(("train.virtual_pipeline_stages",
+                             f"{v} must divide the layers of every pipeline stage ({per_stage} per stage; "
+                             f"stage {i} has {n}): each stage holds {v} model chunks of equal size (megatron's "
+                             f"interleaved layout); pick a virtual_pipeline_stages that divides them, or change "
+                             f"train.pipeline_first_stage_layers / pipeline_last_stage_layers"))
+            mb = cfg.balance.min_microbatches
+            if 0 < mb < pp:
+                errs.append(("balance.min_microbatches",
+                             f"{mb} < train.pipeline_parallel={pp}: the interleaved schedule "
+                             f"(virtual_pipeline_stages={v}) needs at least one micro-batch per stage; "
+                             f"set it to 0 (= pipeline_parallel) or >= {pp}"))
     return errs
 
 

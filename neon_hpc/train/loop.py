@@ -275,8 +275,6 @@ def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | 
 
 def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics."""
-    from megatron.core.distributed import finalize_model_grads
-
     from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.backend import forward_backward, reduce_step_sums
 
@@ -289,8 +287,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
-    be.ddp.zero_grad_buffer()
-    be.optimizer.zero_grad()
+    be.zero_grad()                     # every model chunk's grad buffer and the optimizer
     mbs, alays = [], []
     replay_missing, replayed = 0, 0
     for j in range(n_mb):
@@ -314,7 +311,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     sums["replayed_microbatches"] = float(replayed)
     sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
     fb_s, fb_cpu = time.perf_counter() - t_fb, time.process_time() - c_fb
-    finalize_model_grads([be.ddp])
+    be.finalize_grads()                # finalize_model_grads over every model chunk
     ok, grad_norm, _ = be.optimizer.step()
     sums = reduce_step_sums(be, sums)
     out = term_means(sums)

@@ -149,5 +149,6 @@ class Adapter:
                            overrides: Mapping[str, Any]):
         raise NotImplementedError
 
-    def layer_spec(self, cfg: ModelConfig, tcfg):
+    def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):
+        """The local layer spec; ``vp_stage``: the model chunk (interleaved PP) a block spec is cut for."""
         raise NotImplementedError

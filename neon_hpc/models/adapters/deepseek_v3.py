@@ -153,7 +153,7 @@ class DeepseekV3Adapter(Adapter):
         kw.update(overrides)
         return MLATransformerConfig(**kw)
 
-    def layer_spec(self, cfg: ModelConfig, tcfg):
+    def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):
         """Per-layer local specs (dense first layers, then MoE) with MLA's core attention swapped
         for :class:`~neon_hpc.models.core_attention.SDPACoreAttention`."""
         import megatron.core.transformer.multi_latent_attention as mla
@@ -164,7 +164,8 @@ class DeepseekV3Adapter(Adapter):
             # Without Transformer Engine the name is a placeholder object; MLA's `spec in [TELinear]`
             # checks then compare a class with it. A class that nothing is an instance of keeps them false.
             mla.TELinear = type("NoTELinear", (), {})
-        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         return spec

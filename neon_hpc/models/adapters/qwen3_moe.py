@@ -67,7 +67,7 @@ class Qwen3MoeAdapter(Adapter):
         kw.update(overrides)
         return TransformerConfig(**kw)
 
-    def layer_spec(self, cfg: ModelConfig, tcfg):
+    def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):   # one spec for every layer
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         return get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
                                         qk_layernorm=True, normalization="RMSNorm")
