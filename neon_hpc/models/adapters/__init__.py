@@ -22,11 +22,9 @@ MODEL_TYPES = hfmap.MODEL_TYPES
 
 
 def get_adapter(arch: str) -> Adapter:
-    try:
-        return _ADAPTERS[MODEL_TYPES[arch]]
-    except KeyError:
-        raise ValueError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHES)} "
-                         f"(and kimi_k2 as deepseek_v3)") from None
+    """The adapter of ``arch`` (a config ``model.arch`` or an HF ``model_type``); ValueError naming
+    the supported ones otherwise (:func:`neon_hpc.hfmap.table`)."""
+    return _ADAPTERS[hfmap.table(arch).NAME]
 
 
 def adapter_for_hf_config(cfg: dict) -> Adapter:
