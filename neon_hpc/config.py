@@ -97,7 +97,7 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     from neon_hpc.train.layout import launch_world_errors, layout_errors   # the trainer's own rules
     errs += layout_errors(cfg) + launch_world_errors(cfg)
     if cfg.engine.kind == "sglang":
-        from neon_hpc.rollout.engines.sglang_launch import layout
+        from neon_hpc.rollout.config import layout
         lay = layout(cfg)
         if cfg.launch.rollout.nodes < lay.nodes_needed:
             errs.append(("launch.rollout.nodes",

@@ -19,6 +19,20 @@ from typing import Any
 from neon_hpc.bounded import LOG_LINE_CAP, clip_text
 
 
+def last_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a (log) file, reading only its end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        block = min(size, max(4096, n * 400))
+        f.seek(size - block)
+        data = f.read().decode(errors="replace")
+    lines = data.splitlines()
+    if block < size:
+        lines = lines[1:]  # first line is probably cut
+    return lines[-n:] if n > 0 else []
+
+
 def job_id() -> str:
     """The Slurm job id (het jobs: the leader's), or ``local`` outside Slurm."""
     return os.environ.get("SLURM_HETJOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"

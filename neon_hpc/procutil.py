@@ -13,6 +13,11 @@ covers the forks (an at-fork hook); the Manager is started by
 A SIGKILLed trainer then leaves none of them behind (the resource tracker ends when they
 do). The signal fires when the parent *thread* ends; megatron forks these from the main
 thread.
+
+Stopping: :func:`stop_tree` is the one terminate -> wait -> kill sequence (the launcher's
+roles, the rollout node's workers, the engines), over each process and its descendants.
+:class:`StopFlag` is the one signal handler of a role: the signal sets a flag (and may call
+back); the role's loop polls it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1
 # loaded before any fork: children only call into it
@@ -63,3 +72,150 @@ def forked_children_die_with_me(death_signal: int = signal.SIGKILL) -> None:
     if not _FORK_HOOKED and _LIBC is not None:
         os.register_at_fork(after_in_child=lambda: die_with_parent(death_signal))
         _FORK_HOOKED = True
+
+
+# --------------------------------------------------------------------------------------
+# stopping
+
+@dataclass
+class Stopped:
+    """What :func:`stop_tree` had to do: pids it SIGKILLed, and those still there after that."""
+
+    killed: list[int] = field(default_factory=list)
+    stuck: list[int] = field(default_factory=list)
+
+
+def _descendants(pids: Sequence[int]) -> list:
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            out += psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _gone(proc) -> bool:
+    import psutil
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE    # exited; its parent (or init) reaps it
+    except psutil.Error:
+        return True
+
+
+def _wait_gone(procs: list, timeout: float) -> list:
+    """Wait up to ``timeout`` for processes that are not our children; returns those left."""
+    end = time.monotonic() + timeout
+    left = [c for c in procs if not _gone(c)]
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = [c for c in left if not _gone(c)]
+    return left
+
+
+def stop_tree(procs: Sequence[subprocess.Popen], grace_s: float, *, signal_children: bool = True,
+              kill_wait_s: float = 10.0, process_groups: bool = False,
+              on_kill: Callable[[int], None] | None = None) -> Stopped:
+    """Stop ``procs`` (our children) and every descendant: SIGTERM, wait, SIGKILL, reap.
+
+    ``signal_children``: SIGTERM the descendants too and wait for them (SGLang's forked
+    schedulers); False: only the roots get SIGTERM (a role stops its own children in order,
+    e.g. the trainer's checkpoint writers), and descendants still alive once the roots are
+    done are SIGKILLed.  Each root gets at least 0.1 s, so ``grace_s=0`` still reaps one that
+    is already exiting.  ``on_kill(pid)`` is called before a process that outlived the grace
+    is SIGKILLed.  ``process_groups``: finally SIGKILL each root's process group (roots
+    started with ``start_new_session``), which also catches descendants re-parented before
+    they could be seen.  Popen objects are reaped through Popen, so their ``returncode`` is
+    the real one."""
+    import psutil
+    roots = [p for p in procs if p.poll() is None]
+    tree = _descendants([p.pid for p in roots])
+    for p in roots:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if signal_children:
+        for c in tree:
+            try:
+                c.terminate()
+            except psutil.Error:
+                pass
+    deadline = time.monotonic() + grace_s
+    late = []
+    for p in roots:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            late.append(p)
+    tree += _descendants([p.pid for p in late])     # what the late ones started meanwhile
+    tree = list({c.pid: c for c in tree}.values())
+    alive = _wait_gone(tree, max(0.0, deadline - time.monotonic()) if signal_children else 0.0)
+    done = Stopped()
+    for p in late:
+        if on_kill is not None:
+            on_kill(p.pid)
+        p.kill()
+        done.killed.append(p.pid)
+    for c in alive:
+        try:
+            if on_kill is not None and signal_children:
+                on_kill(c.pid)
+            c.kill()
+            done.killed.append(c.pid)
+        except psutil.Error:
+            pass
+    end = time.monotonic() + kill_wait_s
+    for p in late:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            done.stuck.append(p.pid)      # SIGKILL pending: stuck in the kernel
+    done.stuck += [c.pid for c in _wait_gone(alive, max(0.1, end - time.monotonic()))]
+    if process_groups:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return done
+
+
+class StopFlag:
+    """A role's stop request: the first of ``signals`` sets it; the role's loop polls it.
+
+    ``signum`` is the latest signal received; ``on_signal(signum)`` (optional) runs in the
+    handler, so it must only set state or start a thread.  ``install`` replaces the handlers,
+    ``restore`` puts the previous ones back."""
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
+                 on_signal: Callable[[int], None] | None = None):
+        self.signals = tuple(signals)
+        self.on_signal = on_signal
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def install(self) -> "StopFlag":
+        for s in self.signals:
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+        if self.on_signal is not None:
+            self.on_signal(signum)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str | None:
+        """The latest signal's name (``"SIGTERM"``), or None."""
+        return signal.Signals(self.signum).name if self.signum is not None else None

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from neon_hpc.launch.slurmjob import FINAL, query
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
@@ -31,20 +33,16 @@ class Cluster:
         return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
 
     def state(self, job_id: str) -> str:
-        """Job state, from squeue while it is live and sacct after (poll: --wait can be late)."""
-        out = self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.split()
-        if out:
-            return out[0]
-        out = self.run("sacct", "-n", "-X", "-j", job_id, "-o", "State", "-P", check=False).stdout.split()
-        return out[0] if out else "UNKNOWN"
+        """Job state (every component of a het job folded into one: ``launch.slurmjob``), from
+        squeue while it is live and sacct after (poll: --wait can be late)."""
+        return query(job_id, env=self.env).state
 
     def wait(self, job_id: str, timeout: float = 120) -> str:
         end = time.monotonic() + timeout
-        final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
         st = "UNKNOWN"
         while time.monotonic() < end:
-            st = self.state(job_id).split()[0].rstrip("+")
-            if st in final:
+            st = self.state(job_id)
+            if st in FINAL:
                 return st
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {st} after {timeout}s")

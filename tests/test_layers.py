@@ -51,10 +51,6 @@ SELF_CONTAINED = {"hfmap"}
 
 # (importing file, imported module) -> "issue item, owner: what" for violations that exist now.
 KNOWN: dict[tuple[str, str], str] = {
-    ("neon_hpc/config.py", "neon_hpc.rollout.engines.sglang_launch"):
-        "issue 23 item 5, H23b: config check calls the SGLang launch layout",
-    ("neon_hpc/rollout/engines/fleet.py", "neon_hpc.ops.tail"):
-        "issue 23 item 5, H23b: the fleet tails engine logs with the operator tool",
     ("neon_hpc/config.py", "neon_hpc.train.layout"):
         "issue 23 item 5, unowned: config check calls the trainer's layout rules (their home is train/layout.py)",
     ("neon_hpc/config.py", "neon_hpc.models.adapters"):

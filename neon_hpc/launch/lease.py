@@ -125,14 +125,11 @@ def owner_dead(run: RunDir, rec: dict[str, Any], job_id: str = "local", restart:
 
 def _slurm_job_gone(job_id: str) -> str | None:
     """Slurm's word that the job no longer runs (squeue lists nothing), else None (or no Slurm)."""
-    import subprocess
-    try:
-        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if r.returncode == 0 and not r.stdout.strip():
+    from neon_hpc.launch.slurmjob import in_queue
+    seen = in_queue(job_id)
+    if seen == "gone":
         return f"Slurm job {job_id} is no longer in the queue"
-    if r.returncode != 0 and "Invalid job id" in r.stderr:
+    if seen == "unknown":
         return f"Slurm does not know job {job_id} any more"
     return None
 

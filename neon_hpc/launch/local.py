@@ -28,6 +28,7 @@ from neon_hpc.launch import lease
 from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
+from neon_hpc.procutil import stop_tree
 from neon_hpc.protocol.records import Finished, mark_finished
 from neon_hpc.protocol.rundir import RunDir
 
@@ -142,27 +143,13 @@ class LocalRun:
 
     def stop(self) -> None:
         procs = [p for p in self.trainers + [self.node] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
         grace = 0.0 if self.interrupted_at == -float("inf") or \
             (self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S) else TERM_GRACE_S
-        deadline = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                try:
-                    p.wait(timeout=10)    # SIGKILL: only a process stuck in the kernel takes longer
-                except subprocess.TimeoutExpired:
-                    self.say(f"pid {p.pid} did not end 10s after SIGKILL (stuck in the kernel?)")
-        # nothing of the run may outlive the launcher: each role ran in its own session
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # SIGTERM to the roles only (each stops its own children in order); nothing of the run
+        # may outlive the launcher: what is left is SIGKILLed, and each role's session with it
+        done = stop_tree(procs, grace, signal_children=False, process_groups=True)
+        for pid in done.stuck:      # SIGKILL: only a process stuck in the kernel takes longer
+            self.say(f"pid {pid} did not end 10s after SIGKILL (stuck in the kernel?)")
 
 
 def main(argv: list[str]) -> int:

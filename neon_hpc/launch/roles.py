@@ -5,7 +5,8 @@
     python -m neon_hpc.launch.roles rollout-worker --config RUN/run.yaml --run-dir RUN --rank N --engine-url URL
 
 Under ``srun`` the rank comes from SLURM_PROCID; torch.distributed variables for the trainer
-are derived from Slurm's when absent (MASTER_ADDR is set by the sbatch script).
+are derived from Slurm's when absent (``neon_hpc.rankenv``; MASTER_ADDR is set by the sbatch
+script).
 
 Around every trainer and rollout node:
 
@@ -33,6 +34,7 @@ import time
 
 from neon_hpc import config
 from neon_hpc.procutil import forked_children_die_with_me
+from neon_hpc.rankenv import node_rank, trainer_rank_from_slurm
 
 LAUNCHER_POLL_S = 1.0    # how often a role checks its launcher is still its parent
 
@@ -82,10 +84,7 @@ def _trainer(cfg, run_dir: str) -> int:
 
 
 def _trainer_env() -> None:
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    trainer_rank_from_slurm()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     if a.role in ("trainer", "rollout-node"):
         from neon_hpc.launch.lease import join_launch
-        rank = os.environ.get("RANK", os.environ.get("NEON_NODE_RANK", os.environ.get("SLURM_PROCID", "0")))
+        rank = os.environ.get("RANK", str(node_rank()))
         join_launch(a.run_dir, f"{a.role}.{rank}")
         watch_launcher(a.role)
     if a.role == "trainer":

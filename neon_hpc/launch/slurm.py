@@ -21,6 +21,7 @@ import shlex
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.launch.config import GroupConfig
+from neon_hpc.rankenv import MASTER_PORT_BASH
 
 _BODY = r'''
 set -uo pipefail
@@ -44,7 +45,7 @@ RUN_YAML="$(proto path run-yaml)"
 MASTER_NODE="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_1}" | head -n 1)"
 export MASTER_ADDR="$(scontrol show node "$MASTER_NODE" -o | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')"
 export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
-export MASTER_PORT="$((20000 + SLURM_JOB_ID %% 20000))"
+export MASTER_PORT="%(master_port)s"
 
 srun --het-group=0 --kill-on-bad-exit=1 --mpi=pmi2 \
   "$PY" -m neon_hpc.launch.roles rollout-node --config "$RUN_YAML" --run-dir "$RUN_DIR" &
@@ -144,7 +145,7 @@ def render_sbatch(cfg: ExperimentConfig, config_path: str) -> str:
     head += [f"#SBATCH {x}" for x in _group_lines(L.rollout)]
     head.append("#SBATCH hetjob")
     head += [f"#SBATCH {x}" for x in _group_lines(L.train)]
-    body = _BODY % {"config": config_path, "run_dir": cfg.run_dir}
+    body = _BODY % {"config": config_path, "run_dir": cfg.run_dir, "master_port": MASTER_PORT_BASH}
     return "\n".join(head) + "\n" + body
 
 

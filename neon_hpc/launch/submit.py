@@ -6,7 +6,7 @@ no heterogeneous-job support. Rather than subclass its private script renderer, 
 the het job ourselves (``neon_hpc.launch.slurm``, golden-tested) and submit it with
 ``sbatch``. Its job objects cannot track a het job either (``submitit.SlurmJob`` reads
 ``JOBID`` from sacct, which lists only ``JOBID+0`` and ``JOBID+1``, and reports UNKNOWN
-forever), so ``--wait`` reads the components' states itself. ``--render`` prints the script.
+forever), so ``--wait`` reads every component's state (``launch.slurmjob``). ``--render`` prints the script.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from neon_hpc import config
 from neon_hpc.launch.common import resolve_run_dir, write_run_yaml
 from neon_hpc.launch.slurm import quote, render_sbatch, sbatch_command
+from neon_hpc.launch.slurmjob import query
 from neon_hpc.rundir import atomic_write_text
 
 
@@ -44,25 +45,6 @@ def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tup
         raise SystemExit(f"neon-hpc launch: sbatch failed ({r.stderr.strip()}); the script is {script}; "
                          f"command: {quote(cmd)}")
     return r.stdout.strip().split(";")[0], script
-
-
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")
-
-
-def het_job_state(job_id: str) -> str:
-    """One state for a heterogeneous job: live from squeue; once ended, COMPLETED only if every
-    component completed, else the first component state that is not COMPLETED."""
-    live = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.split()
-    if live:
-        return "RUNNING" if "RUNNING" in live else live[0]
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"],
-                         capture_output=True, text=True).stdout.split()
-    states = [line.split("|")[1].split()[0] for line in out if "|" in line]
-    if not states:
-        return "UNKNOWN"
-    bad = [s for s in states if s != "COMPLETED"]
-    return bad[0] if bad else "COMPLETED"
 
 
 def main(argv: list[str]) -> int:
@@ -92,10 +74,11 @@ def main(argv: list[str]) -> int:
         return 0
     last = None
     while True:
-        st = het_job_state(job_id)
+        job = query(job_id)
+        st = job.state
         if st != last:
             print(f"job {job_id}: {st}", flush=True)
             last = st
-        if st in FINAL:
+        if job.final:
             return 0 if st == "COMPLETED" else 1
         time.sleep(2)

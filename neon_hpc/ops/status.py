@@ -10,29 +10,25 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from neon_hpc.launch.common import trained_versions_and_waste
+from neon_hpc.launch.slurmjob import SlurmUnavailable, query
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
 from neon_hpc.protocol.rundir import RunDir
 
 
-def slurm_state(job_id: str) -> str:
-    """Job state from squeue (live) or sacct (ended); '' when Slurm is not reachable."""
+def slurm_state(job_id: str) -> tuple[str, dict[str, str]]:
+    """The job's state and every component's (a heterogeneous job has several), from
+    ``launch.slurmjob``; ``("", {})`` when Slurm is not reachable."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
-                             text=True, timeout=10).stdout.split()
-        if out:
-            return out[0]
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
-                             text=True, timeout=10).stdout.split()
-        return out[0] if out else "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+        job = query(job_id, timeout=10)
+    except SlurmUnavailable:
+        return "", {}
+    return job.state, dict(job.components)
 
 
 def _count_dir(d: Path, suffix: str = ".h5") -> int:
@@ -83,10 +79,12 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
     trainer = read_metrics(run.root, "trainer")
     rollout = [r for r in read_metrics(run.root, "rollout") if "event" not in r]
     latest = run.latest_weights()
+    slurm = slurm_state(str(job["job_id"])) if job.get("job_id") and job.get("backend") == "slurm" else ("", {})
     info: dict[str, Any] = {
         "run": str(run.root),
         "job": job,
-        "slurm_state": slurm_state(str(job["job_id"])) if job.get("job_id") and job.get("backend") == "slurm" else "",
+        "slurm_state": slurm[0],
+        "slurm_components": slurm[1],
         "trainer_step": trainer[-1]["step"] if trainer else None,
         "checkpoint": run.latest_checkpoint(),
         "weights_latest": latest[0] if latest else None,
@@ -122,6 +120,9 @@ def render(info: dict[str, Any]) -> str:
     if job:
         state = info["slurm_state"] or ("finished" if info["finished"] else "running?")
         lines.append(f"job       {job.get('job_id', '-')} ({job.get('backend', '?')}) state={state}")
+        comps = info.get("slurm_components") or {}
+        if len(comps) > 1:   # a heterogeneous job: each component (rollout group, trainer group)
+            lines.append("          " + " ".join(f"{c}={s}" for c, s in comps.items()))
     lines.append(f"trainer   step={_fmt(info['trainer_step'])} checkpoint=step_{_fmt(info['checkpoint'])} "
                  f"weights=v_{_fmt(info['weights_latest'])} reward={_fmt(info['reward_last'])}")
     s = info["shards"]

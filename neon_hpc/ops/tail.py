@@ -7,11 +7,11 @@ Without ``--rank`` all ranks of the role are shown, each line prefixed with its 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from neon_hpc.logs import last_lines
 from neon_hpc.rundir import RunDir
 
 
@@ -27,19 +27,6 @@ def log_files(run: RunDir, role: str, rank: str | None) -> list[Path]:
         if not files:
             raise SystemExit(f"neon-hpc tail: no log for {role} rank {rank} in {d}")
     return files
-
-
-def last_lines(path: Path, n: int) -> list[str]:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        block = min(size, max(4096, n * 400))
-        f.seek(size - block)
-        data = f.read().decode(errors="replace")
-    lines = data.splitlines()
-    if block < size:
-        lines = lines[1:]  # first line is probably cut
-    return lines[-n:] if n > 0 else []
 
 
 def tail(run_dir: str, role: str, rank: str | None = None, n: int = 20, follow: bool = False,

@@ -1,4 +1,5 @@
 """Rollout and engine sections of the experiment config (owned by ``neon_hpc/rollout``)."""
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -101,3 +102,61 @@ class RolloutConfig:
         "request_retries": at_least(0),
         "wait_for_weights_s": above(0, note="seconds"),
     }
+
+
+# --------------------------------------------------------------------------------------
+# where SGLang engines go on the rollout group's nodes: a function of the config alone, so
+# ``config check`` and the rollout node's fleet (``engines.fleet``) place them the same way
+
+DEFAULT_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the engines of a run go on the nodes of the rollout group.
+
+    An engine of ``gpus_per_engine`` GPUs either spans ``nodes_per_engine`` whole nodes
+    (SGLang's ``--nnodes``/``--node-rank``), or shares a node with ``engines_per_node - 1``
+    others, each on its own slice of the node's GPUs (``CUDA_VISIBLE_DEVICES``).
+    """
+
+    num_engines: int
+    gpus_per_engine: int
+    gpus_per_node: int
+    nodes_per_engine: int
+    engines_per_node: int
+
+    @property
+    def nodes_needed(self) -> int:
+        return math.ceil(self.num_engines / self.engines_per_node) * self.nodes_per_engine
+
+    def first_node(self, engine: int) -> int:
+        """The node whose engine process serves HTTP (SGLang's node rank 0 of the engine)."""
+        return (engine // self.engines_per_node) * self.nodes_per_engine
+
+    def processes_on(self, node: int) -> list[tuple[int, int, str | None]]:
+        """``(engine, node rank inside the engine, CUDA_VISIBLE_DEVICES or None)`` on ``node``."""
+        out = []
+        for i in range(self.num_engines):
+            first = self.first_node(i)
+            if not first <= node < first + self.nodes_per_engine:
+                continue
+            gpus = None
+            if self.engines_per_node > 1:
+                slot = i % self.engines_per_node
+                gpus = ",".join(str(g) for g in range(slot * self.gpus_per_engine, (slot + 1) * self.gpus_per_engine))
+            out.append((i, node - first, gpus))
+        return out
+
+    def head_nodes(self) -> list[int]:
+        """Nodes that serve at least one engine's HTTP endpoint, in order."""
+        return sorted({self.first_node(i) for i in range(self.num_engines)})
+
+
+def layout(cfg) -> Layout:
+    e = cfg.engine
+    gpus = e.tp_size * e.dp_size
+    per_node = getattr(getattr(cfg.launch, "rollout", None), "gpus_per_node", 0) or DEFAULT_GPUS_PER_NODE
+    if gpus <= per_node:
+        return Layout(e.num_engines, gpus, per_node, 1, per_node // gpus)
+    return Layout(e.num_engines, gpus, per_node, math.ceil(gpus / per_node), 1)

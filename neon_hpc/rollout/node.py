@@ -34,17 +34,11 @@ from pathlib import Path
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
-from neon_hpc.procutil import child_setup
+from neon_hpc.procutil import StopFlag, child_setup, stop_tree
+from neon_hpc.rankenv import node_count, node_rank
+from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
 from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
 from neon_hpc.protocol.rundir import RunDir
-
-
-def _node_rank() -> int:
-    return int(os.environ.get("NEON_NODE_RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def _node_count() -> int:
-    return int(os.environ.get("NEON_NODE_COUNT", os.environ.get("SLURM_NTASKS", "1")))
 
 
 def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop,
@@ -73,12 +67,10 @@ class RolloutNode:
     def __init__(self, cfg: ExperimentConfig, run_dir: str):
         self.cfg = cfg
         self.run = RunDir(run_dir)
-        self.rank = _node_rank()
+        self.rank = node_rank()
         self.log = RoleLogger.open(self.run.root, "rollout-node", self.rank, echo=False)
-        self.stopping = False
-        self.engines = []     # ServerHandle (embedded engines)
-        self.fleet = None     # engines.fleet.Fleet (SGLang servers)
-        self.engine_state: dict = {}
+        self.stop_flag = StopFlag(on_signal=self._on_signal)
+        self.engines = engine_group(cfg, self.run, self.rank, node_count(), self.log)   # chosen once
         self.clients = []     # one per engine whose weights this node updates
         self.loaded_version = -1
         self.workers: dict[int, subprocess.Popen] = {}
@@ -88,73 +80,44 @@ class RolloutNode:
         self.restarts = 0
         self.failed: str | None = None
 
-    def _stop(self, signum, _frame) -> None:
+    def _on_signal(self, signum: int) -> None:
         self.log.info("received %s: stopping workers, then engines", signal.Signals(signum).name)
-        self.stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_flag.requested
 
     def my_workers(self) -> list[int]:
         n = self.cfg.rollout.num_workers
-        nodes = self.fleet.worker_nodes() if self.fleet else list(range(_node_count()))
+        nodes = self.engines.worker_nodes()
         return [w for w in range(n) if nodes[w % len(nodes)] == self.rank]
 
     def start_engines(self, version: int, path: Path) -> bool:
         """Start and health-check this node's engines; False if stopped (or failed) meanwhile."""
         from neon_hpc.rollout.engines.client import EngineClient
-        if self.cfg.engine.kind == "sglang":
-            from neon_hpc.rollout.engines.fleet import Fleet, FleetError
-            try:
-                self.fleet = Fleet(self.cfg, self.run, self.rank, _node_count(), self.log)
-                self.fleet.start(version, path)
-                if not self.fleet.wait_ready(lambda: self.stopping):
-                    return False
-            except FleetError as e:
-                self._fail(str(e))
+        try:
+            if not self.engines.start(version, path, lambda: self.stopping):
                 return False
-            self.clients = [EngineClient(u) for u in self.fleet.head_urls()]
-            self.loaded_version = self.fleet.version
-            self.engine_state = {"urls": self.fleet.head_urls(), "kind": "sglang", "workers_url":
-                                 self.fleet.router_url() if self.cfg.engine.pd_disaggregation else None}
-            self._write_engine_state()
-            self.log.info("SGLang engines of node %d ready: %s", self.rank,
-                          ", ".join(self.fleet.head_urls()) or "none serving here (another node's engine)")
-            return True
-        from neon_hpc.rollout.engines.embedded import start_server
-        for i in range(self.cfg.engine.num_engines):
-            h = start_server(str(path), host=self.cfg.engine.host,
-                             port=self.cfg.engine.port + i if self.cfg.engine.port else 0,
-                             max_batch_size=self.cfg.engine.max_batch_size, weight_version=str(version),
-                             allowed_root=str(self.run.weights))  # weight loads stay inside the run
-            self.engines.append(h)
-            self.clients.append(EngineClient(h.url))
-        self.loaded_version = version
-        self.engine_state = {"urls": [h.url for h in self.engines], "kind": "embedded"}
+        except EngineStartError as e:
+            self._fail(str(e))
+            return False
+        self.clients = [EngineClient(u) for u in self.engines.update_urls()]
+        self.loaded_version = self.engines.version
         self._write_engine_state()
-        self.log.info("engines up at %s with weights v_%d", ", ".join(h.url for h in self.engines), version)
+        if self.engines.ready_message():
+            self.log.info("%s", self.engines.ready_message())
         return True
 
     def _write_engine_state(self) -> None:
         """``state/engines/node<r>.json``: where this node's engines serve and the version they
         hold (workers add the lag to their staleness estimate; ``neon-hpc status`` shows it)."""
-        EngineRecord(**self.engine_state, version=self.loaded_version).write(self.run, self.rank)
-
-    def worker_url(self, w: int) -> str:
-        ext = os.environ.get("NEON_ENGINE_URLS")
-        if ext:
-            urls = ext.split(",")
-            return urls[w % len(urls)]
-        if self.fleet:
-            return self.fleet.worker_url(w)
-        return self.engines[w % len(self.engines)].url
+        record = self.engines.record()
+        if record is not None:
+            EngineRecord(**record, version=self.loaded_version).write(self.run, self.rank)
 
     def engine_death(self) -> str | None:
         """Why an engine process of this node is gone, or None."""
-        if self.fleet:
-            return self.fleet.dead()
-        for i, h in enumerate(self.engines):
-            rc = h.process.poll() if h.process is not None else None
-            if rc is not None:
-                return f"embedded engine {i} at {h.url} exited (exit code {rc})"
-        return None
+        return self.engines.dead()
 
     def sync_weights(self) -> None:
         if not self.clients:
@@ -182,7 +145,7 @@ class RolloutNode:
         self._write_engine_state()
 
     def spawn(self, w: int) -> None:
-        url = self.worker_url(w)
+        url = self.engines.worker_url(w)
         cmd = [sys.executable, "-m", "neon_hpc.launch.roles", "rollout-worker", "--config", str(self.run.run_yaml),
                "--run-dir", str(self.run.root), "--rank", str(w), "--engine-url", url]
         err = open(self.run.log_dir("rollout") / f"{w}.stderr", "ab")
@@ -229,16 +192,14 @@ class RolloutNode:
             self.respawn_at[w] = now + delay
 
     def run_forever(self) -> int:
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGUSR1, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        self.stop_flag.install()
         self.run.log_dir("rollout").mkdir(parents=True, exist_ok=True)
         try:
             latest = wait_for_weights(self.run, self.log, self.cfg.rollout.wait_for_weights_s, lambda: self.stopping,
                                       self.cfg.protocol.weight_poll_s)
             if latest is None:
                 return 0
-            if not os.environ.get("NEON_ENGINE_URLS") and not self.start_engines(*latest):
+            if not self.start_engines(*latest):
                 return 1 if self.failed else 0
             for w in self.my_workers():
                 self.spawn(w)
@@ -265,19 +226,9 @@ class RolloutNode:
         return 0
 
     def shutdown(self) -> None:
-        for p in self.workers.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        for w, p in self.workers.items():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log.warning("rollout worker %d did not stop within 60s; killing it", w)
-                p.kill()
-                p.wait()
-        for h in self.engines:
-            h.stop()
-        if self.fleet:
-            self.fleet.stop()
+        names = {p.pid: w for w, p in self.workers.items()}
+        stop_tree(list(self.workers.values()), 60.0,
+                  on_kill=lambda pid: self.log.warning("rollout worker %s did not stop within 60s; killing it",
+                                                       names.get(pid, f"{pid}'s child process")))
+        self.engines.stop()
         self.log.info("rollout node %d stopped", self.rank)

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger, job_id
+from neon_hpc.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
@@ -37,16 +37,6 @@ from neon_hpc.protocol.rundir import RunDir
 
 # default of the beater's period; the run's is cfg.protocol.worker_heartbeat_s
 HEARTBEAT_S = ProtocolConfig.worker_heartbeat_s
-
-
-class _Stop:
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal = None
-
-    def __call__(self, signum, _frame) -> None:
-        self.requested = True
-        self.signal = signal.Signals(signum).name
 
 
 def ready_trajectories(run: RunDir) -> int:
@@ -149,10 +139,7 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     from neon_hpc.xrd.tasks import load_tasks
 
     run = RunDir(run_dir)
-    stop = _Stop()
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGUSR1, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)   # "": init_checkpoint's
     tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=cfg.xrd.num_tasks)
@@ -226,7 +213,7 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     beater.beat(in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
     beater.close()
     log.info("rollout worker %d stopping (%s): %d groups, %d episodes, %d tokens", worker,
-             stop.signal or "run finished", groups, episodes, tokens)
+             stop.name or "run finished", groups, episodes, tokens)
     return 0
 
 

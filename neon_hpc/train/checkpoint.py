@@ -50,7 +50,8 @@ from neon_hpc.train import writers
 STATE_FILE = "trainer_state.json"
 
 
-def _bcast(obj: Any, rank: int, world: int) -> Any:
+def broadcast_from_rank0(obj: Any, rank: int, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank (``world == 1``: ``obj`` itself)."""
     if world == 1:
         return obj
     import torch.distributed as dist
@@ -139,7 +140,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     lay = be.layout
     final = run.checkpoint(step)
     staging = str(staging_dir_for(final)) if lay.rank == 0 else None
-    staging = Path(_bcast(staging, lay.rank, lay.world))
+    staging = Path(broadcast_from_rank0(staging, lay.rank, lay.world))
     try:
         with writers.guarded_save(str(final)):   # a dead helper: a clear error, never a hang
             shield_writer_processes()
@@ -289,7 +290,7 @@ def _check_param_digest(ckpt: Path, state: dict[str, Any], be: Backend) -> None:
                      f"{saved!r} ({STATE_FILE} param_digest_rank0): the loaded weights are not the saved ones. "
                      f"Resume from an older checkpoint or restore this one from another copy.")
     state["param_digest_checked"] = bool(saved is not None and same_shard)
-    error = _bcast(error, lay.rank, lay.world)
+    error = broadcast_from_rank0(error, lay.rank, lay.world)
     if error:
         raise integrity.IntegrityError(error)
 

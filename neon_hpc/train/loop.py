@@ -39,6 +39,8 @@ import numpy as np
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
+from neon_hpc.procutil import StopFlag
+from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import checkpoint as ckpt
@@ -64,10 +66,7 @@ class TrainerError(RuntimeError):
 def dist_env() -> tuple[int, int, int]:
     """(rank, world size, local rank), exporting RANK/WORLD_SIZE/LOCAL_RANK from Slurm if needed."""
     env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        env["RANK"] = env["SLURM_PROCID"]
-        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    trainer_rank_from_slurm(env)
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     if world == 1 and "MASTER_PORT" not in env:
         # A single rank needs no agreed rendezvous: any free local port.
@@ -75,7 +74,7 @@ def dist_env() -> tuple[int, int, int]:
         env["MASTER_PORT"] = str(free_port())
     elif "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
         # Every rank of one job derives the same port from the job id (the launcher may set it instead).
-        env["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+        env["MASTER_PORT"] = str(master_port(env["SLURM_JOB_ID"]))
     if world > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
         raise TrainerError(f"rank {rank} of {world}: MASTER_ADDR and MASTER_PORT must be set for a "
                            f"multi-process trainer (the launcher exports them; by hand: "
@@ -90,28 +89,11 @@ def _select_device(local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
-class Preemption:
+class Preemption(StopFlag):
     """Remembers SIGUSR1/SIGTERM; the loop polls it between steps."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> "Preemption":
-        for s in (signal.SIGUSR1, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        self.signum = signum
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
+        super().__init__((signal.SIGUSR1, signal.SIGTERM))
 
 
 def _any_rank(flag: bool, world: int) -> bool:
@@ -123,10 +105,6 @@ def _any_rank(flag: bool, world: int) -> bool:
                      device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _bcast(obj: Any, rank: int, world: int) -> Any:
-    return ckpt._bcast(obj, rank, world)
 
 
 # --------------------------------------------------------------------------------------
@@ -205,7 +183,7 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
                 elif left <= CLAIM_SLICE_S:
                     status = {"state": "error", "error": str(e)}
             status["waited_s"] = waited
-        status = _bcast(status, rank, world)
+        status = ckpt.broadcast_from_rank0(status, rank, world)
         if status["state"] == "waiting" and _any_rank(pre.requested, world):
             status["state"] = "preempted"      # a signal reached some rank while rank 0 waited
         if status["state"] != "waiting":
@@ -359,7 +337,7 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
 def _startup(run: RunDir, be, cfg: ExperimentConfig, log: RoleLogger) -> tuple[int, dict]:
     """Resume from the newest checkpoint, or initialise; returns (last completed step, state)."""
     last = ckpt.latest_complete(run) if be.layout.rank == 0 else None
-    last = _bcast(last, be.layout.rank, be.layout.world)
+    last = ckpt.broadcast_from_rank0(last, be.layout.rank, be.layout.world)
     if last is not None:
         state = ckpt.load(run, be, last)
         log.info("resumed from %s (step %d, rng %s)", run.checkpoint(last), last,

@@ -50,12 +50,13 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc.config import is_loopback
-from neon_hpc.ops.tail import last_lines
-from neon_hpc.procutil import child_setup
+from neon_hpc.logs import last_lines
+from neon_hpc.procutil import child_setup, stop_tree
+from neon_hpc.rollout.engines.groups import EngineStartError
 from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands, layout, render_commands
 
 
-class FleetError(RuntimeError):
+class FleetError(EngineStartError):
     """An engine could not be placed, started or reached; the message says what to do."""
 
 
@@ -300,29 +301,6 @@ class Fleet:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every process and its children (SGLang forks schedulers), SIGKILL what remains."""
-        import psutil
-        tree = []
-        for p in reversed(self.procs):   # the router first, then engines
-            try:
-                root = psutil.Process(p.popen.pid)
-                tree += [root] + root.children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        for proc in tree:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=timeout)
-        for proc in alive:
-            self.log.warning("engine process %d did not stop within %.0fs; killing it", proc.pid, timeout)
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        for p in self.procs:
-            try:
-                p.popen.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_tree([p.popen for p in reversed(self.procs)], timeout, kill_wait_s=5.0,   # the router first
+                  on_kill=lambda pid: self.log.warning("engine process %d did not stop within %.0fs; killing it",
+                                                       pid, timeout))

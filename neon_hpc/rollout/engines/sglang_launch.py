@@ -32,67 +32,13 @@ is reviewed like code.
 
 from __future__ import annotations
 
-import math
 import shlex
-from dataclasses import dataclass
+
+from neon_hpc.rollout.config import layout   # placement is a function of the config (config check uses it)
 
 BOOTSTRAP_PORT = 8998
 DIST_INIT_PORT = 20000
 DEFAULT_PORT = 30000
-
-
-DEFAULT_GPUS_PER_NODE = 8
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the engines of a run go on the nodes of the rollout group.
-
-    An engine of ``gpus_per_engine`` GPUs either spans ``nodes_per_engine`` whole nodes
-    (SGLang's ``--nnodes``/``--node-rank``), or shares a node with ``engines_per_node - 1``
-    others, each on its own slice of the node's GPUs (``CUDA_VISIBLE_DEVICES``).
-    """
-
-    num_engines: int
-    gpus_per_engine: int
-    gpus_per_node: int
-    nodes_per_engine: int
-    engines_per_node: int
-
-    @property
-    def nodes_needed(self) -> int:
-        return math.ceil(self.num_engines / self.engines_per_node) * self.nodes_per_engine
-
-    def first_node(self, engine: int) -> int:
-        """The node whose engine process serves HTTP (SGLang's node rank 0 of the engine)."""
-        return (engine // self.engines_per_node) * self.nodes_per_engine
-
-    def processes_on(self, node: int) -> list[tuple[int, int, str | None]]:
-        """``(engine, node rank inside the engine, CUDA_VISIBLE_DEVICES or None)`` on ``node``."""
-        out = []
-        for i in range(self.num_engines):
-            first = self.first_node(i)
-            if not first <= node < first + self.nodes_per_engine:
-                continue
-            gpus = None
-            if self.engines_per_node > 1:
-                slot = i % self.engines_per_node
-                gpus = ",".join(str(g) for g in range(slot * self.gpus_per_engine, (slot + 1) * self.gpus_per_engine))
-            out.append((i, node - first, gpus))
-        return out
-
-    def head_nodes(self) -> list[int]:
-        """Nodes that serve at least one engine's HTTP endpoint, in order."""
-        return sorted({self.first_node(i) for i in range(self.num_engines)})
-
-
-def layout(cfg) -> Layout:
-    e = cfg.engine
-    gpus = e.tp_size * e.dp_size
-    per_node = getattr(getattr(cfg.launch, "rollout", None), "gpus_per_node", 0) or DEFAULT_GPUS_PER_NODE
-    if gpus <= per_node:
-        return Layout(e.num_engines, gpus, per_node, 1, per_node // gpus)
-    return Layout(e.num_engines, gpus, per_node, math.ceil(gpus / per_node), 1)
 
 
 def engine_roles(cfg) -> list[str]:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from neon_hpc.procutil import StopFlag, child_setup, stop_tree
 from neon_hpc.rollout.engines.embedded.scheduler import REQUEST_TIME_BUDGET_S
 from neon_hpc.rollout.engines.embedded.server import EngineServer, serve
 
@@ -29,13 +30,8 @@ class ServerHandle:
             self.server.shutdown()
             self.server.scheduler.close()
             self.server.server_close()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_tree([self.process], timeout)
 
     def __enter__(self) -> "ServerHandle":
         return self
@@ -63,7 +59,6 @@ def start_server(model_path: str | os.PathLike, host: str = "127.0.0.1", port: i
         cmd += ["--weight-version", str(weight_version)]
     if allowed_root is not None:
         cmd += ["--allowed-root", str(allowed_root)]
-    from neon_hpc.procutil import child_setup
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=child_setup())  # dies with its owner
     deadline = time.monotonic() + startup_timeout
     url = None
@@ -118,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.max_new_tokens_cap, a.request_time_budget_s or None)
     print(f"LISTENING {srv.url} weight_version={srv.scheduler.version}", flush=True)
     import signal
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=srv.shutdown, daemon=True).start())
+    StopFlag((signal.SIGTERM,), on_signal=lambda _: threading.Thread(target=srv.shutdown, daemon=True).start()).install()
     # Slurm's pre-timeout SIGUSR1 reaches every process of a job step; it asks the trainer to
     # checkpoint and workers to flush. An engine has nothing to save: its owner stops it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
