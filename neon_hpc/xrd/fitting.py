@@ -6,9 +6,11 @@ Model::
 
 - ``P_p``: the phase's peaks (K-alpha1 + K-alpha2) per unit *volume* fraction (|F|^2 LP / V^2,
   see :mod:`neon_hpc.xrd.simulate`), divided by a constant so its maximum is ~1 at the start.
-- Lattice: the cell's axis lengths scaled by (1 + eps_a, 1 + eps_b, 1 + eps_c), cell angles
-  fixed, axes of equal length tied (cubic: 1 parameter, tetragonal/hexagonal: 2, lower: 3);
-  bounded to +-``LATTICE_BOUND`` of the starting cell.
+- Lattice: the direct metric tensor g = g0 + sum_k 2 p_k B_k over the changes the cell's
+  holohedry allows (:func:`lattice_basis`: cubic 1 parameter, tetragonal/hexagonal/rhombohedral 2,
+  orthorhombic 3, monoclinic 4 = a, b, c, beta, triclinic 6), found from the metric itself, so
+  equal axes stay equal and only the free angles move in any setting (the rhombohedral alpha,
+  a primitive cell of a centred lattice); each p_k bounded to +-``LATTICE_BOUND`` of the start.
 - Width: FWHM^2 = U tan^2 + V tan + W + (H_size + H_strain)^2 with the Scherrer term
   H_size = K lambda Y / (10 cos t) (Y = 1 / crystallite size in nm, Y = 0: no size broadening)
   and microstrain H_strain = 4 e tan t; W (instrument) and the pseudo-Voigt mixing eta are
@@ -55,7 +57,8 @@ BACKGROUND_DEGREE = 6
 STRAIN_GRID = np.linspace(-0.012, 0.012, 25)
 SIZE_GRID_NM = (0.0, 200.0, 100.0, 60.0, 35.0, 20.0, 12.0)
 ZERO_GRID = np.linspace(-0.15, 0.15, 13)      # searched around the starting zero shift
-LATTICE_BOUND = 0.02                          # +- relative change of each cell axis from the start
+LATTICE_BOUND = 0.02                          # +- each lattice parameter from the start (~ relative axis change)
+METRIC_TOL = 1e-4                             # relative tolerance of the holohedry search (equal lengths / dots)
 ZERO_BOUND = 0.3                              # +- deg around the starting zero shift
 DISP_BOUND = 0.3                              # |sample displacement term| (deg at cos t = 1)
 SIZE_Y_MAX = 1.0 / 5.0                        # crystallites >= 5 nm
@@ -89,7 +92,7 @@ class PhaseFit:
     wf_esd: float = 0.0
     microstrain: float = 0.0
     lattice: tuple = ()               # refined a, b, c (A), alpha, beta, gamma (deg)
-    lattice_esd: tuple = ()           # esd of a, b, c
+    lattice_esd: tuple = ()           # esd of a, b, c, alpha, beta, gamma (0 for a fixed angle)
     texture_axis: tuple | None = None
     texture_r: float = 1.0
     significance: float = 0.0         # scale / esd(scale)
@@ -157,27 +160,92 @@ def rwp_rexp(y: np.ndarray, calc: np.ndarray, w: np.ndarray, n_params: int) -> t
 # ----------------------------------------------------------------------------------------------
 # one phase's peaks with derivatives
 
-def _lattice_ties(lattice: np.ndarray) -> np.ndarray:
-    """Axis -> parameter index: axes of equal length share one (cubic 1, tetragonal/hexagonal 2)."""
-    lengths = np.linalg.norm(lattice, axis=1)
-    tie = [0, 0, 0]
-    n = 0
-    for i in range(3):
-        for j in range(i):
-            if abs(lengths[i] - lengths[j]) <= 1e-4 * lengths[j]:
-                tie[i] = tie[j]
-                break
-        else:
-            tie[i] = n
-            n += 1
-    return np.asarray(tie)
+_SYM_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
+
+
+def metric_symmetry(g: np.ndarray, tol: float = METRIC_TOL, nmax: int = 2) -> list[np.ndarray]:
+    """Integer matrices R (det +-1) with R^T g R = g: the lattice's holohedry in this cell's basis.
+
+    Each column of R is a lattice vector (coefficients up to ``nmax``) of the same length as the
+    basis vector it replaces, with the same pairwise dot products.
+    """
+    r = np.arange(-nmax, nmax + 1, dtype=float)
+    grid = np.stack(np.meshgrid(r, r, r, indexing="ij"), axis=-1).reshape(-1, 3)
+    grid = grid[np.any(grid != 0, axis=1)]
+    norms = np.einsum("ij,jk,ik->i", grid, g, grid)
+    t = tol * float(np.max(np.diag(g)))
+    c = [grid[np.abs(norms - g[i, i]) <= t] for i in range(3)]
+    ok01 = np.abs(c[0] @ g @ c[1].T - g[0, 1]) <= t                # (n0, n1)
+    ok02 = np.abs(c[0] @ g @ c[2].T - g[0, 2]) <= t                # (n0, n2)
+    ok12 = np.abs(c[1] @ g @ c[2].T - g[1, 2]) <= t                # (n1, n2)
+    i0, i1, i2 = np.nonzero(ok01[:, :, None] & ok02[:, None, :] & ok12[None, :, :])
+    R = np.stack([c[0][i0], c[1][i1], c[2][i2]], axis=2)           # columns = images of the basis
+    det = np.linalg.det(R) if len(R) else np.zeros(0)
+    return list(R[np.abs(np.abs(det) - 1.0) < 1e-6])
+
+
+def lattice_basis(g0: np.ndarray) -> np.ndarray:
+    """Symmetry-allowed changes of the direct metric tensor: (n, 3, 3), first the isotropic one.
+
+    The metric g may change only within the subspace that every holohedry operation leaves
+    invariant (cubic 1 direction, tetragonal/hexagonal/rhombohedral 2, orthorhombic 3, monoclinic 4,
+    triclinic 6), so equal axes stay equal and only free angles move, in any cell setting
+    (conventional or primitive).  Units: a parameter p moves g by 2 p D b D (D = diag of the start
+    axis lengths, b orthonormal in the normalised metric g_ij / (a_i a_j)), so p is a relative
+    length change (or -cos change / 2) of order p; the first direction is g0 itself, g = g0 (1 + 2 p),
+    so an isotropic strain s is p = ((1 + s)^2 - 1) / 2.
+    """
+    L = np.sqrt(np.diag(g0))
+    D, Di = np.diag(L), np.diag(1.0 / L)
+    gh = Di @ g0 @ Di
+    # R^T g R = g  <=>  Rh^T gh Rh = gh with Rh = D R D^-1 (normalised metric); the invariant
+    # metrics are the null space of E -> Rh^T E Rh - E over all ops, on the 6 independent entries
+    rh = [D @ R @ Di for R in metric_symmetry(g0)]
+    cols = []
+    for (i, j) in _SYM_PAIRS:
+        E = np.zeros((3, 3))
+        E[i, j] = E[j, i] = 1.0
+        cols.append(np.concatenate([(r.T @ E @ r - E).ravel() for r in rh]) if rh else np.zeros(9))
+    M = np.stack(cols, axis=1)
+    _, sv, vt = np.linalg.svd(M, full_matrices=True)
+    rank = int(np.sum(sv > 1e-8 * max(1.0, float(sv.max()) if len(sv) else 1.0)))
+    null = vt[rank:]                                     # (k, 6) invariant symmetric matrices
+    iso = np.array([gh[i, j] for i, j in _SYM_PAIRS])
+    # orthonormal basis of the invariant subspace (weights: off-diagonal entries count twice)
+    w = np.array([1, 1, 1, 2, 2, 2], dtype=float)
+    basis = [iso / math.sqrt(float(np.sum(w * iso * iso)))]
+    for v in null:
+        for b in basis:
+            v = v - float(np.sum(w * v * b)) * b
+        nv = math.sqrt(max(float(np.sum(w * v * v)), 0.0))
+        if nv > 1e-6:
+            basis.append(v / nv)
+    out = []
+    for k, b in enumerate(basis):
+        m = np.zeros((3, 3))
+        for (i, j), val in zip(_SYM_PAIRS, b):
+            m[i, j] = m[j, i] = val
+        out.append(g0 if k == 0 else D @ m @ D)      # g = g0 + sum_k 2 p_k out[k]
+    return 2.0 * np.stack(out)
+
+
+_BASES: dict[str, np.ndarray] = {}
+
+
+def _lattice_basis_of(pid: str, g0: np.ndarray) -> np.ndarray:
+    """:func:`lattice_basis` of a library phase, computed once per process."""
+    b = _BASES.get(pid)
+    if b is None:
+        b = _BASES[pid] = lattice_basis(g0)
+    return b
 
 
 class PhaseModel:
     """Reflections of one phase grouped so that lattice scaling and texture stay cheap.
 
     Reflections are kept unmerged for texture (each has its own direction), and grouped by the
-    six products h_i h_j G*_ij: members of a group keep one d-spacing under any axis scaling.
+    six products h_i h_j G*_ij (h_i h_j itself where G*_ij is 0 but a free angle can move it):
+    members of a group keep one d-spacing under every allowed change of the cell.
     """
 
     def __init__(self, pid: str, d_min: float, library: Library):
@@ -188,8 +256,15 @@ class PhaseModel:
         self.B = refl.recip
         self.G = self.B @ self.B.T
         h = refl.hkl.astype(float)
-        prods = np.stack([h[:, i] * h[:, j] * self.G[i, j] for i, j in
-                          ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))], axis=1)
+        self.g0 = np.linalg.inv(self.G)                        # direct metric tensor
+        self.basis = _lattice_basis_of(pid, self.g0)           # (n_lat, 3, 3) allowed metric changes
+        self.n_lat = len(self.basis)
+        # d G* / d p_k at the start: an entry that is 0 now but may move (a free angle) keys on h_i h_j
+        dG = np.einsum("ij,kjl,lm->kim", self.G, self.basis, self.G)
+        tiny = 1e-9 * float(np.max(np.abs(self.G)))
+        key_g = [self.G[i, j] if (abs(self.G[i, j]) > tiny or np.all(np.abs(dG[:, i, j]) <= tiny)) else 1.0
+                 for i, j in _SYM_PAIRS]
+        prods = np.stack([h[:, i] * h[:, j] * kg for (i, j), kg in zip(_SYM_PAIRS, key_g)], axis=1)
         scale = np.abs(prods).max() or 1.0
         key = np.round(prods / scale * 1e7).astype(np.int64)
         _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
@@ -199,14 +274,37 @@ class PhaseModel:
         self.f2 = np.bincount(self.group, weights=refl.f2, minlength=len(first))
         self.g_unit = refl.g_unit
         self.volume0 = refl.volume
-        self.ties = _lattice_ties(self.lattice0)
-        self.n_lat = int(self.ties.max()) + 1
         self.norm = 1.0
 
-    def cell(self, eps: np.ndarray):
-        s = 1.0 + eps[self.ties]
-        lat = self.lattice0 * s[:, None]
-        return lat, float(abs(np.linalg.det(lat)))
+    def isotropic(self, strain: float) -> np.ndarray:
+        """Lattice parameters of the start cell scaled by (1 + strain) on every axis."""
+        p = np.zeros(self.n_lat)
+        p[0] = ((1.0 + strain) ** 2 - 1.0) / 2.0
+        return p
+
+    def metric(self, eps: np.ndarray) -> np.ndarray:
+        return self.g0 + np.tensordot(eps, self.basis, axes=1)
+
+    def cell(self, eps: np.ndarray) -> tuple[tuple, float]:
+        """(a, b, c, alpha, beta, gamma) in A and degrees, and the volume, of the refined cell."""
+        g = self.metric(eps)
+        a = np.sqrt(np.diag(g))
+        ang = [math.degrees(math.acos(max(-1.0, min(1.0, g[j, k] / (a[j] * a[k]))))) for j, k in ((1, 2), (0, 2), (0, 1))]
+        return (*map(float, a), *ang), float(math.sqrt(max(np.linalg.det(g), 0.0)))
+
+    def cell_jacobian(self, eps: np.ndarray) -> np.ndarray:
+        """d (a, b, c, alpha, beta, gamma) / d eps: (6, n_lat), angles in degrees."""
+        g = self.metric(eps)
+        a = np.sqrt(np.diag(g))
+        J = np.zeros((6, self.n_lat))
+        for k, B in enumerate(self.basis):
+            da = np.diag(B) / (2 * a)
+            J[:3, k] = da
+            for row, (j, l) in enumerate(((1, 2), (0, 2), (0, 1))):
+                cos = g[j, l] / (a[j] * a[l])
+                dcos = B[j, l] / (a[j] * a[l]) - cos * (da[j] / a[j] + da[l] / a[l])
+                J[3 + row, k] = -math.degrees(1.0) * dcos / max(math.sqrt(max(1 - cos * cos, 0.0)), 1e-12)
+        return J
 
     def texture(self, axis, r: float) -> tuple[np.ndarray, np.ndarray]:
         """Grouped f2 with March-Dollase weights and its derivative in r."""
@@ -414,7 +512,7 @@ class Fitter:
         prof = self._cache.get(key)
         if prof is None:
             m = self.model(pid)
-            eps = np.full(m.n_lat, strain)
+            eps = m.isotropic(strain)
             c, H, A, _ = self._phase_peaks(m, eps, (1.0 / size) if size > 0 else 0.0, 0.0, None, 1.0, zero, disp,
                                            W, False)
             prof, _ = _render(self.x, c, H, A, eta, False)
@@ -431,11 +529,13 @@ class Fitter:
 
     def _phase_peaks(self, m: PhaseModel, eps, Y, e, axis, r, zero, disp, W, derivs: bool):
         """Centres, widths, areas of all lines of one phase, and d(centre)/d(eps_k), dH/d(...), dA/dr."""
-        s = 1.0 + eps[m.ties]                              # per axis
-        u = m.hkl / s[None, :]
-        Gu = u @ m.G
-        q2 = np.einsum("ij,ij->i", u, Gu)
+        Gs = np.linalg.inv(m.metric(eps))                  # reciprocal metric of the refined cell
+        v = m.hkl @ Gs
+        q2 = np.einsum("ij,ij->i", v, m.hkl)
         d = 1.0 / np.sqrt(q2)
+        if derivs:
+            # d ln d / d p_k = (v^T B_k v) / (2 q2)   (d G* = -G* dg G*)
+            dlnd_dp = np.einsum("ni,kij,nj->nk", v, m.basis, v) / (2.0 * q2[:, None])
         if axis is not None:
             f2, df2 = m.texture(axis, r)
         else:
@@ -460,10 +560,9 @@ class Fitter:
             H = np.sqrt(h_inst2 + hs * hs)
             cs.append(c), Hs.append(H), As.append(area)
             if derivs:
-                # d ln d / d s_i = (G u)_i u_i / (s_i q2); d(2t)/d ln d = -2 tan t (rad)
-                dlnd_ds = (Gu[sel] * u[sel]) / (s[None, :] * q2[sel][:, None])
-                d2t = -2.0 * tan[:, None] * dlnd_ds                    # rad per unit s_i
-                dc_ds = np.degrees(d2t) - disp * np.sin(th)[:, None] * 0.5 * d2t
+                # d(2t)/d ln d = -2 tan t (rad)
+                d2t = -2.0 * tan[:, None] * dlnd_dp[sel]               # rad per unit p_k
+                dc_dp = np.degrees(d2t) - disp * np.sin(th)[:, None] * 0.5 * d2t
                 # the Bragg angle also moves LP and the widths
                 c2, s2t = np.cos(2 * th), np.sin(2 * th)
                 dlnlp_dth = -4 * c2 * s2t / (1 + c2 * c2) - 2 / tan + tan
@@ -472,13 +571,9 @@ class Fitter:
                     Y * dsize * tan + e * np.degrees(4.0) * sec2)
                 dH_dth = np.where(h_inst2 > 1e-6, dH2_dth, 2 * hs * (Y * dsize * tan + e * np.degrees(4.0) * sec2)) \
                     / (2 * H)
-                dth_ds = 0.5 * d2t
-                dc_deps, dH_deps, dA_deps = (np.zeros((len(c), m.n_lat)) for _ in range(3))
-                for ax in range(3):
-                    dc_deps[:, m.ties[ax]] += dc_ds[:, ax]
-                    dH_deps[:, m.ties[ax]] += dH_dth * dth_ds[:, ax]
-                    dA_deps[:, m.ties[ax]] += area * dlnlp_dth * dth_ds[:, ax]
-                extra.append({"dc_deps": dc_deps, "dH_deps": dH_deps, "dA_deps": dA_deps,
+                dth_dp = 0.5 * d2t
+                extra.append({"dc_deps": dc_dp, "dH_deps": dH_dth[:, None] * dth_dp,
+                              "dA_deps": (area * dlnlp_dth)[:, None] * dth_dp,
                               "cos": cos, "dH_dW": 0.5 / H, "dH_dY": hs * dsize / H,
                               "dH_de": hs * dstr / H,
                               "dA_dr": (df2[sel] * lp * kv) if df2 is not None else None})
@@ -580,8 +675,8 @@ class Fitter:
         p0[g["W"]], (lo[g["W"]], hi[g["W"]]) = min(max(self.inst.W, W_BOUNDS[0]), W_BOUNDS[1]), W_BOUNDS
         p0[g["eta"]], lo[g["eta"]], hi[g["eta"]] = self.inst.eta, 0.0, 1.0
         for i, d in enumerate(lay.ph):
-            for idx in d["lat"]:
-                p0[idx], lo[idx], hi[idx] = strains[i], strains[i] - LATTICE_BOUND, strains[i] + LATTICE_BOUND
+            for idx, v in zip(d["lat"], models[i].isotropic(strains[i])):
+                p0[idx], lo[idx], hi[idx] = v, v - LATTICE_BOUND, v + LATTICE_BOUND
             p0[d["Y"]] = (1.0 / sizes[i]) if sizes[i] > 0 else 0.0
             lo[d["Y"]], hi[d["Y"]] = 0.0, SIZE_Y_MAX
             p0[d["e"]], lo[d["e"]], hi[d["e"]] = 0.0, 0.0, MICROSTRAIN_MAX
@@ -692,15 +787,16 @@ class Fitter:
         esd = np.sqrt(np.maximum(np.diag(cov), 0.0))
         k = lay.n_phase
         models = [self.model(pid) for pid in pids]
-        vols, zmv_over_v2, latt, latt_esd = [], [], [], []
+        zmv_over_v2, latt, latt_esd, vols = [], [], [], []
         for i, m in enumerate(models):
-            eps = p[lay.ph[i]["lat"]]
-            lat, V = m.cell(eps)
-            a = np.linalg.norm(lat, axis=1)
-            ang = lambda u, v: math.degrees(math.acos(float(np.dot(u, v) / np.linalg.norm(u) / np.linalg.norm(v))))
-            latt.append((*a, ang(lat[1], lat[2]), ang(lat[0], lat[2]), ang(lat[0], lat[1])))
-            latt_esd.append(tuple(float(np.linalg.norm(m.lattice0[ax]) * esd[lay.ph[i]["lat"][m.ties[ax]]])
-                                  for ax in range(3)))
+            idx = lay.ph[i]["lat"]
+            eps = p[idx]
+            cell, V = m.cell(eps)
+            latt.append(cell)
+            vols.append(V)
+            Jc = m.cell_jacobian(eps)
+            latt_esd.append(tuple(float(v) for v in np.sqrt(np.maximum(
+                np.einsum("ik,kl,il->i", Jc, cov[np.ix_(idx, idx)], Jc), 0.0))))
             # S_p = c_p / (norm_p V0^2) multiplies |F|^2 LP; w ~ S_p * Z*M * V (Hill-Howard)
             S = 1.0 / (m.norm * m.volume0 ** 2)
             zmv_over_v2.append(S * m.phase.cell_mass * V)
@@ -716,7 +812,7 @@ class Fitter:
         for i, (pid, m) in enumerate(zip(pids, models)):
             d = lay.ph[i]
             eps = p[d["lat"]]
-            mean_strain = float(np.prod(1.0 + eps[m.ties]) ** (1 / 3) - 1.0)
+            mean_strain = float((vols[i] / m.volume0) ** (1 / 3) - 1.0)
             Y = p[d["Y"]]
             sig = float(p[i] / esd[i]) if esd[i] > 0 else (float("inf") if p[i] > 0 else 0.0)
             phases.append(PhaseFit(pid, float(p[i] / m.norm), float(wf[i]), mean_strain,
