@@ -29,6 +29,25 @@ Invariants, checked after each trial:
 * completion: the last command exited 0 and ``state/finished.json`` exists; no staging
   directory of a dead writer is left.
 
+On the real Slurm het job (``--backend slurm``; the local cluster of ``env/cluster.sh``,
+``--cluster-dir``), the job is submitted with ``neon-hpc launch`` and the moments are Slurm's
+faults, each after the first trainer step and a random delay:
+
+* ``scancel``: ``scancel JOB+C`` of one component (``+0`` the rollout group with the batch
+  script, ``+1`` the trainer group), chosen at random (or ``--component``);
+* ``kill-node``: SIGKILL of every task process of one group's srun step at once (the rollout
+  node with its engines and workers, or the trainer with megatron's helpers), as when a node
+  dies under a living slurmstepd;
+* ``requeue``: ``scontrol requeue JOB`` of the running job; the job restarts by itself
+  (``SLURM_RESTART_COUNT`` + 1) and resumes. The harness then lifts the requeued job's
+  BeginTime delay (``scontrol update StartTime=now``) once its nodes have finished completing,
+  rather than wait out Slurm's ~2 min.
+
+Recovery: a job that did not complete is launched again (``neon-hpc launch`` with the same
+run directory; refused launches, exit 3, are retried), until one completes. The invariants
+are the same, plus: no job of the trial is left in ``squeue``, and for ``requeue`` the run
+was started at least twice (``state/job.json``).
+
 Ends with ``RESULT chaos_trials=N chaos_invariant_failures=F chaos_faults_injected=K``.
 """
 
@@ -38,6 +57,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -50,10 +70,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from neon_hpc.protocol.records import ClaimRecord, Finished, Phase, TrainerBeat  # noqa: E402
+from neon_hpc.launch.slurmjob import FINAL  # noqa: E402
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 
 MOMENTS = ("claim", "checkpoint", "publish", "flush", "helper", "launcher", "trainer", "node", "worker",
            "engine", "all")
+SLURM_MOMENTS = ("scancel", "kill-node", "requeue")
+GROUPS = {0: "rollout", 1: "trainer"}      # het components of the job (sbatch/neon_rl.sbatch)
 POLL_S = 0.02
 LAUNCHER_EXIT_S = 900.0     # a launch must end by itself this long after a fault (it may run to the end)
 ORPHAN_EXIT_S = 240.0       # processes of a launcher that was killed must stop by themselves
@@ -322,6 +345,197 @@ def _weights_complete(d: Path) -> bool:
     return True
 
 
+def slurm_env(cluster_dir: Path) -> dict[str, str]:
+    """The environment that talks to the local cluster (``env/cluster.sh``), or SystemExit."""
+    conf = cluster_dir / "etc" / "slurm.conf"
+    env = dict(os.environ, SLURM_CONF=str(conf), PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"chaos.py --backend slurm: sinfo failed ({e}); is Slurm installed (env/setup.sh)?")
+    if not conf.exists() or r.returncode != 0 or not any(t in r.stdout for t in ("idle", "mix", "alloc")):
+        raise SystemExit(f"chaos.py --backend slurm: no cluster answers with {conf} ({r.stderr.strip()[:200]}); "
+                         f"start it with `bash env/cluster.sh start` (NEON_CLUSTER_DIR={cluster_dir})")
+    return env
+
+
+class SlurmTrial(Trial):
+    """One trial on the real heterogeneous job: submit, inject a Slurm fault, relaunch until done."""
+
+    JOB_END_S = 900.0      # a job must end (or be requeued) this long after a fault
+    CG_S = 180.0           # a requeued job's nodes must have finished completing within this
+
+    def __init__(self, root: Path, steps: int, sets: list[str], rng: random.Random, log, env: dict[str, str],
+                 component: int | None = None):
+        super().__init__(root, steps, sets, rng, log)
+        self.env, self.component = env, component
+        self.cmd = [sys.executable, "-m", "neon_hpc.cli", "launch", str(REPO / "configs" / "tiny_cpu.yaml"),
+                    "--run-dir", str(root), "--set", f"train.steps={steps}", *sum((["--set", x] for x in sets), [])]
+        self.jobs: list[str] = []
+
+    def slurm(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
+
+    def state(self, job: str) -> str:
+        from neon_hpc.launch.slurmjob import query
+        return query(job, env=self.env).state
+
+    def submit(self) -> str | None:
+        """``neon-hpc launch``: the job id, or None when the launch was refused (lease held, exit 3)."""
+        r = subprocess.run(self.cmd, cwd=REPO, env=dict(self.env, PYTHONWARNINGS="ignore"), capture_output=True,
+                           text=True, timeout=300)
+        with open(self.root.parent / f"{self.root.name}.launcher.txt", "a") as f:
+            f.write(r.stdout + r.stderr)
+        if r.returncode == 3:
+            return None
+        m = re.search(r"submitted heterogeneous job (\d+)", r.stdout)
+        if r.returncode != 0 or m is None:
+            raise RuntimeError(f"neon-hpc launch failed (exit {r.returncode}): {r.stderr[-500:]}")
+        self.jobs.append(m.group(1))
+        return m.group(1)
+
+    def wait_state(self, job: str, done, timeout: float, what: str, problems: list[str]) -> str:
+        end = time.monotonic() + timeout
+        st = self.state(job)
+        while time.monotonic() < end:
+            self.snapshot(None)
+            st = self.state(job)
+            if done(st):
+                return st
+            time.sleep(1.0)
+        problems.append(f"job {job}: {what} did not happen within {timeout:.0f}s (state {st})")
+        return st
+
+    def victims_of(self, group: str) -> list[psutil.Process]:
+        """Every task process of one group's srun step, with their descendants (a whole node)."""
+        roles = ("node", "worker", "engine") if group == "rollout" else ("trainer",)
+        top = [p for p in run_processes(self.root) if role_of(p) in roles]
+        out = {p.pid: p for p in top}
+        for p in top:
+            try:
+                out.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.Error:
+                pass
+        return list(out.values())
+
+    def inject_slurm(self, moment: str, job: str, delay_s: float, problems: list[str]) -> str:
+        t0 = time.monotonic()
+        st = self.wait_state(job, lambda s: s == "RUNNING" or s in FINAL, 600, "job start", problems)
+        while st == "RUNNING" and self.steps_done() < 1:
+            self.snapshot(None)
+            time.sleep(0.5)
+            st = self.state(job)
+        end = time.monotonic() + delay_s
+        while time.monotonic() < end and self.state(job) == "RUNNING":
+            self.snapshot(None)
+            time.sleep(0.5)
+        if self.state(job) != "RUNNING":
+            return "none (the job ended before the moment came)"
+        self.snapshot(None)
+        if moment == "scancel":
+            comp = self.component if self.component is not None else self.rng.choice(sorted(GROUPS))
+            r = self.slurm("scancel", f"{job}+{comp}")
+            return (f"scancel {job}+{comp} ({GROUPS[comp]} group) after {time.monotonic() - t0:.0f}s"
+                    + (f" [scancel: {r.stderr.strip()}]" if r.returncode else ""))
+        if moment == "kill-node":
+            group = GROUPS[self.component] if self.component is not None else self.rng.choice(sorted(GROUPS.values()))
+            v = self.victims_of(group)
+            names = []
+            for p in v:
+                try:
+                    names.append(f"{role_of(p)}:{p.pid}")
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+            return f"SIGKILL the {group} node's {len(names)} processes ({', '.join(names)}) after {time.monotonic() - t0:.0f}s"
+        r = self.slurm("scontrol", "requeue", job)
+        if r.returncode:
+            problems.append(f"scontrol requeue {job} failed: {r.stderr.strip()}")
+        return f"scontrol requeue {job} after {time.monotonic() - t0:.0f}s"
+
+    def release_requeued(self, job: str, problems: list[str]) -> None:
+        """A requeued job waits for its BeginTime; let it start once its nodes are done completing."""
+        self.wait_state(job, lambda s: s in ("PENDING", "REQUEUED") or s in FINAL, 300,
+                        "the requeue", problems)
+        end = time.monotonic() + self.CG_S
+        while time.monotonic() < end:
+            self.snapshot(None)
+            cg = self.slurm("squeue", "-h", "-t", "CG", "-j", job, "-o", "%i").stdout.strip()
+            if not cg and "comp" not in self.slurm("sinfo", "-h", "-N", "-o", "%t").stdout:
+                break
+            time.sleep(1.0)
+        time.sleep(2.0)
+        self.slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+    def run_slurm(self, moment: str, delay_s: float) -> tuple[str, int, list[str]]:
+        problems: list[str] = []
+        job = self.submit()
+        if job is None:
+            return "none (the first launch was refused)", 1, [f"the first launch of {self.root} was refused"]
+        fault = self.inject_slurm(moment, job, delay_s, problems)
+        self.log(f"  {fault}")
+        if moment == "requeue" and not fault.startswith("none"):
+            self.release_requeued(job, problems)
+        st = self.wait_state(job, lambda s: s in FINAL, self.JOB_END_S, "job end", problems)
+        self.log(f"  job {job}: {st}")
+        rc = 0 if st == "COMPLETED" else 1
+        t0, reruns = time.monotonic(), 0
+        while rc != 0 and reruns < MAX_RERUNS:       # the user launches the run again
+            self.wait_processes_gone()
+            job = self.submit()
+            if job is None:
+                if time.monotonic() - t0 > RERUN_WINDOW_S:
+                    problems.append("every relaunch was refused (lease held) for "
+                                    f"{RERUN_WINDOW_S:.0f}s after the job ended")
+                    break
+                time.sleep(5.0)
+                continue
+            reruns += 1
+            st = self.wait_state(job, lambda s: s in FINAL, self.JOB_END_S, "job end", problems)
+            self.log(f"  relaunch: job {job}: {st}")
+            rc = 0 if st == "COMPLETED" else 1
+        if moment == "requeue" and not fault.startswith("none"):
+            starts = (json.loads((self.run.state / "job.json").read_text()) if (self.run.state / "job.json").exists()
+                      else {}).get("starts", 0)
+            if starts < 2:
+                problems.append(f"the requeued job did not start again (state/job.json starts={starts})")
+        self.wait_jobs_gone(problems)
+        return fault, rc, problems
+
+    def wait_processes_gone(self) -> None:
+        end = time.monotonic() + ORPHAN_EXIT_S
+        while time.monotonic() < end and self.alive():
+            time.sleep(1.0)
+
+    def wait_jobs_gone(self, problems: list[str]) -> None:
+        """Every job of the trial out of squeue (CG included); then its steps' processes must be gone."""
+        end = time.monotonic() + self.CG_S
+        left = ""
+        while time.monotonic() < end:
+            left = self.slurm("squeue", "-h", "-j", ",".join(self.jobs), "-o", "%i %T").stdout.strip()
+            if not left:
+                break
+            time.sleep(1.0)
+        if left:
+            problems.append(f"jobs still in squeue {self.CG_S:.0f}s after the run: {left}")
+
+
+
+
+def run_slurm_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng: random.Random, log,
+                    env: dict[str, str], delay_s: float | None = None, component: int | None = None) -> dict:
+    root = work / f"trial_{i:03d}"
+    t = SlurmTrial(root, steps, sets, rng, log, env, component)
+    t0 = time.monotonic()
+    fault, rc, problems = t.run_slurm(moment, rng.uniform(0.0, 8.0) if delay_s is None else delay_s)
+    log(f"trial {i} moment={moment}: {fault}")
+    t.check(rc, problems)
+    for p in problems:
+        log(f"  INVARIANT FAILED: {p}")
+    return {"trial": i, "moment": moment, "fault": fault, "problems": problems, "rc": rc, "jobs": t.jobs,
+            "seconds": time.monotonic() - t0, "injected": not fault.startswith("none"), "backend": "slurm"}
+
+
 def run_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng: random.Random, log,
               delay_s: float | None = None) -> dict:
     root = work / f"trial_{i:03d}"
@@ -346,7 +560,14 @@ def run_trial(i: int, moment: str, work: Path, steps: int, sets: list[str], rng:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--moment", default="random", choices=("random",) + MOMENTS)
+    ap.add_argument("--backend", default="local", choices=("local", "slurm"),
+                    help="local: neon-hpc run; slurm: the het job on the local cluster (moments "
+                         f"{', '.join(SLURM_MOMENTS)})")
+    ap.add_argument("--moment", default="random", choices=("random",) + MOMENTS + SLURM_MOMENTS)
+    ap.add_argument("--component", type=int, default=None, choices=sorted(GROUPS),
+                    help="slurm scancel/kill-node: this het component (0 rollout, 1 trainer; default random)")
+    ap.add_argument("--cluster-dir", default=os.environ.get("NEON_CLUSTER_DIR", str(REPO / ".cluster")),
+                    help="slurm: the env/cluster.sh cluster (default $NEON_CLUSTER_DIR or .cluster)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delay-s", type=float, default=None,
@@ -365,16 +586,23 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    moments = SLURM_MOMENTS if a.backend == "slurm" else MOMENTS
+    if a.moment != "random" and a.moment not in moments:
+        ap.error(f"--moment {a.moment} is not a {a.backend} moment (one of {', '.join(moments)})")
+    env = slurm_env(Path(a.cluster_dir)) if a.backend == "slurm" else None
     results = []
     order: list[str] = []
     for i in range(a.trials):
         if a.moment == "random":   # every moment once per round, in a random order, at random times
             if not order:
-                order = rng.sample(MOMENTS, len(MOMENTS))
+                order = rng.sample(moments, len(moments))
             moment = order.pop()
         else:
             moment = a.moment
-        res = run_trial(i, moment, work, a.steps, sets, rng, log, a.delay_s)
+        if env is not None:
+            res = run_slurm_trial(i, moment, work, a.steps, sets, rng, log, env, a.delay_s, a.component)
+        else:
+            res = run_trial(i, moment, work, a.steps, sets, rng, log, a.delay_s)
         results.append(res)
         if a.report:
             with open(a.report, "a") as f:
