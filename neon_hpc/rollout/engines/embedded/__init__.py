@@ -18,14 +18,10 @@ Wire format: :mod:`neon_hpc.rollout.engines.protocol`.  Inside, three parts:
   ``[{"version", "start", "end"}]`` over the output tokens (end exclusive) and
   ``weight_version`` = the last span's version.
 
-Routes are captured from the model's own routers (a forward hook on each router the
-architecture adapter names) during prefill and decode, never recomputed afterwards.  Their
-layout is SGLang's: one row per decoder layer, zeros for layers that do not route (dense
-first layers); a shared expert is not a routed choice and has no column.
-
-Modules: ``model`` (the model and its router hooks), ``scheduler`` (batching, sampling,
-weight swaps), ``server`` (HTTP endpoints, framing, admission), ``launcher`` (start/stop,
-the CLI; ``python -m neon_hpc.rollout.engines.embedded``).
+Modules: ``model`` (the model and the router hooks that capture routes in SGLang's
+layout), ``scheduler`` (batching, sampling, weight swaps), ``server`` (HTTP endpoints,
+framing, admission), ``launcher`` (start/stop, the CLI; ``python -m
+neon_hpc.rollout.engines.embedded``).
 """
 
 from neon_hpc.rollout.engines.embedded.model import LoadedModel, version_from_path
