@@ -20,17 +20,21 @@ VENV_BIN = Path(sys.executable).parent
 class Cluster:
     """Handle on the env/cluster.sh cluster: environment and small helpers for tests."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, session_tmp: Path | None = None):
         self.root = root
         self.env = dict(os.environ, SLURM_CONF=str(root / "etc" / "slurm.conf"),
                         PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+        self.session_tmp = session_tmp   # jobs whose work dir is under it belong to this session
+        self.submitted: list[str] = []
 
     def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(list(args), env=self.env, capture_output=True, text=True,
                               check=check, timeout=timeout)
 
     def sbatch(self, *args: str) -> str:
-        return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+        job = self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+        self.submitted.append(job)
+        return job
 
     def state(self, job_id: str) -> str:
         """Job state (every component of a het job folded into one: ``launch.slurmjob``), from
@@ -60,7 +64,18 @@ class Cluster:
         return out
 
     def cancel_all(self) -> None:
-        self.run("scancel", "--full", "-u", os.environ.get("USER", "root"), check=False)
+        """Cancel this session's jobs: submitted here, or with a work dir under the session's tmp
+        (``neon-hpc launch`` submits from RUN/launch). The cluster is shared: other sessions'
+        jobs (``tools/chaos.py --backend slurm``, another engineer's tests) are left alone."""
+        mine = set(self.submitted)
+        if self.session_tmp is not None:
+            out = self.run("squeue", "-h", "-o", "%i|%Z", check=False).stdout
+            for line in out.splitlines():
+                job, _, workdir = line.partition("|")
+                if workdir.startswith(str(self.session_tmp)):
+                    mine.add(job.strip().split("+")[0])    # a het component: its leader's id
+        if mine:
+            self.run("scancel", "--full", *sorted(mine), check=False)
 
 
 def _cluster_up(env: dict) -> bool:
@@ -71,11 +86,11 @@ def _cluster_up(env: dict) -> bool:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_cluster(tmp_path_factory):
     if shutil.which("slurmctld") is None:
         pytest.skip("Slurm is not installed (run `bash env/setup.sh`)")
     root = Path(os.environ.get("NEON_CLUSTER_DIR", REPO / ".cluster"))
-    cl = Cluster(root)
+    cl = Cluster(root, tmp_path_factory.getbasetemp())
     started = False
     if not _cluster_up(cl.env):
         subprocess.run(["bash", str(REPO / "env" / "cluster.sh"), "start"], check=True,
