@@ -10,7 +10,10 @@
    workers and short episodes, for a bounded time. Every ``--sample-s`` it records the RSS of
    every process by role (launcher, trainer, node, engine, worker: each process's own RSS;
    per role the largest) and the ``ready/`` backlog; then it stops the run with SIGINT. The
-   RSS slope is a least-squares fit over the samples after the first quarter (warm-up).
+   RSS slope is a least-squares fit over the samples after the first quarter (warm-up); the
+   slope of each quarter is printed too (warm-up shows as a slope that falls to ~0 quarter by
+   quarter, a leak as one that stays), and the raw series is written to ``soak_rss.jsonl``
+   beside the run directory.
 
 Ends with ``RESULT soak_rss_growth_mb_per_h=... soak_claim_latency_growth=...
 soak_backlog_max=... soak_metadata_ops_per_claim_first=... soak_metadata_ops_per_claim_last=...``
@@ -103,6 +106,24 @@ def _role(cmd: str) -> str | None:
     return "engine" if "engine" in cmd else None
 
 
+def fit_slopes(samples: list[tuple[float, dict[str, float]]], lo: float, hi: float) -> dict[str, float]:
+    """Least-squares RSS slope (MB/h) per role over the samples with ``lo <= t <= hi`` seconds."""
+    out = {}
+    win = [s for s in samples if lo <= s[0] <= hi]
+    for role in sorted({r for _, d in win for r in d}):
+        pts = [(t, d[role]) for t, d in win if role in d]
+        if len(pts) >= 3:
+            ts, ys = np.array([t for t, _ in pts]) / 3600.0, np.array([y for _, y in pts])
+            out[role] = float(np.polyfit(ts, ys, 1)[0])
+    return out
+
+
+def _windows(run_s: float) -> list[tuple[float, float]]:
+    """Consecutive quarters of the run: warm-up shows as a slope that falls window by window."""
+    q = run_s / 4
+    return [(i * q, (i + 1) * q) for i in range(4)]
+
+
 def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
     import psutil
 
@@ -141,18 +162,17 @@ def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    slopes = {}
-    warm = [s for s in samples if s[0] >= run_s / 4]
-    for role in sorted({r for _, d in warm for r in d}):
-        pts = [(t, d[role]) for t, d in warm if role in d]
-        if len(pts) >= 3:
-            ts, ys = np.array([t for t, _ in pts]) / 3600.0, np.array([y for _, y in pts])
-            slopes[role] = float(np.polyfit(ts, ys, 1)[0])
+    with open(root.parent / "soak_rss.jsonl", "w") as f:     # the raw series, for other windows
+        for t, d in samples:
+            f.write(json.dumps({"t": round(t, 1), **{k: round(v, 1) for k, v in d.items()}}) + "\n")
+    slopes = fit_slopes(samples, run_s / 4, run_s)
+    windows = {f"{lo / 60:.0f}-{hi / 60:.0f}min": fit_slopes(samples, lo, hi)
+               for lo, hi in _windows(run_s)}
     steps = 0
     with contextlib.suppress(FileNotFoundError):
         steps = len({json.loads(line).get("step") for line in (root / "logs" / "trainer" / "metrics.jsonl")
                      .read_text().splitlines() if line.strip()})
-    return {"slopes_mb_per_h": slopes, "backlog_max": max(backlog, default=0), "samples": len(samples),
+    return {"slopes_mb_per_h": slopes, "windows": windows, "backlog_max": max(backlog, default=0), "samples": len(samples),
             "steps": steps, "rss_last_mb": samples[-1][1] if samples else {}}
 
 
@@ -178,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
               f"RSS slope MB/h by role {json.dumps({k: round(v, 1) for k, v in r['slopes_mb_per_h'].items()})}; "
               f"last RSS MB {json.dumps({k: round(v) for k, v in r['rss_last_mb'].items()})}; "
               f"ready/ backlog max {r['backlog_max']}", flush=True)
+        for name, sl in r["windows"].items():
+            print(f"  RSS slope MB/h over {name}: {json.dumps({k: round(v, 1) for k, v in sl.items()})}", flush=True)
         rss = max(r["slopes_mb_per_h"].values(), default=math.nan)
         backlog = r["backlog_max"]
     print(f"work dir {work}")
