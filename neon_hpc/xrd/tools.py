@@ -41,6 +41,7 @@ class TaskContext:
     cutoff: str
     db: Store
     elements: list[str] = field(default_factory=list)
+    precursors: list[str] = field(default_factory=list)   # what the lab weighed in (formulas), when stated
     instrument: Instrument = field(default_factory=Instrument)
     library: Library = field(default_factory=load_library)
     task_id: str = ""
@@ -63,7 +64,8 @@ class TaskContext:
                           ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio))
         return cls(two_theta=np.asarray(task.pattern.two_theta, float),
                    intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=store,
-                   elements=list(task.elements), instrument=inst, task_id=task.id)
+                   elements=list(task.elements), precursors=list(getattr(task, "precursors", []) or []),
+                   instrument=inst, task_id=task.id)
 
     def fitter(self):
         from neon_hpc.xrd.fitting import Fitter
