@@ -188,3 +188,38 @@ def test_admission_counts_the_engines_version_gap(slot_mode):
     instant = dataclasses.replace(base, weight_poll_s=0.0, weight_load_s=0.0)
     assert simulate(instant).dropped == 0
     assert simulate(dataclasses.replace(instant, version_gap=False)).dropped_frac > 0.2
+
+
+@pytest.mark.parametrize("slot_mode", ["worker", "episode"])
+def test_in_place_loads_pause_the_running_episodes(slot_mode):
+    """One slot, 10 s episodes (all decode), a 1 s step per episode, loads of 0.5 s right after
+    each publish: in place, every episode is running during one load and ends 0.5 s later, so a
+    step takes 10.5 s; between requests (or without the pause) 10 s, and the versions the
+    trajectories see are the same either way."""
+    base = constant(slot_mode=slot_mode, rollout_slots=1, trajectories_per_step=1, fixed_step_s=1.0, steps=50,
+                    weight_load_s=0.5, pause_on_load=True)
+    paused = simulate(base)
+    between = simulate(dataclasses.replace(base, weight_update="between_requests"))
+    off = simulate(dataclasses.replace(base, pause_on_load=False))
+    assert paused.time_per_step_s == pytest.approx(10.5, rel=0.01)
+    assert between.time_per_step_s == pytest.approx(10.0, rel=0.01)
+    assert off.time_per_step_s == pytest.approx(10.0, rel=0.01)
+    assert paused.consumed == between.consumed == 50
+
+
+def test_a_pause_delays_only_the_decode_share_of_an_episode():
+    """Two-turn episodes with a tool call between (exponential, mean 10 s), one slot, one
+    episode per 1 s step: the load after each publish (4 s) falls inside the next episode and
+    pauses its decoding, not its tool call, so episode i ends 4 s x decode_i / (decode_i +
+    tool_i) later. Over 40 steps the wall grows by exactly that sum (episodes 1..39; episode 0
+    runs before the first publish)."""
+    import numpy as np
+    from neon_hpc.plan.workload import sample_episodes
+    base = constant(slot_mode="episode", rollout_slots=1, trajectories_per_step=1, fixed_step_s=1.0, steps=40,
+                    max_turns=2, turns_median=2.0, tool_latency_s=10.0, weight_load_s=4.0, pause_on_load=True)
+    paused = simulate(base)
+    off = simulate(dataclasses.replace(base, pause_on_load=False))
+    ep = sample_episodes(base, 8192, np.random.default_rng(base.seed))   # the simulation's own draws
+    share = ep.decode_s / (ep.decode_s + ep.fixed_s)
+    assert 0.2 < share[1:40].mean() < 0.9                               # tools do take part of the time
+    assert paused.wall_s - off.wall_s == pytest.approx(4.0 * share[1:40].sum(), rel=1e-6)

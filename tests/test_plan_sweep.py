@@ -12,7 +12,7 @@ import pytest
 
 from neon_hpc.plan import report
 from neon_hpc.plan.cli import main
-from neon_hpc.plan.memory import layout_for, state_bytes_per_gpu
+from neon_hpc.plan.memory import layout_for, layout_search, state_bytes_per_gpu
 from neon_hpc.plan.params import SimParams, Sourced
 from neon_hpc.plan.sim import simulate
 
@@ -66,6 +66,20 @@ def test_memory_by_hand_and_splits_that_do_not_fit():
     odd = layout_for(6, tp=2, pp=2, cp=1, ep=4, dense_params=8e9, expert_params=16e9,
                      gpu_memory_bytes=80e9, fraction=0.8)
     assert not odd.fits and "model replicas" in odd.problem
+
+
+def test_a_deeper_pipeline_lays_out_a_trainer_the_configs_does_not():
+    # experts 24e9 on 12 GPUs, tp2, ep <= 2: pp2 holds 24e9/(2*2) = 6e9 each x (2 + 4 + 12/3) = 60e9 > 50e9;
+    # pp3 holds 4e9 x (2 + 4 + 12/2) = 48e9 (fits); pp4 and pp5 do not divide 12/2 = 6 GPUs per TP group
+    kw = dict(cp=1, ep=2, dense_params=0.0, expert_params=24e9, gpu_memory_bytes=62.5e9, fraction=0.8,
+              num_experts=6)
+    same = layout_search(12, tp=2, pp=2, num_layers=0, **kw)
+    assert not same.fits and same.bytes_per_gpu == pytest.approx(60e9)
+    deeper = layout_search(12, tp=2, pp=2, num_layers=8, **kw)
+    assert deeper.fits and deeper.pp == 3 and deeper.bytes_per_gpu == pytest.approx(48e9)
+    assert layout_search(12, tp=2, pp=2, num_layers=4, **kw).pp == 2   # 4 layers: at most 2 stages of 2
+    roomy = layout_search(12, tp=2, pp=2, num_layers=8, **dict(kw, gpu_memory_bytes=100e9))
+    assert roomy.fits and roomy.pp == 2                                  # the config's when it fits
 
 
 def _long_tail(**kw) -> SimParams:

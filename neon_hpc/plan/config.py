@@ -36,6 +36,10 @@ class PlanConfig:
     step_overhead_s: float = 10.0       # optimizer, grad all-reduce, data loading per step
     publish_bytes_per_s: float = 0.0    # weight export (reshard); 0 = 1 GB/s per trainer node
     publish_blocks_trainer: bool = True  # the trainer waits for its own weight publish
+    # engines loading a published version (in place: their running requests pause meanwhile);
+    # 0 = model bytes / (weight_load_bytes_per_s x rollout nodes per engine)
+    weight_load_s: float = 0.0
+    weight_load_bytes_per_s: float = 5e9   # per rollout node reading the weights (assumed: measure it)
     planner_every: int = 20             # run the balance planner every N steps (bound x last ratio between)
     # policy and run
     policy: Literal["async", "one_step_off", "sync"] = "async"
@@ -60,7 +64,8 @@ class PlanConfig:
         **{k: at_least(0, "0 = derive from the rest of the config") for k in ("total_gpus", "gpus_per_node", "prefill_tokens_per_s",
                                           "rollout_slots", "turns_median", "gen_tokens_median",
                                           "tail_gen_tokens_median", "prompt_tokens", "tool_tokens_per_turn",
-                                          "step_overhead_s", "publish_bytes_per_s")},
+                                          "step_overhead_s", "publish_bytes_per_s", "weight_load_s")},
+        "weight_load_bytes_per_s": above(0),
         "mfu": above(0, le=1.0, note="a fraction of peak"),
         "tail_fraction": between(0, 1),
         "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),

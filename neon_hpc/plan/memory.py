@@ -54,6 +54,26 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
+def layout_search(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_params: float, expert_params: float,
+                  gpu_memory_bytes: float, fraction: float, num_experts: int = 0, num_layers: int = 0) -> Layout:
+    """:func:`layout_for` with the config's ``pp``; when that does not divide ``train_gpus`` or
+    does not fit, the smallest deeper pipeline that does (``pp' > pp`` dividing
+    ``train_gpus / tp``, at least 2 layers per stage; ``train.pipeline_parallel`` is the
+    user's to choose). Without ``num_layers`` only the config's ``pp``."""
+    first = layout_for(train_gpus, tp, pp, cp, ep, dense_params, expert_params, gpu_memory_bytes, fraction,
+                       num_experts)
+    if first.fits or num_layers < 2 or train_gpus % tp:
+        return first
+    width = train_gpus // tp
+    for pp2 in range(pp + 1, num_layers // 2 + 1):
+        if width % pp2 == 0:
+            lay = layout_for(train_gpus, tp, pp2, cp, ep, dense_params, expert_params, gpu_memory_bytes, fraction,
+                             num_experts)
+            if lay.fits:
+                return lay
+    return first
+
+
 def layout_for(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_params: float, expert_params: float,
                gpu_memory_bytes: float, fraction: float, num_experts: int = 0) -> Layout:
     """The layout ``train_gpus`` gives with the config's ``tp`` and ``pp``: CP the largest divisor

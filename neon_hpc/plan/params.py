@@ -76,6 +76,7 @@ class SimParams:
     tp: int = 1
     ep: int = 1
     num_experts: int = 0
+    num_layers: int = 0                 # > 0: the layout search may deepen the pipeline (plan.memory)
     dense_params: float = 0.0
     expert_params: float = 0.0
     gpu_memory_bytes: float = 141e9
@@ -103,6 +104,9 @@ class SimParams:
     # the trainer's. 0/0 = engines have every version the moment it is published.
     weight_poll_s: float = 0.0
     weight_load_s: float = 0.0
+    # in-place updates pause the engines' running requests while they load (weight_load_s per
+    # load, each engine; SGLang's pause_generation(in_place) -> update_weights_from_disk -> continue)
+    pause_on_load: bool = False
     # the worker's shard writer (neon_hpc.store.ShardWriter + neon_hpc.rollout.worker): a finished
     # group is buffered and published (visible to the trainer and to admission) when the buffer
     # holds flush_trajectories, when its oldest is flush_seconds old (checked when a group is
@@ -255,9 +259,8 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
         s.set(name, 0.0, f"planner: 0 ({what} is under a second; python -m neon_hpc.plan.validate sets it)")
     s.set("version_gap", True, "neon_hpc.rollout.worker.version_gap (steps_ahead admission adds the engines' "
                                "lag behind the trainer's next claim)")
-    s.set("weight_load_s", 0.0, "planner: 0 (engines' load time not measured for this layout; "
-                                "a RESULT line weight_load_s=... sets it (--calibrate); validate measures it)")
     _trainer(s, cfg, c)
+    _weight_load(s, cfg, c)
     pc: PlanConfig = cfg.plan
     for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
                  "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
@@ -321,6 +324,7 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
     s.set("tp", T.tensor_parallel, c("train.tensor_parallel"))
     s.set("ep", T.expert_parallel, c("train.expert_parallel"))
     s.set("num_experts", cfg.model.num_experts, c("model.num_experts"))
+    s.set("num_layers", cfg.model.num_layers, c("model.num_layers"))
     experts = expert_param_count(cfg.model, pc.dense_layers)
     s.set("expert_params", experts, "derived (MoE layers x experts x 3 x hidden x moe_ffn)")
     s.set("dense_params", model_param_count(cfg.model, pc.dense_layers) - experts,
@@ -331,6 +335,22 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
     else:
         s.set("publish_bytes_per_s", 1e9 * cfg.launch.train.nodes, "derived (1 GB/s per trainer node)")
+
+
+def _weight_load(s: Sourced, cfg: Any, c) -> None:
+    """How long the engines take to load a published version, and whether running requests
+    pause meanwhile (``engine.weight_update: in_place``; between requests, the load waits for
+    them instead, which is not modelled)."""
+    pc = cfg.plan
+    s.set("pause_on_load", cfg.engine.weight_update == "in_place", c("engine.weight_update"))
+    if pc.weight_load_s:
+        s.set("weight_load_s", pc.weight_load_s, c("plan.weight_load_s"))
+        return
+    engines = max(cfg.engine.num_engines, 1)
+    nodes = max(s.params.rollout_gpus / max(s.params.gpus_per_node, 1) / engines, 1.0)
+    s.set("weight_load_s", s.params.model_bytes / (pc.weight_load_bytes_per_s * nodes),
+          f"derived (model bytes / ({c('plan.weight_load_bytes_per_s')} x {nodes:.3g} rollout nodes per "
+          f"engine); a measured RESULT weight_load_s=... (--calibrate) replaces it)")
 
 
 def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:

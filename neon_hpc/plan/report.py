@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from typing import Callable
 
-from neon_hpc.plan.memory import Layout, layout_for
+from neon_hpc.plan.memory import Layout, layout_search
 from neon_hpc.plan.params import Sourced
 from neon_hpc.plan.sim import SimResult, simulate
 from neon_hpc.plan.trainer import StepTimeModel
@@ -92,10 +92,12 @@ def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int) -> dic
 
 
 def trainer_layout(p, train_nodes: int) -> Layout:
-    """The config's TP/PP on ``train_nodes`` (CP, EP, DP re-derived) and its memory verdict."""
-    return layout_for(train_nodes * max(p.gpus_per_node, 1), max(p.tp, 1), max(p.pp, 1), max(p.cp, 1),
-                      max(p.ep, 1), p.dense_params, p.expert_params, p.gpu_memory_bytes,
-                      p.train_memory_fraction, p.num_experts)
+    """The config's TP/PP on ``train_nodes`` (CP, EP, DP re-derived; a deeper pipeline when the
+    config's does not divide or fit, see :func:`neon_hpc.plan.memory.layout_search`) and its
+    memory verdict."""
+    return layout_search(train_nodes * max(p.gpus_per_node, 1), max(p.tp, 1), max(p.pp, 1), max(p.cp, 1),
+                         max(p.ep, 1), p.dense_params, p.expert_params, p.gpu_memory_bytes,
+                         p.train_memory_fraction, p.num_experts, p.num_layers)
 
 
 def split_candidates(total_nodes: int, points: int, train_multiple: int = 1) -> list[int]:
@@ -137,7 +139,7 @@ def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: in
     changes = split_changes(sourced, r_nodes, t_nodes)
     changes.update(steps=steps, max_staleness=S, trajectories_per_step=tps, policy="async")
     if lay.dp:   # the layout this many trainer nodes give (it decides the step time's cells)
-        changes.update(dp=lay.dp, cp=lay.cp)
+        changes.update(dp=lay.dp, cp=lay.cp, pp=lay.pp)
     q = sourced.replace(**changes).params
     key = (q.dp, q.pp, q.cp, tps)
     if key not in ratios:   # one planner call per layout and batch size, on a batch of the workload
@@ -188,8 +190,11 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
     for S in Ss:
         for t in Ts:
             run(best.rollout_nodes, S, t)
-    # hill-climb the split one model replica of trainer nodes at a time at the best S and tps
-    valid = split_candidates(total_nodes, total_nodes, replica_nodes)
+    # hill-climb the split at the best S and tps: one model replica of trainer nodes at a time,
+    # or one node where a deeper pipeline lays that many out (memory.layout_search)
+    valid = sorted(set(split_candidates(total_nodes, total_nodes, replica_nodes))
+                   | {r for r in split_candidates(total_nodes, total_nodes)
+                      if trainer_layout(p, total_nodes - r).fits and trainer_layout(p, total_nodes - r).pp != p.pp})
     for _ in range(2 * len(valid)):
         best = _best([sp for sp in out if sp.result is not None])[0]
         i = valid.index(best.rollout_nodes) if best.rollout_nodes in valid else None

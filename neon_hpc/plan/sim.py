@@ -129,6 +129,9 @@ class _Sim:
         self._node_busy = False             # a weight check or load is scheduled
         self._node_anchor = -float(np.random.default_rng(p.seed + 2).uniform(0.0, p.weight_poll_s)) \
             if p.weight_poll_s > 0 else 0.0
+        # in place, a load pauses the engines' running requests for its duration (slots.py)
+        self.pause_s = p.weight_load_s if (p.pause_on_load and self.in_place and not self.batch_mode) else 0.0
+        self.pause_begun = 0.0              # engine pause seconds begun so far
         # groups
         self.groups_open = 0
         self.open: _Group | None = None
@@ -349,6 +352,7 @@ class _Sim:
 
     def _node_check(self, _e) -> None:
         v = self.published
+        self.pause_begun += self.pause_s
         self.env.timeout(self.p.weight_load_s, value=v).callbacks.append(self._node_loaded)
 
     def _node_loaded(self, e) -> None:

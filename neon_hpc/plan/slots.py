@@ -10,6 +10,12 @@
 * :class:`EpisodeSlots` (``episode``, an engine-level request pool): each slot starts a new
   episode as soon as its own finishes; one event per episode.
 
+Engine pauses (``pause_on_load`` with ``in_place`` updates): every weight load pauses the
+engines for ``weight_load_s`` (SGLang's ``pause_generation(in_place)`` around the load). An
+event's end is not known in advance, so it is lazy: when a group (episode) is due, the pause
+seconds begun since its start, times its decode share (a tool call runs through a pause),
+push its end back, until no new pause began meanwhile.
+
 Both ask the simulation (:class:`neon_hpc.plan.sim._Sim`) whether a new group may start
 (admission), open groups there, and hand finished groups back to it; the books are kept in
 :mod:`neon_hpc.plan.accounting`.
@@ -31,7 +37,7 @@ CHUNK = 8192        # episodes sampled at a time
 
 
 class _Group:
-    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker")
+    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker", "mark", "share")
 
     def __init__(self, size: int, version: int, batch: int, t_start: float):
         self.t_start = t_start
@@ -42,6 +48,8 @@ class _Group:
         self.vmax = version
         self.lengths: list[float] = []
         self.batch = batch
+        self.mark = 0.0                 # engine pause seconds begun when it (last) got its end time
+        self.share = 1.0                # the share of its slowest episode spent decoding (paused by a load)
 
 
 class _Worker:
@@ -168,6 +176,9 @@ class WorkerSlots(_Slots):
         # slowest episode under the stall: the upper envelope of d*slow + f over the group,
         # taken from its two candidates (slowest at no stall, most decode-bound)
         longest = max(d1 * slow + f1, d2 * slow + f2)
+        if sim.pause_s > 0:             # a load pauses its decoding, not its tool calls
+            d = d1 * slow if d1 * slow + f1 >= d2 * slow + f2 else d2 * slow
+            g.share, g.mark = d / max(longest, 1e-12), sim.pause_begun
         g.lengths = seqs
         sim.open_left = 0
         self.in_flight += G
@@ -198,6 +209,16 @@ class WorkerSlots(_Slots):
         if g.aborted:                 # its slots were freed when it was aborted
             return
         sim = self.sim
+        if sim.pause_s > 0 and sim.pause_begun > g.mark:
+            # the engines paused (in-place weight loads) while it ran: it ends that much later
+            owed = (sim.pause_begun - g.mark) * g.share
+            g.mark = sim.pause_begun
+            ev2 = simpy.Event(sim.env)
+            ev2._ok = True
+            ev2._value = (g, t_last_turn + owed)
+            ev2.callbacks.append(self._finish_group)
+            sim.env.schedule(ev2, delay=owed)
+            return
         if sim.abort_stale:
             del self.inflight_groups[id(g)]
         self.in_flight -= sim.G
@@ -274,7 +295,7 @@ class EpisodeSlots(_Slots):
         now = env._now
         ev = simpy.Event(env)
         ev._ok = True
-        ev._value = (sim.open, now, dur, seq, last_frac)
+        ev._value = (sim.open, now, dur, seq, last_frac, sim.pause_begun, decode / (1.0 - f) / dur if dur > 0 else 1.0)
         ev.callbacks.append(self._finish)
         env.schedule(ev, delay=dur)
 
@@ -285,8 +306,16 @@ class EpisodeSlots(_Slots):
                              ep.last_turn_frac.tolist()))
 
     def _finish(self, ev: simpy.Event) -> None:
-        g, t0, dur, seq, last_frac = ev._value
+        g, t0, dur, seq, last_frac, mark, share = ev._value
         sim = self.sim
+        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
+            owed = (sim.pause_begun - mark) * share
+            ev2 = simpy.Event(sim.env)
+            ev2._ok = True
+            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
+            ev2.callbacks.append(self._finish)
+            sim.env.schedule(ev2, delay=owed)
+            return
         self.in_flight -= 1
         sim.occ.vacate(1, t0, sim.env._now)
         g.lengths.append(seq)
