@@ -1,4 +1,5 @@
-"""The planner and the metadata reader on plain numbers: no torch_dist files, no torch I/O."""
+"""The planner and the metadata reader on plain numbers: no torch_dist files, no torch I/O; and the
+config derived from checkpoint shapes against the trainer's (shapes of the real models' state dicts)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,37 @@ def test_unknown_architecture_is_named():
     with pytest.raises(MappingError, match="unknown architecture 'llama'"):
         ModelSpec.from_hf_config({"model_type": "llama", "num_attention_heads": 4, "hidden_size": 8})
     assert ModelSpec.from_hf_config({"model_type": "kimi_k2"}).arch == "deepseek_v3"
+
+
+def _shapes_of(cfg) -> Checkpoint:
+    """The torch_dist keys and shapes (no data) of ``cfg``'s model: per-layer keys, experts on an axis."""
+    import re
+    from neon_hpc.models import convert
+    from neon_hpc.models.testing import decisive_hf
+    metas = {}
+    for k, v in convert.hf_to_megatron(decisive_hf(cfg, 0).state_dict(), cfg).items():
+        if (m := re.match(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.\d+\.(.+)", k)):
+            k, shape = f"{m.group(1)}.experts.{m.group(2)}", (cfg.num_experts, *v.shape)
+        else:
+            shape = tuple(v.shape)
+        metas[k] = TensorMeta(k, shape, "float32")
+    return Checkpoint(Path("/ckpt"), metas, [], {})
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora"])
+def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_guess(which):
+    """``--allow-guessed-config`` and the trainer's config.json describe an architecture once
+    (neon_hpc.hfmap): on the fields shapes can tell they agree, and the config passes the shape check."""
+    from dataclasses import replace
+    from neon_hpc.hfmap import hf_config_dict
+    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.models.testing import tiny_dsv3
+    from neon_hpc.reshard import configsource
+    cfg = {"qwen3_moe": ModelConfig(), "deepseek_v3": tiny_dsv3(),
+           "deepseek_v3_no_q_lora": replace(tiny_dsv3(), q_lora_rank=0)}[which]
+    ck = _shapes_of(cfg)
+    derived, guessed = configsource._derive(ck, cfg.arch)
+    want = hf_config_dict(cfg)
+    told = {k: v for k, v in derived.items() if not any(g.split()[0] == k for g in guessed)}
+    assert len(told) >= 10 and {k: want[k] for k in told} == told
+    configsource.check_config_shapes(want, ck)
