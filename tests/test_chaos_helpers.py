@@ -65,13 +65,17 @@ def save(step):
     except BaseException as e:
         return {"ok": False, "error": repr(e)[:300], "type": type(e).__name__}
 
-if sys.argv[1] == "stuck":      # a short deadline for the save whose writer the test stops
+if sys.argv[1] in ("stuck", "manager_stuck"):   # a short deadline for the save the test stalls
     writers.configure(float(sys.argv[3]))
 report(first=save(1))          # writers held: the test kills one (or the Manager), or stops one
 writers.configure(1800.0)
-report(children=children(), manager=fa._results_queue._manager._process.pid)
+def manager():
+    q = fa._results_queue
+    return q._manager._process.pid if q is not None else None
+report(children=children(), manager=manager())
 hold.unlink(missing_ok=True)
 report(second=save(2))
+report(manager2=manager())
 report(steps=run.checkpoint_steps(), staging=sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")))
 B.teardown()
 """
@@ -194,6 +198,37 @@ def test_a_stuck_writer_is_bounded_by_the_deadline_killed_and_the_next_save_work
     assert "train.checkpoint_write_timeout_s" in first["error"], first
     assert left == [], f"writers outlived the failed save (checked before the test's own clean-up): {left}"
     assert set(rec["children"]) <= {rec["manager"]}, rec["children"]
+    assert rec["second"]["ok"], rec["second"]
+    assert rec["steps"] == [2] and rec["staging"] == [], rec
+    assert "Traceback" not in rec["stderr"]
+
+
+@pytest.mark.slow
+def test_a_stopped_results_manager_is_bounded_killed_and_replaced(tmp_path):
+    """SIGSTOP megatron's results Manager during a save: the writers finish, but handing their
+    results over would block for ever. The save fails at the deadline naming the Manager's pid
+    and state, the Manager is killed, and the next save starts a new one and works."""
+    proc = _start(tmp_path, "manager_stuck", "6")
+    try:
+        held = _writers(tmp_path, proc)
+        mpid = _manager_pid(proc)
+        os.kill(mpid, signal.SIGSTOP)
+        (tmp_path / "hold").unlink()
+        rec = _finish(proc)
+        stopped_left = psutil.pid_exists(mpid) and psutil.Process(mpid).status() != psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in held + [mpid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, UnboundLocalError):
+                pass
+    first = rec["first"]
+    assert first["ok"] is False and first["type"] == "CheckpointWriterError", first
+    assert f"pid {mpid}, stopped" in first["error"] and "Manager" in first["error"], first
+    assert not stopped_left, f"the stopped Manager {mpid} outlived the failed save"
+    assert rec["manager2"] not in (None, mpid)       # a new Manager for the next save
     assert rec["second"]["ok"], rec["second"]
     assert rec["steps"] == [2] and rec["staging"] == [], rec
     assert "Traceback" not in rec["stderr"]

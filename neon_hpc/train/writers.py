@@ -20,7 +20,10 @@ A writer that is alive but stuck (stopped, blocked on a hung filesystem) is boun
 deadline, ``train.checkpoint_write_timeout_s`` (:func:`configure`; the trainer sets it at
 start): a save whose writers have not all reported by then kills them all, reaps them, and
 raises a :class:`CheckpointWriterError` naming each late writer's pid and state (``stopped``,
-``disk-sleep``, ...) and the key to raise if saves are legitimately that slow. Nothing of the
+``disk-sleep``, ...) and the key to raise if saves are legitimately that slow. Every round
+trip to the results Manager is bounded too (:data:`MANAGER_S`, or the deadline if shorter):
+a Manager that does not answer is killed, the save fails naming its pid and state, and the
+next save starts a new one. Nothing of the
 failed save is published (the staging directory is removed), so a rerun resumes from the
 previous checkpoint.
 
@@ -109,10 +112,55 @@ def write_buckets_bounded(transform_list: list, use_msc: bool, rank: int, write_
         _reap(procs, kill_first=isinstance(out, Exception))
         if was_enabled:
             gc.enable()
+    global _LAST_FAILURE
     if isinstance(out, CheckpointWriterError):
-        global _LAST_FAILURE
         _LAST_FAILURE = str(out)
-    global_results_queue.put(out)
+    stuck = _call_bounded(global_results_queue.put, out)
+    if stuck is not None:      # megatron's get then fails on the killed Manager: guarded_save names it
+        _LAST_FAILURE = stuck
+
+
+MANAGER_S = 60.0      # the most a round trip to the results Manager may take (capped by the save deadline)
+
+
+def _manager_process(q: Any) -> Any:
+    return getattr(getattr(q, "_manager", None), "_process", None)
+
+
+def _call_bounded(fn, *args) -> str | None:
+    """Call ``fn`` (a round trip to megatron's results Manager) with a deadline. A Manager that
+    does not answer in time (stopped, or blocked) is killed, which ends the call with an
+    error; returns what happened then, else None. Other errors are raised as they are."""
+    import threading
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    err: list[BaseException] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            err.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=call, daemon=True, name="neon-ckpt-manager-call").start()
+    limit = min(MANAGER_S, deadline_s())
+    if not done.wait(limit):
+        proc = _manager_process(getattr(fa, "_results_queue", None))
+        pid = getattr(proc, "pid", None)
+        state = _proc_state(pid)
+        if proc is not None:
+            proc.kill()
+            proc.join(REAP_S)
+        done.wait(REAP_S)
+        fa._results_queue = None   # the next save starts a new Manager
+        return (f"megatron's checkpoint results Manager (pid {pid}, {state}) did not answer within {limit:.0f}s; "
+                f"it was killed and the checkpoint was not written (the next save starts a new one; "
+                f"the deadline follows train.checkpoint_write_timeout_s, at most {MANAGER_S:.0f}s)")
+    if err:
+        raise err[0]
+    return None
 
 
 def _reap(procs: list, kill_first: bool) -> None:
@@ -180,13 +228,16 @@ def manager_alive() -> bool | None:
     q = getattr(fa, "_results_queue", None)
     if q is None:
         return None
-    proc = getattr(getattr(q, "_manager", None), "_process", None)
+    proc = _manager_process(q)
     if proc is not None and not proc.is_alive():
         return False
-    try:
-        q.qsize()          # one round trip: a Manager that is gone (or unreachable) fails it
+    try:   # one round trip: a Manager that is gone, unreachable, or does not answer (killed then) fails it
+        stuck = _call_bounded(q.qsize)
     except (OSError, EOFError):
         return False
+    if stuck is not None:
+        log.warning("%s", stuck)
+        return None        # killed and forgotten: the save starts a new one
     return True
 
 
@@ -195,7 +246,7 @@ def drop_dead_manager() -> str | None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     if manager_alive() is not False:
         return None
-    proc = getattr(getattr(fa._results_queue, "_manager", None), "_process", None)
+    proc = _manager_process(fa._results_queue)
     fa._results_queue = None
     return f"pid {proc.pid}" if proc is not None else "no pid known"
 
@@ -213,9 +264,10 @@ def guarded_save(where: str) -> Any:
     try:
         yield
     except (BrokenPipeError, EOFError, ConnectionError) as e:
+        if _LAST_FAILURE is not None:     # a Manager killed for not answering: say why
+            raise CheckpointWriterError(f"saving {where}: {_LAST_FAILURE}") from e
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-        q = getattr(fa, "_results_queue", None)
-        proc = getattr(getattr(q, "_manager", None), "_process", None)
+        proc = _manager_process(getattr(fa, "_results_queue", None))
         who = f"pid {proc.pid}, {_exit_text(proc.exitcode)}" if proc is not None else "not started"
         raise CheckpointWriterError(
             f"saving {where}: megatron's checkpoint results Manager is unreachable ({who}): "
