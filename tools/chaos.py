@@ -407,9 +407,17 @@ class SlurmTrial(Trial):
         return st
 
     def victims_of(self, group: str) -> list[psutil.Process]:
-        """Every task process of one group's srun step, with their descendants (a whole node)."""
+        """Every task process of one group's srun step (children of its slurmstepd), with their
+        descendants: what runs on that node. Not ``srun`` itself, which runs beside the batch
+        script and carries the same command line."""
         roles = ("node", "worker", "engine") if group == "rollout" else ("trainer",)
-        top = [p for p in run_processes(self.root) if role_of(p) in roles]
+        top = []
+        for p in run_processes(self.root):
+            try:
+                if role_of(p) in roles and p.parent() is not None and p.parent().name().startswith("slurmstepd"):
+                    top.append(p)
+            except psutil.Error:
+                continue
         out = {p.pid: p for p in top}
         for p in top:
             try:
