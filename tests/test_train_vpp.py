@@ -74,7 +74,7 @@ def data(tmp_path_factory):
 
 def new_run(root, data, *sets: str) -> RunDir:
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PER_STEP}",
-                        "train.checkpoint_every=2", "train.publish_every=1", "train.lr=0.002",
+                        "train.checkpoint_every=2", "train.publish_every=2", "train.lr=0.002",
                         "rollout.max_staleness=8", "train.wait_for_data_s=300", f"model.num_layers={LAYERS}",
                         f"model.init_checkpoint={data['init']}", *sets])
     run = RunDir(root / "run").create()
@@ -88,17 +88,31 @@ def metrics(run) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-    run = new_run(tmp_path_factory.mktemp("vpp_ref"), data)
-    wait_ok(run, start(run, 1))
-    return run
+def runs(tmp_path_factory, data):
+    """The one-process reference and the PP=2 x V=2 run (one after the other: each rendezvous
+    port is free when its run starts)."""
+    out = {"reference": new_run(tmp_path_factory.mktemp("vpp_ref"), data),
+           "vpp": new_run(tmp_path_factory.mktemp("vpp2"), data, *VPP)}
+    wait_ok(out["reference"], start(out["reference"], 1))
+    wait_ok(out["vpp"], start(out["vpp"], 2))
+    return out
+
+
+RESUME = {   # name: (processes, --set overrides) for a restart from the V=2 run's step-2 checkpoint
+    "same": (2, ()),
+    "pp1": (1, ("train.pipeline_parallel=1", "train.virtual_pipeline_stages=1", "balance.min_microbatches=0")),
+    "pp2_v1": (2, ("train.virtual_pipeline_stages=1",)),
+}
 
 
 @pytest.fixture(scope="module")
-def vpp_run(tmp_path_factory, data):
-    run = new_run(tmp_path_factory.mktemp("vpp2"), data, *VPP)
-    wait_ok(run, start(run, 2))
-    return run
+def resumed(tmp_path_factory, runs):
+    """The V=2 run rewound to its step-2 checkpoint and restarted in each layout of RESUME."""
+    out = {}
+    for name, (world, sets) in RESUME.items():
+        out[name] = rewound_copy(runs["vpp"], tmp_path_factory.mktemp(f"vpp_resume_{name}") / "run", 2)
+        wait_ok(out[name], start(out[name], world, *sets))
+    return out
 
 
 def _assert_matches(got: dict, want: dict, steps, grad_rel: float = 1e-5) -> None:
@@ -166,17 +180,17 @@ def test_config_check_accepts_an_uneven_layout_that_interleaves():
 # training, for real
 
 @pytest.mark.slow
-def test_pp2_vpp2_trains_the_reference_losses_and_gradients(vpp_run, reference):
-    got, want = metrics(vpp_run), metrics(reference)
+def test_pp2_vpp2_trains_the_reference_losses_and_gradients(runs):
+    got, want = metrics(runs["vpp"]), metrics(runs["reference"])
     assert sorted(got) == list(range(1, STEPS + 1))
     _assert_matches(got, want, range(1, STEPS + 1))
     for s in got:
         assert got[s]["microbatches"] == 3
         assert got[s]["replay_docs_missing"] == 0 and got[s]["replayed_microbatches"] == 3
     import json
-    state = json.loads((vpp_run.checkpoint(STEPS) / "trainer_state.json").read_text())
+    state = json.loads((runs["vpp"].checkpoint(STEPS) / "trainer_state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["vpp"] == 2
-    a, b = weights(vpp_run, STEPS), weights(reference, STEPS)
+    a, b = weights(runs["vpp"], STEPS), weights(runs["reference"], STEPS)
     assert sorted(a) == sorted(b)
     for k in b:   # Adam's first steps: see test_train_loop.test_parallel_layouts_match_tp1
         d = np.abs(a[k].numpy() - b[k].numpy())
@@ -185,12 +199,11 @@ def test_pp2_vpp2_trains_the_reference_losses_and_gradients(vpp_run, reference):
 
 
 @pytest.mark.slow
-def test_pp2_vpp2_resume_at_the_same_layout_is_bit_exact(tmp_path, vpp_run):
-    run = rewound_copy(vpp_run, tmp_path / "run", 2)
-    wait_ok(run, start(run, 2))
-    got, want = metrics(run), metrics(vpp_run)
+def test_pp2_vpp2_resume_at_the_same_layout_is_bit_exact(runs, resumed):
+    run, orig = resumed["same"], runs["vpp"]
+    got, want = metrics(run), metrics(orig)
     assert got[3]["loss"] == want[3]["loss"] and got[3]["grad_norm"] == want[3]["grad_norm"]
-    a, b = weights(run, 3), weights(vpp_run, 3)
+    a, b = weights(run, 3), weights(orig, 3)
     for k in b:
         np.testing.assert_array_equal(a[k].numpy(), b[k].numpy(), err_msg=k)
     log = "\n".join(p.read_text() for p in run.root.glob("logs/trainer/*.log"))
@@ -198,28 +211,24 @@ def test_pp2_vpp2_resume_at_the_same_layout_is_bit_exact(tmp_path, vpp_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, sets", [
-    (1, ("train.pipeline_parallel=1", "train.virtual_pipeline_stages=1", "balance.min_microbatches=0")),
-    (2, ("train.virtual_pipeline_stages=1",)),
-], ids=["pp1", "pp2_v1"])
-def test_pp2_vpp2_checkpoint_resumes_in_another_layout(tmp_path, vpp_run, reference, world, sets):
-    run = rewound_copy(vpp_run, tmp_path / "run", 2)
-    wait_ok(run, start(run, world, *sets))
-    _assert_matches(metrics(run), metrics(reference), [3], grad_rel=1e-4)
+@pytest.mark.parametrize("name", ["pp1", "pp2_v1"])
+def test_pp2_vpp2_checkpoint_resumes_in_another_layout(runs, resumed, name):
+    run = resumed[name]
+    _assert_matches(metrics(run), metrics(runs["reference"]), [3], grad_rel=1e-4)
     log = "\n".join(p.read_text() for p in run.root.glob("logs/trainer/*.log"))
     assert "reseeded: layout changed" in log
 
 
 @pytest.mark.slow
-def test_reshard_reads_a_pp2_vpp2_checkpoint(tmp_path, vpp_run):
+def test_reshard_reads_a_pp2_vpp2_checkpoint(tmp_path, runs):
     from neon_hpc.models.config import ModelConfig
     from neon_hpc.models.hf import hf_config, read_hf_state_dict
     from neon_hpc.reshard.pipeline import convert
 
     out = tmp_path / "hf"
-    convert(str(vpp_run.checkpoint(STEPS)), str(out), hf_config=hf_config(ModelConfig(num_layers=LAYERS)).to_dict(),
-            use_mpi=False)
-    got, want = read_hf_state_dict(out), weights(vpp_run, STEPS)     # the direct export of the same step
+    convert(str(runs["vpp"].checkpoint(STEPS)), str(out),
+            hf_config=hf_config(ModelConfig(num_layers=LAYERS)).to_dict(), use_mpi=False)
+    got, want = read_hf_state_dict(out), weights(runs["vpp"], STEPS)     # the direct export of the same step
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=k)

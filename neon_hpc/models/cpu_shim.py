@@ -40,6 +40,8 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
   on gloo.  The exchange goes through megatron's own ordered ``isend``/``irecv`` pairs
   (``_p2p_ops``, the path its tensors take with ``batch_p2p_comm=False``) and waits for them.
   The tensors themselves need no patch: the trainer sets ``batch_p2p_comm=False`` on CPU.
+  The interleaved schedule (virtual pipeline stages) goes through the same ``_communicate``
+  and the same token counter, so these two patches cover it too (tested at PP=2 x V=2).
 """
 
 from __future__ import annotations

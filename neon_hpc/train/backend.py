@@ -12,8 +12,12 @@ What megatron-core does here, and what we do:
 - router replay: megatron's ``RouterReplay`` instances, cleared before each model build
   (they accumulate in a class-level list otherwise), fed per micro-batch and cleared after;
   a pipeline stage holds the instances of its own MoE layers and gets those layers' routes;
+- model chunks: with ``train.virtual_pipeline_stages: V > 1`` each stage holds V chunks
+  (``Backend.models`` / ``ddps``: a GPTModel and a DDP each, one optimizer over all), layers
+  as :func:`neon_hpc.train.layout.chunk_layers` assigns them;
 - micro-batches: megatron-core's pipeline schedules (:func:`forward_backward`): no
-  pipelining for PP = 1, 1F1B for PP > 1, micro-batches in the plan's order, each stage's
+  pipelining for PP = 1, 1F1B for PP > 1, interleaved 1F1B with V > 1 chunks (one data
+  iterator per chunk over the same micro-batches), micro-batches in the plan's order, each stage's
   activation shape exchanged per micro-batch (``variable_seq_lengths``: packed micro-batches
   differ in length).  On CPU the stages talk over gloo through megatron's ordered
   ``isend``/``irecv`` path (``batch_p2p_comm=False``; ``batch_isend_irecv`` hangs on gloo) and
