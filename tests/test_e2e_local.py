@@ -43,13 +43,9 @@ def _procs_of(run_root: Path) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e") / "run"
+    # the embedded default as shipped (its episodes are what weight updates land in), shorter
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
-                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-                  # two longer turns: a weight update can land between them (versions spanned);
-                  # small steps, so the trainer publishes while episodes are in flight rather
-                  # than while admission holds the workers (the staleness bound gates there)
-                  "--set", "rollout.max_turns=2", "--set", "train.trajectories_per_step=8",
-                  "--set", "rollout.max_new_tokens=24"]
+                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2"]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None
@@ -134,19 +130,31 @@ def test_versions_recorded_and_staleness_bounded(finished_run):
         [r["staleness_max"] for r in trainer]
 
 
-def test_a_trajectory_spans_two_versions_token_by_token(finished_run):
-    """Weights land between the turns of an episode: later tokens record the newer version."""
+def test_trained_trajectories_span_versions_token_by_token(finished_run):
+    """Weights land inside episodes (in place, between two decode steps, or between turns):
+    later tokens record the newer version, for a real share of what was trained; versions
+    never go backwards inside a trajectory, and the trainer's own count agrees with the shards."""
     from neon_hpc.store import read_shard
     run = RunDir(finished_run["root"])
-    spanning = 0
-    for p in sorted(run.traj_claimed.glob("step_*/*.h5")) + sorted(run.traj_ready.glob("*.h5")):
+    spanning = total = 0
+    for p in sorted(run.traj_claimed.glob("step_*/*.h5")):
         for t in read_shard(p):
             gen = t.versions[t.loss_mask.astype(bool)]
             assert (gen >= 0).all() and (t.versions[~t.loss_mask.astype(bool)] == -1).all()
             assert (gen[1:] >= gen[:-1]).all(), "versions went backwards inside a trajectory"
             spanning += len(set(gen.tolist())) >= 2
-    # 5-15% of these two-turn episodes span a weight update (5/88 and 13/92 in trials); none would be a bug
-    assert spanning >= 1
+            total += 1
+    trainer = read_metrics(run.root, "trainer")
+    spans = Counter()
+    for r in trainer:
+        spans.update({int(k): int(v) for k, v in (r.get("version_spans") or {}).items()})
+    trained_multi = sum(v for k, v in spans.items() if k >= 2)
+    assert sum(spans.values()) == sum(r["trajectories"] for r in trainer)
+    assert trained_multi <= spanning                 # what trained is among what was claimed
+    # a real share, not one lucky trajectory: the first 8 steps of three full runs of the shipped
+    # config spanned 12%, 9% and 7% (2-core machine at load ~50); before it (one turn, two-token
+    # answers, the staleness bound gating the workers) 0.8-1.8% over whole runs
+    assert trained_multi >= 0.03 * sum(spans.values()), dict(spans)
 
 
 def test_nothing_left_running(finished_run):
