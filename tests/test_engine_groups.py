@@ -40,6 +40,7 @@ def weights(tmp_path):
     return run
 
 
+@pytest.mark.slow   # two engine processes load a model: 25-90 s on the shared 2-core machine
 def test_embedded_group_serves_reports_a_dead_engine_and_stops_it(weights):
     cfg = _cfg(**{"engine.num_engines": 2})
     group = EmbeddedEngines(cfg, weights, node_count=1)
