@@ -104,11 +104,12 @@ def test_real_tiny_run_within_bands(tmp_path):
     with open(out, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
         try:
-            rc = proc.wait(timeout=240)
+            # a guard, not a measurement: the tiny default's free turn doubled its CPU work (issue 18)
+            rc = proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(60)
-            pytest.fail(f"the tiny run did not finish in 240 s; see {out}")
+            pytest.fail(f"the tiny run did not finish in 600 s; see {out}")
     assert rc == 0, out.read_text()[-3000:]
     report = compare_with_run(root, seeds=8)
     print(report.text())
