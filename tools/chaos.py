@@ -69,7 +69,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from neon_hpc.protocol.records import ClaimRecord, Finished, Phase, TrainerBeat  # noqa: E402
+from neon_hpc.protocol.records import ClaimRecord, Finished, JobRecord, Phase, TrainerBeat  # noqa: E402
 from neon_hpc.launch.slurmjob import FINAL  # noqa: E402
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 
@@ -503,10 +503,10 @@ class SlurmTrial(Trial):
             self.log(f"  relaunch: job {job}: {st}")
             rc = 0 if st == "COMPLETED" else 1
         if moment == "requeue" and not fault.startswith("none"):
-            starts = (json.loads((self.run.state / "job.json").read_text()) if (self.run.state / "job.json").exists()
-                      else {}).get("starts", 0)
+            rec = JobRecord.read(self.run)
+            starts = rec.starts if rec is not None else 0
             if starts < 2:
-                problems.append(f"the requeued job did not start again (state/job.json starts={starts})")
+                problems.append(f"the requeued job did not start again ({self.run.job_file} starts={starts})")
         self.wait_jobs_gone(problems)
         return fault, rc, problems
 
