@@ -204,6 +204,7 @@ def _fit_run(scripted, tmp_path, *args):
     return json.loads((tmp_path / "eval.json").read_text()), scripted.servers[-1].seen
 
 
+@pytest.mark.slow
 def test_protocol_fit_on_train_uses_the_threshold_fitted_on_train_tasks(scripted, tmp_path):
     from neon_hpc.xrd.evaluate import thresholds_fitted_on_train
     from neon_hpc.xrd.fitting import DETECTION_Z_MIN
