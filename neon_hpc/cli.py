@@ -41,6 +41,18 @@ def _route(name: str, rest: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def _plot_run(run_dir: str):
+    from neon_hpc.ops.plot import plot_run
+    return plot_run(run_dir)
+
+
+# command -> keyword arguments its main() takes from this layer: what a lower layer must not import
+# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn)
+HANDED_IN: dict[str, dict] = {
+    "run": {"plot": _plot_run},
+}
+
+
 def _usage() -> str:
     lines = ["usage: neon-hpc COMMAND [ARGS...]", "", "commands:"]
     for name, (_mod, desc) in COMMANDS.items():
@@ -76,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     from neon_hpc.config import ConfigError
     try:
-        return int(module.main(rest) or 0)
+        return int(module.main(rest, **HANDED_IN.get(name, {})) or 0)
     except ConfigError as e:
         print(f"neon-hpc {name}: config error: {e}", file=sys.stderr)
         return 2

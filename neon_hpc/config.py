@@ -35,12 +35,12 @@ from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
 from neon_hpc.launch.config import LaunchConfig
 from neon_hpc.logsinks import LoggingConfig
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.config import ModelConfig, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.rollout.config import EngineConfig, RolloutConfig
 from neon_hpc.store.config import StoreConfig
-from neon_hpc.train.config import TrainConfig
+from neon_hpc.train.config import TrainConfig, launch_world_errors, layout_errors
 from neon_hpc.xrd.config import XRDConfig
 
 
@@ -86,16 +86,14 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if cfg.train.tensor_parallel > 1 and cfg.model.num_query_groups % cfg.train.tensor_parallel:
         errs.append(("train.tensor_parallel",
                      f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
-    from neon_hpc.models.adapters import get_adapter       # what the architecture refuses elsewhere
-    errs += get_adapter(cfg.model.arch).experiment_errors(cfg)
+    errs += arch_experiment_errors(cfg)                  # what the architecture refuses elsewhere
     cp, thr = cfg.train.context_parallel, cfg.balance.split_threshold_tokens
     if thr and (cp == 1 or thr < 2 * cp):
         errs.append(("balance.split_threshold_tokens",
                      f"{thr}: zigzags pieces into 2*train.context_parallel chunks, so it needs "
                      f"context_parallel > 1 (now {cp}) and a threshold >= 2*context_parallel; set it "
                      f"to 0 (auto) or raise it"))
-    from neon_hpc.train.layout import launch_world_errors, layout_errors   # the trainer's own rules
-    errs += layout_errors(cfg) + launch_world_errors(cfg)
+    errs += layout_errors(cfg) + launch_world_errors(cfg)   # the trainer's own rules (train section)
     if cfg.engine.kind == "sglang":
         from neon_hpc.rollout.config import layout
         lay = layout(cfg)

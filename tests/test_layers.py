@@ -49,21 +49,10 @@ FORBIDDEN: dict[str, set[str]] = {
 # parts that import nothing else of neon_hpc
 SELF_CONTAINED = {"hfmap"}
 
-# (importing file, imported module) -> "issue item, owner: what" for violations that exist now.
-KNOWN: dict[tuple[str, str], str] = {
-    ("neon_hpc/config.py", "neon_hpc.train.layout"):
-        "issue 23 item 5, no owner yet: config check runs the trainer's layout rules (train/layout.py); "
-        "fix: the rules move under the train section (train/config.py) or the check to config_cli",
-    ("neon_hpc/config.py", "neon_hpc.models.adapters"):
-        "issue 23 item 5, no owner yet: config check runs the adapter's experiment_errors; "
-        "fix: the architectures' pure config rules move beside ModelConfig (models/config.py)",
-    ("neon_hpc/models/config.py", "neon_hpc.models.adapters"):
-        "issue 23 item 5, no owner yet: the model section's arch rule runs the adapter's validate; "
-        "same fix as above",
-    ("neon_hpc/launch/local.py", "neon_hpc.ops.plot"):
-        "issue 23 item 5, no owner yet: the local launcher plots the run when it ends; "
-        "fix: `neon-hpc run` (cli) plots after the launcher returns, or plot_run moves below launch",
-}
+# (importing file, imported module) -> "issue item, owner: what" for violations that exist now
+# (none left: the architectures' and the trainer's pure config rules are their sections'
+# (models/config.py ARCH_RULES, train/config.py layout rules); `neon-hpc run` hands the plot in).
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _layer_of() -> dict[str, int]:

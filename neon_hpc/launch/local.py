@@ -3,9 +3,10 @@ processes (a laptop, CI, or one node), with the same role processes a Slurm job 
 
 Processes: trainer rank(s) and one rollout node (engines + supervised rollout workers).
 The launcher shows progress per trainer step, and when the trainer has done its steps it
-stops the rollout side, prints a summary and writes the plot. Ctrl-C (or SIGTERM) makes the
-trainer checkpoint and every process stop, within :data:`STOP_GRACE_S` (then they are
-killed; a second Ctrl-C kills at once); running the same command again resumes.
+stops the rollout side and prints a summary; then the plot is written by the ``plot`` that
+``neon-hpc run`` hands in (the operator tools sit a layer above the launcher). Ctrl-C (or
+SIGTERM) makes the trainer checkpoint and every process stop, within :data:`STOP_GRACE_S`
+(then they are killed; a second Ctrl-C kills at once); running the same command again resumes.
 
 One launch per run directory: the launcher takes the lease (``launch.lease``) before anything
 else and refuses (exit 3) while another launch of the same directory lives. Its processes
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from neon_hpc import config
 from neon_hpc.launch import lease
@@ -31,6 +33,7 @@ from neon_hpc.netutil import free_port
 from neon_hpc.procutil import stop_tree
 from neon_hpc.protocol.records import Finished, mark_finished
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.train.config import world_size
 
 
 STOP_GRACE_S = 120.0   # after Ctrl-C/SIGTERM: how long the trainer gets to checkpoint and everyone to stop
@@ -38,8 +41,7 @@ TERM_GRACE_S = 90.0    # at the end of a run: how long the roles get to stop aft
 
 
 def trainer_world_size(cfg: config.ExperimentConfig) -> int:
-    t = cfg.train
-    return t.tensor_parallel * t.pipeline_parallel * t.context_parallel * t.data_parallel
+    return world_size(cfg)      # the train section's rule
 
 
 class LocalRun:
@@ -152,7 +154,9 @@ class LocalRun:
             self.say(f"pid {pid} did not end 10s after SIGKILL (stuck in the kernel?)")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
+    """``neon-hpc run``; ``plot(run_dir) -> PNG path`` draws the run at the end (unless --no-plot;
+    ``neon_hpc.cli`` hands in ``ops.plot.plot_run``)."""
     p = argparse.ArgumentParser(prog="neon-hpc run", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default=None,
                    help="experiment YAML (default: the embedded defaults of configs/tiny_cpu.yaml)")
@@ -184,6 +188,6 @@ def main(argv: list[str]) -> int:
     s = summarize(run.root)
     lr.say(f"--- summary ({time.monotonic() - t0:.0f}s) ---\n" + render_summary(s))
     if not a.no_plot and s["steps"]:
-        from neon_hpc.ops.plot import plot_run
-        lr.say(f"plot: {plot_run(str(run.root))}")
+        lr.say(f"plot: {plot(str(run.root))}" if plot is not None else
+               f"plot: none drawn (no plotter handed to the launcher); neon-hpc plot {run.root} draws it")
     return rc

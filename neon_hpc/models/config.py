@@ -1,12 +1,18 @@
 """Model section of the experiment config (owned by ``neon_hpc/models``).
 
-The architecture-specific checks live in the adapters (:mod:`neon_hpc.models.adapters`);
-the ``arch`` rule runs the adapter of ``arch``.
+The architectures' own config rules are here too, beside the section they check (pure
+arithmetic on the config: no torch, nothing of the adapters): :data:`ARCH_RULES` holds, per
+architecture, its rules on the ``model:`` section (the ``arch`` rule runs them) and on the rest
+of an experiment (``neon_hpc.config`` runs those with the cross-section rules).  The adapters
+(:mod:`neon_hpc.models.adapters`) answer ``validate`` / ``experiment_errors`` from this table.
 """
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Callable, Literal
 
+from neon_hpc import hfmap
 from neon_hpc.constraints import Rule, above, at_least
+
+Errors = list[tuple[str, str]]
 
 
 @dataclass
@@ -63,12 +69,97 @@ class ModelConfig:
         Rule("num_attention_heads", lambda c: c.num_attention_heads % c.num_query_groups == 0,
              "a multiple of num_query_groups ({num_query_groups})"),
         Rule("moe_router_topk", lambda c: c.moe_router_topk <= c.num_experts, "in 1..num_experts ({num_experts})"),
-        # the architecture's own rules (MLA dims, dense layers, router groups, ...): its adapter
+        # the architecture's own rules (MLA dims, dense layers, router groups, ...): ARCH_RULES below
         Rule("arch", lambda c: not arch_errors(c), lambda c: "; ".join(f"model.{k}: {m}" for k, m in arch_errors(c))),
     )
 
 
-def arch_errors(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """``[(field, message)]`` from the adapter of ``cfg.arch`` (empty when the model fits it)."""
-    from neon_hpc.models.adapters import get_adapter
-    return get_adapter(cfg.arch).validate(cfg)
+# --------------------------------------------------------------------------------------
+# the architectures' rules
+
+def _qwen3_moe_errors(cfg: ModelConfig) -> Errors:
+    errs = []
+    if cfg.num_attention_heads % cfg.num_query_groups:
+        errs.append(("num_attention_heads", f"must be a multiple of num_query_groups ({cfg.num_query_groups})"))
+    if cfg.head_dim <= 0:
+        errs.append(("head_dim", "must be positive"))
+    for k in ("first_dense_layers", "num_shared_experts", "q_lora_rank", "kv_lora_rank"):
+        if getattr(cfg, k):
+            errs.append((k, f"is a deepseek_v3 field; arch qwen3_moe has every layer MoE, no shared "
+                            f"experts and GQA attention: set it to 0 or use arch: deepseek_v3"))
+    if cfg.yarn_factor:
+        errs.append(("yarn_factor", "YaRN is wired for deepseek_v3 only; set it to 0"))
+    return errs
+
+
+def _deepseek_v3_errors(cfg: ModelConfig) -> Errors:
+    """DeepSeek-V3 / Kimi-K2 (the semantics are pinned in :mod:`neon_hpc.models.adapters.deepseek_v3`)."""
+    errs = []
+    unset = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(cfg, k) < 1]
+    if unset:
+        errs.append((unset[0], f"multi-latent attention needs {', '.join(unset)} >= 1 (DeepSeek-V3/Kimi-K2: "
+                               f"kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)"))
+    if cfg.qk_rope_head_dim % 2:
+        errs.append(("qk_rope_head_dim", "must be even (RoPE rotates pairs)"))
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        errs.append(("num_query_groups", f"MLA has one latent KV per head: set it to num_attention_heads "
+                                         f"({cfg.num_attention_heads})"))
+    if not 0 <= cfg.first_dense_layers < cfg.num_layers:
+        errs.append(("first_dense_layers", f"must be in [0, num_layers={cfg.num_layers}) (at least one MoE layer)"))
+    g, gk = cfg.router_groups, cfg.router_group_topk
+    if g < 1 or cfg.num_experts % g:
+        errs.append(("router_groups", f"must divide num_experts ({cfg.num_experts})"))
+    elif not 1 <= gk <= g:
+        errs.append(("router_group_topk", f"must be in 1..router_groups ({g})"))
+    elif g > 1 and cfg.moe_router_topk != 2 * gk:
+        errs.append(("router_group_topk", f"with router_groups > 1 megatron scores a group by its top "
+                                          f"topk/group_topk experts and HF by its top 2: needs moe_router_topk "
+                                          f"({cfg.moe_router_topk}) == 2 * router_group_topk"))
+    elif g > 1 and cfg.num_experts // g < 2:
+        errs.append(("router_groups", "each group needs at least 2 experts"))
+    if cfg.routed_scaling_factor <= 0:
+        errs.append(("routed_scaling_factor", "must be > 0"))
+    if cfg.yarn_factor and cfg.yarn_factor < 1:
+        errs.append(("yarn_factor", "0 (plain RoPE) or >= 1"))
+    return errs
+
+
+def _deepseek_v3_experiment_errors(exp: Any) -> Errors:
+    cfg, t = exp.model, exp.train
+    errs = []
+    tp = t.tensor_parallel
+    for k, n in (("num_attention_heads", cfg.num_attention_heads),
+                 ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                 ("q_lora_rank", cfg.q_lora_rank or tp)):
+        if n % tp:
+            errs.append(("train.tensor_parallel", f"{tp} must divide model.{k} ({n}): the local spec "
+                                                  f"column-splits every MLA projection"))
+    return errs
+
+
+def _none(_cfg: Any) -> Errors:
+    return []
+
+
+# architecture (neon_hpc.hfmap's name) -> (rules on its model section -> [(field, message)],
+#                                           rules on the rest of an experiment -> [(key path, message)])
+ARCH_RULES: dict[str, tuple[Callable[[ModelConfig], Errors], Callable[[Any], Errors]]] = {
+    "qwen3_moe": (_qwen3_moe_errors, _none),
+    "deepseek_v3": (_deepseek_v3_errors, _deepseek_v3_experiment_errors),
+}
+
+
+def _rules(arch: str):
+    return ARCH_RULES[hfmap.table(arch).NAME]        # kimi_k2 -> deepseek_v3; ValueError naming the arches
+
+
+def arch_errors(cfg: ModelConfig, arch: str | None = None) -> Errors:
+    """``[(field, message)]``: what architecture ``arch`` (default ``cfg.arch``) refuses in ``cfg``
+    (empty when the model fits it)."""
+    return _rules(arch or cfg.arch)[0](cfg)
+
+
+def arch_experiment_errors(exp: Any, arch: str | None = None) -> Errors:
+    """``[(key path, message)]``: what architecture ``arch`` (default ``exp.model.arch``) refuses in
+    the rest of the experiment config ``exp`` (trainer layout); ``neon-hpc config check`` reports them."""
+    return _rules(arch or exp.model.arch)[1](exp)

@@ -2,7 +2,8 @@
 the Megatron <-> HF name and slicing rules, and the route layout.
 
 Adding an architecture = one module here defining an :class:`~.base.Adapter` subclass, plus
-its line in ``_ADAPTERS``, and its name and config tables in :mod:`neon_hpc.hfmap`.
+its line in ``_ADAPTERS``, its name and config tables in :mod:`neon_hpc.hfmap`, and its config
+rules in ``ARCH_RULES`` of :mod:`neon_hpc.models.config` (the adapter's ``validate``).
 Importing this package imports no torch, transformers or megatron; the methods that need them
 import them.
 """

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from neon_hpc.hfmap.rules import (COMMON_LAYER_RULES, EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES,  # noqa: F401
                                   QKVShape, Rule, qkv_join, qkv_part, qkv_rows, tp_join, tp_shard)
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.config import ModelConfig, arch_errors, arch_experiment_errors
 
 
 class RouteLayoutError(ValueError):
@@ -80,15 +80,18 @@ class Adapter:
 
     # --- pure -----------------------------------------------------------------------------
     def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
-        return []
+        """``[(field, message)]``: what this architecture refuses in ``cfg`` (the rules are the
+        model section's, :data:`neon_hpc.models.config.ARCH_RULES`)."""
+        return arch_errors(cfg, self.name)
 
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(cfg.num_layers))
 
     def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
         """``[(key path, message)]``: what this architecture refuses in the rest of an experiment
-        config (trainer layout, balancer); ``neon-hpc config check`` reports them."""
-        return []
+        config (trainer layout, balancer); ``neon-hpc config check`` reports them
+        (:data:`neon_hpc.models.config.ARCH_RULES`)."""
+        return arch_experiment_errors(exp, self.name)
 
     def route_layout(self, cfg: ModelConfig) -> RouteLayout:
         return RouteLayout(rows=cfg.num_layers, moe_rows=tuple(self.moe_layers(cfg)))

@@ -35,49 +35,7 @@ class DeepseekV3Adapter(Adapter):
     hf_architecture = _map.HF_ARCHITECTURE
     layer_rules = LAYER_RULES
 
-    # --- pure -----------------------------------------------------------------------------
-    def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
-        errs = []
-        unset = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(cfg, k) < 1]
-        if unset:
-            errs.append((unset[0], f"multi-latent attention needs {', '.join(unset)} >= 1 (DeepSeek-V3/Kimi-K2: "
-                                   f"kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)"))
-        if cfg.qk_rope_head_dim % 2:
-            errs.append(("qk_rope_head_dim", "must be even (RoPE rotates pairs)"))
-        if cfg.num_query_groups != cfg.num_attention_heads:
-            errs.append(("num_query_groups", f"MLA has one latent KV per head: set it to num_attention_heads "
-                                             f"({cfg.num_attention_heads})"))
-        if not 0 <= cfg.first_dense_layers < cfg.num_layers:
-            errs.append(("first_dense_layers", f"must be in [0, num_layers={cfg.num_layers}) (at least one MoE layer)"))
-        g, gk = cfg.router_groups, cfg.router_group_topk
-        if g < 1 or cfg.num_experts % g:
-            errs.append(("router_groups", f"must divide num_experts ({cfg.num_experts})"))
-        elif not 1 <= gk <= g:
-            errs.append(("router_group_topk", f"must be in 1..router_groups ({g})"))
-        elif g > 1 and cfg.moe_router_topk != 2 * gk:
-            errs.append(("router_group_topk", f"with router_groups > 1 megatron scores a group by its top "
-                                              f"topk/group_topk experts and HF by its top 2: needs moe_router_topk "
-                                              f"({cfg.moe_router_topk}) == 2 * router_group_topk"))
-        elif g > 1 and cfg.num_experts // g < 2:
-            errs.append(("router_groups", "each group needs at least 2 experts"))
-        if cfg.routed_scaling_factor <= 0:
-            errs.append(("routed_scaling_factor", "must be > 0"))
-        if cfg.yarn_factor and cfg.yarn_factor < 1:
-            errs.append(("yarn_factor", "0 (plain RoPE) or >= 1"))
-        return errs
-
-    def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
-        cfg, t = exp.model, exp.train
-        errs = []
-        tp = t.tensor_parallel
-        for k, n in (("num_attention_heads", cfg.num_attention_heads),
-                     ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-                     ("q_lora_rank", cfg.q_lora_rank or tp)):
-            if n % tp:
-                errs.append(("train.tensor_parallel", f"{tp} must divide model.{k} ({n}): the local spec "
-                                                      f"column-splits every MLA projection"))
-        return errs
-
+    # --- pure (validate / experiment_errors: the model section's ARCH_RULES, via Adapter) ----------
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(cfg.first_dense_layers, cfg.num_layers))
 

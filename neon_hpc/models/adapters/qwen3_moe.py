@@ -22,20 +22,6 @@ class Qwen3MoeAdapter(Adapter):
     hf_architecture = _map.HF_ARCHITECTURE
     layer_rules = LAYER_RULES
 
-    def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
-        errs = []
-        if cfg.num_attention_heads % cfg.num_query_groups:
-            errs.append(("num_attention_heads", f"must be a multiple of num_query_groups ({cfg.num_query_groups})"))
-        if cfg.head_dim <= 0:
-            errs.append(("head_dim", "must be positive"))
-        for k in ("first_dense_layers", "num_shared_experts", "q_lora_rank", "kv_lora_rank"):
-            if getattr(cfg, k):
-                errs.append((k, f"is a deepseek_v3 field; arch qwen3_moe has every layer MoE, no shared "
-                                f"experts and GQA attention: set it to 0 or use arch: deepseek_v3"))
-        if cfg.yarn_factor:
-            errs.append(("yarn_factor", "YaRN is wired for deepseek_v3 only; set it to 0"))
-        return errs
-
     def qkv_shape(self, cfg: ModelConfig) -> QKVShape:
         return QKVShape(cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim)
 
