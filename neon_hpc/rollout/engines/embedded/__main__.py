@@ -4,4 +4,5 @@ import sys
 
 from neon_hpc.rollout.engines.embedded.launcher import main
 
-sys.exit(main())
+if __name__ == "__main__":   # importing the module (env/setup.sh checks every one) runs nothing
+    sys.exit(main())
