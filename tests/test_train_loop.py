@@ -29,7 +29,7 @@ STEPS, PER_STEP = 4, 8
 L, K, E = 2, 2, 4
 
 
-def _trajectories(step: int, rng: np.random.Generator):
+def _trajectories(step: int, rng: np.random.Generator, layers: int = L):
     from neon_hpc.store import Trajectory
     out = []
     for i in range(PER_STEP):
@@ -37,7 +37,7 @@ def _trajectories(step: int, rng: np.random.Generator):
         prompt = int(rng.integers(2, 4))
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
         versions = np.where(mask > 0, rng.integers(max(0, step - 3), step, n), -1).astype(np.int32)
-        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(L)]) for _ in range(n)]).astype(np.int32)
+        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(layers)]) for _ in range(n)]).astype(np.int32)
         out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
                               logprobs=np.where(mask > 0, rng.normal(-5.5, 0.3, n), 0).astype(np.float32),
                               versions=versions, routed_experts=routes, reward=float(rng.integers(0, 2)),

@@ -26,28 +26,16 @@ import pytest
 from neon_hpc import config as C
 from neon_hpc.logs import read_metrics
 from neon_hpc.rundir import RunDir
-from test_train_loop import add_shards, start, wait_ok, weights
+from test_train_loop import _trajectories as _loop_trajectories, add_shards, start, wait_ok, weights
 from test_train_pp import rewound_copy
 
-LAYERS, K, E, PER_STEP, STEPS = 4, 2, 4, 8, 3
+LAYERS, PER_STEP, STEPS = 4, 8, 3
 VPP = ("train.pipeline_parallel=2", "train.virtual_pipeline_stages=2", "balance.min_microbatches=3")
 
 
 def _trajectories(step: int, rng: np.random.Generator):
-    from neon_hpc.store import Trajectory
-    out = []
-    for i in range(PER_STEP):
-        n = int(rng.integers(6, 18))
-        prompt = int(rng.integers(2, 4))
-        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
-        versions = np.where(mask > 0, rng.integers(max(0, step - 3), step, n), -1).astype(np.int32)
-        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(LAYERS)]) for _ in range(n)])
-        out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
-                              logprobs=np.where(mask > 0, rng.normal(-5.5, 0.3, n), 0).astype(np.float32),
-                              versions=versions, routed_experts=routes.astype(np.int32),
-                              reward=float(rng.integers(0, 2)), task_id=f"s{step}g{i // 4}",
-                              group_id=f"s{step}g{i // 4}"))
-    return out
+    """test_train_loop's trajectories (same draws), with routes for this model's LAYERS."""
+    return _loop_trajectories(step, rng, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -112,6 +112,18 @@ def role_of(p: psutil.Process) -> str:
     return "engine" if "engine" in cmd or "embedded" in cmd else "other"
 
 
+def sigkill(procs: list[psutil.Process]) -> list[str]:
+    """SIGKILL each process; the ``role:pid`` of each (one that is already gone is skipped)."""
+    names = []
+    for p in procs:
+        try:
+            names.append(f"{role_of(p)}:{p.pid}")
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    return names
+
+
 def by_role(root: Path, role: str) -> list[psutil.Process]:
     return [p for p in run_processes(root) if role_of(p) == role]
 
@@ -219,13 +231,7 @@ class Trial:
                     continue
             v = self.victims(moment, launcher)
             if v:
-                names = []
-                for p in v:
-                    try:
-                        names.append(f"{role_of(p)}:{p.pid}")
-                        p.send_signal(signal.SIGKILL)
-                    except psutil.Error:
-                        pass
+                names = sigkill(v)
                 return f"SIGKILL {', '.join(names)} after {time.monotonic() - t0:.0f}s"
             time.sleep(POLL_S)
         return "none (the run ended before the moment came)"
@@ -448,13 +454,7 @@ class SlurmTrial(Trial):
         if moment == "kill-node":
             group = GROUPS[self.component] if self.component is not None else self.rng.choice(sorted(GROUPS.values()))
             v = self.victims_of(group)
-            names = []
-            for p in v:
-                try:
-                    names.append(f"{role_of(p)}:{p.pid}")
-                    p.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
+            names = sigkill(v)
             return f"SIGKILL the {group} node's {len(names)} processes ({', '.join(names)}) after {time.monotonic() - t0:.0f}s"
         r = self.slurm("scontrol", "requeue", job)
         if r.returncode:
