@@ -157,6 +157,13 @@ def layout_errors(cfg: Any) -> Errors:
     return errs
 
 
+def world_fix(cfg: Any, started: int, unit: str) -> str:
+    """What to change when ``started`` processes (``unit``: "ranks", "processes") are not the layout's."""
+    per_replica = world_size(cfg) // cfg.train.data_parallel
+    return (f"set train.data_parallel: {started // per_replica}" if started % per_replica == 0 else
+            f"start a multiple of tp*pp*cp = {per_replica} {unit}")
+
+
 def launch_world_errors(cfg: Any) -> Errors:
     """A Slurm train group must start exactly ``world_size(cfg)`` ranks."""
     g = cfg.launch.train
@@ -167,9 +174,7 @@ def launch_world_errors(cfg: Any) -> Errors:
     if started == want:
         return []
     t = cfg.train
-    per_replica = want // t.data_parallel
-    fix = (f"set train.data_parallel: {started // per_replica}" if started % per_replica == 0 else
-           f"start a multiple of tp*pp*cp = {per_replica} ranks")
+    fix = world_fix(cfg, started, "ranks")
     return [("train.data_parallel",
              f"tensor_parallel*pipeline_parallel*context_parallel*data_parallel = {t.tensor_parallel}*"
              f"{t.pipeline_parallel}*{t.context_parallel}*{t.data_parallel} = {want} ranks, but launch.train "

@@ -122,13 +122,11 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 def check_world(cfg: ExperimentConfig, world: int) -> None:
     """The processes started must be exactly the layout's ``tp * pp * cp * dp`` ranks."""
-    from neon_hpc.train.layout import world_size
+    from neon_hpc.train.config import world_fix, world_size
     t = cfg.train
     want = world_size(cfg)
     if world != want:
-        per_replica = want // t.data_parallel
-        fix = (f"set train.data_parallel: {world // per_replica}" if world % per_replica == 0 else
-               f"start a multiple of tp*pp*cp = {per_replica} processes")
+        fix = world_fix(cfg, world, "processes")
         raise TrainerError(f"train.data_parallel: tensor_parallel*pipeline_parallel*context_parallel*data_parallel = "
                            f"{t.tensor_parallel}*{t.pipeline_parallel}*{t.context_parallel}*{t.data_parallel} = "
                            f"{want}, but {world} trainer process(es) started (WORLD_SIZE): {fix}")
