@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.rundir import RunDir, read_json
-from neon_hpc.store.claim import CLAIM_FILE, REASON_SUFFIX, claimed_steps, ready_count
+from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.records import ClaimRecord
+from neon_hpc.protocol.rundir import RunDirError
+from neon_hpc.store.claim import REASON_SUFFIX, claimed_steps, ready_count
 from neon_hpc.store.reader import ShardError, read_shard, shard_summary
 from neon_hpc.store.trajectory import Trajectory
 
@@ -126,10 +128,15 @@ def cmd_ls(a: argparse.Namespace) -> int:
     steps = claimed_steps(rd)
     print(f"claimed     {len(steps)} committed steps" + (f" ({steps[0]}..{steps[-1]})" if steps else ""))
     for s in steps[-a.last:]:
-        rec = read_json(rd.claimed_step(s) / CLAIM_FILE, {})
-        print(f"  step_{s:<6} {rec.get('trajectories')} trajectories, {rec.get('tokens')} tokens, "
-              f"{len(rec.get('shards', []))} shards, {rec.get('dropped_stale')} stale dropped, "
-              f"by {rec.get('consumer')}")
+        try:
+            rec = ClaimRecord.read(rd, s)
+        except RunDirError as e:     # a torn or foreign record: say so, list the rest
+            print(f"  step_{s:<6} {e}")
+            continue
+        if rec is None:              # committed a moment ago and gone since (moved aside)
+            continue
+        print(f"  step_{s:<6} {rec.trajectories} trajectories, {rec.tokens} tokens, "
+              f"{len(rec.shards)} shards, {rec.dropped_stale} stale dropped, by {rec.consumer}")
     q = rd.traj_quarantine
     names = sorted(n for n in os.listdir(q) if not n.endswith(REASON_SUFFIX)) if q.is_dir() else []
     print(f"quarantine  {len(names)} files")
