@@ -113,7 +113,7 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
 
 
 def _make_staging(dst: Path) -> Path:
-    from neon_hpc.rundir import staging_dir_for
+    from neon_hpc.protocol.rundir import staging_dir_for
     staging = staging_dir_for(dst)
     staging.chmod(0o755)  # mkdtemp makes it 0700; the published folder is read by engines
     return staging
@@ -153,7 +153,7 @@ def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: b
 
 def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
-    from neon_hpc.rundir import publish_dir
+    from neon_hpc.protocol.rundir import publish_dir
     try:
         if errors:
             raise ReshardError("; ".join(errors))
