@@ -27,7 +27,7 @@ PROG = r"""
 import json, os, sys, time
 from pathlib import Path
 import psutil
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 

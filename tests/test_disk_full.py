@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.netutil import free_port
-from neon_hpc.rundir import RunDir, StorageError, atomic_write_json
+from neon_hpc.protocol.rundir import RunDir, StorageError, atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ TRAINER = r"""
 import json, os, sys
 from pathlib import Path
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.rundir import RunDir, StorageError
+from neon_hpc.protocol.rundir import RunDir, StorageError
 from neon_hpc.train import backend as B, checkpoint as ckpt
 fs = Path(sys.argv[1])
 run = RunDir(fs / "run").create()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir, read_json
+from neon_hpc.protocol.rundir import RunDir, read_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]

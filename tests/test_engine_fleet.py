@@ -23,7 +23,7 @@ from neon_hpc.logs import RoleLogger, read_metrics
 from neon_hpc.netutil import free_port
 from neon_hpc.rollout.engines.fleet import Fleet, FleetError, node_addresses, resolve
 from neon_hpc.rollout.engines.sglang_launch import layout, render_commands
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 NEON = [sys.executable, "-m", "neon_hpc.cli"]

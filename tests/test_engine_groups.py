@@ -9,7 +9,7 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout.engines.groups import EmbeddedEngines, ExternalEngines, SGLangEngines, engine_group
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 
 
 def _cfg(**sets):

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc import rundir
-from neon_hpc.rundir import RunDir, RunDirError
+from neon_hpc.protocol import rundir
+from neon_hpc.protocol.rundir import RunDir, RunDirError
 
 WRITER = r"""
 import os, sys, json
-from neon_hpc import rundir
+from neon_hpc.protocol import rundir
 d = sys.argv[1]
 i = 0
 while True:

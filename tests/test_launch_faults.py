@@ -9,7 +9,7 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, summarize, write_run_yaml
-from neon_hpc.rundir import staging_dir_for
+from neon_hpc.protocol.rundir import staging_dir_for
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, write_run_yaml
-from neon_hpc.rundir import read_json
+from neon_hpc.protocol.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

@@ -41,7 +41,7 @@ def test_no_slurm_on_the_path_is_said(tmp_path):
 @pytest.mark.slurm
 def test_status_reads_every_component_of_a_het_job(slurm_cluster, tmp_path, monkeypatch):
     from neon_hpc.ops import status as st
-    from neon_hpc.rundir import RunDir, atomic_write_json
+    from neon_hpc.protocol.rundir import RunDir, atomic_write_json
     script = tmp_path / "het.sbatch"
     script.write_text(textwrap.dedent(f"""\
         #!/bin/bash

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "xrd", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # architecture adapters, megatron and HF builders
-    ("foundation", {"protocol", "config", "rundir", "hfmap", "constraints", "bounded", "logs", "logsinks",
+    ("foundation", {"protocol", "config", "hfmap", "constraints", "bounded", "logs", "logsinks",
                     "netutil", "procutil", "progress", "httpretry", "rankenv", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
@@ -161,11 +161,11 @@ def test_every_part_has_a_layer():
 def test_the_scanner_sees_every_kind_of_import(tmp_path):
     """The rules are only as good as the parser: relative, lazy, aliased and importlib imports."""
     probe = tmp_path / "probe.py"        # read as if it were neon_hpc/reshard/probe.py
-    probe.write_text("from ..rundir import RunDir\nfrom neon_hpc import config\n"
+    probe.write_text("from ..protocol.rundir import RunDir\nfrom neon_hpc import config\n"
                    "def f():\n    import neon_hpc.train.loop as l\n    from . import plan\n"
                    "    import importlib\n    importlib.import_module('neon_hpc.models.hf')\n")
     got = [m for _, m in imports_of(probe, "neon_hpc.reshard.probe")]
-    assert got.count("neon_hpc.rundir") == 1 and "neon_hpc.config" in got
+    assert got.count("neon_hpc.protocol.rundir") == 1 and "neon_hpc.config" in got
     assert {"neon_hpc.train.loop", "neon_hpc.reshard.plan", "neon_hpc.models.hf"} <= set(got), got
     assert part_of("neon_hpc.train.config") == "config" and part_of("neon_hpc.train.loop") == "train"
 

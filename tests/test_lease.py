@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from neon_hpc.launch import lease
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
 HOLDER = r"""
 import sys, time
 from neon_hpc.launch import lease
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 run = RunDir(sys.argv[1])
 rec = lease.acquire(run, "local")
 r = lease.Renewer(run, rec["token"], "holder"); r.start()
@@ -34,7 +34,7 @@ time.sleep(300)
 RACER = r"""
 import sys, time
 from neon_hpc.launch import lease
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 while time.time() < float(sys.argv[2]):
     pass
 try:

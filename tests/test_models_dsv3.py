@@ -135,7 +135,7 @@ def _publish_worker(rank: int, world: int, port: int, out: str, tp: int, ep: int
     from pathlib import Path
     from neon_hpc.models import megatron as mm
     from neon_hpc.models.convert import hf_to_megatron
-    from neon_hpc.rundir import RunDir
+    from neon_hpc.protocol.rundir import RunDir
     from neon_hpc.train import backend as B
     from neon_hpc.train import checkpoint as ckpt
     from neon_hpc.train.publish import publish_weights
@@ -164,7 +164,7 @@ def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
     import torch.multiprocessing as mp
     from neon_hpc.models.parity import hf_logits
     from neon_hpc.netutil import free_port
-    from neon_hpc.rundir import RunDir
+    from neon_hpc.protocol.rundir import RunDir
     world = max(tp, ep)
     mp.start_processes(_publish_worker, args=(world, free_port(), str(tmp_path), tp, ep), nprocs=world,
                        join=True, start_method="spawn")

@@ -41,7 +41,7 @@ import torch
 from neon_hpc import config
 from neon_hpc.models import megatron
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import backend as B, checkpoint as ckpt
 
 root = Path(sys.argv[1])

@@ -10,7 +10,7 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout import worker
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 
 TINY = "configs/tiny_cpu.yaml"
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.claim import CLAIM_FILE, stale_token_mask
 from neon_hpc.store.config import StoreConfig

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from neon_hpc.rundir import RunDir, atomic_write_json
+from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 from neon_hpc.store import (ClaimConflict, ClaimTimeout, ShardWriter, claim_step, claimed_steps, ready_count,
                             staleness_stats)
 from neon_hpc.store.claim import CLAIM_FILE, DROPPED_FILE, OWNER_FILE

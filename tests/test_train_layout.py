@@ -30,7 +30,7 @@ import yaml
 
 from neon_hpc import config as C
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from test_train_loop import add_shards, start, wait_ok
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import pytest
 from neon_hpc import config as C
 from neon_hpc.logs import read_metrics
 from neon_hpc.netutil import free_port
-from neon_hpc.rundir import RunDir, read_json
+from neon_hpc.protocol.rundir import RunDir, read_json
 
 STEPS, PER_STEP = 4, 8
 L, K, E = 2, 2, 4

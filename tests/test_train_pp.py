@@ -42,7 +42,7 @@ def rewound_copy(run, dst, step: int):
     weights and metric records removed (the claims of later steps stay: a restarted trainer
     re-reads exactly those trajectories)."""
     shutil.copytree(run.root, dst)
-    from neon_hpc.rundir import RunDir
+    from neon_hpc.protocol.rundir import RunDir
     new = RunDir(dst)
     for s in new.checkpoint_steps():
         if s > step:

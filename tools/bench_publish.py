@@ -51,7 +51,7 @@ def _digest(folder: Path) -> str:
 
 def bench(size: str, reps: int, root: Path) -> dict:
     from neon_hpc import config
-    from neon_hpc.rundir import RunDir
+    from neon_hpc.protocol.rundir import RunDir
     from neon_hpc.train import checkpoint as ckpt
     from neon_hpc.train.backend import setup
     from neon_hpc.train.publish import publish_weights

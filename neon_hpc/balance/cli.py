@@ -75,7 +75,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def _calibrate(a) -> int:
     from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
-    from neon_hpc.rundir import atomic_write_json
+    from neon_hpc.protocol.rundir import atomic_write_json
     cfg = _load_cfg(a)
     lengths = _int_list(a.lengths, "--lengths") if a.lengths else list(DEFAULT_LENGTHS)
     rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,

@@ -64,7 +64,7 @@ def mark_finished(run_dir: str) -> None:
 
 def _trainer(cfg, run_dir: str) -> int:
     from neon_hpc.train.loop import run_trainer
-    from neon_hpc.rundir import StorageError
+    from neon_hpc.protocol.rundir import StorageError
     from neon_hpc.train.writers import CheckpointWriterError
     try:
         rc = run_trainer(cfg, run_dir)
@@ -72,7 +72,7 @@ def _trainer(cfg, run_dir: str) -> int:
         print(f"trainer: {e}. Rerun to resume from the newest checkpoint", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        from neon_hpc.rundir import storage_error
+        from neon_hpc.protocol.rundir import storage_error
         full = storage_error(e, getattr(e, "filename", None) or run_dir, "writing into")
         if full is None:
             raise

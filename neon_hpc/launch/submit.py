@@ -22,7 +22,7 @@ from neon_hpc import config
 from neon_hpc.launch.common import resolve_run_dir, write_run_yaml
 from neon_hpc.launch.slurm import quote, render_sbatch, sbatch_command
 from neon_hpc.launch.slurmjob import query
-from neon_hpc.rundir import atomic_write_text
+from neon_hpc.protocol.rundir import atomic_write_text
 
 
 def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tuple[str, Path]:
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         return 0
     run_dir = resolve_run_dir(cfg, a.run_dir)
     from neon_hpc.launch.lease import LeaseHeld, check_free
-    from neon_hpc.rundir import RunDir
+    from neon_hpc.protocol.rundir import RunDir
     try:
         check_free(RunDir(run_dir))   # the job takes the lease itself when it starts
     except LeaseHeld as e:

@@ -27,7 +27,7 @@ import torch
 
 from neon_hpc.models.adapters import adapter_for_hf_config, get_adapter
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.rundir import publish_dir, staging_dir_for
+from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
 
 WEIGHTS_FILE = "model.safetensors"
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -101,7 +101,7 @@ def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLi
 
     Accepts an HF model or an HF state dict in either spelling (a megatron state dict goes
     through :func:`neon_hpc.models.convert.megatron_to_hf` first).  ``out_dir``
-    must not exist yet (published directories are immutable, see :func:`neon_hpc.rundir.publish_dir`).
+    must not exist yet (published directories are immutable, see :func:`neon_hpc.protocol.rundir.publish_dir`).
     """
     from safetensors.torch import save_file
 

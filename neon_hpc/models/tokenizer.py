@@ -141,7 +141,7 @@ class Tokenizer:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``neon_tokenizer.json`` into ``directory`` (atomically) and return its path."""
-        from neon_hpc.rundir import atomic_write_json
+        from neon_hpc.protocol.rundir import atomic_write_json
         path = Path(directory) / FILE_NAME
         atomic_write_json(path, self.to_json())
         return path

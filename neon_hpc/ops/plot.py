@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from neon_hpc.logs import read_metrics
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from neon_hpc.logs import last_lines
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 
 
 def log_files(run: RunDir, role: str, rank: str | None) -> list[Path]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.protocol.records import ClaimRecord
 from neon_hpc.protocol.rundir import RunDirError
 from neon_hpc.store.claim import REASON_SUFFIX, claimed_steps, ready_count

@@ -43,7 +43,7 @@ import torch
 
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
-from neon_hpc.rundir import RunDir, publish_dir, read_json, staging_dir_for
+from neon_hpc.protocol.rundir import RunDir, publish_dir, read_json, staging_dir_for
 from neon_hpc.train.backend import Backend, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
 
@@ -160,7 +160,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
             publish_dir(staging, final)
         _barrier(lay.world)
     except BaseException as e:
-        from neon_hpc.rundir import storage_error   # before the clean-up frees what the write took
+        from neon_hpc.protocol.rundir import storage_error   # before the clean-up frees what the write took
         full = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else storage_error(e, final, "writing checkpoint")
         if lay.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)

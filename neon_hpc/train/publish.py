@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train.backend import Backend, full_state_dict
 
 

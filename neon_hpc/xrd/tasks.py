@@ -313,7 +313,7 @@ def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = Tru
     (libpq takes it from PGPASSWORD or ~/.pgpass).  Each file is published by rename, the
     folder's pointer to the store last.
     """
-    from neon_hpc.rundir import atomic_write_json, atomic_write_text
+    from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
     from neon_hpc.xrd.store import is_postgres, redact_dsn
     if db is not None and not is_postgres(db):
         raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the store is "

@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         records += recs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from neon_hpc.rundir import atomic_write_json, atomic_write_text
+    from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
     meta = {"endpoint": args.endpoint, "model": args.model, "api": api, "preset": args.preset,
             "tools": args.tools, "seed": args.seed, "n": args.n, "temperature": args.temperature,
             "protocol": args.protocol}
