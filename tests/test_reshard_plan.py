@@ -184,3 +184,13 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
     told = {k: v for k, v in derived.items() if not any(g.split()[0] == k for g in guessed)}
     assert len(told) >= 10 and {k: want[k] for k in told} == told
     configsource.check_config_shapes(want, ck)
+
+
+def test_kimi_k2_is_accepted_as_deepseek_v3_everywhere_an_arch_is_named():
+    from neon_hpc.reshard.arch import canonical_arch
+    from neon_hpc.reshard.cli import parse_args
+    assert canonical_arch("kimi_k2") == "deepseek_v3"
+    assert ModelSpec.from_hf_config({"model_type": "qwen3_moe"}, arch="kimi_k2").arch == "deepseek_v3"
+    assert parse_args(["--src", "x", "--dry-run", "--arch", "kimi_k2"]).arch == "kimi_k2"
+    with pytest.raises(MappingError, match="unknown architecture 'llama'"):
+        canonical_arch("llama", "deepseek_v3")

@@ -63,6 +63,16 @@ class Slab:
     outputs: tuple[OutTensor, ...]
 
 
+def canonical_arch(arch: str | None, model_type: str | None = None) -> str:
+    """The architecture of ``arch`` (``--arch``, a config ``model.arch``) or else of an HF
+    ``model_type``, as a mapping name (``kimi_k2`` -> ``deepseek_v3``); MappingError naming both."""
+    resolved = MODEL_TYPES.get(arch or model_type or "")
+    if resolved not in ARCHES:
+        raise MappingError(f"unknown architecture {arch or model_type!r} (config model_type={model_type!r}); "
+                           f"supported: {', '.join(ARCHES)} (and kimi_k2 as deepseek_v3)")
+    return resolved
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The few HF config fields the tensor mapping needs."""
@@ -75,11 +85,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, arch: str | None = None) -> "ModelSpec":
-        model_type = cfg.get("model_type")
-        resolved = arch or MODEL_TYPES.get(model_type or "")
-        if resolved not in ARCHES:
-            raise MappingError(f"unknown architecture {arch or model_type!r} (config model_type={model_type!r}); "
-                               f"supported: {', '.join(ARCHES)} (and kimi_k2 as deepseek_v3)")
+        resolved = canonical_arch(arch, cfg.get("model_type"))
         heads = cfg.get("num_attention_heads")
         head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
         return cls(resolved, cfg.get("vocab_size"), heads, cfg.get("num_key_value_heads", heads), head_dim)

@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from neon_hpc.hfmap import MODEL_TYPES
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0],
@@ -16,7 +18,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--src", required=True, help="Megatron torch_dist checkpoint directory")
     p.add_argument("--dst", help="output HF directory (must not exist; appears only when complete)")
     p.add_argument("--hf-config-dir", help="directory with the model's HF config.json (+ tokenizer files to copy)")
-    p.add_argument("--arch", choices=["qwen3_moe", "deepseek_v3"],
+    p.add_argument("--arch", choices=sorted(MODEL_TYPES),
                    help="architecture (with --allow-guessed-config: derive the config's shape fields from the checkpoint)")
     p.add_argument("--allow-guessed-config", action="store_true",
                    help="foreign checkpoints only: when no config is found (--hf-config-dir, the checkpoint's "

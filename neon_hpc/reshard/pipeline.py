@@ -13,7 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
-from neon_hpc.reshard.arch import ModelSpec, MappingError
+from neon_hpc.reshard.arch import MappingError, ModelSpec, canonical_arch
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
 from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src
@@ -41,6 +41,7 @@ def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
 
 def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
                      allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
+    arch = canonical_arch(arch) if arch else None     # --arch kimi_k2 is deepseek_v3
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
     check_config_shapes(source.cfg, ckpt, arch)
