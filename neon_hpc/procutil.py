@@ -185,15 +185,20 @@ def stop_tree(procs: Sequence[subprocess.Popen], grace_s: float, *, signal_child
 class StopFlag:
     """A role's stop request: the first of ``signals`` sets it; the role's loop polls it.
 
-    ``signum`` is the latest signal received; ``on_signal(signum)`` (optional) runs in the
-    handler, so it must only set state or start a thread.  ``install`` replaces the handlers,
-    ``restore`` puts the previous ones back."""
+    ``signum`` is the latest signal received and ``count`` how many came; ``on_signal(signum)``
+    (optional) runs in the handler for each, so it must only set state, log or start a thread.
+    ``on_again(signum)`` (optional) runs instead of it from the second signal on: the
+    escalation (the local launcher's second Ctrl-C kills at once); ``escalated`` says one came.
+    ``install`` replaces the handlers, ``restore`` puts the previous ones back."""
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
-                 on_signal: Callable[[int], None] | None = None):
+                 on_signal: Callable[[int], None] | None = None,
+                 on_again: Callable[[int], None] | None = None):
         self.signals = tuple(signals)
         self.on_signal = on_signal
+        self.on_again = on_again
         self.signum: int | None = None
+        self.count = 0
         self._old: dict[int, object] = {}
 
     def install(self) -> "StopFlag":
@@ -208,12 +213,19 @@ class StopFlag:
 
     def _handle(self, signum, _frame) -> None:
         self.signum = signum
-        if self.on_signal is not None:
-            self.on_signal(signum)
+        self.count += 1
+        call = self.on_again if self.count > 1 and self.on_again is not None else self.on_signal
+        if call is not None:
+            call(signum)
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    @property
+    def escalated(self) -> bool:
+        """A second signal came after the first (a stop request made twice)."""
+        return self.count > 1
 
     @property
     def name(self) -> str | None:

@@ -30,7 +30,7 @@ from neon_hpc.launch import lease
 from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
-from neon_hpc.procutil import stop_tree
+from neon_hpc.procutil import StopFlag, stop_tree
 from neon_hpc.protocol.records import Finished, mark_finished
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train.config import world_size
@@ -51,7 +51,9 @@ class LocalRun:
         self.log = RoleLogger.open(run.root, "launcher", 0, echo=False)
         self.trainers: list[subprocess.Popen] = []
         self.node: subprocess.Popen | None = None
-        self.interrupted = False
+        # Ctrl-C / SIGTERM: the first asks everyone to stop, a second one kills at once
+        self.stop_flag = StopFlag((signal.SIGINT, signal.SIGTERM), on_signal=self._on_signal,
+                                  on_again=self._on_signal_again)
         self.interrupted_at: float | None = None
         self.metrics = MetricsTail(run.root, "trainer")   # read incrementally, once a second
 
@@ -82,12 +84,14 @@ class LocalRun:
         self.say(f"run dir {self.run.root}: {world} trainer rank(s), 1 rollout node with "
                  f"{self.cfg.rollout.num_workers} workers; logs: neon-hpc tail {self.run.root} --role trainer")
 
-    def _on_signal(self, signum, _frame) -> None:
-        if self.interrupted:     # a second Ctrl-C: stop now
-            self.say(f"{signal.Signals(signum).name} again: killing every process of the run now")
-            self.interrupted_at = -float("inf")
-            return
-        self.interrupted = True
+    @property
+    def interrupted(self) -> bool:
+        return self.stop_flag.requested
+
+    def _on_signal_again(self, signum: int) -> None:
+        self.say(f"{signal.Signals(signum).name} again: killing every process of the run now")
+
+    def _on_signal(self, signum: int) -> None:
         self.interrupted_at = time.monotonic()
         self.say(f"{signal.Signals(signum).name}: asking the trainer to checkpoint and everyone to stop "
                  f"(run the same command again to resume)")
@@ -125,6 +129,9 @@ class LocalRun:
             if all(c == 0 for c in codes):
                 rc = 0
                 break
+            if self.stop_flag.escalated:    # a second signal (said so in the handler): stop() kills at once
+                rc = 1
+                break
             if self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S:
                 self.say(f"the trainer did not stop within {STOP_GRACE_S:.0f}s of the signal; killing it "
                          f"(its log: neon-hpc tail {self.run.root} --role trainer)")
@@ -143,10 +150,16 @@ class LocalRun:
         self.stop()
         return rc if not self.interrupted else 130
 
+    def stop_grace(self) -> float:
+        """How long the roles get after SIGTERM: none after a second signal or once the first
+        one's :data:`STOP_GRACE_S` has passed, else :data:`TERM_GRACE_S`."""
+        if self.stop_flag.escalated or (self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S):
+            return 0.0
+        return TERM_GRACE_S
+
     def stop(self) -> None:
         procs = [p for p in self.trainers + [self.node] if p is not None]
-        grace = 0.0 if self.interrupted_at == -float("inf") or \
-            (self.interrupted and time.monotonic() - self.interrupted_at > STOP_GRACE_S) else TERM_GRACE_S
+        grace = self.stop_grace()
         # SIGTERM to the roles only (each stops its own children in order); nothing of the run
         # may outlive the launcher: what is left is SIGKILLed, and each role's session with it
         done = stop_tree(procs, grace, signal_children=False, process_groups=True)
@@ -174,8 +187,7 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
         print(f"neon-hpc run: {e}", file=sys.stderr)
         return 3
     lr = LocalRun(cfg, run, quiet=a.quiet, lease_token=token)
-    signal.signal(signal.SIGINT, lr._on_signal)
-    signal.signal(signal.SIGTERM, lr._on_signal)
+    lr.stop_flag.install()
     renewer = lease.Renewer(run, token, "launcher", on_lost=lr.lost_lease)
     renewer.start()
     t0 = time.monotonic()
