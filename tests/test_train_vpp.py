@@ -124,7 +124,7 @@ def test_chunk_layers_follow_megatrons_interleaved_assignment():
 
 
 def test_microbatch_group_size_is_megatrons_default_when_it_can_be():
-    from neon_hpc.train.backend import microbatch_group_size
+    from neon_hpc.balance.pipeline import microbatch_group_size
     assert microbatch_group_size(4, 2) == 2          # depth-first: megatron's default
     assert microbatch_group_size(3, 2) == 3          # 3 % 2 = 1 < PP: one group of 3
     assert microbatch_group_size(7, 4) == 7          # 7 % 4 = 3, 7 % 5 = 2, 7 % 6 = 1 (< PP); 7 % 7 = 0

@@ -7,7 +7,8 @@ See README.md beside this file for the flow, the semantics and the metrics.
 """
 
 from neon_hpc.balance.cost import CostModel, attention_flops, flops_breakdown
-from neon_hpc.balance.plan import Piece, Plan, check_plan, microbatch_cost, pipeline_time
+from neon_hpc.balance.pipeline import pipeline_time
+from neon_hpc.balance.plan import Piece, Plan, check_plan, microbatch_cost
 from neon_hpc.balance.planners import PLANNERS, plan_step
 
 __all__ = ["CostModel", "Plan", "Piece", "plan_step", "PLANNERS", "check_plan", "microbatch_cost",

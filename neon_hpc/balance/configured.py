@@ -2,7 +2,7 @@
 
     plan = plan_for_config(lengths, cfg)        # cfg: neon_hpc.config.ExperimentConfig
 
-DP/PP/CP sizes come from ``cfg.train``, the cap and planner from ``cfg.balance``, the cost
+DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and planner from ``cfg.balance``, the cost
 model from ``balance.cost_a/cost_b``, else ``balance.cost_file`` (a calibration), else
 the architecture in ``cfg.model``.
 """
@@ -46,6 +46,7 @@ def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, 
     kw = dict(dp=t.data_parallel, pp_microbatches=max(1, b.min_microbatches or t.pipeline_parallel),
               pp_stages=t.pipeline_parallel, cp=t.context_parallel,
               token_cap=b.tokens_per_microbatch, planner=b.planner, shadow=b.shadow,
-              cp_split_threshold=b.split_threshold_tokens, split=b.splits)
+              cp_split_threshold=b.split_threshold_tokens, split=b.splits,
+              vpp=t.virtual_pipeline_stages)
     kw.update(overrides)
     return plan_step(lengths, cost=cost or cost_model_for_config(cfg), **kw)

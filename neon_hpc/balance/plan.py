@@ -17,7 +17,9 @@ prefix).  Each pair has the same tokens and, under the cost model, the same cost
 Predicted time of a rank under a 1F1B pipeline of ``p`` stages with micro-batch costs
 ``t_j`` (the whole model's forward + backward of micro-batch ``j``):
 ``(sum_j t_j + (p - 1) * max_j t_j) / p``: every micro-batch passes every stage, and the
-warm-up and drain bubbles last as long as the slowest micro-batch's stage time.
+warm-up and drain bubbles last as long as the slowest micro-batch's stage time.  With ``V``
+virtual stages (interleaved 1F1B) the bubbles are ``V`` times shorter, and the step lasts at
+least ``max_j t_j`` (:mod:`neon_hpc.balance.pipeline`, with the schedule it models).
 With ``cp > 1`` a micro-batch is shared by a CP group; its time is the slowest CP rank's
 share (see :mod:`neon_hpc.balance.cp`).
 """
@@ -30,6 +32,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from neon_hpc.balance.cost import CostModel
+from neon_hpc.balance.pipeline import pipeline_time
 
 
 class Piece(NamedTuple):
@@ -65,6 +68,7 @@ class Plan:
     chosen_from: str = ""                                # which candidate won (cost planner)
     planner_s: float = 0.0
     images: tuple[int, ...] | None = None
+    vpp: int = 1                                         # virtual pipeline stages (model chunks per stage)
 
     # ---- shape ----------------------------------------------------------------------------
     @property
@@ -107,7 +111,7 @@ class Plan:
         """Small JSON-able record for metrics.jsonl."""
         return {
             "planner": self.planner, "chosen_from": self.chosen_from, "dp": self.dp,
-            "pp_stages": self.pp_stages, "cp": self.cp, "token_cap": self.token_cap,
+            "pp_stages": self.pp_stages, "vpp": self.vpp, "cp": self.cp, "token_cap": self.token_cap,
             "microbatches": self.num_microbatches, "sequences": len(self.lengths),
             "split_sequences": len(self.split_sequences()), "oversize": list(self.oversize),
             "makespan": self.makespan, "imbalance": self.imbalance,
@@ -133,19 +137,12 @@ def microbatch_cost(pieces: Sequence[Piece], cost: CostModel, cp: int = 1,
     return sum(piece_cost(cost, p[0], p[1], p[2], images) for p in pieces) + cost.mb_overhead
 
 
-def pipeline_time(mb_costs: Sequence[float], pp_stages: int) -> float:
-    """1F1B step time of one DP rank, from its micro-batches' whole-model costs."""
-    if not len(mb_costs):
-        return 0.0
-    return (float(sum(mb_costs)) + (pp_stages - 1) * float(max(mb_costs))) / pp_stages
-
-
 def score(plan: Plan) -> Plan:
     """Fill in ``rank_time``, ``makespan`` and ``imbalance`` from the plan's assignment."""
     times = []
     for r, mbs in enumerate(plan.ranks):
         costs = [plan.microbatch_cost(r, j) for j in range(len(mbs))]
-        times.append(pipeline_time(costs, plan.pp_stages))
+        times.append(pipeline_time(costs, plan.pp_stages, plan.vpp))
     plan.rank_time = times
     plan.makespan = max(times) if times else 0.0
     mean = float(np.mean(times)) if times else 0.0

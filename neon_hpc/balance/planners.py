@@ -11,7 +11,7 @@ Planners (all deterministic, metadata only):
                 blind to the pipeline's bubbles.
 ``cost``        ours (below): splits what no single micro-batch can balance, places split
                 units in one micro-batch slot across distinct ranks, fills the rest largest-first
-                under the 1F1B time of each rank, then moves items off the slowest rank while
+                under the pipeline time of each rank (1F1B or interleaved), then moves items off the slowest rank while
                 that helps and, when every move overshoots, cuts a piece between the slowest and
                 the fastest rank at the cost-even token.  On small problems it also scores the
                 flopkk/tokenkk plans and keeps the best, so its predicted step time is never
@@ -34,6 +34,7 @@ import numpy as np
 from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
 from neon_hpc.balance.kk import karmarkar_karp
+from neon_hpc.balance.pipeline import combine
 from neon_hpc.balance.plan import Piece, Plan, check_plan, score
 
 PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
@@ -51,7 +52,7 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
               token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
               planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
               images: Sequence[int] | None = None, cp_split_threshold: int = 0,
-              split: bool = True, check: bool = True) -> Plan:
+              split: bool = True, check: bool = True, vpp: int = 1) -> Plan:
     """Plan one training step.
 
     ``lengths``: tokens per sequence (zero-length ones are ignored).  ``dp``: data-parallel
@@ -63,16 +64,22 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     micro-batch of a DP rank (across its CP group).  ``cost``: defaults to the embedded
     model's FLOP cost.  ``shadow``: also plan with the other planners and report their
     predicted makespans in ``plan.shadow``.  ``split=False``: the cost planner keeps every
-    sequence whole (for a trainer that cannot run split pieces yet).
+    sequence whole (for a trainer that cannot run split pieces yet).  ``vpp``: model chunks
+    per pipeline stage (``train.virtual_pipeline_stages``; the interleaved schedule's shorter
+    bubbles, :mod:`neon_hpc.balance.pipeline`).
     """
     t0 = time.perf_counter()
     lens = _validate(lengths, dp, pp_microbatches, cp, token_cap, planner, pp_stages, images)
     cost = cost or _default_cost()
     p = pp_stages if pp_stages is not None else pp_microbatches
+    if isinstance(vpp, bool) or not isinstance(vpp, (int, np.integer)) or vpp < 1:
+        raise ValueError(f"plan_step: vpp must be an integer >= 1, got {vpp!r}")
+    if vpp > 1 and p == 1:
+        raise ValueError(f"plan_step: vpp={vpp} (virtual pipeline stages) needs pp_stages > 1")
     thr = cp_split_threshold or auto_threshold(token_cap, cp)
     imgs = tuple(int(x) for x in images) if images is not None else None
     ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr,
-               imgs, split)
+               imgs, split, int(vpp))
 
     plans: dict[str, Plan] = {}
     names = [planner] + [n for n in PLANNERS if n != planner and shadow]
@@ -100,9 +107,9 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
 # shared context and helpers
 
 class _Ctx:
-    def __init__(self, lens, costs, dp, m_min, p, cp, cap, cost, thr, images, split=True):
+    def __init__(self, lens, costs, dp, m_min, p, cp, cap, cost, thr, images, split=True, vpp=1):
         self.lens, self.costs = lens, costs
-        self.split = split
+        self.split, self.vpp = split, vpp
         self.dp, self.m_min, self.p, self.cp, self.cap = dp, max(1, m_min), p, cp, cap
         self.cost, self.thr, self.images = cost, thr, images
         self.active = [i for i in range(len(lens)) if lens[i] > 0]
@@ -111,7 +118,7 @@ class _Ctx:
         plan = Plan(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
                     dp=self.dp, pp_stages=self.p, cp=self.cp, token_cap=self.cap,
                     cp_split_threshold=self.thr, ranks=ranks, oversize=sorted(oversize),
-                    chosen_from=name, images=self.images)
+                    chosen_from=name, images=self.images, vpp=self.vpp)
         return score(plan)
 
 
@@ -258,14 +265,14 @@ class _CostPacker:
         self.items: list[list[tuple]] = [[] for _ in range(dp)]
         self.oversize: list[int] = []
 
-    # -- the rank's predicted 1F1B time from its slot loads
+    # -- the rank's predicted pipeline time from its slot loads (balance.pipeline)
     def rank_time(self, r: int) -> float:
         if self.m == 1:                               # the common dp-only case, kept cheap
             return float(self.load[r, 0])
         row = self.load[r]
         if self.ctx.p == 1:
             return float(row.sum())
-        return float(row.sum() + (self.ctx.p - 1) * row.max()) / self.ctx.p
+        return float(combine(row.sum(), row.max(), self.ctx.p, self.ctx.vpp))
 
     def times(self) -> np.ndarray:
         return self._row_times(self.load)
@@ -327,7 +334,7 @@ class _CostPacker:
         unit_cost = np.array([sum(ctx.cost.chunk_cost(s, e) for s, e in u) for u in units])
         if ctx.images is not None:
             unit_cost[0] += ctx.cost.image_cost * ctx.images[i]
-        key = self.load.sum(axis=1) + (ctx.p - 1) * self.load.max(axis=1)
+        key = combine(self.load.sum(axis=1), self.load.max(axis=1), ctx.p, ctx.vpp)
         ranks = np.lexsort((np.arange(ctx.dp), key))[:k]
         sub_toks = self.toks[ranks] + unit_toks[:, None]
         fits = (sub_toks <= ctx.cap).all(axis=0) | (i in self.oversize)
@@ -425,8 +432,7 @@ class _CostPacker:
         return np.array(idx, dtype=np.int64), c, slot, tokens, whole
 
     def _row_times(self, rows: np.ndarray) -> np.ndarray:
-        p = self.ctx.p
-        return (rows.sum(axis=1) + (p - 1) * rows.max(axis=1)) / p
+        return combine(rows.sum(axis=1), rows.max(axis=1), self.ctx.p, self.ctx.vpp)
 
     def _best_move(self, hi: int, lo: int, times: np.ndarray) -> bool:
         """All items of ``hi`` evaluated at once (whole sequences into ``lo``'s lightest slot

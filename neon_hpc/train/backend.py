@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from neon_hpc.balance.pipeline import microbatch_group_size
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.train.batch import MicroBatch, replay_tensors
 
@@ -333,20 +334,6 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
             router.clear_router_replay_action()
     # the last chunk of the last stage returns the per-token cross-entropy; the others hidden states
     return -out.float() if be.layout.last_chunk(chunk) else out
-
-
-def microbatch_group_size(n: int, pp: int) -> int:
-    """Micro-batches per virtual-stage group for the interleaved schedule with ``n`` micro-batches.
-
-    megatron-core 0.16.1 needs the group size ``g`` in ``[pp, n]`` and ``n % g`` either 0 or
-    ``>= pp``; its default ``g = pp`` then needs ``n % pp == 0``.  The planner's micro-batch
-    count is whatever the step's data gives (at least ``pp``), so this picks the smallest valid
-    ``g`` (``pp`` whenever ``n % pp == 0``: megatron's depth-first schedule; always some ``g <= n``).
-    """
-    if n < pp:
-        raise ValueError(f"the interleaved schedule needs at least pipeline_parallel={pp} micro-batches, "
-                         f"the plan has {n} (balance.min_microbatches below train.pipeline_parallel?)")
-    return next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
 
 
 def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
