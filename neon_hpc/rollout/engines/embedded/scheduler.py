@@ -1,5 +1,17 @@
-"""The scheduler thread: it owns the model, batches queued requests, samples, and swaps
-weights only between forwards (or at once while paused ``in_place``/``retract``)."""
+"""The scheduler thread: it owns the model and runs queued requests with continuous batching.
+
+Between two decode steps (the safe point) queued requests join the running batch (their
+prefill, then they decode with the others) up to ``max_batch_size``, and a request leaves as
+soon as it finishes. Weights are swapped only at the safe point: unpaused, an update waits
+for the running rows (and admits none meanwhile), so a response comes from one version;
+paused ``in_place``/``retract``, at once, and the held rows go on with their KV cache.
+
+Sampling RNG: a request with ``sampling_params.sampling_seed`` draws from its own
+``torch.Generator`` seeded with it, one draw per sampled token, so its tokens do not depend on
+which requests share its batch or when it joined (its logits differ from a solo run only by
+float rounding of the padded shapes); without a seed it draws from the process's global RNG,
+shared with every other unseeded request, as upstream (not reproducible).
+"""
 
 from __future__ import annotations
 
@@ -17,9 +29,9 @@ from neon_hpc.rollout.engines import protocol
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.protocol import GenerateRequest
 
-# a request's generation may run this long (a batch runs until all its members finish, so one
-# request with a huge max_new_tokens and ignore_eos would otherwise hold every request queued
-# behind it); then it ends with finish_reason abort, naming the budget
+# a request's generation may run this long (from its arrival); then it ends with finish_reason
+# abort, naming the budget: a request with a huge max_new_tokens and ignore_eos would otherwise
+# hold its batch slot, and an unpaused weight update waiting for the running rows, for ever
 REQUEST_TIME_BUDGET_S = 600.0
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -91,8 +103,77 @@ class _Update:
     paused_requests: int = 0
 
 
+# --------------------------------------------------------------------------------------
+# the running batch: rows of requests over one left-padded KV cache
+
+class _Batch:
+    """The requests being decoded together, one row each, over one KV cache.
+
+    Rows are left-padded to a common width ``W``: ``mask[i, w]`` is 1 where row ``i`` holds a
+    real token, ``pos[i]`` is the position of row ``i``'s last cached token.  A newcomer's
+    prefill runs on its own cache and is then joined in (both sides padded on the left to the
+    wider of the two); a finished row leaves (its cache row is dropped, and columns that are
+    padding in every remaining row are trimmed).  A padded column is masked out of attention,
+    so a row's logits do not depend on its neighbours beyond float rounding of the shapes."""
+
+    def __init__(self) -> None:
+        self.jobs: list[_Job] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None    # [B, W] long
+        self.pos: torch.Tensor | None = None     # [B, 1] long
+
+    def join(self, jobs: list[_Job], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        if not jobs:
+            return
+        _check_cache(cache)
+        if not self.jobs:
+            self.jobs, self.cache, self.mask, self.pos = list(jobs), cache, mask, pos
+            return
+        wa, wb = self.mask.shape[1], mask.shape[1]
+        w = max(wa, wb)
+        for la, lb in zip(self.cache.layers, cache.layers):
+            la.keys = torch.cat([_pad_left(la.keys, w - wa), _pad_left(lb.keys, w - wb)], dim=0)
+            la.values = torch.cat([_pad_left(la.values, w - wa), _pad_left(lb.values, w - wb)], dim=0)
+        self.mask = torch.cat([torch.nn.functional.pad(self.mask, (w - wa, 0)),
+                               torch.nn.functional.pad(mask, (w - wb, 0))], dim=0)
+        self.pos = torch.cat([self.pos, pos], dim=0)
+        self.jobs += jobs
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in order); trim the columns that are padding in all of them."""
+        if len(rows) == len(self.jobs):
+            return
+        if not rows:
+            self.__init__()
+            return
+        idx = torch.tensor(rows, dtype=torch.long)
+        mask = self.mask[idx]
+        first = int(torch.nonzero(mask.sum(0))[0])   # columns before it are padding in every row
+        self.mask, self.pos = mask[:, first:], self.pos[idx]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+        self.jobs = [self.jobs[i] for i in rows]
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t   # [B, H, S, D]: pad S on the left
+
+
+def _check_cache(cache) -> None:
+    """Rows can be joined and dropped only in a plain per-layer KV cache ``[B, heads, S, dim]``."""
+    from transformers.cache_utils import DynamicLayer
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4:
+            raise RuntimeError(f"continuous batching needs a full-attention KV cache of [batch, heads, seq, dim] "
+                               f"tensors; cache layer {i} is a {type(layer).__name__}")
+
+
 class Scheduler:
-    """Owns the model; batches queued requests; swaps weights only between forwards."""
+    """Owns the model; runs queued requests in a continuous batch; swaps weights only between steps.
+
+    ``stats``: ``batches`` prefill forwards (admission rounds), ``forwards`` all forwards,
+    ``requests`` admitted, ``max_batch`` the most rows decoded together, ``updates`` swaps."""
 
     def __init__(self, model: LoadedModel, max_batch_size: int = 16,
                  request_time_budget_s: float | None = REQUEST_TIME_BUDGET_S):
@@ -117,6 +198,7 @@ class Scheduler:
         self._abort = False
         self._abort_message = ""
         self._running: list[_Job] = []
+        self._stepping = False      # the scheduler thread is running a step (outside the lock)
         self._stop = False
         self.stats = {"batches": 0, "forwards": 0, "requests": 0, "max_batch": 0, "updates": 0}
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -133,7 +215,8 @@ class Scheduler:
         return jobs
 
     def swap(self, new: LoadedModel, abort_all: bool = False) -> int:
-        """Install ``new`` at the next safe point (between batches, or at once while paused)."""
+        """Install ``new`` at the next safe point (once the running rows finish, or at once while
+        paused ``in_place``/``retract``)."""
         upd = _Update(new)
         with self._cv:
             while self._update is not None:  # one swap at a time, in arrival order
@@ -147,13 +230,15 @@ class Scheduler:
         return upd.paused_requests
 
     def pause(self, mode: str) -> None:
+        """Returns once no forward runs: the step in flight (if any) has ended; ``abort``: once
+        every running request has been answered."""
         with self._cv:
             self._paused = mode
             if mode == "abort":
                 self._abort_all_locked("Abort: pause_generation(mode=abort)")
-                while self._running:
-                    self._cv.wait()
             self._cv.notify_all()
+            while self._stepping or (mode == "abort" and self._running):
+                self._cv.wait()
 
     def holds_requests_in_place(self) -> bool:
         """Paused ``in_place`` with requests running or queued (a cache flush would fail)."""
@@ -194,91 +279,111 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_num_threads(int(os.environ.get("NEON_ENGINE_THREADS", "1")))
+        batch = _Batch()
         while True:
             with self._cv:
-                while True:
-                    if self._stop:
-                        return
-                    self._apply_update_locked()
-                    if self._queue and not self._paused:
-                        break
-                    self._cv.wait()
-                n = min(self.max_batch_size, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(n)]
-                self._running = batch
-                self._abort = False
+                newcomers = self._next_step_locked(batch)
+            if newcomers is None:
+                return
             try:
-                self._run_batch(batch)
+                loaded = self.loaded   # replaced only by this thread, under the lock, between steps
+                if newcomers:
+                    self._prefill(batch, newcomers, loaded)
+                if batch.jobs:
+                    self._decode(batch, loaded)
             except Exception as e:  # a bug, not a bad request: fail these requests, keep serving
-                for job in batch:
+                for job in batch.jobs + newcomers:
                     if not job.done.is_set():
                         job.error = f"engine error: {type(e).__name__}: {e}"
                         job.done.set()
+                batch = _Batch()
             finally:
                 with self._cv:
-                    self._running = []
+                    self._running = list(batch.jobs)
+                    self._stepping = False
                     self._cv.notify_all()
 
-    def _between_forwards(self) -> bool:
-        """Safe point inside a batch: honours pause/abort/update; False = abort the batch."""
-        with self._cv:
-            while self._paused in ("in_place", "retract") and not self._abort and not self._stop:
-                self._apply_update_locked()
+    def _next_step_locked(self, batch: _Batch) -> list[_Job] | None:
+        """The safe point between two steps: honours stop/abort/pause/update, then returns the
+        queued requests that join the batch now (maybe none; None = stop)."""
+        while True:
+            if self._stop or self._abort:
+                for job in batch.jobs:
+                    job.finish = {"type": "abort", "message": self._abort_message or "Abort: server stopping"}
+                    self._answer(job, self.loaded)
+                batch.keep([])
+                self._running, self._abort = [], False
+                self._cv.notify_all()
+                if self._stop:
+                    return None
+                continue
+            if self._paused in ("in_place", "retract") and batch.jobs:
+                self._apply_update_locked()   # at once: the held rows go on with the new weights and their cache
                 self._cv.wait()
-            return not (self._abort or self._stop)
+                continue
+            if not batch.jobs:
+                self._apply_update_locked()
+            newcomers: list[_Job] = []
+            # an update waiting (unpaused: SGLang's writer lock) lets the running rows finish, admits none
+            if self._queue and not self._paused and self._update is None:
+                n = min(self.max_batch_size - len(batch.jobs), len(self._queue))
+                newcomers = [self._queue.popleft() for _ in range(n)]
+            if newcomers or (batch.jobs and not self._paused):
+                self._running = batch.jobs + newcomers
+                self._stepping = True
+                return newcomers
+            self._cv.wait()
 
-    def _run_batch(self, batch: list[_Job]) -> None:
+    def _prefill(self, batch: _Batch, jobs: list[_Job], loaded: LoadedModel) -> None:
+        """One left-padded forward over the newcomers' prompts on a fresh cache, their first
+        token sampled; those not finished by it join ``batch``."""
         from transformers import DynamicCache
 
         self.stats["batches"] += 1
-        self.stats["requests"] += len(batch)
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-        for job in batch:
+        self.stats["requests"] += len(jobs)
+        for job in jobs:
             seed = job.req.sampling.sampling_seed
             job.gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        lens = [len(j.req.input_ids) for j in batch]
+        lens = [len(j.req.input_ids) for j in jobs]
         width = max(lens)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, job in enumerate(batch):  # left padding: every row's last token is at the end
+        ids = torch.zeros(len(jobs), width, dtype=torch.long)
+        mask = torch.zeros(len(jobs), width, dtype=torch.long)
+        for i, job in enumerate(jobs):  # left padding: every row's last token is at the end
             ids[i, width - lens[i]:] = torch.tensor(job.req.input_ids)
             mask[i, width - lens[i]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        loaded = self.loaded
         cache = DynamicCache(config=loaded.model.config)
         logits, routes = loaded.forward(ids, mask, pos, cache)
         self.stats["forwards"] += 1
-        for i, job in enumerate(batch):
+        for i, job in enumerate(jobs):
             job.routes.append(routes[i, width - lens[i]:].numpy().astype(np.int32))
             if job.req.sampling.max_new_tokens == 0:
                 job.finish = {"type": "length", "length": 0}
-        while True:
-            step = torch.zeros(len(batch), 1, dtype=torch.long)
-            for i, job in enumerate(batch):
-                if job.finish is None:
-                    self._sample(job, logits[i], loaded)
-                    if job.finish is not None:   # answered now: a long neighbour in the batch never holds it
-                        self._answer(job, loaded)
-                step[i, 0] = job.out[-1] if job.out else 0
-            if all(j.finish is not None for j in batch):
-                break
-            if not self._between_forwards():
-                for job in batch:
-                    if job.finish is None:
-                        job.finish = {"type": "abort", "message": self._abort_message or "Abort: server stopping"}
-                break
-            if self.loaded is not loaded:  # swapped while paused in place: continue on the new weights
-                loaded = self.loaded
-            mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
-            pos = pos[:, -1:] + 1
-            logits, routes = loaded.forward(step, mask, pos, cache)
-            self.stats["forwards"] += 1
-            for i, job in enumerate(batch):
-                if job.finish is None:  # only tokens that still need a successor were forwarded
-                    job.routes.append(routes[i].numpy().astype(np.int32))
-        for job in batch:
-            if not job.done.is_set():
-                self._answer(job, self.loaded)
+            else:
+                self._sample(job, logits[i], loaded)
+            if job.finish is not None:
+                self._answer(job, loaded)
+        rows = [i for i, j in enumerate(jobs) if j.finish is None]
+        if rows:
+            new = _Batch()
+            new.join(jobs, cache, mask, pos[:, -1:])
+            new.keep(rows)
+            batch.join(new.jobs, new.cache, new.mask, new.pos)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.jobs))
+
+    def _decode(self, batch: _Batch, loaded: LoadedModel) -> None:
+        """One decode forward over every row's last token; finished rows are answered and leave."""
+        step = torch.tensor([[job.out[-1]] for job in batch.jobs], dtype=torch.long)
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch.jobs), 1, dtype=torch.long)], dim=1)
+        batch.pos = batch.pos + 1
+        logits, routes = loaded.forward(step, batch.mask, batch.pos, batch.cache)
+        self.stats["forwards"] += 1
+        for i, job in enumerate(batch.jobs):
+            job.routes.append(routes[i].numpy().astype(np.int32))  # the token forwarded needed a successor
+            self._sample(job, logits[i], loaded)
+            if job.finish is not None:   # answered now: a long neighbour in the batch never holds it
+                self._answer(job, loaded)
+        batch.keep([i for i, j in enumerate(batch.jobs) if j.finish is None])
 
     def _sample(self, job: _Job, logits: torch.Tensor, loaded: LoadedModel) -> None:
         s = job.req.sampling
