@@ -26,8 +26,8 @@ from neon_hpc.launch import lease
 from neon_hpc.protocol.rundir import RunDir
 run = RunDir(sys.argv[1])
 rec = lease.acquire(run, "local")
-r = lease.Renewer(run, rec["token"], "holder"); r.start()
-print(rec["token"], flush=True)
+r = lease.Renewer(run, rec.token, "holder"); r.start()
+print(rec.token, flush=True)
 time.sleep(300)
 """
 
@@ -69,8 +69,8 @@ def test_the_lease_of_a_killed_launch_is_taken_over_at_once(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     rec = lease.acquire(run, "local")
-    assert rec["took_over"]["token"] == token and "none of its processes" in rec["took_over"]["why"]
-    assert lease.read(run)["token"] == rec["token"]
+    assert rec.took_over["token"] == token and "none of its processes" in rec.took_over["why"]
+    assert lease.read(run).token == rec.token
     assert not (run.state / "lease.d" / token).exists()       # the dead launch's members are swept
 
 
@@ -93,7 +93,7 @@ def test_racing_takeovers_of_a_dead_lease_get_exactly_one(tmp_path):
                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
     outs = [p.communicate(timeout=180)[0].strip() for p in procs]
     assert sorted(outs) == ["refused"] * 5 + ["won"], outs
-    assert lease.read(run)["gen"] == 1
+    assert lease.read(run).gen == 1
 
 
 def test_a_lease_on_another_host_counts_as_dead_only_after_its_ttl(tmp_path):
@@ -104,7 +104,7 @@ def test_a_lease_on_another_host_counts_as_dead_only_after_its_ttl(tmp_path):
     with pytest.raises(lease.LeaseHeld, match="some-other-node"):
         lease.acquire(run, "local")
     atomic_write_json(lease.lease_path(run), dict(rec, renewed=time.time() - 31))
-    assert "not renewed for" in lease.acquire(run, "local")["took_over"]["why"]
+    assert "not renewed for" in lease.acquire(run, "local").took_over["why"]
 
 
 def test_a_requeued_slurm_job_takes_over_its_own_earlier_restart(tmp_path, monkeypatch):
@@ -115,7 +115,7 @@ def test_a_requeued_slurm_job_takes_over_its_own_earlier_restart(tmp_path, monke
     with pytest.raises(lease.LeaseHeld):
         lease.acquire(run, "slurm", job_id="78", token="slurm-78-0")
     rec = lease.acquire(run, "slurm", job_id="77", restart=1, token="slurm-77-1")
-    assert "restart 1 of the same Slurm job 77" in rec["took_over"]["why"]
+    assert "restart 1 of the same Slurm job 77" in rec.took_over["why"]
 
 
 def test_a_renewer_that_lost_its_lease_says_so(tmp_path, monkeypatch):
@@ -123,11 +123,11 @@ def test_a_renewer_that_lost_its_lease_says_so(tmp_path, monkeypatch):
     run = RunDir(tmp_path / "run")
     rec = lease.acquire(run, "local")
     lost = []
-    r = lease.Renewer(run, rec["token"], "test", on_lost=lost.append)
+    r = lease.Renewer(run, rec.token, "test", on_lost=lost.append)
     r.start()
     time.sleep(0.3)
-    assert lease.read(run)["renewed_by"].startswith("test@")
-    atomic_write_json(lease.lease_path(run), dict(lease.read(run), token="someone-else"))
+    assert lease.read(run).renewed_by.startswith("test@")
+    atomic_write_json(lease.lease_path(run), dict(lease.read(run).to_json(), token="someone-else"))
     r.join(timeout=5)
     assert lost and "someone-else" in lost[0]
 

@@ -15,8 +15,8 @@ import pytest
 
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished, JobRecord,
-                                       NodeBeat, Phase, Preempted, TrainerBeat, WorkerBeat, iter_records,
-                                       mark_finished)
+                                       LeaseRecord, NodeBeat, Phase, Preempted, TrainerBeat, WorkerBeat,
+                                       iter_records, mark_finished)
 from neon_hpc.protocol.rundir import FILE_NAMES, LATEST, RUN_YAML, RunDir, RunDirError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +45,9 @@ CASES = {
                    lambda r, x: x.write(r, 2), lambda r: EngineRecord.read(r, 2), lambda r: r.engine_file(2)),
     JobRecord: (lambda: JobRecord(job_id="42", backend="slurm", host="h", started=2.0, first_started=1.0, starts=2),
                 lambda r, x: x.write(r), JobRecord.read, lambda r: r.job_file),
+    LeaseRecord: (lambda: LeaseRecord(token="h-1-local-0-9", gen=2, host="h", pid=11, pid_start="123", renewed=5.0,
+                                      renewed_by="trainer.0@h:12", took_over={"token": "old", "why": "gone"}),
+                  lambda r, x: x.write(r), LeaseRecord.read, lambda r: r.lease_file),
     Finished: (lambda: Finished(by="trainer"), lambda r, x: x.write(r), Finished.read, lambda r: r.finished_file),
     Preempted: (lambda: Preempted(step=6, signal=10, checkpoint="/x/step_6"), lambda r, x: x.write(r),
                 Preempted.read, lambda r: r.preempted_file),
@@ -129,6 +132,17 @@ def test_markers_and_what_they_mean(run):
     j1 = JobRecord.start(run, "1", "slurm")
     j2 = JobRecord.start(run, "2", "slurm")
     assert (j2.starts, j2.first_started, j2.job_id) == (2, j1.first_started, "2")
+
+
+def test_a_lease_is_created_only_where_there_is_none(run):
+    first, second = LeaseRecord(token="a", renewed=1.0), LeaseRecord(token="b", renewed=2.0)
+    assert first.create(run) and not second.create(run)          # link(2): the second launch is refused
+    assert LeaseRecord.read(run).token == "a"
+    assert not [p for p in run.state.iterdir() if p.name.startswith(".")]     # no temporary left behind
+    second.write(run)                                              # a won takeover publishes over it
+    assert LeaseRecord.read(run).token == "b" and LeaseRecord.read(run).age_s(now=12.0) == 10.0
+    LeaseRecord.clear(run)
+    assert LeaseRecord.read(run) is None and second.create(run)
 
 
 def test_the_admission_rule():

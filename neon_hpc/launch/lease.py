@@ -5,7 +5,8 @@ second ``sbatch``) train twice and interleave their metrics. Lustre, GPFS and NF
 ``flock``/``fcntl`` locks, so the lease uses only what they do have atomically: a hard link
 that fails if its name exists (``link(2)``, the classic NFS lock-file step) and ``rename``.
 
-``state/lease.json`` (published by rename, like every state file)::
+``state/lease.json`` is a :class:`~neon_hpc.protocol.records.LeaseRecord` (published by
+rename or link, read and checked by the record like every state file)::
 
     {"token": "...", "gen": 3, "host": "n1", "pid": 1234, "job_id": "567", "backend": "slurm",
      "restart": 0, "started": t0, "renewed": t1, "renewed_by": "trainer.0@n3:4321", "ttl_s": 30}
@@ -35,19 +36,18 @@ renewal (it then sees the new token and stops itself, at most :data:`RENEW_S` la
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from neon_hpc.protocol.rundir import LEASE, RunDir, atomic_write_json, fsync_dir, read_json
+from neon_hpc.protocol.records import LeaseRecord
+from neon_hpc.protocol.rundir import RunDir, create_json
 
 RENEW_S = 2.0       # how often every process of a launch renews the lease
-TTL_S = 30.0        # a lease not renewed for this long belongs to a dead launch
+TTL_S = LeaseRecord.ttl_s   # a lease not renewed for this long belongs to a dead launch
 
 
 class LeaseHeld(RuntimeError):
@@ -75,18 +75,17 @@ def lease_path(run: RunDir) -> Path:
     return run.lease_file
 
 
-def read(run: RunDir) -> dict[str, Any] | None:
-    return read_json(lease_path(run))
+def read(run: RunDir) -> LeaseRecord | None:
+    return LeaseRecord.read(run)
 
 
-def describe(rec: dict[str, Any]) -> str:
-    age = time.time() - float(rec.get("renewed", 0))
-    return (f"launch {rec.get('token')} ({rec.get('backend')} job {rec.get('job_id')}, launcher pid "
-            f"{rec.get('pid')} on {rec.get('host')}; renewed {age:.0f}s ago by {rec.get('renewed_by')})")
+def describe(rec: LeaseRecord) -> str:
+    return (f"launch {rec.token} ({rec.backend} job {rec.job_id}, launcher pid "
+            f"{rec.pid} on {rec.host}; renewed {rec.age_s():.0f}s ago by {rec.renewed_by})")
 
 
 def members(run: RunDir, token: str) -> list[tuple[str, int, str]]:
-    d = run.state / "lease.d" / token
+    d = run.lease_members_dir(token)
     out = []
     for p in d.glob("*") if d.is_dir() else []:
         host, pid, start = p.name.rsplit(".", 2)
@@ -96,30 +95,30 @@ def members(run: RunDir, token: str) -> list[tuple[str, int, str]]:
 
 def register(run: RunDir, token: str) -> None:
     """Record this process as a member of the launch ``token`` (created once, never rewritten)."""
-    d = run.state / "lease.d" / token
+    d = run.lease_members_dir(token)
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{socket.gethostname()}.{os.getpid()}.{_start_time(os.getpid())}").touch()
 
 
-def owner_dead(run: RunDir, rec: dict[str, Any], job_id: str = "local", restart: int = 0) -> str | None:
+def owner_dead(run: RunDir, rec: LeaseRecord, job_id: str = "local", restart: int = 0) -> str | None:
     """Why the owner of ``rec`` is provably dead, or None when it may be alive."""
     host = socket.gethostname()
-    if rec.get("host") == host and rec.get("pid") == os.getpid():
+    if rec.host == host and rec.pid == os.getpid():
         return "it is this process"
-    age = time.time() - float(rec.get("renewed", 0))
-    if age > float(rec.get("ttl_s", TTL_S)):
-        return f"not renewed for {age:.0f}s (ttl {float(rec.get('ttl_s', TTL_S)):.0f}s)"
-    if rec.get("backend") == "slurm" and str(rec.get("job_id")) == str(job_id) and int(rec.get("restart", 0)) < restart:
-        return f"this is restart {restart} of the same Slurm job {job_id} (the lease is restart {rec.get('restart')})"
-    if rec.get("backend") == "slurm":
-        return _slurm_job_gone(str(rec.get("job_id")))
-    mem = members(run, str(rec.get("token")))
-    if rec.get("host") == host and all(h == host for h, _, _ in mem):
+    age = rec.age_s()
+    if age > rec.ttl_s:
+        return f"not renewed for {age:.0f}s (ttl {rec.ttl_s:.0f}s)"
+    if rec.backend == "slurm" and rec.job_id == str(job_id) and rec.restart < restart:
+        return f"this is restart {restart} of the same Slurm job {job_id} (the lease is restart {rec.restart})"
+    if rec.backend == "slurm":
+        return _slurm_job_gone(rec.job_id)
+    mem = members(run, rec.token)
+    if rec.host == host and all(h == host for h, _, _ in mem):
         alive = [pid for _, pid, start in mem if _start_time(pid) == start]
-        if rec.get("pid") is not None and _start_time(int(rec["pid"])) == rec.get("pid_start"):
-            alive.append(int(rec["pid"]))
+        if rec.pid is not None and _start_time(rec.pid) == rec.pid_start:
+            alive.append(rec.pid)
         if not alive:
-            return f"none of its processes on {host} is running (pids {sorted({p for _, p, _ in mem} | {rec.get('pid')})})"
+            return f"none of its processes on {host} is running (pids {sorted({p for _, p, _ in mem} | {rec.pid})})"
     return None
 
 
@@ -134,61 +133,42 @@ def _slurm_job_gone(job_id: str) -> str | None:
     return None
 
 
-def _alive_detail(run: RunDir, rec: dict[str, Any]) -> str:
+def _alive_detail(run: RunDir, rec: LeaseRecord) -> str:
     host = socket.gethostname()
-    alive = [f"pid {pid}" for h, pid, start in members(run, str(rec.get("token"))) if h == host and _start_time(pid) == start]
+    alive = [f"pid {pid}" for h, pid, start in members(run, rec.token) if h == host and _start_time(pid) == start]
     return f"; still running here: {', '.join(alive)}" if alive else ""
 
 
-def _link_new(path: Path, rec: dict[str, Any]) -> bool:
-    """Create ``path`` holding ``rec`` only if it does not exist (write a temporary, then link)."""
-    tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}.{time.monotonic_ns()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(rec, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-        ok = True
-    except FileExistsError:
-        ok = False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(path.parent)
-    return ok
-
-
 def acquire(run: RunDir, backend: str, job_id: str = "local", restart: int = 0,
-            token: str | None = None) -> dict[str, Any]:
+            token: str | None = None) -> LeaseRecord:
     """Take the run directory's lease for this launch, or raise :class:`LeaseHeld`."""
     run.state.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    rec = {"token": token or new_token(job_id, restart), "host": socket.gethostname(), "pid": os.getpid(),
-           "pid_start": _start_time(os.getpid()), "job_id": str(job_id), "backend": backend, "restart": restart,
-           "started": now, "renewed": now, "renewed_by": f"launcher@{socket.gethostname()}:{os.getpid()}",
-           "ttl_s": TTL_S, "gen": 0}
-    path = lease_path(run)
+    rec = LeaseRecord(token=token or new_token(job_id, restart), host=socket.gethostname(), pid=os.getpid(),
+                      pid_start=_start_time(os.getpid()), job_id=str(job_id), backend=backend, restart=restart,
+                      started=now, renewed=now, renewed_by=f"launcher@{socket.gethostname()}:{os.getpid()}",
+                      ttl_s=TTL_S, gen=0)
     for _ in range(3):    # the lease may vanish (released) between our checks: look again
-        if _link_new(path, rec):
-            register(run, rec["token"])
+        if rec.create(run):
+            register(run, rec.token)
             return rec
         cur = read(run)
         if cur is None:
             continue
-        if cur.get("token") == rec["token"]:
+        if cur.token == rec.token:
             return cur
         why = owner_dead(run, cur, job_id, restart)
         if why is None:
             raise LeaseHeld(f"{run.root} is in use by {describe(cur)}{_alive_detail(run, cur)}. Wait for that "
                             f"run to end (`neon-hpc status {run.root}`) or stop it; a run directory takes one "
                             f"launch at a time")
-        gen = int(cur.get("gen", 0)) + 1
-        if not _link_new(run.state / f"lease.takeover.{gen}", {"token": rec["token"], "from": cur.get("token")}):
+        gen = cur.gen + 1
+        if not create_json(run.lease_takeover_file(gen), {"token": rec.token, "from": cur.token}):
             raise LeaseHeld(f"{run.root}: another launch is taking over the lease of {describe(cur)} right now")
-        rec["gen"] = gen
-        rec["took_over"] = {"token": cur.get("token"), "why": why}
-        atomic_write_json(path, rec)
-        register(run, rec["token"])
+        rec.gen = gen
+        rec.took_over = {"token": cur.token, "why": why}
+        rec.write(run)
+        register(run, rec.token)
         _sweep(run, cur, gen)
         return rec
     raise LeaseHeld(f"{run.root}: the lease changed hands repeatedly while acquiring it; try again")
@@ -204,31 +184,31 @@ def check_free(run: RunDir) -> None:
                         f"at a time")
 
 
-def _sweep(run: RunDir, dead: dict[str, Any], gen: int) -> None:
+def _sweep(run: RunDir, dead: LeaseRecord, gen: int) -> None:
     import shutil
-    shutil.rmtree(run.state / "lease.d" / str(dead.get("token")), ignore_errors=True)
-    for p in run.state.glob("lease.takeover.*"):
-        if p.name.rsplit(".", 1)[-1].isdigit() and int(p.name.rsplit(".", 1)[-1]) < gen:
+    shutil.rmtree(run.lease_members_dir(dead.token), ignore_errors=True)
+    for g, p in run.lease_takeover_files():
+        if g < gen:
             p.unlink(missing_ok=True)
 
 
 def renew(run: RunDir, token: str, who: str) -> bool:
     """Renew the lease if it is still ``token``'s; False when another launch holds it now."""
     cur = read(run)
-    if cur is None or cur.get("token") != token:
+    if cur is None or cur.token != token:
         return False
-    cur.update(renewed=time.time(), renewed_by=who)
-    atomic_write_json(lease_path(run), cur)
+    cur.renewed, cur.renewed_by = time.time(), who
+    cur.write(run)
     return True
 
 
 def release(run: RunDir, token: str) -> bool:
     cur = read(run)
-    if cur is None or cur.get("token") != token:
+    if cur is None or cur.token != token:
         return False
-    lease_path(run).unlink(missing_ok=True)
+    LeaseRecord.clear(run)
     import shutil
-    shutil.rmtree(run.state / "lease.d" / token, ignore_errors=True)
+    shutil.rmtree(run.lease_members_dir(token), ignore_errors=True)
     return True
 
 

@@ -10,6 +10,6 @@ Imports nothing of the roles; only the standard library and :mod:`neon_hpc.const
 """
 
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401
-                                       JobRecord, NodeBeat, Phase, Preempted, Record, TrainerBeat, WorkerBeat,
-                                       mark_finished)
+                                       JobRecord, LeaseRecord, NodeBeat, Phase, Preempted, Record, TrainerBeat,
+                                       WorkerBeat, mark_finished)
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: F401

@@ -8,7 +8,7 @@ naming the file, the field and what was expected; it never guesses.  Fields a ne
 adds are kept in ``extra`` and written back unchanged.
 
 Records: :class:`TrainerBeat` (with :class:`Phase`), :class:`WorkerBeat`, :class:`NodeBeat`,
-:class:`EngineRecord`, :class:`JobRecord`, the markers :class:`Finished` and
+:class:`EngineRecord`, :class:`JobRecord`, :class:`LeaseRecord`, the markers :class:`Finished` and
 :class:`Preempted`, and a claim's :class:`ClaimOwner`, :class:`DroppedRecord` and
 :class:`ClaimRecord`.  The contract (who writes what, when) is ``neon_hpc/protocol/README.md``.
 """
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Iterator
 from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
 from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
 from neon_hpc.protocol.rundir import OWNER as OWNER_NAME
-from neon_hpc.protocol.rundir import RunDir, RunDirError, atomic_write_json, read_json
+from neon_hpc.protocol.rundir import RunDir, RunDirError, atomic_write_json, create_json, read_json
 
 
 class Phase(str, enum.Enum):
@@ -298,6 +298,55 @@ class JobRecord(Record):
 
 
 # --------------------------------------------------------------------------------------
+# state/lease.json
+
+@dataclass
+class LeaseRecord(Record):
+    """The live launch's lease on the run directory (the rules: ``neon_hpc/launch/lease.py``).
+
+    ``token`` names the launch; ``gen`` counts takeovers; ``pid``/``pid_start`` are the
+    launcher's (start time in clock ticks, so a reused pid is told apart); ``renewed`` is the
+    last renewal by any process of the launch, which holds the lease for ``ttl_s`` seconds;
+    ``took_over`` is ``{"token", "why"}`` of the launch it replaced, if any."""
+
+    KIND: ClassVar[str] = "lease record"
+    token: str = ""
+    gen: int = 0
+    host: str | None = None
+    pid: int | None = None
+    pid_start: str | None = None
+    job_id: str = "local"
+    backend: str = "local"
+    restart: int = 0
+    started: float | None = None
+    renewed: float = 0.0
+    renewed_by: str | None = None
+    ttl_s: float = 30.0
+    took_over: dict | None = None
+
+    def write(self, run: RunDir) -> None:
+        """Publish over whatever lease is there (a renewal, a won takeover)."""
+        self.save(run.lease_file)
+
+    def create(self, run: RunDir) -> bool:
+        """Publish only if there is no lease (:func:`~neon_hpc.protocol.rundir.create_json`):
+        of two racing launches exactly one gets True."""
+        return create_json(run.lease_file, self.to_json())
+
+    @classmethod
+    def read(cls, run: RunDir) -> "LeaseRecord | None":
+        return cls.load(run.lease_file)
+
+    @staticmethod
+    def clear(run: RunDir) -> None:
+        run.lease_file.unlink(missing_ok=True)
+
+    def age_s(self, now: float | None = None) -> float:
+        """Seconds since the last renewal."""
+        return (time.time() if now is None else now) - self.renewed
+
+
+# --------------------------------------------------------------------------------------
 # markers: state/finished.json, state/trainer_preempted.json
 
 @dataclass
@@ -456,5 +505,5 @@ CLAIM_RECORD_NAMES = (OWNER_NAME, CLAIM_NAME, DROPPED_NAME)   # the records in a
 
 def iter_records() -> Iterator[type[Record]]:
     """Every record type (the tests round-trip each)."""
-    yield from (TrainerBeat, WorkerBeat, NodeBeat, EngineRecord, JobRecord, Finished, Preempted,
+    yield from (TrainerBeat, WorkerBeat, NodeBeat, EngineRecord, JobRecord, LeaseRecord, Finished, Preempted,
                 ClaimOwner, DroppedRecord, ClaimRecord)

@@ -32,7 +32,9 @@ STATE = "state"
 HEARTBEATS = "heartbeats"                  # state/heartbeats/<role>.<rank>.json
 ENGINES = "engines"                        # state/engines/node<r>.json
 JOB = "job.json"                           # state/job.json
-LEASE = "lease.json"                       # state/lease.json (neon_hpc.launch.lease)
+LEASE = "lease.json"                       # state/lease.json: LeaseRecord (neon_hpc.launch.lease)
+LEASE_MEMBERS = "lease.d"                  # state/lease.d/<token>/<host>.<pid>.<start>: a launch's processes
+LEASE_TAKEOVER = "lease.takeover"          # state/lease.takeover.<gen>: the one taker of generation gen
 FINISHED = "finished.json"                 # state/finished.json
 PREEMPTED = "trainer_preempted.json"       # state/trainer_preempted.json
 CLAIM = "CLAIM.json"                       # trajectories/claimed/step_N/CLAIM.json (the commit record)
@@ -40,7 +42,7 @@ OWNER = "OWNER.json"                       # trajectories/claimed/step_N/OWNER.j
 DROPPED = "dropped_stale.json"             # trajectories/claimed/step_N/dropped_stale.json
 REASON_SUFFIX = ".reason.txt"              # trajectories/quarantine/<name>.reason.txt
 # every name above, for the test that no other module spells one
-FILE_NAMES = (RUN_YAML, JOB, LEASE, FINISHED, PREEMPTED, CLAIM, OWNER, DROPPED)
+FILE_NAMES = (RUN_YAML, JOB, LEASE, LEASE_MEMBERS, LEASE_TAKEOVER, FINISHED, PREEMPTED, CLAIM, OWNER, DROPPED)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _VERSION_RE = re.compile(r"^v_(\d+)$")
@@ -179,6 +181,29 @@ def atomic_write_json(final: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(final, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
+def create_json(final: str | os.PathLike, obj: Any) -> bool:
+    """Publish ``obj`` at ``final`` only if nothing is there yet; False if something is.
+
+    A fsynced hidden temporary is hard-linked to ``final`` (``link(2)`` fails when the name
+    exists, on NFS too, where ``O_EXCL`` and file locks may not hold), then removed: of two
+    racing writers exactly one succeeds, and a reader never sees a partial file."""
+    final = Path(final)
+    tmp = _tmp_name(final)
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, final)
+        made = True
+    except FileExistsError:
+        made = False
+    finally:
+        os.unlink(tmp)
+    fsync_dir(final.parent)
+    return made
+
+
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
     """Read a JSON state file written by :func:`atomic_write_json`; ``default`` if absent."""
     try:
@@ -265,6 +290,8 @@ class RunDir:
     @property
     def lease_file(self) -> Path: return self.state / LEASE
     @property
+    def lease_members_root(self) -> Path: return self.state / LEASE_MEMBERS
+    @property
     def finished_file(self) -> Path: return self.state / FINISHED
     @property
     def preempted_file(self) -> Path: return self.state / PREEMPTED
@@ -280,6 +307,17 @@ class RunDir:
     def owner_file(self, step: int) -> Path: return self.claimed_step(step) / OWNER
     def dropped_file(self, step: int) -> Path: return self.claimed_step(step) / DROPPED
     def log_dir(self, role: str) -> Path: return self.logs / role
+    def lease_members_dir(self, token: str) -> Path: return self.lease_members_root / token
+    def lease_takeover_file(self, gen: int) -> Path: return self.state / f"{LEASE_TAKEOVER}.{gen}"
+
+    def lease_takeover_files(self) -> list[tuple[int, Path]]:
+        """``(generation, path)`` of every takeover marker in ``state/``."""
+        out = []
+        for p in self.state.glob(f"{LEASE_TAKEOVER}.*"):
+            gen = p.name.rsplit(".", 1)[-1]
+            if gen.isdigit():
+                out.append((int(gen), p))
+        return sorted(out)
 
     def dirs(self) -> list[Path]:
         return [self.traj_tmp, self.traj_ready, self.traj_claimed, self.traj_quarantine,
