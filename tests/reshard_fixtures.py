@@ -100,8 +100,8 @@ def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2
 
 
 def mla_model_config():
-    """The MLA fixture's model: ``neon_hpc.models.testing.tiny_dsv3()`` (the example's ``model:``)."""
-    from neon_hpc.models.testing import tiny_dsv3
+    """The MLA fixture's model: ``model_fixtures.tiny_dsv3()`` (the example's ``model:``)."""
+    from model_fixtures import tiny_dsv3
     return tiny_dsv3()
 
 

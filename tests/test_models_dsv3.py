@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from neon_hpc.models.adapters import get_adapter
-from neon_hpc.models.testing import decisive_hf, tiny_dsv3
+from model_fixtures import decisive_hf, tiny_dsv3
 
 CFG = tiny_dsv3()
 

@@ -12,7 +12,7 @@ import torch
 
 from neon_hpc.models.adapters import RouteLayoutError, get_adapter
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.models.testing import decisive_hf, tiny_dsv3
+from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 
 CFG = tiny_dsv3()

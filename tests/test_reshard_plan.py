@@ -156,7 +156,7 @@ def _shapes_of(cfg) -> Checkpoint:
     """The torch_dist keys and shapes (no data) of ``cfg``'s model: per-layer keys, experts on an axis."""
     import re
     from neon_hpc.models import convert
-    from neon_hpc.models.testing import decisive_hf
+    from model_fixtures import decisive_hf
     metas = {}
     for k, v in convert.hf_to_megatron(decisive_hf(cfg, 0).state_dict(), cfg).items():
         if (m := re.match(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.\d+\.(.+)", k)):
@@ -174,7 +174,7 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
     from dataclasses import replace
     from neon_hpc.hfmap import hf_config_dict
     from neon_hpc.models.config import ModelConfig
-    from neon_hpc.models.testing import tiny_dsv3
+    from model_fixtures import tiny_dsv3
     from neon_hpc.reshard import configsource
     cfg = {"qwen3_moe": ModelConfig(), "deepseek_v3": tiny_dsv3(),
            "deepseek_v3_no_q_lora": replace(tiny_dsv3(), q_lora_rank=0)}[which]

@@ -123,7 +123,7 @@ def _model(arch: str):
     the tiny DeepSeek-V3 of configs/tiny_dsv3_cpu.yaml (Kimi-K2's architecture: MLA, a dense first
     layer, then MoE layers with a shared expert; 3 layers)."""
     from neon_hpc.models.config import ModelConfig
-    from neon_hpc.models.testing import TINY_DSV3_YAML, tiny_dsv3
+    from model_fixtures import TINY_DSV3_YAML, tiny_dsv3
     if arch == "deepseek_v3":
         return TINY_DSV3_YAML, tiny_dsv3()
     return None, ModelConfig(num_layers=LAYERS)
@@ -131,7 +131,7 @@ def _model(arch: str):
 
 def _dataset(root: Path, arch: str):
     from neon_hpc.models.hf import save_hf
-    from neon_hpc.models.testing import decisive_hf
+    from model_fixtures import decisive_hf
     from neon_hpc.store import ShardWriter
     from neon_hpc.store.config import StoreConfig
 
@@ -262,7 +262,7 @@ def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
 
 def test_a_stage_with_a_dense_layer_replays_only_its_moe_layers():
     # Kimi-K2 / DeepSeek-V3: the first layer is dense; routes carry the MoE layers' rows only
-    from neon_hpc.models.testing import tiny_dsv3
+    from model_fixtures import tiny_dsv3
     from neon_hpc.train.backend import Backend, Layout
 
     mcfg = tiny_dsv3()                      # 3 layers: 0 dense, 1 and 2 MoE

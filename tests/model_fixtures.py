@@ -1,4 +1,4 @@
-"""Small models for tests and benchmarks: the tiny DeepSeek-V3 of ``configs/tiny_dsv3_cpu.yaml``
+"""Test support (kept out of the library): the tiny DeepSeek-V3 of ``configs/tiny_dsv3_cpu.yaml``
 and HF weights that make routing decisive (no near-ties) and every tensor distinct."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from neon_hpc.models.config import ModelConfig
 
-TINY_DSV3_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_dsv3_cpu.yaml"
+TINY_DSV3_YAML = Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml"
 
 
 def tiny_dsv3() -> ModelConfig:
