@@ -7,11 +7,13 @@ covers every chunk of both stages, so a chunk that got another layer's routes, t
 activations or a mis-scaled loss moves it), with every micro-batch replaying its routes
 (routes differ per layer, so a route row given to the wrong chunk changes the loss).  The
 run asks for 3 micro-batches per step, which megatron's default group size (PP) refuses, so
-the group-size choice of ``backend.microbatch_group_size`` is exercised.  Its step-2
+the group-size choice of ``balance.pipeline.microbatch_group_size`` is exercised.  Its step-2
 checkpoint resumes bit-exactly at PP=2 x V=2 and on the reference's losses at PP=1 and at
 PP=2 x V=1 (torch_dist resharding); its step-3 checkpoint reshards to the same HF bytes as
-its direct export.  Layouts that cannot interleave are refused by ``neon-hpc config check``
-naming the key.
+its direct export.  With two data ranks per stage (world 4), split pieces (the cost planner
+cutting sequences across DP=2, or zigzag pieces over CP=2) train the same losses and gradient
+norms inside the interleaved schedule.  Layouts that cannot interleave are refused by
+``neon-hpc config check`` naming the key.
 """
 
 from __future__ import annotations
@@ -221,3 +223,33 @@ def test_reshard_reads_a_pp2_vpp2_checkpoint(tmp_path, runs):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=k)
+
+
+# --------------------------------------------------------------------------------------
+# interleaving with split sequences / CP (4 processes: PP=2 x V=2 x 2 data ranks)
+
+SPLIT_LAYOUTS = {
+    # the cost planner cuts the sequences over the 12-token cap into pieces on both DP ranks
+    "dp2_split": ("train.data_parallel=2", "balance.tokens_per_microbatch=12"),
+    # every piece of >= 8 tokens zigzagged over the CP pair
+    "cp2": ("train.context_parallel=2", "balance.split_threshold_tokens=8"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SPLIT_LAYOUTS))
+def test_pp2_vpp2_with_split_pieces_trains_the_reference(tmp_path, data, runs, name):
+    """World 4: each of the two data ranks of a stage holds its pieces of a micro-batch and
+    the K/V all-gather runs per chunk inside the interleaved schedule; losses and gradient
+    norms as one process, every micro-batch replaying its routes."""
+    run = new_run(tmp_path, data, *VPP, *SPLIT_LAYOUTS[name])
+    wait_ok(run, start(run, 4), timeout=600)
+    got, want = metrics(run), metrics(runs["reference"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    _assert_matches(got, want, range(1, STEPS + 1))
+    for s, r in got.items():
+        assert r["microbatches"] >= 3 and r["exchanged_microbatches"] > 0, r
+        # summed over the two data ranks (a rank's empty slot replays nothing)
+        assert r["replay_docs_missing"] == 0 and r["replayed_microbatches"] >= r["microbatches"], r
+        if name == "dp2_split":
+            assert r["plan"]["split_sequences"] > 0 and r["plan"]["vpp"] == 2, r["plan"]
