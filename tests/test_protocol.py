@@ -164,11 +164,12 @@ def test_worker_and_simulator_call_the_one_rule(run, monkeypatch):
     from neon_hpc.plan.params import SimParams
     from neon_hpc.plan.sim import simulate
     from neon_hpc.rollout import worker
+    from neon_hpc.rollout.sections import WorkerSections
     calls = []
     real = rule.admit
     monkeypatch.setattr(rule, "admit", lambda *a, **k: calls.append(a) or real(*a, **k))
     cfg = config.load(str(REPO / "configs" / "tiny_cpu.yaml"))
-    assert worker.admission(run, cfg, cfg.rollout.group_size)[0] == rule.OK
+    assert worker.admission(run, WorkerSections.of(cfg), cfg.rollout.group_size)[0] == rule.OK
     assert len(calls) == 1
     simulate(SimParams(steps=3, policy="async", admission="steps_ahead", slot_mode="worker", rollout_slots=8,
                        group_size=4, trajectories_per_step=8, seed=0))

@@ -65,7 +65,8 @@ def test_the_node_waits_for_weights_by_its_own_key(tmp_path):
     run = RunDir(root).create()
     run.run_yaml.write_text(config.dump(cfg))
     code = ("import sys; from neon_hpc import config; from neon_hpc.rollout.node import RolloutNode; "
-            "sys.exit(RolloutNode(config.load(sys.argv[1]), sys.argv[2]).run_forever())")
+            "from neon_hpc.rollout.sections import NodeSections; "
+            "sys.exit(RolloutNode(NodeSections.of(config.load(sys.argv[1])), sys.argv[2]).run_forever())")
     out = subprocess.run([sys.executable, "-c", code, str(run.run_yaml), str(root)], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, NEON_NODE_RANK="0", NEON_NODE_COUNT="1"))
     assert out.returncode != 0

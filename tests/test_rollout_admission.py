@@ -10,6 +10,7 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout import worker
+from neon_hpc.rollout.sections import WorkerSections
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 
 TINY = "configs/tiny_cpu.yaml"
@@ -50,7 +51,8 @@ def test_version_gap_is_the_next_claims_version_minus_what_the_node_serves(run):
 
 
 def test_admission_adds_the_lag_to_the_steps_ahead(run):
-    cfg = config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4", "rollout.max_staleness=2"])
+    cfg = WorkerSections.of(config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4",
+                                               "rollout.max_staleness=2"]))
     # 12 trajectories in flight elsewhere: this group is the 16th -> consumed 1 step after the next
     run.beat("rollout", 7, in_flight=12)
     assert worker.admission(run, cfg, 4, lag=0) == ("ok", 1.0)
@@ -59,7 +61,8 @@ def test_admission_adds_the_lag_to_the_steps_ahead(run):
 
 
 def test_a_stale_heartbeat_stops_counting_and_the_beater_keeps_it_fresh(run, monkeypatch):
-    cfg = config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4", "rollout.max_staleness=0"])
+    cfg = WorkerSections.of(config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4",
+                                               "rollout.max_staleness=0"]))
     run.beat("rollout", 3, in_flight=8)
     assert worker.admission(run, cfg, 4)[0] == "admission_wait"
     hb = run.heartbeat_file("rollout", 3)

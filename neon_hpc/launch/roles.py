@@ -108,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         _trainer_env()
         forked_children_die_with_me()   # megatron's forked checkpoint writers
         return _trainer(cfg, a.run_dir)
+    # each rollout role is given its own view of the config (rollout/sections.py), built once here
     if a.role == "rollout-node":
         from neon_hpc.rollout.node import RolloutNode
-        return RolloutNode(cfg, a.run_dir).run_forever()
+        from neon_hpc.rollout.sections import NodeSections
+        return RolloutNode(NodeSections.of(cfg), a.run_dir).run_forever()
+    from neon_hpc.rollout.sections import WorkerSections
     from neon_hpc.rollout.worker import run_worker
     rank = a.rank if a.rank is not None else int(os.environ.get("SLURM_PROCID", 0))
-    return run_worker(cfg, a.run_dir, rank, a.engine_url)
+    return run_worker(WorkerSections.of(cfg), a.run_dir, rank, a.engine_url)
 
 
 if __name__ == "__main__":

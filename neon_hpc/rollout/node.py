@@ -21,6 +21,7 @@ then, until told to stop:
 * beats a heartbeat with the loaded version and worker states.
 
 SIGTERM/SIGUSR1 are forwarded to the workers (they flush and exit); then the engines stop.
+The node is given :class:`~neon_hpc.rollout.sections.NodeSections`, not the whole config.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
 from neon_hpc.procutil import StopFlag, child_setup, stop_tree
 from neon_hpc.rankenv import node_count, node_rank
 from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
 from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.sections import NodeSections
 
 
 def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop,
@@ -64,13 +65,13 @@ MAX_FAST_DEATHS = 5      # ... this many times in a row: a bug, not bad luck; fa
 
 
 class RolloutNode:
-    def __init__(self, cfg: ExperimentConfig, run_dir: str):
-        self.cfg = cfg
+    def __init__(self, sec: NodeSections, run_dir: str):
+        self.sec = sec
         self.run = RunDir(run_dir)
         self.rank = node_rank()
         self.log = RoleLogger.open(self.run.root, "rollout-node", self.rank, echo=False)
         self.stop_flag = StopFlag(on_signal=self._on_signal)
-        self.engines = engine_group(cfg, self.run, self.rank, node_count(), self.log)   # chosen once
+        self.engines = engine_group(sec, self.run, self.rank, node_count(), self.log)   # chosen once
         self.clients = []     # one per engine whose weights this node updates
         self.loaded_version = -1
         self.workers: dict[int, subprocess.Popen] = {}
@@ -88,7 +89,7 @@ class RolloutNode:
         return self.stop_flag.requested
 
     def my_workers(self) -> list[int]:
-        n = self.cfg.rollout.num_workers
+        n = self.sec.rollout.num_workers
         nodes = self.engines.worker_nodes()
         return [w for w in range(n) if nodes[w % len(nodes)] == self.rank]
 
@@ -130,7 +131,7 @@ class RolloutNode:
         t0 = time.monotonic()
         for i, c in enumerate(self.clients):
             try:
-                update_weights(c, str(path), str(version), self.cfg.engine.weight_update)
+                update_weights(c, str(path), str(version), self.sec.engine.weight_update)
             except (OSError, RuntimeError) as e:  # EngineError, ConnectionError, TimeoutError
                 if self.stopping:
                     return
@@ -173,7 +174,7 @@ class RolloutNode:
                 continue
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             stderr = self.run.log_dir("rollout") / f"{w}.stderr"
-            if not self.cfg.rollout.restart_dead_workers:
+            if not self.sec.rollout.restart_dead_workers:
                 self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)", w, how)
                 del self.workers[w]
                 continue
@@ -195,8 +196,8 @@ class RolloutNode:
         self.stop_flag.install()
         self.run.log_dir("rollout").mkdir(parents=True, exist_ok=True)
         try:
-            latest = wait_for_weights(self.run, self.log, self.cfg.rollout.wait_for_weights_s, lambda: self.stopping,
-                                      self.cfg.protocol.weight_poll_s)
+            latest = wait_for_weights(self.run, self.log, self.sec.rollout.wait_for_weights_s, lambda: self.stopping,
+                                      self.sec.protocol.weight_poll_s)
             if latest is None:
                 return 0
             if not self.start_engines(*latest):
@@ -220,7 +221,7 @@ class RolloutNode:
                 beat = {"version": self.loaded_version} if self.clients else {}   # engines whose weights it updates
                 NodeBeat(rank=self.rank, workers=len([p for p in self.workers.values() if p.poll() is None]),
                          restarts=self.restarts, **beat).write(self.run)
-                time.sleep(self.cfg.protocol.weight_poll_s)
+                time.sleep(self.sec.protocol.weight_poll_s)
         finally:
             self.shutdown()
         return 0

@@ -16,7 +16,9 @@ for the trainer, except where the run asks it to:
 
 The rule is :mod:`neon_hpc.protocol.admission`'s (the simulator calls the same function), and
 every record the worker reads or writes is :mod:`neon_hpc.protocol.records`'; its poll
-intervals are the config's ``protocol`` section.
+intervals are the config's ``protocol`` section. The worker is given
+:class:`~neon_hpc.rollout.sections.WorkerSections`, not the whole config: the admission rule's
+``trajectories_per_step`` and the tokenizer come through it, named as borrowed.
 Both waits are logged and written to metrics.jsonl as ``event`` records, never silent.
 SIGTERM/SIGUSR1 make the worker finish the current group, flush its shard and exit 0.
 """
@@ -27,15 +29,15 @@ import os
 import random
 import time
 
-from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger, job_id
 from neon_hpc.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.sections import WorkerSections
 
-# default of the beater's period; the run's is cfg.protocol.worker_heartbeat_s
+# default of the beater's period; the run's is protocol.worker_heartbeat_s
 HEARTBEAT_S = ProtocolConfig.worker_heartbeat_s
 
 
@@ -66,13 +68,13 @@ def version_gap(run: RunDir, node: int | None = None) -> int:
                                  latest[0] if latest else 0)
 
 
-def admission(run: RunDir, cfg: ExperimentConfig, group: int, lag: int = 0) -> tuple[str, float]:
+def admission(run: RunDir, sec: WorkerSections, group: int, lag: int = 0) -> tuple[str, float]:
     """(verdict, staleness estimate) for starting one more group now: the protocol's rule
     (:func:`neon_hpc.protocol.admission.admit`) over ready/, the workers' beats and ``lag``,
     the :func:`version_gap` between the trainer's next claim and the engines."""
-    ready, inflight = pending_trajectories(run, cfg.protocol.heartbeat_expiry_s)
-    return rule.admit(ready, inflight, group, cfg.train.trajectories_per_step, cfg.rollout.backpressure_steps,
-                      cfg.rollout.max_staleness, lag)
+    ready, inflight = pending_trajectories(run, sec.protocol.heartbeat_expiry_s)
+    return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.rollout.backpressure_steps,
+                      sec.rollout.max_staleness, lag)
 
 
 def wake_key(run: RunDir, node: int | None = None) -> tuple:
@@ -120,10 +122,10 @@ class _Beater:
         self.thread.join(timeout=5)
 
 
-def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str) -> int:
+def run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str) -> int:
     log = RoleLogger.open(RunDir(run_dir).root, "rollout", worker, echo=False)
     try:
-        return _run_worker(cfg, run_dir, worker, engine_url, log)
+        return _run_worker(sec, run_dir, worker, engine_url, log)
     except Exception as e:  # the operator reads the role log first: put the failure there too
         log.logger.exception("rollout worker %d failed: %s", worker, e)
         raise
@@ -131,7 +133,7 @@ def run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str
         log.close()
 
 
-def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
+def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.rollout.agent import run_group
     from neon_hpc.rollout.engines.client import EngineClient
@@ -141,26 +143,26 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
     run = RunDir(run_dir)
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)   # "": init_checkpoint's
-    tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=cfg.xrd.num_tasks)
+    tokenizer = load_tokenizer(sec.model_tokenizer)
+    tasks = load_tasks(sec.xrd.preset, sec.xrd.split, seed=sec.xrd.seed, n=sec.xrd.num_tasks)
     if not tasks:
-        log.error("no tasks for preset=%s split=%s; check the xrd section of the config", cfg.xrd.preset, cfg.xrd.split)
+        log.error("no tasks for preset=%s split=%s; check the xrd section of the config", sec.xrd.preset, sec.xrd.split)
         return 2
     # the route shape is ours to state: SGLang's model info does not report it
-    client = EngineClient(engine_url, num_moe_layers=cfg.model.num_layers, top_k=cfg.model.moe_router_topk)
+    client = EngineClient(engine_url, num_moe_layers=sec.model_num_layers, top_k=sec.model_moe_router_topk)
     # a new writer id per incarnation: a restarted worker never reuses a dead one's file names
     writer_id = f"w{worker}-{job_id()}-{os.getpid()}"
-    rng = random.Random(f"{cfg.xrd.seed}-{worker}-{os.getpid()}")
+    rng = random.Random(f"{sec.xrd.seed}-{worker}-{os.getpid()}")
     order = list(range(len(tasks)))
     groups = episodes = tokens = 0
     log.info("rollout worker %d up: engine %s, %d tasks (%s/%s), writer %s", worker, engine_url,
-             len(tasks), cfg.xrd.preset, cfg.xrd.split, writer_id)
-    poll = cfg.protocol
+             len(tasks), sec.xrd.preset, sec.xrd.split, writer_id)
+    poll = sec.protocol
     beater = _Beater(run, worker, poll.worker_heartbeat_s)
-    with ShardWriter(run.root, writer_id, cfg.store) as writer:
+    with ShardWriter(run.root, writer_id, sec.store) as writer:
         while not stop.requested and not Finished.present(run):
             lag = version_gap(run)
-            verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
+            verdict, ahead = admission(run, sec, sec.rollout.group_size, lag)
             if verdict != rule.OK:
                 reason, t0 = verdict, time.monotonic()
                 writer.flush()  # let the trainer have what we hold
@@ -173,7 +175,7 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
                         continue
                     key, checked = now_key, time.monotonic()
                     lag = version_gap(run)
-                    verdict, ahead = admission(run, cfg, cfg.rollout.group_size, lag)
+                    verdict, ahead = admission(run, sec, sec.rollout.group_size, lag)
                 waited = time.monotonic() - t0
                 log.info("%s: waited %.1fs (staleness estimate %.1f, of which trainer-engine version gap %d)",
                          reason, waited, ahead, lag)
@@ -183,10 +185,10 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
                 rng.shuffle(order)
             task = tasks[order[groups % len(order)]]
             # in flight = the group about to run plus what the writer holds unpublished
-            beater.beat(in_flight=cfg.rollout.group_size + writer.pending, groups=groups,
+            beater.beat(in_flight=sec.rollout.group_size + writer.pending, groups=groups,
                         episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
-            trajs = run_group(client, task, tokenizer, cfg.rollout, cfg.rollout.group_size)
+            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size)
             dt = time.monotonic() - t0
             for i, tr in enumerate(trajs):
                 # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory
@@ -201,7 +203,7 @@ def _run_worker(cfg: ExperimentConfig, run_dir: str, worker: int, engine_url: st
                             version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1))
             # a hungry trainer gets what we hold now rather than at the next full shard:
             # trajectories in a writer's buffer are invisible to the trainer and to admission
-            if ready_trajectories(run) < cfg.train.trajectories_per_step:
+            if ready_trajectories(run) < sec.train_trajectories_per_step:
                 writer.flush()
             episodes += len(trajs)
             groups += 1

@@ -1,0 +1,77 @@
+"""What each rollout role is given: one frozen, typed view of the experiment config per role.
+
+A role's process builds its view once at its start (``launch/roles.py``:
+``WorkerSections.of(cfg)``, ``NodeSections.of(cfg)``) and hands the role that, never the whole
+:class:`~neon_hpc.config.ExperimentConfig`. The view holds the role's own sections whole, and
+each value it borrows from a neighbour's section as one field named after where it comes
+from (``train_trajectories_per_step`` is ``train.trajectories_per_step``), so what crosses a
+section boundary is written here and nowhere else. ``tests/test_role_sections.py`` fails if a
+module of ``neon_hpc/rollout`` reads a section of the config it is not given.
+
+The views live here, beside the roles that take them, rather than in ``config.py`` (which
+composes and validates the file's sections and knows nothing of the roles) or in each role's
+module (the launcher builds them, and the rules for borrowed values, such as which tokenizer
+an empty ``model.tokenizer`` means, need one home). The trainer still takes the whole config:
+it builds the model from ``model``, its layout from ``train`` and ``balance``; its borrowed
+values (``rollout.max_staleness``, ``rollout.stale_policy``) are listed in that test.
+
+The config file's format is unchanged: these are views, not sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from neon_hpc.launch.config import LaunchConfig
+from neon_hpc.protocol.config import ProtocolConfig
+from neon_hpc.rollout.config import EngineConfig, RolloutConfig
+from neon_hpc.store.config import StoreConfig
+from neon_hpc.xrd.config import XRDConfig
+
+if TYPE_CHECKING:
+    from neon_hpc.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class WorkerSections:
+    """A rollout worker's inputs: its sections, and what it borrows from ``train`` and ``model``."""
+
+    rollout: RolloutConfig              # episodes, groups, the admission bounds
+    protocol: ProtocolConfig            # heartbeat and admission poll intervals
+    store: StoreConfig                  # the shard writer
+    xrd: XRDConfig                      # the task set
+    # borrowed from train: the admission rule's "trajectories per step" (how fast the trainer
+    # consumes), and when a hungry trainer gets a partial shard
+    train_trajectories_per_step: int
+    # borrowed from model: the tokenizer to load ("" in the file = model.init_checkpoint's),
+    # and the route shape the engines do not report (layers, experts per token)
+    model_tokenizer: str
+    model_num_layers: int
+    model_moe_router_topk: int
+
+    @classmethod
+    def of(cls, cfg: "ExperimentConfig") -> "WorkerSections":
+        return cls(rollout=cfg.rollout, protocol=cfg.protocol, store=cfg.store, xrd=cfg.xrd,
+                   train_trajectories_per_step=cfg.train.trajectories_per_step,
+                   model_tokenizer=cfg.model.tokenizer or cfg.model.init_checkpoint,
+                   model_num_layers=cfg.model.num_layers, model_moe_router_topk=cfg.model.moe_router_topk)
+
+
+@dataclass(frozen=True)
+class NodeSections:
+    """A rollout node's inputs. ``engine``, ``launch`` and ``run_dir`` are also what its engine
+    group (``rollout/engines/``) places and renders the engine processes from."""
+
+    rollout: RolloutConfig              # how many workers, restarts, the wait for first weights
+    engine: EngineConfig                # which engines, how weights reach them
+    protocol: ProtocolConfig            # the weight poll
+    # borrowed from launch: the rollout group's nodes (gpus_per_node, for the engines' layout)
+    launch: LaunchConfig
+    # borrowed from the top level: the run directory the SGLang command lines name
+    run_dir: str
+
+    @classmethod
+    def of(cls, cfg: "ExperimentConfig") -> "NodeSections":
+        return cls(rollout=cfg.rollout, engine=cfg.engine, protocol=cfg.protocol, launch=cfg.launch,
+                   run_dir=cfg.run_dir)
