@@ -44,8 +44,9 @@ def _launcher(tmp_path: Path, how: str) -> tuple[LocalRun, Path, Path]:
     return lr, ready, got
 
 
-def _signal_me(ready: Path, times: int, gap_s: float = 1.5) -> threading.Thread:
-    """SIGINT this process ``times`` times once the role is up (delivered to the main thread)."""
+def _interrupted_wait(lr: LocalRun, ready: Path, times: int, gap_s: float = 1.5) -> int:
+    """The launcher's wait() while this process gets SIGINT ``times`` times once the role is up
+    (from a thread; Python runs the handler in the main thread, inside wait())."""
     def send():
         while not ready.exists():
             time.sleep(0.05)
@@ -53,9 +54,12 @@ def _signal_me(ready: Path, times: int, gap_s: float = 1.5) -> threading.Thread:
             if i:
                 time.sleep(gap_s)
             os.kill(os.getpid(), signal.SIGINT)
-    t = threading.Thread(target=send, daemon=True)
-    t.start()
-    return t
+    lr.stop_flag.install()
+    try:
+        threading.Thread(target=send, daemon=True).start()
+        return lr.wait()
+    finally:
+        lr.stop_flag.restore()
 
 
 def _log(lr: LocalRun) -> str:
@@ -64,12 +68,7 @@ def _log(lr: LocalRun) -> str:
 
 def test_first_ctrl_c_asks_the_trainer_to_stop_and_waits_for_it(tmp_path):
     lr, ready, got = _launcher(tmp_path, "checkpoint")
-    lr.stop_flag.install()
-    try:
-        _signal_me(ready, 1)
-        rc = lr.wait()
-    finally:
-        lr.stop_flag.restore()
+    rc = _interrupted_wait(lr, ready, 1)
     assert rc == 130 and lr.interrupted and not lr.stop_flag.escalated
     assert got.read_text() == "SIGTERM" and lr.trainers[0].returncode == 0    # it stopped by itself
     assert not Finished.present(lr.run)                                        # interrupted is not finished
@@ -79,12 +78,7 @@ def test_first_ctrl_c_asks_the_trainer_to_stop_and_waits_for_it(tmp_path):
 
 def test_second_ctrl_c_kills_every_process_at_once(tmp_path):
     lr, ready, got = _launcher(tmp_path, "ignore")
-    lr.stop_flag.install()
-    try:
-        _signal_me(ready, 2)
-        rc = lr.wait()
-    finally:
-        lr.stop_flag.restore()
+    rc = _interrupted_wait(lr, ready, 2)
     assert rc == 130 and lr.stop_flag.escalated and lr.stop_flag.count == 2
     assert lr.stop_grace() == 0.0
     assert lr.trainers[0].returncode == -signal.SIGKILL and not got.exists()  # it ignored SIGTERM: killed
