@@ -13,7 +13,11 @@
    RSS slope is a least-squares fit over the samples after the first quarter (warm-up); the
    slope of each quarter is printed too (warm-up shows as a slope that falls to ~0 quarter by
    quarter, a leak as one that stays), and the raw series is written to ``soak_rss.jsonl``
-   beside the run directory.
+   beside the run directory. Per role it also names the largest rise between two samples (when,
+   from, to: a one-time high-water mark shows as one such step). ``--memdebug N`` runs the
+   trainer with ``NEON_TRAIN_MEMDEBUG=N`` (``neon_hpc/train/memory.py``) and summarises its
+   malloc records: bytes in use vs. RSS (the trainer trims freed arena memory after every step;
+   ``NEON_TRAIN_MALLOC_TRIM=0`` in the environment turns that off, to compare).
 
 Ends with ``RESULT soak_rss_growth_mb_per_h=... soak_claim_latency_growth=...
 soak_backlog_max=... soak_metadata_ops_per_claim_first=... soak_metadata_ops_per_claim_last=...``
@@ -124,7 +128,43 @@ def _windows(run_s: float) -> list[tuple[float, float]]:
     return [(i * q, (i + 1) * q) for i in range(4)]
 
 
-def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
+def largest_rise(samples: list[tuple[float, dict[str, float]]]) -> dict[str, tuple[float, float, float]]:
+    """Per role, the largest RSS rise between consecutive samples: (t of the later one, from MB, to MB)."""
+    out: dict[str, tuple[float, float, float]] = {}
+    last: dict[str, float] = {}
+    for t, d in samples:
+        for role, mb in d.items():
+            best = out.get(role)
+            if role in last and mb > last[role] and (best is None or mb - last[role] > best[2] - best[1]):
+                out[role] = (t, last[role], mb)
+            last[role] = mb
+    return out
+
+
+def memdebug_summary(path: Path) -> dict | None:
+    """The trainer's NEON_TRAIN_MEMDEBUG records: RSS and malloc in-use, first and last quarter means."""
+    if not path.exists():
+        return None
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("malloc")]
+    if len(recs) < 4:
+        return None
+    q = len(recs) // 4
+
+    def mean(rs, f):
+        return float(np.mean([f(r) for r in rs])) / 1024
+
+    trims = [r["trim_ms"] for r in recs if r.get("trim_ms") is not None]
+    return {"records": len(recs), "steps": (recs[0]["step"], recs[-1]["step"]),
+            "rss_mb": (mean(recs[:q], lambda r: r["rss_kb"]), mean(recs[-q:], lambda r: r["rss_kb"])),
+            "in_use_mb": (mean(recs[:q], lambda r: r["malloc"]["used_kb"]),
+                          mean(recs[-q:], lambda r: r["malloc"]["used_kb"])),
+            "threads": recs[-1]["threads"], "heaps": recs[-1]["malloc"].get("heaps"),
+            "trimmed": bool(recs[-1].get("trimmed")), "trim_ms_mean": float(np.mean(trims)) if trims else math.nan,
+            "max_seq_seen": recs[-1].get("max_seq_seen")}
+
+
+def run_soak(root: Path, run_s: float, workers: int, sample_s: float, memdebug: int = 0) -> dict:
     import psutil
 
     from neon_hpc.store.claim import ready_count
@@ -132,8 +172,10 @@ def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
            str(root), "--quiet", "--no-plot", "--set", "train.steps=100000", "--set", f"rollout.num_workers={workers}",
            "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_every=50"]
     out = open(root.parent / "soak_launcher.txt", "ab")
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if memdebug:
+        env["NEON_TRAIN_MEMDEBUG"] = str(memdebug)
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True, env=env)
     samples: list[tuple[float, dict[str, float]]] = []
     backlog = []
     t0 = time.monotonic()
@@ -173,7 +215,8 @@ def run_soak(root: Path, run_s: float, workers: int, sample_s: float) -> dict:
         steps = len({json.loads(line).get("step") for line in (root / "logs" / "trainer" / "metrics.jsonl")
                      .read_text().splitlines() if line.strip()})
     return {"slopes_mb_per_h": slopes, "windows": windows, "backlog_max": max(backlog, default=0), "samples": len(samples),
-            "steps": steps, "rss_last_mb": samples[-1][1] if samples else {}}
+            "steps": steps, "rss_last_mb": samples[-1][1] if samples else {}, "rises": largest_rise(samples),
+            "memdebug": memdebug_summary(root / "logs" / "trainer" / "memdebug_0.jsonl")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-s", type=float, default=0.0, help="run soak duration (0: skip it)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--memdebug", type=int, default=0, help="record the trainer's memory every N steps (0: off)")
     ap.add_argument("--work-dir", default=None)
     a = ap.parse_args(argv)
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="neon-soak."))
@@ -193,13 +237,23 @@ def main(argv: list[str] | None = None) -> int:
           f"metadata ops per claim {c['ops_first']:.0f} -> {c['ops_last']:.0f}", flush=True)
     rss, backlog = math.nan, math.nan
     if a.run_s > 0:
-        r = run_soak(work / "run", a.run_s, a.workers, a.sample_s)
+        r = run_soak(work / "run", a.run_s, a.workers, a.sample_s, a.memdebug)
         print(f"run soak: {a.run_s:.0f}s, {a.workers} workers, {r['steps']} steps, {r['samples']} samples; "
               f"RSS slope MB/h by role {json.dumps({k: round(v, 1) for k, v in r['slopes_mb_per_h'].items()})}; "
               f"last RSS MB {json.dumps({k: round(v) for k, v in r['rss_last_mb'].items()})}; "
               f"ready/ backlog max {r['backlog_max']}", flush=True)
         for name, sl in r["windows"].items():
             print(f"  RSS slope MB/h over {name}: {json.dumps({k: round(v, 1) for k, v in sl.items()})}", flush=True)
+        for role, (t, lo, hi) in sorted(r["rises"].items()):
+            print(f"  largest RSS rise between two samples: {role} {lo:.0f} -> {hi:.0f} MB (+{hi - lo:.1f}) "
+                  f"at {t / 60:.1f} min", flush=True)
+        md = r["memdebug"]
+        if md:
+            print(f"  trainer memory records (steps {md['steps'][0]}-{md['steps'][1]}, {md['records']} records, "
+                  f"malloc_trim after each step: {md['trimmed']}, {md['trim_ms_mean']:.1f} ms): RSS "
+                  f"{md['rss_mb'][0]:.0f} -> {md['rss_mb'][1]:.0f} MB, malloc in use {md['in_use_mb'][0]:.0f} -> "
+                  f"{md['in_use_mb'][1]:.0f} MB (first vs last quarter); {md['threads']} threads, {md['heaps']} "
+                  f"arenas, longest sequence {md['max_seq_seen']}", flush=True)
         rss = max(r["slopes_mb_per_h"].values(), default=math.nan)
         backlog = r["backlog_max"]
     print(f"work dir {work}")

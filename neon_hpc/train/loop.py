@@ -408,6 +408,8 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
     step = last
     saved_at = last
     preempted = False
+    from neon_hpc.train.memory import StepMemory
+    memory = StepMemory.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
@@ -447,6 +449,7 @@ def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLog
                                                    checkpoint_dir=run.checkpoint(step))
             published = step
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
+        memory.after_step(step, input_lengths(data.trajectories))
         if stop:
             preempted = True
             break
