@@ -4,6 +4,8 @@
 renamed into place by rank 0 after every rank finished writing)::
 
     .metadata, __R_K.distcp, common.pt, metadata.json   megatron torch_dist: model + optimizer
+                                                         (no optimizer tensors before the first step:
+                                                         :func:`load` then restores the model only)
     trainer_state.json                                   step, weight version, data cursor, layout
     rng/rank_R.pt                                        each rank's RNG states (tensors only)
     integrity.json                                       xxh3 digest per .distcp file and per blob
@@ -187,13 +189,13 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
     passes this first: ``.metadata`` through the allowlist unpickler of
     :mod:`neon_hpc.reshard.metadata` (only DCP's own classes, as stand-ins), ``common.pt``
     through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` naming the file and
-    the global it refused.
+    the global it refused; returns the (stand-in) DCP metadata.
     """
     from neon_hpc.bounded import clip_text
     from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata
 
     ckpt = Path(ckpt_dir)
-    load_dcp_metadata(ckpt / ".metadata")
+    meta = load_dcp_metadata(ckpt / ".metadata")
     common = ckpt / "common.pt"
     if common.exists():
         try:
@@ -203,6 +205,22 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
                                   f"({type(e).__name__}: {clip_text(str(e), 300)}); the file is foreign or "
                                   f"tampered with. Re-save the checkpoint with megatron-core, or start "
                                   f"from an HF folder") from None
+    return meta
+
+
+OPTIMIZER_STATE_KEY = "optimizer.state."   # megatron's sharded keys of per-parameter optimizer tensors
+
+
+def has_optimizer_moments(meta) -> bool:
+    """Whether a checkpoint's DCP metadata (:func:`refuse_untrusted`'s answer) holds optimizer
+    tensors (Adam's exp_avg/exp_avg_sq; keys ``[chained_N.]optimizer.state.<name>.<param>``)."""
+    return any(f".{OPTIMIZER_STATE_KEY}" in f".{k}" for k in meta.state_dict_metadata)
+
+
+def optimizer_has_state(be: Backend) -> bool:
+    """Whether any of the trainer's torch optimizers holds per-parameter state (after a step)."""
+    opts = getattr(be.optimizer, "chained_optimizers", None) or [be.optimizer]
+    return any(len(s) for o in opts for s in o.optimizer.state.values())
 
 
 def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
@@ -211,13 +229,23 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
 
     ckpt = run.checkpoint(step)
     state = read_state(ckpt)
-    refuse_untrusted(ckpt)          # before megatron unpickles anything in it
+    meta = refuse_untrusted(ckpt)   # before megatron unpickles anything in it
     lay = be.layout
+    # A checkpoint saved before the first optimizer step (publish_via=reshard's step_0) holds no
+    # Adam moments: megatron's loading template expects exp_avg/exp_avg_sq (KeyError). The
+    # optimizer then starts as it was saved: fresh, with no state.
+    moments = has_optimizer_moments(meta)
     with verified_reads(ckpt, lay.rank) as digests:      # every blob checked as DCP reads it
-        loaded = dist_checkpointing.load(_sharded(be, is_loading=True), str(ckpt))
+        template = _sharded(be, is_loading=True) if moments else model_sharded_state_dict(be)
+        loaded = dist_checkpointing.load(template, str(ckpt))
     state["digests_verified"] = digests is not None
+    state["optimizer_restored"] = moments
     load_model_state(be, loaded)
-    be.optimizer.load_state_dict(loaded["optimizer"])
+    if moments:
+        be.optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer_has_state(be):
+        raise RuntimeError(f"{ckpt} holds no optimizer state (saved before the first optimizer step), "
+                           f"but this trainer's optimizer already has state: load it into a fresh Backend")
     _check_param_digest(ckpt, state, be)
     saved_layout = {"cp": 1, "vpp": 1, **state.get("layout", {})}   # older records lack cp, vpp
     same_layout = all(saved_layout.get(k) == v for k, v in lay.as_record().items())
