@@ -119,7 +119,7 @@ def test_kimi_sweep_searches_bound_batch_and_split_says_what_does_not_fit_and_dr
     assert rc == 0
     assert "does not fit: 147 / 16: needs" in out            # 16 trainer nodes cannot hold the state
     m = re.search(r"best layout: (\d+) rollout nodes / (\d+) trainer nodes, rollout.max_staleness=(\d+), "
-                  r"train.trajectories_per_step=(\d+): ([\d,]+) samples/h, trainer idle [\d.]+%, rollout idle "
+                  r"train.trajectories_per_step=(\d+), rollout.num_workers=(\d+): ([\d,]+) samples/h, trainer idle [\d.]+%, rollout idle "
                   r"[\d.]+%, wasted rollout tokens ([\d.]+)%, token staleness mean [\d.]+ / p95 \d+", out)
     assert m, out[-2000:]
     assert int(m[1]) + int(m[2]) == 163 and int(m[3]) <= 8
@@ -129,4 +129,4 @@ def test_kimi_sweep_searches_bound_batch_and_split_says_what_does_not_fit_and_dr
 
 def test_search_space_defaults_span_the_config_and_the_target():
     p = dataclasses.replace(SimParams(), max_staleness=4, trajectories_per_step=512, group_size=8)
-    assert report.search_space(p, 8) == ([4, 6, 8], [256, 512, 1024, 2048])
+    assert report.search_space(p, 8) == ([4, 6, 8], [256, 512, 1024, 2048, 4096])

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t1 = time.perf_counter()
     points = report.sweep(sourced, cfg.plan.sweep_points, args.sweep_steps, args.target_staleness, None,
-                          cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+                          cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step, cfg.plan.sweep_concurrency)
     best, why = report.recommend(points, args.target_staleness)
     nodes = (p.rollout_gpus // p.gpus_per_node, p.train_gpus // p.gpus_per_node)
     here = report.simulate_point(sourced, *nodes, p.max_staleness, p.trajectories_per_step, args.sweep_steps)
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
           f"plan_best_over_config_drop_throughput={b.samples_per_hour / max(drop.result.samples_per_hour, 1e-12):.3f} "
           f"plan_best_staleness_p95={b.token_staleness_quantile(0.95)} plan_best_bound={best.max_staleness} "
           f"plan_best_rollout_nodes={best.rollout_nodes} plan_best_train_nodes={best.train_nodes} "
-          f"plan_best_trajectories_per_step={best.trajectories_per_step} plan_best_samples_per_hour={b.samples_per_hour:.0f}")
+          f"plan_best_trajectories_per_step={best.trajectories_per_step} plan_best_num_workers={best.num_workers} "
+          f"plan_best_rollout_idle={b.rollout_idle_frac:.3f} plan_best_samples_per_hour={b.samples_per_hour:.0f}")
     return 0
 
 

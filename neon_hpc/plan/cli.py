@@ -67,13 +67,16 @@ def main(argv: list[str]) -> int:
         sweep_steps = a.sweep_steps or cfg.plan.sweep_steps
         t_sweep = time.perf_counter()
         points = report.sweep(sourced, cfg.plan.sweep_points, sweep_steps, target, progress,
-                              cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+                              cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step,
+                              cfg.plan.sweep_concurrency)
         t_sweep = time.perf_counter() - t_sweep
         Ss, Ts = report.search_space(p, target, cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
+        Cs = report.concurrency_space(p, cfg.plan.sweep_concurrency)
         print(f"\nsweep (async, {p.stale_policy} stale tokens, {p.weight_update} weight updates, {sweep_steps} steps "
-              f"each) of the node split, staleness bound {Ss} and trajectories per step {Ts}:")
+              f"each) of the node split, staleness bound {Ss}, trajectories per step {Ts} and episodes in flight "
+              f"per engine request slot {[c or 'config' for c in Cs]} (W = rollout.num_workers):")
         print(report.table([(s.label, s.result) for s in points if s.result is not None],
-                           first="rollout / train nodes, bound, traj/step"))
+                           first="rollout / train nodes, bound, traj/step, workers"))
         for line in report.not_fitting(points):
             print(f"  does not fit: {line}")
         try:
@@ -83,8 +86,8 @@ def main(argv: list[str]) -> int:
             return 1
         r = chosen.result
         print(f"  best layout: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes, "
-              f"rollout.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}"
-              f": {r.samples_per_hour:,.0f} samples/h, trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
+              f"rollout.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}, "
+              f"rollout.num_workers={chosen.num_workers}: {r.samples_per_hour:,.0f} samples/h, trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
               f"{r.rollout_idle_frac:.1%}, wasted rollout tokens {r.wasted_tokens_frac:.1%}, token staleness "
               f"mean {r.token_staleness_mean:.2f} / p95 {r.token_staleness_quantile(0.95)}")
         print(f"  recommended: {why}")
@@ -133,6 +136,9 @@ def _warnings(p) -> list[str]:
         out.append(f"the rollout workers keep at most {p.rollout_slots} episodes in flight; the engines could "
                    f"batch {p.engine_slots} (engine.num_engines x max_batch_size): more workers or larger groups "
                    f"would use them")
+    if p.queued:
+        out.append(f"the rollout workers keep {p.rollout_slots} episodes in flight, the engines run {p.engine_slots} at "
+                   f"once (engine.num_engines x max_batch_size): the rest wait in the engines' queue")
     return out
 
 

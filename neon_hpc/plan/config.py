@@ -17,6 +17,9 @@ class PlanConfig:
     decode_tokens_per_s: float = 25.0   # per request, after PD disaggregation (10 before)
     prefill_tokens_per_s: float = 0.0   # per request for tool/prompt tokens; 0 = not modelled
     tool_latency_s: float = 2.0         # mean (exponential) per tool call
+    # decode speed vs an engine's batch: k = KV-cache / weight bytes read per decode step at a full
+    # batch (params.py SimParams.decode_kv_ratio); -1 = derive it (SGLang engines; 0 for embedded)
+    decode_kv_ratio: float = -1.0
     rollout_slots: int = 0              # concurrent episodes; 0 = workers x group_size (worker) or engines x max_batch_size (episode)
     # episode shape (heavy tail: a lognormal body plus a fraction of max-turn episodes)
     turns_median: float = 0.0           # 0 = max_turns / 8
@@ -53,6 +56,10 @@ class PlanConfig:
     # the config's own and a few around it: see report.search_space)
     sweep_staleness: list[int] = field(default_factory=list)
     sweep_trajectories_per_step: list[int] = field(default_factory=list)
+    # ... and the rollout concurrency: rollout.num_workers x group_size over the engines' request slots
+    # (engines x max_batch_size; above 1 the excess waits in the engines' queue). Empty = the config's,
+    # 1, 2, 3 and 4 (worker mode; report.concurrency_space)
+    sweep_concurrency: list[float] = field(default_factory=list)
     # trainer memory (plan/memory.py): weights + grads + optimizer state must fit this share of a GPU
     gpu_memory_bytes: float = 141e9     # H200
     train_memory_fraction: float = 0.8
@@ -66,6 +73,7 @@ class PlanConfig:
                                           "tail_gen_tokens_median", "prompt_tokens", "tool_tokens_per_turn",
                                           "step_overhead_s", "publish_bytes_per_s", "weight_load_s")},
         "weight_load_bytes_per_s": above(0),
+        "decode_kv_ratio": at_least(-1, "-1 = derive from the engine and model"),
         "mfu": above(0, le=1.0, note="a fraction of peak"),
         "tail_fraction": between(0, 1),
         "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),

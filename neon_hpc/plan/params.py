@@ -26,6 +26,13 @@ class SimParams:
     rollout_slots: int = 64             # concurrent episodes over all engines
     num_engines: int = 1
     engine_slots: int = 0               # engines x max_batch_size (request capacity, for the stall model)
+    # worker mode: when the workers' episodes (rollout_slots) exceed engine_slots, the excess waits in
+    # the engines' queue (SGLang --max-running-requests, the embedded scheduler's queue): see slots.py
+    # decode speed vs an engine's batch (memory-bound decode, a roofline): a request's decode time
+    # scales by (1 + k * b/B) / (1 + k), b = requests running on the engine, B = its max_batch_size,
+    # k = decode_kv_ratio = KV-cache bytes / weight bytes an engine GPU reads per step at b = B.
+    # decode_tokens_per_s is the rate at a full batch. 0 = the rate does not depend on the batch.
+    decode_kv_ratio: float = 0.0
     # episodes
     group_size: int = 1
     max_turns: int = 8
@@ -116,6 +123,17 @@ class SimParams:
     flush_seconds: float = 0.0
     steps: int = 1000
     seed: int = 0
+
+    @property
+    def queued(self) -> bool:
+        """Worker mode with more episodes in flight than the engines run at once: the rest queue."""
+        return self.slot_mode == "worker" and 0 < self.engine_slots < self.rollout_slots
+
+    @property
+    def request_slots(self) -> int:
+        """Episodes that can run at once: the engines' slots when workers queue for them, else the
+        rollout slots (the capacity rollout idle is measured against)."""
+        return self.engine_slots if self.queued else self.rollout_slots
 
     @property
     def publish_s(self) -> float:
@@ -261,6 +279,7 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
                                "lag behind the trainer's next claim)")
     _trainer(s, cfg, c)
     _weight_load(s, cfg, c)
+    _decode_kv_ratio(s, cfg, c)
     pc: PlanConfig = cfg.plan
     for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
                  "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
@@ -365,3 +384,42 @@ def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
             s.set(name, float(fallback), f"derived (rollout.{formula})")
     for name in ("turns_sigma", "gen_tokens_sigma", "tail_fraction", "prompt_tokens", "tool_tokens_per_turn"):
         s.set(name, getattr(pc, name), c(f"plan.{name}"))
+
+
+def kv_bytes_per_token_per_gpu(model: Any, attn_tp: int) -> float:
+    """bf16 KV cache one GPU holds per token of a request it serves: MLA keeps the compressed
+    latent (``kv_lora_rank + qk_rope_head_dim`` per layer), replicated over the attention TP
+    group; otherwise K and V of ``num_query_groups`` heads, sharded over it."""
+    if getattr(model, "kv_lora_rank", 0):
+        return 2.0 * model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim)
+    groups = max(model.num_query_groups or model.num_attention_heads, 1)
+    return 2.0 * 2 * model.num_layers * groups * model.head_dim / min(max(attn_tp, 1), groups)
+
+
+def _decode_kv_ratio(s: Sourced, cfg: Any, c) -> None:
+    """``decode_kv_ratio`` k: at a full engine batch, KV-cache bytes / weight bytes one engine GPU
+    reads per decode step (memory-bound decode: both are read once a step; compute is far below
+    the roofline's knee at these batches). Per GPU of an SGLang engine (``--tp-size tp*dp
+    --dp-size dp``, DP attention): weights = routed experts / ep_size + the rest / tp_size (each
+    DP rank's attention TP group holds the dense part); KV = max_batch_size / dp_size requests x
+    the decode-weighted mean context x :func:`kv_bytes_per_token_per_gpu`."""
+    pc, E, M = cfg.plan, cfg.engine, cfg.model
+    if pc.decode_kv_ratio >= 0:
+        s.set("decode_kv_ratio", pc.decode_kv_ratio, c("plan.decode_kv_ratio"))
+        return
+    if E.kind != "sglang":
+        s.set("decode_kv_ratio", 0.0, f"{c('engine.kind')} = {E.kind} (not a GPU roofline: the rate does not "
+                                      f"depend on the batch; set plan.decode_kv_ratio to change it)")
+        return
+    import numpy as np
+    from neon_hpc.plan.workload import decode_context_mean
+    p = s.params
+    ctx = decode_context_mean(p, 20000, np.random.default_rng(p.seed + 5))
+    kv = kv_bytes_per_token_per_gpu(M, E.tp_size)
+    dp = max(E.dp_size, 1)
+    weights = 2.0 * (p.expert_params / max(E.ep_size, 1) + p.dense_params / max(E.tp_size, 1))
+    k = E.max_batch_size / dp * ctx * kv / weights
+    s.set("decode_kv_ratio", k,
+          f"derived ({E.max_batch_size}/{dp} requests per DP rank x {ctx:,.0f} tokens decode-weighted context x "
+          f"{kv / 1e3:.1f} kB KV/token/GPU / {weights / 1e9:.1f} GB weights/GPU; engine.* and model.*; "
+          f"plan.decode_kv_ratio sets it)")

@@ -14,6 +14,7 @@ from neon_hpc.plan.trainer import StepTimeModel
 from neon_hpc.plan.workload import sample_episodes
 
 Progress = Callable[[str], None]
+RATIO_BATCH = 2048      # sequences the balancer's makespan/bound ratio is planned on (simulate_point)
 
 
 @dataclass
@@ -68,6 +69,12 @@ class SplitPoint:
     max_staleness: int = 0
     trajectories_per_step: int = 0
     layout: Layout | None = None
+    concurrency: float = 0.0               # searched: episodes in flight / request slots (0 = the config's)
+    num_workers: int = 0                   # rollout.num_workers this gives at this split
+
+    @property
+    def key(self) -> tuple:
+        return self.max_staleness, self.trajectories_per_step, self.concurrency
 
     @property
     def fits(self) -> bool:
@@ -75,20 +82,29 @@ class SplitPoint:
 
     @property
     def label(self) -> str:
-        return f"{self.rollout_nodes} / {self.train_nodes}  S={self.max_staleness} tps={self.trajectories_per_step}"
+        return (f"{self.rollout_nodes} / {self.train_nodes}  S={self.max_staleness} tps={self.trajectories_per_step}"
+                f" W={self.num_workers}")
 
 
-def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int) -> dict:
-    """Parameters for another split of the same nodes: rollout slots and engines scale with
-    the rollout group (whole groups in worker mode), trainer FLOP/s with the trainer group."""
+def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int, concurrency: float = 0.0) -> dict:
+    """Parameters for another split of the same nodes: engines and their request slots scale
+    with the rollout group, the workers' episodes in flight with the request slots (the
+    config's ratio, rounded down to whole groups in worker mode, so that workers which fill
+    the engines do not start queueing) or ``concurrency`` times the request slots (worker
+    mode, > 0); trainer FLOP/s scale with the trainer group."""
     p = sourced.params
     gpn = max(p.gpus_per_node, 1)
     scale = rollout_nodes * gpn / max(p.rollout_gpus, 1)
     g = max(p.group_size, 1) if p.slot_mode == "worker" else 1
-    slots = max(g, int(round(p.rollout_slots * scale / g)) * g)
+    engine_slots = int(round(p.engine_slots * scale))
+    if concurrency > 0 and p.engine_slots > 0:
+        slots = max(g, int(engine_slots * concurrency + 1e-9) // g * g)
+    elif p.engine_slots > 0:
+        slots = max(g, engine_slots * p.rollout_slots // (p.engine_slots * g) * g)
+    else:
+        slots = max(g, int(round(p.rollout_slots * scale / g)) * g)
     return dict(rollout_gpus=rollout_nodes * gpn, train_gpus=train_nodes * gpn, rollout_slots=slots,
-                num_engines=max(1, int(round(p.num_engines * scale))),
-                engine_slots=int(round(p.engine_slots * scale)))
+                num_engines=max(1, int(round(p.num_engines * scale))), engine_slots=engine_slots)
 
 
 def trainer_layout(p, train_nodes: int) -> Layout:
@@ -115,7 +131,7 @@ def split_candidates(total_nodes: int, points: int, train_multiple: int = 1) -> 
 def search_space(p, target_staleness: int, bounds: list[int] | None = None,
                  tps: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Staleness bounds (the config's up to ``target_staleness``) and trajectories per step
-    (half, the config's, twice and four times, in whole groups) to search beside the split."""
+    (half, the config's, 2x, 4x and 8x, in whole groups) to search beside the split."""
     S = p.max_staleness
     if not bounds:
         top = max(S, target_staleness)
@@ -123,56 +139,81 @@ def search_space(p, target_staleness: int, bounds: list[int] | None = None,
     g = max(p.group_size, 1)
     if not tps:
         t = p.trajectories_per_step
-        tps = sorted({max(g, (t // 2) // g * g), t, 2 * t, 4 * t})
+        tps = sorted({max(g, (t // 2) // g * g), t, 2 * t, 4 * t, 8 * t})
     return sorted(set(bounds)), sorted(set(tps))
 
 
+def concurrency_space(p, given: list[float] | None = None) -> list[float]:
+    """Rollout concurrencies to search (episodes in flight / the engines' request slots; 0 = the
+    config's ratio, listed first): worker mode with engine slots only, the config's and 1, 2, 3, 4 (a
+    worker holds its group's slots until its slowest episode ends, so filling the request slots
+    takes more than 1)."""
+    if p.slot_mode != "worker" or p.engine_slots <= 0:
+        return [0.0]
+    own = p.rollout_slots / p.engine_slots
+    if given:
+        bad = [c for c in given if not c > 0]
+        if bad:
+            raise ValueError(f"plan.sweep_concurrency: {bad} — each value is rollout.num_workers x group_size over "
+                             f"engine.num_engines x max_batch_size and must be > 0")
+        return [0.0] + sorted(set(float(c) for c in given) - {own})
+    return [0.0] + sorted({1.0, 2.0, 3.0, 4.0} - {own})
+
+
 def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: int, steps: int,
-                   ratios: dict | None = None) -> SplitPoint:
+                   ratios: dict | None = None, concurrency: float = 0.0) -> SplitPoint:
     """One layout: ``r_nodes`` / ``t_nodes`` (trainer layout re-derived, see :func:`trainer_layout`),
-    bound ``S``, ``tps`` trajectories per step; not simulated when the trainer does not fit."""
+    bound ``S``, ``tps`` trajectories per step, ``concurrency`` x request slots in flight (0 = the
+    config's ratio); not simulated when the trainer does not fit."""
     ratios = {} if ratios is None else ratios
     p = sourced.params
     lay = trainer_layout(p, t_nodes)
+    changes = split_changes(sourced, r_nodes, t_nodes, concurrency)
+    workers = changes["rollout_slots"] // max(p.group_size, 1) if p.slot_mode == "worker" else 0
     if not lay.fits:
-        return SplitPoint(r_nodes, t_nodes, None, S, tps, lay)
-    changes = split_changes(sourced, r_nodes, t_nodes)
+        return SplitPoint(r_nodes, t_nodes, None, S, tps, lay, concurrency, workers)
     changes.update(steps=steps, max_staleness=S, trajectories_per_step=tps, policy="async")
     if lay.dp:   # the layout this many trainer nodes give (it decides the step time's cells)
         changes.update(dp=lay.dp, cp=lay.cp, pp=lay.pp)
     q = sourced.replace(**changes).params
     key = (q.dp, q.pp, q.cp, tps)
     if key not in ratios:   # one planner call per layout and batch size, on a batch of the workload
-        batch = sample_episodes(q, tps, np.random.default_rng(q.seed + 7)).seq_len
+        # (at most RATIO_BATCH sequences: a larger batch balances at least as well, so its step is
+        # overestimated a little -- Kimi tp8 pp8 cp4: 1.047 planned on 2,048, 1.025 on 4,096 -- and the
+        # planner's cost, ~8 s at 4,096, stays bounded)
+        batch = sample_episodes(q, min(tps, RATIO_BATCH), np.random.default_rng(q.seed + 7)).seq_len
         ratios[key] = StepTimeModel(q).planned_ratio(np.asarray(batch, dtype=np.float64))
     res = simulate(q, StepTimeModel(q, ratio=ratios[key]))
-    return SplitPoint(r_nodes, t_nodes, res, S, tps, lay)
+    return SplitPoint(r_nodes, t_nodes, res, S, tps, lay, concurrency, workers)
 
 
 def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
           progress: Progress | None = None, bounds: list[int] | None = None,
-          tps: list[int] | None = None) -> list[SplitPoint]:
-    """Search the node split, the staleness bound and trajectories per step (async).
+          tps: list[int] | None = None, concurrency: list[float] | None = None) -> list[SplitPoint]:
+    """Search the node split, the staleness bound, trajectories per step and the rollout
+    concurrency (async).
 
     Splits whose trainer layout cannot hold weights, gradients and optimizer state are
-    listed, not simulated.  Stage 1: every fitting split at the largest bound and the
-    config's trajectories per step; stage 2: every bound x trajectories-per-step at the best
-    split; stage 3: the best of those at the neighbouring splits.  The balancer's
-    makespan/bound ratio is computed once per (dp, pp, cp, trajectories per step).
+    listed, not simulated.  Stage 1: every fitting split at the largest bound and trajectories
+    per step, the config's concurrency (cheap: one event per group); stage 2: every concurrency
+    at the best split, then every bound x trajectories-per-step at the best split and
+    concurrency; stage 3: hill-climbing the split at the best of those.  The balancer's makespan/bound ratio is computed once per (dp, pp,
+    cp, trajectories per step).
     """
     p = sourced.params
     gpn = max(p.gpus_per_node, 1)
     total_nodes = (p.rollout_gpus + p.train_gpus) // gpn
     replica_nodes = math.ceil(max(p.tp, 1) * max(p.pp, 1) / gpn) if p.tp * p.pp > gpn else 1
     Ss, Ts = search_space(p, target_staleness, bounds, tps)
+    Cs = concurrency_space(p, concurrency)
     ratios: dict = {}
     out: list[SplitPoint] = []
     done: dict[tuple, SplitPoint] = {}
 
-    def run(r_nodes: int, S: int, t: int) -> SplitPoint:
-        key = (r_nodes, S, t)
+    def run(r_nodes: int, S: int, t: int, c: float) -> SplitPoint:
+        key = (r_nodes, S, t, c)
         if key not in done:
-            sp = simulate_point(sourced, r_nodes, total_nodes - r_nodes, S, t, steps, ratios)
+            sp = simulate_point(sourced, r_nodes, total_nodes - r_nodes, S, t, steps, ratios, c)
             done[key] = sp
             out.append(sp)
             if progress:
@@ -182,14 +223,17 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
         return done[key]
 
     splits = split_candidates(total_nodes, points, replica_nodes)
-    first = [run(r, max(Ss), max(Ts)) for r in splits]   # the least wasteful setting first
+    first = [run(r, max(Ss), max(Ts), Cs[0]) for r in splits]   # the least wasteful S and tps first
     fitting = [sp for sp in first if sp.result is not None]
     if not fitting:
         return out
     best = _best(fitting)[0]
+    for c in Cs:
+        run(best.rollout_nodes, max(Ss), max(Ts), c)
+    best = _best([sp for sp in out if sp.result is not None])[0]
     for S in Ss:
         for t in Ts:
-            run(best.rollout_nodes, S, t)
+            run(best.rollout_nodes, S, t, best.concurrency)
     # hill-climb the split at the best S and tps: one model replica of trainer nodes at a time,
     # or one node where a deeper pipeline lays that many out (memory.layout_search)
     valid = sorted(set(split_candidates(total_nodes, total_nodes, replica_nodes))
@@ -200,8 +244,8 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
         i = valid.index(best.rollout_nodes) if best.rollout_nodes in valid else None
         if i is None:
             break
-        fresh = [run(valid[j], best.max_staleness, best.trajectories_per_step) for j in (i - 1, i + 1)
-                 if 0 <= j < len(valid) and (valid[j], best.max_staleness, best.trajectories_per_step) not in done]
+        fresh = [run(valid[j], *best.key) for j in (i - 1, i + 1)
+                 if 0 <= j < len(valid) and (valid[j], *best.key) not in done]
         if not fresh:
             break
     return out
@@ -322,13 +366,12 @@ def write_png(path: str, variants: list[Variant], points: list[SplitPoint] | Non
     ax = axes[1][1]
     if points:
         sim = [s for s in points if s.result is not None]
-        keys = sorted({(s.max_staleness, s.trajectories_per_step) for s in sim})
+        keys = sorted({s.key for s in sim})
         cmap = plt.get_cmap("viridis")
-        for i, (S, t) in enumerate(keys):
-            pts = sorted((s for s in sim if (s.max_staleness, s.trajectories_per_step) == (S, t)),
-                         key=lambda s: s.rollout_nodes)
+        for i, (S, t, c) in enumerate(keys):
+            pts = sorted((s for s in sim if s.key == (S, t, c)), key=lambda s: s.rollout_nodes)
             ax.plot([s.rollout_nodes for s in pts], [s.result.samples_per_hour for s in pts], marker="o",
-                    color=cmap(i / max(len(keys) - 1, 1)), label=f"S={S} tps={t}")
+                    color=cmap(i / max(len(keys) - 1, 1)), label=f"S={S} tps={t} x{c:g}" if c else f"S={S} tps={t}")
         bad = [s for s in points if s.result is None]
         if bad:
             ax.plot([s.rollout_nodes for s in bad], [0] * len(bad), "x", color="tab:red", label="trainer does not fit")
@@ -337,14 +380,13 @@ def write_png(path: str, variants: list[Variant], points: list[SplitPoint] | Non
         if chosen:
             ax.axvline(chosen.rollout_nodes, color="tab:green", linestyle="--", label="recommended")
         ax2 = ax.twinx()
-        line = sorted((s for s in sim if chosen is None or (s.max_staleness, s.trajectories_per_step) ==
-                       (chosen.max_staleness, chosen.trajectories_per_step)), key=lambda s: s.rollout_nodes)
+        line = sorted((s for s in sim if chosen is None or s.key == chosen.key), key=lambda s: s.rollout_nodes)
         ax2.plot([s.rollout_nodes for s in line], [s.result.trainer_idle_frac for s in line], ":", color="tab:red",
                  label="trainer idle")
         ax2.plot([s.rollout_nodes for s in line], [s.result.wasted_tokens_frac for s in line], ":",
                  color="tab:orange", label="wasted tokens")
         ax2.set_ylim(0, 1)
-        ax2.set_ylabel("fraction (recommended S, tps)")
+        ax2.set_ylabel("fraction (recommended S, tps, concurrency)")
         ax.legend(loc="upper left", fontsize=7)
         ax2.legend(loc="upper right", fontsize=7)
     else:

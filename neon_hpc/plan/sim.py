@@ -30,8 +30,10 @@ Policies (``SimParams.policy``):
 Rollout slots (``slot_mode``): ``worker`` = like ``neon_hpc.rollout.worker``, a worker
 holds ``G`` slots and starts its next group only when its whole group is done (a long
 episode keeps its siblings' slots idle); ``episode`` = each slot starts a new episode as soon
-as its own finishes (an engine-level request pool).  Rollout idle = slot-time not held by
-any group or episode.
+as its own finishes (an engine-level request pool).  When the workers' episodes outnumber the
+engines' request slots (``engine_slots``), the rest wait in the engines' queue
+(``QueuedWorkerSlots``).  Rollout idle = slot-time not held by any group or episode (request
+slots, when queued).
 
 What the real processes add (worker mode; each is a parameter, 0 = ideal):
 
@@ -78,7 +80,7 @@ import simpy
 
 from neon_hpc.plan.accounting import Accounts, Occupancy, SimResult
 from neon_hpc.plan.params import SimParams
-from neon_hpc.plan.slots import EpisodeSlots, WorkerSlots, _Group
+from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, _Group
 from neon_hpc.plan.trainer import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
 from neon_hpc.protocol import admission as rule
@@ -148,9 +150,10 @@ class _Sim:
         self._version_event: simpy.Event | None = None
         # books and slots
         self.acc = Accounts()
-        self.occ = Occupancy(p.rollout_slots)
+        self.occ = Occupancy(p.request_slots)
         self.worker_mode = p.slot_mode == "worker"
-        self.slots = WorkerSlots(self) if self.worker_mode else EpisodeSlots(self)
+        self.slots = (EpisodeSlots(self) if not self.worker_mode else QueuedWorkerSlots(self) if p.queued
+                      else WorkerSlots(self))
 
     # ---- admission and groups ---------------------------------------------------------
     def _admit_new_group(self) -> bool:
@@ -405,7 +408,7 @@ class _Sim:
         end = env.now
         return self.acc.result(
             policy=self.p.policy, steps=self.p.steps, wall_s=end, rollout_busy_s=self.occ.busy_until(end),
-            slots=self.p.rollout_slots, engine_stall_full=self.stall.at_full,
+            slots=self.p.request_slots, engine_stall_full=self.stall.at_full,
             aborted=self.slots.aborted_groups * self.G, step_time_source=self.step_model.source,
             sim_seconds=time.perf_counter() - t_start)
 

@@ -7,8 +7,20 @@
   ``admission_poll_s`` while refused), its heartbeat (``in_flight`` = ``G`` + its unpublished
   trajectories, beaten at group start; 0 while refused), its shard writer (``_group_ended``)
   and ``abort_stale``.
+* :class:`QueuedWorkerSlots` (``worker`` with more episodes in flight than the engines'
+  request slots, ``rollout_slots > engine_slots``): the workers as above, but a group's ``G``
+  episodes are requests that wait in the engines' queue (FIFO, as SGLang's beyond
+  ``--max-running-requests`` and the embedded scheduler's) until a request slot is free; one
+  event per episode, a slot held from its start to its end (tool calls included). A straggler
+  then holds one request slot, not its whole group's.
 * :class:`EpisodeSlots` (``episode``, an engine-level request pool): each slot starts a new
   episode as soon as its own finishes; one event per episode.
+
+Decode speed and the engine's batch (``decode_kv_ratio`` k): an episode's decode time is
+scaled, at its start (mean field, like the stall), by ``(1 + k * b/B) / (1 + k)`` with
+``b/B`` the share of the engines' request slots running: measured in queue and episode modes;
+in worker mode without a queue, the slots held times ``E[episode] / E[slowest of a group]``
+(the share of a held group's slots with a request still running, from the workload).
 
 Engine pauses (``pause_on_load`` with ``in_place`` updates): every weight load pauses the
 engines for ``weight_load_s`` (SGLang's ``pause_generation(in_place)`` around the load). An
@@ -37,7 +49,8 @@ CHUNK = 8192        # episodes sampled at a time
 
 
 class _Group:
-    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker", "mark", "share")
+    __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker", "mark", "share",
+                 "unstarted")
 
     def __init__(self, size: int, version: int, batch: int, t_start: float):
         self.t_start = t_start
@@ -50,6 +63,7 @@ class _Group:
         self.batch = batch
         self.mark = 0.0                 # engine pause seconds begun when it (last) got its end time
         self.share = 1.0                # the share of its slowest episode spent decoding (paused by a load)
+        self.unstarted = 0              # queue mode: episodes still waiting for an engine slot
 
 
 class _Worker:
@@ -67,13 +81,32 @@ class _Slots:
         self.sim = sim
         self.in_flight = 0              # episodes running
         self._stall_table = sim.stall.table_list
-        self._stall_scale = (EngineStall.LEVELS - 1) / sim.p.rollout_slots
+        self._stall_scale = (EngineStall.LEVELS - 1) / sim.p.request_slots
+        self._speed = decode_speed_table(sim.p)
 
     def start(self) -> None:            # the run begins
         self.fill()
 
     def abort_stale_inflight(self) -> None:   # only workers abort
         pass
+
+
+def decode_speed_table(p) -> list[float]:
+    """Decode-time factor per occupancy level of :class:`EngineStall`'s table (0..1 of
+    ``p.request_slots``): ``(1 + k * b/B) / (1 + k)``, ``b/B`` the engines' batch fill."""
+    k = p.decode_kv_ratio
+    levels = np.linspace(0.0, 1.0, EngineStall.LEVELS)
+    if k <= 0:
+        return [1.0] * len(levels)
+    cap = p.request_slots
+    running = 1.0
+    if p.slot_mode == "worker" and not p.queued:   # a held group's slots: how many still run a request
+        G = max(p.group_size, 1)
+        ep = sample_episodes(p, max(G, 8192 // G * G), np.random.default_rng(p.seed + 3))
+        d = (ep.decode_s + ep.fixed_s).reshape(-1, G)
+        running = float(d.mean() / max(d.max(axis=1).mean(), 1e-12))
+    fill = np.minimum(1.0, levels * cap * running / max(p.engine_slots or cap, 1))
+    return ((1.0 + k * fill) / (1.0 + k)).tolist()
 
 
 class WorkerSlots(_Slots):
@@ -121,7 +154,6 @@ class WorkerSlots(_Slots):
         if sim.abort_stale:
             self.inflight_groups[id(g)] = g
         g.worker = w
-        sim.occ.occupy(sim.G, sim.env._now)
         self._start_group(g)
 
     def _worker_check(self, w: _Worker) -> None:
@@ -164,9 +196,11 @@ class WorkerSlots(_Slots):
         lasting as long as its slowest episode."""
         sim = self.sim
         G = sim.G
-        f = self._stall_table[int(self.in_flight * self._stall_scale + 0.5)]
+        sim.occ.occupy(G, sim.env._now)
+        level = int(self.in_flight * self._stall_scale + 0.5)
+        f = self._stall_table[level]
         sim.acc.stall_sum += f * G
-        slow = 1.0 / (1.0 - f)
+        slow = self._speed[level] / (1.0 - f)
         i = self._gbuf_i
         if i >= len(self._gbuf):
             self._refill_groups()
@@ -225,8 +259,12 @@ class WorkerSlots(_Slots):
         if not sim.batch_mode and sim.load_times:   # in place: the last token saw the newest version
             g.vmax = max(g.vmax, sim.version if sim.in_place else sim._version_at(t_last_turn))
         g.remaining = 0
-        sim.groups_open -= 1
         sim.occ.vacate(sim.G, g.t_start, sim.env._now)
+        self._group_end(g)
+
+    def _group_end(self, g: _Group) -> None:
+        sim = self.sim
+        sim.groups_open -= 1
         sim._group_done(g)
         self._worker_check(g.worker)
         sim._fill()
@@ -247,6 +285,88 @@ class WorkerSlots(_Slots):
                 sim._discard(g)
                 self.aborted_groups += 1
                 self._worker_check(g.worker)
+
+
+class QueuedWorkerSlots(WorkerSlots):
+    """Workers whose episodes outnumber the engines' request slots: the rest wait in the
+    engines' FIFO queue. Workers, heartbeats, admission and the shard writer as in
+    :class:`WorkerSlots`; a request slot is held per episode."""
+
+    def __init__(self, sim: "_Sim"):
+        super().__init__(sim)
+        if sim.abort_stale:
+            raise ValueError("abort_stale is not modelled when the workers' episodes (rollout_slots) exceed the "
+                             "engines' request slots (engine_slots): lower rollout.num_workers or turn it off")
+        self.queue: deque[_Group] = deque()     # groups with episodes waiting for a request slot
+        self._ebuf: list = []
+        self._ebuf_i = CHUNK
+
+    def _start_group(self, g: _Group) -> None:
+        sim = self.sim
+        g.unstarted = sim.G
+        sim.open_left = 0
+        sim.acc.started += sim.G
+        self.queue.append(g)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Free request slots take the queue's next episodes, oldest group first."""
+        sim, occ, q = self.sim, self.sim.occ, self.queue
+        while occ.idle > 0 and q:
+            g = q[0]
+            if g.unstarted == sim.G and not sim.track_oldest:
+                g.vmin = g.vmax = sim.version    # its first token: the engines' version when it starts
+            g.unstarted -= 1
+            if g.unstarted == 0:
+                q.popleft()
+            occ.occupy(1, sim.env._now)
+            self._start_episode(g)
+
+    def _start_episode(self, g: _Group) -> None:
+        sim = self.sim
+        i = self._ebuf_i
+        if i >= CHUNK:
+            ep = sample_episodes(sim.p, CHUNK, sim.rng)
+            self._ebuf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
+                                  ep.last_turn_frac.tolist()))
+            i = 0
+        self._ebuf_i = i + 1
+        decode, fixed, seq, last_frac = self._ebuf[i]
+        level = int(self.in_flight * self._stall_scale + 0.5)
+        f = self._stall_table[level]
+        sim.acc.stall_sum += f
+        d = decode * self._speed[level] / (1.0 - f)
+        dur = d + fixed
+        self.in_flight += 1
+        env = sim.env
+        ev = simpy.Event(env)
+        ev._ok = True
+        ev._value = (g, env._now, dur, seq, last_frac, sim.pause_begun, d / dur if dur > 0 else 1.0)
+        ev.callbacks.append(self._finish)
+        env.schedule(ev, delay=dur)
+
+    def _finish(self, ev: simpy.Event) -> None:
+        g, t0, dur, seq, last_frac, mark, share = ev._value
+        sim = self.sim
+        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
+            owed = (sim.pause_begun - mark) * share
+            ev2 = simpy.Event(sim.env)
+            ev2._ok = True
+            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
+            ev2.callbacks.append(self._finish)
+            sim.env.schedule(ev2, delay=owed)
+            return
+        self.in_flight -= 1
+        sim.occ.vacate(1, t0, sim.env._now)
+        g.lengths.append(seq)
+        if not sim.batch_mode and sim.load_times:
+            v_last = sim.version if sim.in_place else sim._version_at(sim.env._now - dur * last_frac)
+            if v_last > g.vmax:
+                g.vmax = v_last
+        g.remaining -= 1
+        if g.remaining == 0:
+            self._group_end(g)
+        self._dispatch()
 
 
 class EpisodeSlots(_Slots):
@@ -284,10 +404,12 @@ class EpisodeSlots(_Slots):
             i = 0
         self._buf_i = i + 1
         decode, fixed, seq, last_frac = self._buf[i]
-        f = self._stall_table[int(self.in_flight * self._stall_scale + 0.5)]
+        level = int(self.in_flight * self._stall_scale + 0.5)
+        f = self._stall_table[level]
         acc = sim.acc
         acc.stall_sum += f
-        dur = decode / (1.0 - f) + fixed
+        decode = decode * self._speed[level] / (1.0 - f)
+        dur = decode + fixed
         sim.open_left -= 1
         self.in_flight += 1
         acc.started += 1
@@ -295,7 +417,7 @@ class EpisodeSlots(_Slots):
         now = env._now
         ev = simpy.Event(env)
         ev._ok = True
-        ev._value = (sim.open, now, dur, seq, last_frac, sim.pause_begun, decode / (1.0 - f) / dur if dur > 0 else 1.0)
+        ev._value = (sim.open, now, dur, seq, last_frac, sim.pause_begun, decode / dur if dur > 0 else 1.0)
         ev.callbacks.append(self._finish)
         env.schedule(ev, delay=dur)
 

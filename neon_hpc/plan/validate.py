@@ -209,6 +209,8 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
     sourced.set("trajectories_per_step", per_step_groups, f"config {run_yaml} (in groups per step)")
     sourced.set("rollout_slots", workers, f"{where} (distinct rollout workers)")
     sourced.set("slot_mode", "worker", "neon_hpc.rollout.worker (one group at a time)")
+    sourced.set("engine_slots", 0, f"{where} (the measured group durations include any wait in the engines' queue)")
+    sourced.set("decode_kv_ratio", 0.0, f"{where} (measured episode durations include the engines' batching)")
     factor = busy_per_group_factor(rollout, durations)
     sourced.set("episode_seconds", tuple(d * factor for d in durations),
                 f"{where}/rollout/metrics.jsonl episode_s (slowest per group) x {factor:.2f} "

@@ -47,7 +47,13 @@ def _segment_cumsum(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return c - offset
 
 
-def sample_episodes(p: SimParams, n: int, rng: np.random.Generator) -> Episodes:
+def decode_context_mean(p: SimParams, n: int, rng: np.random.Generator) -> float:
+    """Mean context length a decoded token attends to (tokens), weighted by decode tokens: the
+    KV cache an engine reads per request and step, on average over its decode time."""
+    return sample_episodes(p, n, rng, with_context=True)   # type: ignore[return-value]
+
+
+def sample_episodes(p: SimParams, n: int, rng: np.random.Generator, with_context: bool = False) -> Episodes:
     if p.episode_seconds:
         return _resample_measured(p, n, rng)
     tail = rng.random(n) < p.tail_fraction
@@ -64,6 +70,8 @@ def sample_episodes(p: SimParams, n: int, rng: np.random.Generator) -> Episodes:
     ctx = _segment_cumsum(added, starts)
     keep = (ctx <= p.max_total_tokens) | first          # a cap truncates an episode's later turns
     gen, added, ctx = gen * keep, added * keep, np.where(keep, ctx, 0.0)
+    if with_context:   # decode-weighted context: a turn decodes from ctx - gen to ctx
+        return float(np.sum(gen * (ctx - gen / 2.0)) / max(float(np.sum(gen)), 1.0))
     turns_kept = np.add.reduceat(keep.astype(np.int64), starts)
     last_kept = starts + turns_kept - 1
 
@@ -125,7 +133,7 @@ class EngineStall:
         mean_decode = float(ep.decode_s.mean())
         mean_fixed = float(ep.fixed_s.mean())
         mean_export = float(ep.export_s.mean())
-        per_engine = p.rollout_slots / max(p.num_engines, 1)
+        per_engine = p.request_slots / max(p.num_engines, 1)
         table = np.zeros(self.LEVELS)
         for i, u in enumerate(np.linspace(0.0, 1.0, self.LEVELS)):
             table[i] = self._fixed_point(u * per_engine, mean_decode, mean_fixed, mean_export)
