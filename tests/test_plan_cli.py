@@ -21,7 +21,9 @@ def test_kimi_config_maps_to_the_1300_gpu_layout_with_sources():
     s = from_experiment(config.load(KIMI), KIMI)
     p = s.params
     assert (p.rollout_gpus, p.train_gpus) == (99 * 8, 64 * 8)
-    assert p.rollout_slots == 384 * 8 and p.engine_slots == 12 * 256   # workers fill the engines
+    # PD: a quarter of the 12 engines prefill, 9 decode: 384 workers x 8 = 3,072 episodes, 2,304 run at once
+    assert p.rollout_slots == 384 * 8 and p.engine_slots == 9 * 256 and p.queued
+    assert "prefill engines" in s.source("engine_slots")
     assert p.route_bytes_per_token == pytest.approx(60 * 8 * 4 * 4 / 3)   # first layer dense
     assert "kimi_k2_1300xh200.yaml: launch.rollout" in s.source("rollout_gpus")
     assert s.source("decode_tokens_per_s") == "default plan.decode_tokens_per_s"

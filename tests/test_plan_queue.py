@@ -98,13 +98,18 @@ def test_kv_cache_bytes_per_token_by_hand():
 
 
 def test_other_splits_keep_the_configs_workers_per_request_slot():
-    s = from_experiment(config.load(KIMI, []), KIMI)
+    s = from_experiment(config.load(KIMI, []), KIMI)       # 3,072 episodes in flight per 2,304 request slots
+    assert report.split_changes(s, 99, 64)["rollout_slots"] == 3072
     for r in (19, 99, 131, 142):
         ch = report.split_changes(s, r, 163 - r)
-        assert ch["rollout_slots"] <= ch["engine_slots"] < ch["rollout_slots"] + 8   # whole groups, no queue
+        assert ch["rollout_slots"] == ch["engine_slots"] * 3072 // (2304 * 8) * 8      # whole groups
         c3 = report.split_changes(s, r, 163 - r, 3.0)
         assert c3["rollout_slots"] == int(3 * ch["engine_slots"]) // 8 * 8
-    assert report.concurrency_space(s.params) == [0.0, 2.0, 3.0, 4.0]    # the config's is 1
+    assert report.concurrency_space(s.params) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    fill = from_experiment(config.load(KIMI, ["rollout.num_workers=288"]), KIMI)   # 288 x 8 = 2,304: ratio 1
+    assert report.concurrency_space(fill.params) == [0.0, 2.0, 3.0, 4.0]   # 0 = the config's, not twice
+    assert not fill.params.queued and report.split_changes(fill, 142, 21)["rollout_slots"] <= \
+        report.split_changes(fill, 142, 21)["engine_slots"]
     with pytest.raises(ValueError, match="plan.sweep_concurrency"):
         report.concurrency_space(s.params, [0.0])
 

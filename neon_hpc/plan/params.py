@@ -304,15 +304,20 @@ def _layout(s: Sourced, cfg: Any, c) -> None:
         r = max(gpn, round(pc.total_gpus * share / gpn) * gpn)
         s.set("rollout_gpus", r, c("plan.total_gpus split like launch"))
         s.set("train_gpus", pc.total_gpus - r, c("plan.total_gpus split like launch"))
+    # the engines that decode: under PD disaggregation the prefill engines hold no running request
+    from neon_hpc.rollout.engines.sglang_launch import engine_roles
+    decoding = sum(1 for r in engine_roles(cfg) if r != "prefill")
+    what = ("engine.num_engines - prefill engines (engine_roles)" if decoding != E.num_engines
+            else "engine.num_engines")
     if pc.rollout_slots:
         s.set("rollout_slots", pc.rollout_slots, c("plan.rollout_slots"))
     elif pc.slot_mode == "worker":
         s.set("rollout_slots", cfg.rollout.num_workers * cfg.rollout.group_size,
               c("rollout.num_workers x rollout.group_size"))
     else:
-        s.set("rollout_slots", E.num_engines * E.max_batch_size, c("engine.num_engines x engine.max_batch_size"))
-    s.set("engine_slots", E.num_engines * E.max_batch_size, c("engine.num_engines x engine.max_batch_size"))
-    s.set("num_engines", E.num_engines, c("engine.num_engines"))
+        s.set("rollout_slots", decoding * E.max_batch_size, c(f"{what} x engine.max_batch_size"))
+    s.set("engine_slots", decoding * E.max_batch_size, c(f"{what} x engine.max_batch_size"))
+    s.set("num_engines", decoding, c(what))
 
 
 def _rollout(s: Sourced, cfg: Any, c) -> None:
