@@ -1,11 +1,11 @@
 """Each role reads only the sections it is given (issue 23 item 2, ``neon_hpc/rollout/sections.py``).
 
 The rollout worker gets :class:`WorkerSections`, the rollout node (and the engine group it
-builds) :class:`NodeSections`; what they borrow from ``train``, ``model``, ``launch`` is a
-named field of the view. An AST scan over ``neon_hpc/rollout``, ``neon_hpc/store`` and
+builds) :class:`NodeSections`, the trainer :class:`TrainerSections`; what they borrow from a
+neighbour's section (``train``, ``model``, ``launch``, ``rollout``) is a named field of the view. An AST scan over ``neon_hpc/rollout``, ``neon_hpc/store`` and
 ``neon_hpc/train`` finds every ``cfg.<section>`` read (``cfg``, ``self.cfg``, ``sec``, ...)
-and fails on a section the module's role is not given. The allowlist below names each
-exception and why."""
+and fails on a section the module's role is not given. The allowlist below is empty: an
+entry would name the module, the expression and why."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout.sections import NodeSections, WorkerSections
+from neon_hpc.train.sections import TrainerSections
 
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
@@ -41,17 +42,13 @@ GIVEN: list[tuple[str, set[str] | None]] = [
     ("rollout/config.py", _given(NodeSections)),        # layout(): the engines' placement, from the node's view
     ("rollout/", set()),
     ("store/", set()),                                  # the store is handed values, never a config
-    # the trainer takes the whole config (its view is not built yet): never the rollout role's sections
-    ("train/", SECTIONS - {"rollout", "engine", "xrd"}),
+    ("train/sections.py", None),                        # builds the trainer's view
+    ("train/__main__.py", None),                        # an entry point: loads the config, builds the view
+    ("train/", _given(TrainerSections)),                # loop, layout rules (train/config.py), ...
 ]
 
 # (module, expression) -> why it may read a section its role is not given
-ALLOWED: dict[tuple[str, str], str] = {
-    ("train/loop.py", "cfg.rollout.max_staleness"):
-        "the trainer's claim enforces the staleness bound the rollout section sets (drop/mask at claim time)",
-    ("train/loop.py", "cfg.rollout.stale_policy"):
-        "the trainer's claim applies the rollout section's stale policy (drop or mask)",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _rule(rel: str) -> set[str] | None:
@@ -118,6 +115,7 @@ def test_the_scan_sees_what_it_looks_for():
                    (4, "rollout", "sec.rollout.group_size")], got    # not a model object, not argparse's
     assert "train" not in _rule("rollout/worker.py") and "model" not in _rule("rollout/worker.py")
     assert _rule("rollout/agent/group.py") == set()
+    assert "rollout" not in _rule("train/loop.py") and "engine" not in _rule("train/loop.py")
 
 
 def test_the_views_hold_the_config_and_its_borrowed_values():
@@ -130,6 +128,9 @@ def test_the_views_hold_the_config_and_its_borrowed_values():
     n = NodeSections.of(cfg)
     assert (n.rollout, n.engine, n.protocol, n.launch, n.run_dir) == \
         (cfg.rollout, cfg.engine, cfg.protocol, cfg.launch, cfg.run_dir)
+    t = TrainerSections.of(config.load(TINY, ["rollout.max_staleness=3", "rollout.stale_policy=drop"]))
+    assert (t.rollout_max_staleness, t.rollout_stale_policy) == (3, "drop")
+    assert not hasattr(t, "rollout") and not hasattr(w, "train") and not hasattr(w, "model")
     with pytest.raises(dataclasses.FrozenInstanceError):
         w.train_trajectories_per_step = 1
 

@@ -107,8 +107,9 @@ def test_staleness_histogram_mixed_versions():
 def test_async_run_without_off_policy_correction_is_refused(tmp_path, capsys):
     from neon_hpc.config import ExperimentConfig
     from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.sections import TrainerSections
     cfg = ExperimentConfig()
     cfg.train.off_policy_correction = "none"      # built in code: the YAML loader refuses it earlier
-    assert run_trainer(cfg, str(tmp_path / "run")) == 2
+    assert run_trainer(TrainerSections.of(cfg), str(tmp_path / "run")) == 2
     assert "off_policy_correction" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

@@ -64,10 +64,11 @@ def mark_finished(run_dir: str) -> None:
 
 def _trainer(cfg, run_dir: str) -> int:
     from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.sections import TrainerSections
     from neon_hpc.protocol.rundir import StorageError
     from neon_hpc.train.writers import CheckpointWriterError
     try:
-        rc = run_trainer(cfg, run_dir)
+        rc = run_trainer(TrainerSections.of(cfg), run_dir)     # the trainer's view of the config
     except (CheckpointWriterError, StorageError) as e:
         print(f"trainer: {e}. Rerun to resume from the newest checkpoint", file=sys.stderr, flush=True)
         return 2

@@ -11,9 +11,8 @@ module of ``neon_hpc/rollout`` reads a section of the config it is not given.
 The views live here, beside the roles that take them, rather than in ``config.py`` (which
 composes and validates the file's sections and knows nothing of the roles) or in each role's
 module (the launcher builds them, and the rules for borrowed values, such as which tokenizer
-an empty ``model.tokenizer`` means, need one home). The trainer still takes the whole config:
-it builds the model from ``model``, its layout from ``train`` and ``balance``; its borrowed
-values (``rollout.max_staleness``, ``rollout.stale_policy``) are listed in that test.
+an empty ``model.tokenizer`` means, need one home). The trainer's view is
+``neon_hpc/train/sections.py`` (``TrainerSections``), for the same reasons.
 
 The config file's format is unchanged: these are views, not sections.
 """

@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     from neon_hpc import logsinks
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.sections import TrainerSections
     forked_children_die_with_me()   # megatron's forked checkpoint writers
-    return run_trainer(cfg, args.run_dir)
+    return run_trainer(TrainerSections.of(cfg), args.run_dir)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 One process per trainer rank, under the usual torch.distributed variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
-when those are absent).  Everything it knows comes from the config and the run directory,
-so a restarted (or requeued) trainer continues where the last checkpoint left it.
+when those are absent).  Everything it knows comes from its view of the config
+(:class:`~neon_hpc.train.sections.TrainerSections`) and the run directory, so a restarted (or requeued) trainer continues where the last checkpoint left it.
 
 Step N (numbered from 1) trains the weights of version N-1 and produces version N:
 
@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from neon_hpc.config import ExperimentConfig
 from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag
@@ -45,6 +44,7 @@ from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.batch import build_microbatch, input_lengths
+from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
@@ -110,7 +110,7 @@ def _any_rank(flag: bool, world: int) -> bool:
 # --------------------------------------------------------------------------------------
 # checks
 
-def check_config(cfg: ExperimentConfig) -> None:
+def check_config(cfg: TrainerSections) -> None:
     t = cfg.train
     if cfg.mode == "async" and t.off_policy_correction == "none":
         raise TrainerError("train.off_policy_correction: 'none' in an async run trains on tokens of older "
@@ -120,7 +120,7 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise TrainerError(f"{key}: {msg}")
 
 
-def check_world(cfg: ExperimentConfig, world: int) -> None:
+def check_world(cfg: TrainerSections, world: int) -> None:
     """The processes started must be exactly the layout's ``tp * pp * cp * dp`` ranks."""
     from neon_hpc.train.config import world_fix, world_size
     t = cfg.train
@@ -149,7 +149,7 @@ class StepData:
     balance: dict = field(default_factory=dict)   # Plan.summary(): predicted makespan, shadow planners
 
 
-def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int, pre: Preemption,
+def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
            log: RoleLogger):
     """Rank 0 claims; then every rank reads the committed claim (the same trajectories).
 
@@ -160,8 +160,8 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
     from neon_hpc.store import ClaimTimeout, claim_step
 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
-                  trainer_version=step - 1, max_staleness=cfg.rollout.max_staleness,
-                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout.stale_policy,
+                  trainer_version=step - 1, max_staleness=cfg.rollout_max_staleness,
+                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout_stale_policy,
                   poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
@@ -195,7 +195,7 @@ def _claim(run: RunDir, cfg: ExperimentConfig, step: int, rank: int, world: int,
     return status
 
 
-def _plan(lengths: list[int], dp: int, cfg: ExperimentConfig):
+def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
     """The configured plan (``balance.configured.plan_for_config``) for ``dp`` data ranks.
 
     ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
@@ -232,7 +232,7 @@ def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
     return out
 
 
-def prepare_step(trajs: list, dp: int, cfg: ExperimentConfig, log: RoleLogger | None = None) -> StepData:
+def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | None = None) -> StepData:
     from neon_hpc.replay.layout import to_trainer_rows
     to_trainer_rows(trajs, cfg.model)          # engine rows (decoder layers) -> the trainer's MoE layers
     groups = [t.group_id or t.task_id for t in trajs]
@@ -332,7 +332,7 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------
 # the loop
 
-def _startup(run: RunDir, be, cfg: ExperimentConfig, log: RoleLogger) -> tuple[int, dict]:
+def _startup(run: RunDir, be, cfg: TrainerSections, log: RoleLogger) -> tuple[int, dict]:
     """Resume from the newest checkpoint, or initialise; returns (last completed step, state)."""
     last = ckpt.latest_complete(run) if be.layout.rank == 0 else None
     last = ckpt.broadcast_from_rank0(last, be.layout.rank, be.layout.world)
@@ -353,7 +353,7 @@ def _startup(run: RunDir, be, cfg: ExperimentConfig, log: RoleLogger) -> tuple[i
     return 0, {}
 
 
-def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
+def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     """Train until ``train.steps`` (or a preemption signal); returns the process exit code.
 
     0: done, or preempted after a checkpoint (requeue and call again); 2: refused to start
@@ -380,7 +380,7 @@ def run_trainer(cfg: ExperimentConfig, run_dir: str) -> int:
         log.close()
 
 
-def _run(cfg: ExperimentConfig, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
+def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
     from neon_hpc.train import backend as B
     from neon_hpc.train.publish import publish_weights
 

@@ -1,0 +1,47 @@
+"""What the trainer is given: one frozen, typed view of the experiment config, built once at its start.
+
+``launch/roles.py`` (and ``python -m neon_hpc.train``) build ``TrainerSections.of(cfg)`` and
+hand the trainer that, never the whole :class:`~neon_hpc.config.ExperimentConfig`. It holds the
+trainer's sections whole (its layout rules, the balance planner and the model builders read
+them by the same names, so they take the view as they take the config) and the two values its
+claim borrows from the rollout section, named as borrowed. The rollout roles' views are
+``neon_hpc/rollout/sections.py``; ``tests/test_role_sections.py`` fails if a module of
+``neon_hpc/train`` reads a section the view does not hold. The config file is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from neon_hpc.balance.config import BalanceConfig
+from neon_hpc.launch.config import LaunchConfig
+from neon_hpc.models.config import ModelConfig
+from neon_hpc.protocol.config import ProtocolConfig
+from neon_hpc.store.config import StoreConfig
+from neon_hpc.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from neon_hpc.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class TrainerSections:
+    """A trainer rank's inputs: its sections, and what its claim borrows from ``rollout``."""
+
+    mode: str                           # async / sync (the off-policy correction check)
+    model: ModelConfig                  # the model it builds and publishes
+    train: TrainConfig                  # steps, optimiser, parallel layout, claim wait
+    balance: BalanceConfig              # the step's sequence packing
+    store: StoreConfig                  # the claim's quarantine of invalid shards
+    protocol: ProtocolConfig            # the claim's poll of ready/
+    launch: LaunchConfig                # the layout rules read launch.train (nodes, GPUs per node)
+    # borrowed from rollout: the claim enforces the staleness bound and policy the rollout sets
+    rollout_max_staleness: int
+    rollout_stale_policy: str
+
+    @classmethod
+    def of(cls, cfg: "ExperimentConfig") -> "TrainerSections":
+        return cls(mode=cfg.mode, model=cfg.model, train=cfg.train, balance=cfg.balance, store=cfg.store,
+                   protocol=cfg.protocol, launch=cfg.launch, rollout_max_staleness=cfg.rollout.max_staleness,
+                   rollout_stale_policy=cfg.rollout.stale_policy)
