@@ -42,43 +42,78 @@ def _wait(cond, what: str, timeout: float = 60.0):
     raise AssertionError(what)
 
 
+def _join_mid_batch(client, sched, long_prompt):
+    """Solo runs of NARROW and WIDE, then the same requests sent while ``long_prompt`` decodes
+    (the batch held at a known step until both are queued); returns (alone, joined, long job,
+    long future) with the long request still running."""
+    alone = {name: client.generate(p, SP, True, True) for name, p in (("narrow", NARROW), ("wide", WIDE))}
+    ex = cf.ThreadPoolExecutor(3)
+    fut = ex.submit(client.generate, long_prompt, {"temperature": 0, "max_new_tokens": LONG,
+                                                   "ignore_eos": True}, True, True)
+    long_job = _wait(lambda: next((j for j in list(sched._running) if len(j.out) >= 5), None),
+                     "the long request never got going")
+    # hold the batch between two steps, queue the newcomers, let them in together
+    client.pause_generation(mode="in_place")
+    try:
+        held_at = len(long_job.out)
+        assert len(long_prompt) + held_at < len(WIDE)
+        news = {name: ex.submit(client.generate, p, SP, True, True) for name, p in (("narrow", NARROW), ("wide", WIDE))}
+        _wait(lambda: len(sched._queue) == 2, "the newcomers never reached the queue")
+        assert len(long_job.out) == held_at           # held while paused, newcomers not admitted
+    finally:
+        client.continue_generation()
+    joined = {name: f.result(timeout=120) for name, f in news.items()}
+    ex.shutdown(wait=False)
+    return alone, joined, long_job, fut
+
+
+def _same(a, b) -> None:
+    assert a.output_ids == b.output_ids                # batch composition does not change tokens
+    assert np.abs(np.array(a.output_logprobs) - np.array(b.output_logprobs)).max() < TOL
+    assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
 def test_a_request_arriving_mid_batch_joins_it_and_is_answered_before_the_long_member_ends(engine, weights):  # noqa: F811
     (h, client), (_, models) = engine, weights
     sched = h.server.scheduler
-    alone = {name: client.generate(p, SP) for name, p in (("narrow", NARROW), ("wide", WIDE))}
     long_prompt = PROMPT[:3]
-    with cf.ThreadPoolExecutor(3) as ex:
-        fut = ex.submit(client.generate, long_prompt, {"temperature": 0, "max_new_tokens": LONG,
-                                                       "ignore_eos": True}, True, True)
-        long_job = _wait(lambda: next((j for j in list(sched._running) if len(j.out) >= 5), None),
-                         "the long request never got going")
-        # hold the batch between two steps, queue the newcomers, let them in together
-        client.pause_generation(mode="in_place")
-        try:
-            held_at = len(long_job.out)
-            assert 3 + held_at < len(WIDE)
-            news = {name: ex.submit(client.generate, p, SP, True) for name, p in (("narrow", NARROW), ("wide", WIDE))}
-            _wait(lambda: len(sched._queue) == 2, "the newcomers never reached the queue")
-            assert len(long_job.out) == held_at           # held while paused, newcomers not admitted
-        finally:
-            client.continue_generation()
-        got = {name: f.result(timeout=120) for name, f in news.items()}
-        # answered while the long member is still decoding
-        assert not fut.done() and len(long_job.out) < LONG
-        assert sched.stats["max_batch"] == 3
-        _wait(lambda: len(sched._running) == 1 or fut.done(), "the finished newcomers never left the batch")
-        long_res = fut.result(timeout=120)
+    alone, got, long_job, fut = _join_mid_batch(client, sched, long_prompt)
+    # answered while the long member is still decoding
+    assert not fut.done() and len(long_job.out) < LONG
+    assert sched.stats["max_batch"] == 3
+    _wait(lambda: len(sched._running) == 1 or fut.done(), "the finished newcomers never left the batch")
+    long_res = fut.result(timeout=120)
     for name, prompt in (("narrow", NARROW), ("wide", WIDE)):
         res = got[name]
-        assert res.output_ids == alone[name].output_ids, name   # batch composition does not change tokens
-        assert np.abs(np.array(res.output_logprobs) - np.array(alone[name].output_logprobs)).max() < TOL
-        lps, _ = teacher_forced(models["0"], prompt, res.output_ids)
+        _same(res, alone[name])
+        lps, routes = teacher_forced(models["0"], prompt, res.output_ids)
         assert np.abs(np.array(res.output_logprobs) - lps).max() < TOL, name
+        assert np.array_equal(res.routed_experts, routes[:len(prompt) + len(res.output_ids) - 1])
     assert len(long_res.output_ids) == LONG
     lps, routes = teacher_forced(models["0"], long_prompt, long_res.output_ids)
     assert np.abs(np.array(long_res.output_logprobs) - lps).max() < TOL
     assert np.array_equal(long_res.routed_experts, routes[:len(long_prompt) + LONG - 1])
     assert long_res.weight_versions == [{"version": "0", "start": 0, "end": LONG}]
+
+
+def test_deepseek_v3_rows_join_and_leave_the_batch_exactly(tmp_path):
+    """The mission's architecture (MLA: keys and values of different head dims in the cache)."""
+    from model_fixtures import decisive_hf, tiny_dsv3
+    from neon_hpc.models.hf import save_hf
+
+    cfg = tiny_dsv3()
+    path = save_hf(decisive_hf(cfg, 7), cfg, tmp_path / "v_0")
+    with start_server(path, max_batch_size=4, in_process=True) as h:
+        client = EngineClient(h.url, timeout=120)
+        sched = h.server.scheduler
+        alone, got, long_job, fut = _join_mid_batch(client, sched, PROMPT[:4])
+        assert not fut.done() and sched.stats["max_batch"] == 3
+        long_res = fut.result(timeout=120)
+        long_alone = client.generate(PROMPT[:4], {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True},
+                                     True, True)
+    for name in ("narrow", "wide"):
+        _same(got[name], alone[name])
+    _same(long_res, long_alone)
 
 
 def test_unpaused_update_admits_no_newcomer_until_the_running_rows_finish(engine, weights):  # noqa: F811

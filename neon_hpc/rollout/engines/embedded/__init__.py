@@ -3,14 +3,14 @@
 Wire format: :mod:`neon_hpc.rollout.engines.protocol`.  Inside, three parts:
 
 - HTTP handler threads (``ThreadingHTTPServer``) parse and validate requests, then wait;
-- one **scheduler thread** owns the model: it takes up to ``max_batch_size`` queued
-  requests, runs them as one batch (left-padded prefill, then one decode forward per step
-  with a KV cache) until every member has finished, answers them, and only then looks at
-  the queue again;
+- one **scheduler thread** owns the model and batches continuously: between two decode
+  steps, queued requests join the running batch up to ``max_batch_size`` rows (their
+  left-padded prefill, joined into the batch's KV cache), and each request is answered and
+  leaves as soon as it finishes;
 - weight updates are loaded by the handler thread (off the critical path) and swapped in by
-  the scheduler, never during a forward.  Unpaused, like SGLang's writer lock, an update
-  waits for the running batch and queued requests wait for the update, so a response comes
-  from one version.  Paused ``in_place`` (or ``retract``), the swap happens at once, as
+  the scheduler, never during a forward.  Unpaused, like SGLang's writer lock, a pending
+  update admits no newcomer and waits for the running rows, so a response comes from one
+  version.  Paused ``in_place`` (or ``retract``), the swap happens at once, as
   upstream: a running batch is held between two decode steps and, on
   ``/continue_generation``, goes on with the new weights **and its KV cache** (the cache
   of the tokens so far is not recomputed).  Every generated token records the version that
