@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""The balancer measured in the real trainer: cost+split vs token-KK vs sequential, DP=2 and DP=1 x CP=2.
+"""The balancer measured in the real trainer: cost+split vs token-KK vs sequential, DP=N and DP=N/2 x CP=2.
 
-Two processes (one CPU thread each) run the trainer's own step code
+``--ranks N`` processes (default 2, the issue's layout; one CPU thread each) run the trainer's own step code
 (``neon_hpc.train.loop.prepare_step`` -> ``balance.configured.plan_for_config`` ->
 ``train_step``: megatron-core GPTModel of the tiny MoE family scaled so attention matters,
 piece attention with the K/V exchange, megatron DDP and optimizer) on one long-tail step:
 most sequences ``--short`` tokens, about 6% of ``--long`` tokens.  Both layouts are the same
-two processes (CP ranks are megatron DP ranks; only the plan differs), so every
+N processes (CP ranks are megatron DP ranks; only the plan differs), so every
 (layout, planner) pair runs the same data on the same weights, interleaved, ``--reps`` times.
 
-1. Calibrate: the trainer's step on single sequences and packed short documents (both
-   ranks the same micro-batch), fitted with ``balance.calibrate.fit_microbatches``; written
+1. Calibrate: the trainer's step on single sequences and packed short documents (every
+   rank the same micro-batch), fitted with ``balance.calibrate.fit_microbatches``; written
    as a cost file that every plan then reads through ``balance.cost_file``.
 2. Measure: per (layout, planner, rep) one ``train_step``; the step time is the slowest
    rank's forward/backward time from the trainer's own timers, the median over reps is
@@ -20,11 +20,24 @@ two processes (CP ranks are megatron DP ranks; only the plan differs), so every
    which also counts a rank waiting for its peer in the K/V exchange).  Both tables print.
 
 Last line: ``RESULT train_speedup_vs_tokenkk=... train_speedup_vs_sequential=...
-train_rank_imbalance=... predicted_over_measured=...`` (DP=2, cost+split vs the baselines;
+train_rank_imbalance=... predicted_over_measured=...`` (DP=N, cost+split vs the baselines;
 imbalance = slowest / mean rank time of cost+split; predicted_over_measured = predicted
-speedup vs tokenkk / measured speedup vs tokenkk), then the same for CP=2 with a ``cp2_`` prefix.
+speedup vs tokenkk / measured speedup vs tokenkk), then the same for CP=2 with a ``cp2_`` prefix,
+then ``ranks=N``, the sequential baseline's slowest/mean rank (``sequential_imbalance``) and
+its total work over cost's (``sequential_work_ratio``: the sum of the ranks' times).
+
+Why ``--ranks``: a speedup is the baseline's slowest rank over ours, i.e.
+``(baseline slowest/mean) / (ours slowest/mean) * (baseline total work / ours)``.  At N ranks
+the slowest rank holds at most all the work, so slowest/mean <= N: at N = 2 the speedup over
+sequential stays under ``2 / (ours slowest/mean)`` unless ours does less total work (it does
+more: every cut piece pays its overhead), so a 2x target is out of reach by construction
+there; the printed decomposition shows it.  N = 4 on 2 cores: the CPU-time clock (default)
+counts each process's own compute, not the time it waits for a core, so 4 ranks on 2 cores
+measure what 4 cores would (the calibration, which runs the same micro-batch on every rank,
+prints its fit per run to compare across N); the wall clock does not.
 
     .venv/bin/python tools/bench_train_balance.py            # ~5-10 min on 2 idle cores
+    .venv/bin/python tools/bench_train_balance.py --ranks 4  # DP=4 and DP=2 x CP=2
 """
 
 from __future__ import annotations
@@ -40,8 +53,13 @@ from pathlib import Path
 import numpy as np
 
 PLANNERS = ("cost", "tokenkk", "sequential")
-LAYOUTS = {"dp2": ["train.data_parallel=2", "train.context_parallel=1"],
-           "cp2": ["train.data_parallel=1", "train.context_parallel=2"]}
+
+
+def layouts(ranks: int) -> dict[str, list[str]]:
+    """The two layouts of ``ranks`` processes: all DP, and CP=2 pairs (its RESULT keys: ``cp2_``)."""
+    return {f"dp{ranks}": [f"train.data_parallel={ranks}", "train.context_parallel=1"],
+            "cp2": [f"train.data_parallel={ranks // 2}", "train.context_parallel=2"]}
+
 MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.head_dim=64", "model.ffn_hidden_size=512", "model.moe_ffn_hidden_size=256", "model.num_experts=4",
          "model.moe_router_topk=2", "model.max_position_embeddings=16384"]
@@ -89,7 +107,8 @@ def worker(args) -> None:
 
     out = Path(args.out)
     base = ["train.router_replay='off'", "train.lr=1e-6", "mode=sync", *MODEL]
-    cfg0 = C.load(None, base + LAYOUTS["dp2"])
+    lays = layouts(args.ranks)
+    cfg0 = C.load(None, base + lays[f"dp{args.ranks}"])
     be = B.setup(cfg0.model, tp=1, ep=1, pp=1, lr=cfg0.train.lr, replay=False, seed=3)
     lcfg = LossConfig(correction="none")
     rank = be.layout.rank
@@ -104,8 +123,8 @@ def worker(args) -> None:
             for t in trajs:
                 t.advantage = 0.0
             pieces = [(i, 0, d) for i, d in enumerate(docs)]
-            data = StepData(trajs, np.zeros(len(docs)), [[pieces], [list(pieces)]], "calibration",
-                            global_tokens=sum(docs))
+            data = StepData(trajs, np.zeros(len(docs)), [[list(pieces)] for _ in range(args.ranks)],
+                            "calibration", global_tokens=sum(docs))
             m = train_step(be, data, lcfg)
             if rep == 1:
                 mbs.append([(0, d) for d in docs])
@@ -127,7 +146,7 @@ def worker(args) -> None:
     trajs = trajectories(lengths, seed=args.seed)
     rows = []
     for rep in range(args.reps):
-        for lay_name, lay_sets in LAYOUTS.items():
+        for lay_name, lay_sets in lays.items():
             for planner in PLANNERS[rep % 3:] + PLANNERS[:rep % 3]:   # rotate: no planner always first
                 split = "true" if planner == "cost" else "false"
                 cfg = C.load(None, base + lay_sets + [f"balance.planner={planner}",
@@ -149,7 +168,8 @@ def worker(args) -> None:
                         f"predicted {r['predicted_s']:.3f}s "
                         f"mbs {r['microbatches']} split {r['split']} exchanged {r['exchanged']}")
     if rank == 0:
-        (out / "rows.json").write_text(json.dumps({"lengths": lengths, "rows": rows, "fit": fit}))
+        (out / "rows.json").write_text(json.dumps({"lengths": lengths, "rows": rows, "fit": fit,
+                                                   "ranks": args.ranks}))
     B.teardown()
 
 
@@ -164,15 +184,17 @@ def summarise(res: dict, clock: str = "cpu") -> str:
 
     lines = ["| layout | planner | measured step (s) | predicted (s) | measured vs cost | predicted vs cost "
              "| slowest/mean rank |", "|---|---|---|---|---|---|---|"]
-    result = {}
-    for layout in LAYOUTS:
+    result, extra = {}, {}
+    ranks = res.get("ranks", 2)
+    lays = layouts(ranks)
+    for layout in lays:
         c_meas, c_pred = med(layout, "cost", "measured_s"), med(layout, "cost", "predicted_s")
         for planner in PLANNERS:
             m, p = med(layout, planner, "measured_s"), med(layout, planner, "predicted_s")
             imb = m / med(layout, planner, "mean_s")
             lines.append(f"| {layout} | {planner} | {m:.3f} | {p:.3f} | {m / c_meas:.2f}x | {p / c_pred:.2f}x "
                          f"| {imb:.3f} |")
-        pre = "" if layout == "dp2" else f"{layout}_"
+        pre = "" if layout == f"dp{ranks}" else f"{layout}_"
         sp_tk = med(layout, "tokenkk", "measured_s") / c_meas
         sp_sq = med(layout, "sequential", "measured_s") / c_meas
         pred_tk = med(layout, "tokenkk", "predicted_s") / c_pred
@@ -180,12 +202,22 @@ def summarise(res: dict, clock: str = "cpu") -> str:
         result[f"{pre}train_speedup_vs_sequential"] = sp_sq
         result[f"{pre}train_rank_imbalance"] = c_meas / med(layout, "cost", "mean_s")
         result[f"{pre}predicted_over_measured"] = pred_tk / sp_tk
+        if not pre:
+            # speedup = (seq slowest/mean) / (cost slowest/mean) * (seq total work / cost's)
+            seq_imb = med(layout, "sequential", "measured_s") / med(layout, "sequential", "mean_s")
+            work = med(layout, "sequential", "mean_s") / med(layout, "cost", "mean_s")
+            lines.append(f"\n{layout}: speedup vs sequential {sp_sq:.3f} = sequential slowest/mean {seq_imb:.3f} "
+                         f"(<= {ranks} ranks) / cost slowest/mean {result['train_rank_imbalance']:.3f} "
+                         f"x total work ratio {work:.3f}; at most {ranks / result['train_rank_imbalance'] * work:.3f} "
+                         f"with this work ratio")
+            extra = {"ranks": ranks, "sequential_imbalance": seq_imb, "sequential_work_ratio": work}
+    result.update(extra)
     print("\n".join(lines))
     lens = np.asarray(res["lengths"])
     print(f"\none step: {len(lens)} sequences, {int(lens.sum())} tokens, median {int(np.median(lens))}, "
           f"longest {int(lens.max())}, {int((lens >= 2048).sum())} of >= 2048 tokens; cost fit rel_rms "
           f"{res['fit']['rel_rms']:.3f}")
-    return "RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items())
+    return "RESULT " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.3f}" for k, v in result.items())
 
 
 def main() -> int:
@@ -198,9 +230,13 @@ def main() -> int:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="step time from the trainer's CPU-time timer (default: this machine is shared) "
                          "or its wall-clock timer; both are printed")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="trainer processes (one CPU thread each): layouts DP=N and DP=N/2 x CP=2 (even N >= 2)")
     ap.add_argument("--out", default="")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ranks < 2 or args.ranks % 2:
+        ap.error(f"--ranks must be an even number >= 2 (the CP=2 layout pairs them), got {args.ranks}")
     if args.worker:
         worker(args)
         return 0
@@ -211,12 +247,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+    for r in range(args.ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--seqs", str(args.seqs),
                "--scale", str(args.scale), "--cap", str(args.cap), "--reps", str(args.reps), "--seed", str(args.seed),
-               "--clock", args.clock]
+               "--clock", args.clock, "--ranks", str(args.ranks)]
         procs.append(subprocess.Popen(cmd, env=env))
     t0 = time.perf_counter()
     try:
