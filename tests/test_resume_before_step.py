@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 
 import numpy as np
+import pytest
 
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.reshard.metadata import load_dcp_metadata
@@ -19,6 +20,7 @@ from test_train_loop import (add_shards, beat, dataset, losses, new_run, referen
                              wait_for, wait_ok, weights)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_the_first_step_resumes_to_the_uninterrupted_run(tmp_path, dataset, reference):
     run = new_run(tmp_path, dataset, "run", "train.steps=2", "train.publish_via=reshard")
     procs = start(run)   # no data yet: step_0 + v_0, then it waits for step 1's data
