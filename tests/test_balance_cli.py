@@ -108,7 +108,7 @@ def test_dry_run_errors_name_the_problem(tmp_path):
 def test_plan_for_config_uses_train_and_balance_sections():
     cfg = config.load(str(REPO / "configs" / "kimi_k2_1300xh200.yaml"))
     plan = plan_for_config(np.full(64, 9000), cfg)
-    assert (plan.dp, plan.pp_stages, plan.cp, plan.token_cap) == (2, 8, 4, 65536)
+    assert (plan.dp, plan.pp_stages, plan.cp, plan.token_cap) == (1, 8, 4, 65536)
     assert plan.num_microbatches >= 8
     assert plan.cost.a == pytest.approx(CostModel.from_model_config(cfg.model).a)
     manual = config.load(None, ["balance.cost_a=2.0", "balance.cost_b=0.5"])

@@ -43,10 +43,10 @@ def _fleet(tmp_path, cfg, node=0, count=None, addrs=None):
 
 def test_kimi_layout_spans_eight_nodes_per_engine():
     lay = layout(config.load(KIMI))
-    assert (lay.nodes_per_engine, lay.engines_per_node, lay.nodes_needed) == (8, 1, 96)
-    assert lay.head_nodes() == list(range(0, 96, 8))
+    assert (lay.nodes_per_engine, lay.engines_per_node, lay.nodes_needed) == (8, 1, 128)
+    assert lay.head_nodes() == list(range(0, 128, 8))
     assert lay.processes_on(9) == [(1, 1, None)]       # engine 1, its node rank 1
-    assert lay.processes_on(96) == []                  # spare nodes of the 99 run nothing
+    assert lay.processes_on(128) == []                 # spare nodes of the 131 run nothing
 
 
 def test_small_engines_share_a_node_on_disjoint_gpus():
@@ -91,13 +91,13 @@ def test_unknown_variable_in_a_launch_line_is_an_error():
 
 def test_too_few_nodes_says_what_to_raise(tmp_path):
     cfg = config.load(KIMI)
-    with pytest.raises(FleetError, match=r"need 96 rollout node\(s\).*but 10 run: raise launch.rollout.nodes"):
+    with pytest.raises(FleetError, match=r"need 128 rollout node\(s\).*but 10 run: raise launch.rollout.nodes"):
         _fleet(tmp_path, cfg, count=10)
 
 
 def test_config_refuses_layouts_that_cannot_work():
-    with pytest.raises(config.ConfigError, match=r"launch.rollout.nodes: 12 engine\(s\) of 64 GPUs"):
-        config.load(KIMI, ["launch.rollout.nodes=95"])
+    with pytest.raises(config.ConfigError, match=r"launch.rollout.nodes: 16 engine\(s\) of 64 GPUs"):
+        config.load(KIMI, ["launch.rollout.nodes=127"])
     with pytest.raises(config.ConfigError, match="engine.host: 127.0.0.1 is reachable from its own node only"):
         config.load(KIMI, ["engine.host=127.0.0.1"])
 

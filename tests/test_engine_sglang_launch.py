@@ -40,10 +40,10 @@ def test_pd_fleet_has_prefill_decode_and_router():
     cmds = render_commands(cfg)
     assert len(cmds) == cfg.engine.num_engines + 1
     modes = [c[c.index("--disaggregation-mode") + 1] for c in cmds[:-1]]
-    assert modes == ["prefill"] * 3 + ["decode"] * 9  # a quarter prefill by default
+    assert modes == ["prefill"] * 4 + ["decode"] * 12  # a quarter prefill by default
     router = cmds[-1]
     assert router[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    assert router.count("--prefill") == 3 and router.count("--decode") == 9
+    assert router.count("--prefill") == 4 and router.count("--decode") == 12
     assert endpoint_urls(cfg) == ["http://${NEON_ROUTER_HOST}:8000"]
 
 

@@ -23,8 +23,8 @@ def test_cluster_example_renders_both_groups_and_signals():
     cfg = config.load(REPO / "configs" / "kimi_k2_1300xh200.yaml")
     text = render_sbatch(cfg, "configs/kimi_k2_1300xh200.yaml")
     head, _, tail = text.partition("#SBATCH hetjob\n")
-    assert "#SBATCH --nodes=99" in head and "#SBATCH --gpus-per-node=8" in head
-    assert "#SBATCH --nodes=64" in tail and "#SBATCH --ntasks-per-node=8" in tail
+    assert "#SBATCH --nodes=131" in head and "#SBATCH --gpus-per-node=8" in head
+    assert "#SBATCH --nodes=32" in tail and "#SBATCH --ntasks-per-node=8" in tail
     assert "#SBATCH --signal=USR1@600" in head and "#SBATCH --requeue" in head
     assert "#SBATCH --account=lab-xrd" in head
     assert "srun --het-group=0 --kill-on-bad-exit=1" in text and "srun --het-group=1 --kill-on-bad-exit=1" in text

@@ -20,9 +20,9 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 def test_kimi_config_maps_to_the_1300_gpu_layout_with_sources():
     s = from_experiment(config.load(KIMI), KIMI)
     p = s.params
-    assert (p.rollout_gpus, p.train_gpus) == (99 * 8, 64 * 8)
-    # PD: a quarter of the 12 engines prefill, 9 decode: 384 workers x 8 = 3,072 episodes, 2,304 run at once
-    assert p.rollout_slots == 384 * 8 and p.engine_slots == 9 * 256 and p.queued
+    assert (p.rollout_gpus, p.train_gpus) == (131 * 8, 32 * 8)
+    # PD: a quarter of the 16 engines prefill, 12 decode: 1,536 workers x 8 = 12,288 episodes, 3,072 run at once
+    assert p.rollout_slots == 1536 * 8 and p.engine_slots == 12 * 256 and p.queued
     assert "prefill engines" in s.source("engine_slots")
     assert p.route_bytes_per_token == pytest.approx(60 * 8 * 4 * 4 / 3)   # first layer dense
     assert "kimi_k2_1300xh200.yaml: launch.rollout" in s.source("rollout_gpus")
@@ -60,7 +60,7 @@ def test_direct_and_alias_keys_set_parameters_and_later_lines_win(tmp_path):
     p = s.params
     assert p.decode_tokens_per_s == 31.5 and s.source("decode_tokens_per_s") == f"RESULT {f}:2 gpu_decode_tokens_per_s"
     assert p.mfu == 0.2 and p.gpu_flops == pytest.approx(700e12)
-    assert p.publish_bytes_per_s == pytest.approx(2e9 * 64)
+    assert p.publish_bytes_per_s == pytest.approx(2e9 * 32)   # per rank x trainer nodes
     assert any(k == "note" and "not a number" in why for k, _, why in cal.unused)
 
 

@@ -97,8 +97,13 @@ def test_kv_cache_bytes_per_token_by_hand():
     assert set_.params.decode_kv_ratio == 0.25
 
 
+# issue 18's example layout: 12 engines (3 prefill) on 99 nodes, 384 workers x 8 = 3,072 episodes in flight
+EXAMPLE = ["launch.rollout.nodes=99", "launch.train.nodes=64", "engine.num_engines=12", "rollout.num_workers=384",
+           "train.expert_parallel=64", "train.data_parallel=2"]
+
+
 def test_other_splits_keep_the_configs_workers_per_request_slot():
-    s = from_experiment(config.load(KIMI, []), KIMI)       # 3,072 episodes in flight per 2,304 request slots
+    s = from_experiment(config.load(KIMI, EXAMPLE), KIMI)   # 3,072 episodes in flight per 2,304 request slots
     assert report.split_changes(s, 99, 64)["rollout_slots"] == 3072
     for r in (19, 99, 131, 142):
         ch = report.split_changes(s, r, 163 - r)
@@ -106,12 +111,13 @@ def test_other_splits_keep_the_configs_workers_per_request_slot():
         c3 = report.split_changes(s, r, 163 - r, 3.0)
         assert c3["rollout_slots"] == int(3 * ch["engine_slots"]) // 8 * 8
     assert report.concurrency_space(s.params) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    fill = from_experiment(config.load(KIMI, ["rollout.num_workers=288"]), KIMI)   # 288 x 8 = 2,304: ratio 1
+    fill = from_experiment(config.load(KIMI, EXAMPLE + ["rollout.num_workers=288"]), KIMI)   # 2,304: ratio 1
     assert report.concurrency_space(fill.params) == [0.0, 2.0, 3.0, 4.0]   # 0 = the config's, not twice
     assert not fill.params.queued and report.split_changes(fill, 142, 21)["rollout_slots"] <= \
         report.split_changes(fill, 142, 21)["engine_slots"]
-    with pytest.raises(ValueError, match="plan.sweep_concurrency"):
-        report.concurrency_space(s.params, [0.0])
+    assert report.concurrency_space(s.params, [150, 300]) == [0.0, 1.5, 3.0]
+    with pytest.raises(ValueError, match="plan.sweep_in_flight_pct"):
+        report.concurrency_space(s.params, [0])
 
 
 def test_the_queue_refuses_abort_stale():

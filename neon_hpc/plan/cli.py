@@ -68,10 +68,10 @@ def main(argv: list[str]) -> int:
         t_sweep = time.perf_counter()
         points = report.sweep(sourced, cfg.plan.sweep_points, sweep_steps, target, progress,
                               cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step,
-                              cfg.plan.sweep_concurrency)
+                              cfg.plan.sweep_in_flight_pct)
         t_sweep = time.perf_counter() - t_sweep
         Ss, Ts = report.search_space(p, target, cfg.plan.sweep_staleness, cfg.plan.sweep_trajectories_per_step)
-        Cs = report.concurrency_space(p, cfg.plan.sweep_concurrency)
+        Cs = report.concurrency_space(p, cfg.plan.sweep_in_flight_pct)
         print(f"\nsweep (async, {p.stale_policy} stale tokens, {p.weight_update} weight updates, {sweep_steps} steps "
               f"each) of the node split, staleness bound {Ss}, trajectories per step {Ts} and episodes in flight "
               f"per engine request slot {[c or 'config' for c in Cs]} (W = rollout.num_workers):")

@@ -56,10 +56,10 @@ class PlanConfig:
     # the config's own and a few around it: see report.search_space)
     sweep_staleness: list[int] = field(default_factory=list)
     sweep_trajectories_per_step: list[int] = field(default_factory=list)
-    # ... and the rollout concurrency: rollout.num_workers x group_size over the engines' request slots
-    # (engines x max_batch_size; above 1 the excess waits in the engines' queue). Empty = the config's,
-    # 1, 2, 3 and 4 (worker mode; report.concurrency_space)
-    sweep_concurrency: list[float] = field(default_factory=list)
+    # ... and the rollout concurrency, in percent: rollout.num_workers x group_size over the engines'
+    # request slots (decoding engines x max_batch_size; above 100 the rest wait in the engines' queue).
+    # Empty = the config's, 100, 200, 300 and 400 (worker mode; report.concurrency_space)
+    sweep_in_flight_pct: list[int] = field(default_factory=list)
     # trainer memory (plan/memory.py): weights + grads + optimizer state must fit this share of a GPU
     gpu_memory_bytes: float = 141e9     # H200
     train_memory_fraction: float = 0.8
@@ -74,6 +74,7 @@ class PlanConfig:
                                           "step_overhead_s", "publish_bytes_per_s", "weight_load_s")},
         "weight_load_bytes_per_s": above(0),
         "decode_kv_ratio": at_least(-1, "-1 = derive from the engine and model"),
+        "sweep_in_flight_pct": at_least(1, "percent of the engines' request slots"),
         "mfu": above(0, le=1.0, note="a fraction of peak"),
         "tail_fraction": between(0, 1),
         "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),

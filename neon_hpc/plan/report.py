@@ -143,20 +143,20 @@ def search_space(p, target_staleness: int, bounds: list[int] | None = None,
     return sorted(set(bounds)), sorted(set(tps))
 
 
-def concurrency_space(p, given: list[float] | None = None) -> list[float]:
+def concurrency_space(p, given_pct: list[int] | None = None) -> list[float]:
     """Rollout concurrencies to search (episodes in flight / the engines' request slots; 0 = the
     config's ratio, listed first): worker mode with engine slots only, the config's and 1, 2, 3, 4 (a
     worker holds its group's slots until its slowest episode ends, so filling the request slots
-    takes more than 1)."""
+    takes more than 1); ``given_pct`` = ``plan.sweep_in_flight_pct`` (percent) instead."""
     if p.slot_mode != "worker" or p.engine_slots <= 0:
         return [0.0]
     own = p.rollout_slots / p.engine_slots
-    if given:
-        bad = [c for c in given if not c > 0]
+    if given_pct:
+        bad = [c for c in given_pct if not c > 0]
         if bad:
-            raise ValueError(f"plan.sweep_concurrency: {bad} — each value is rollout.num_workers x group_size over "
-                             f"engine.num_engines x max_batch_size and must be > 0")
-        return [0.0] + sorted(set(float(c) for c in given) - {own})
+            raise ValueError(f"plan.sweep_in_flight_pct: {bad} -- each value is rollout.num_workers x group_size "
+                             f"over the decoding engines x max_batch_size, in percent, and must be > 0")
+        return [0.0] + sorted({c / 100.0 for c in given_pct} - {own})
     return [0.0] + sorted({1.0, 2.0, 3.0, 4.0} - {own})
 
 
@@ -189,7 +189,7 @@ def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: in
 
 def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
           progress: Progress | None = None, bounds: list[int] | None = None,
-          tps: list[int] | None = None, concurrency: list[float] | None = None) -> list[SplitPoint]:
+          tps: list[int] | None = None, in_flight_pct: list[int] | None = None) -> list[SplitPoint]:
     """Search the node split, the staleness bound, trajectories per step and the rollout
     concurrency (async).
 
@@ -205,7 +205,7 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
     total_nodes = (p.rollout_gpus + p.train_gpus) // gpn
     replica_nodes = math.ceil(max(p.tp, 1) * max(p.pp, 1) / gpn) if p.tp * p.pp > gpn else 1
     Ss, Ts = search_space(p, target_staleness, bounds, tps)
-    Cs = concurrency_space(p, concurrency)
+    Cs = concurrency_space(p, in_flight_pct)
     ratios: dict = {}
     out: list[SplitPoint] = []
     done: dict[tuple, SplitPoint] = {}
