@@ -57,7 +57,7 @@ def test_kimi_config_passes_config_check_with_the_trainer_rules(tmp_path):
     from neon_hpc.train.layout import layout_errors, stage_layers, world_size
     cfg = C.load(KIMI)
     assert layout_errors(cfg) == []
-    assert world_size(cfg) == cfg.launch.train.nodes * cfg.launch.train.tasks_per_node == 512
+    assert world_size(cfg) == cfg.launch.train.nodes * cfg.launch.train.tasks_per_node == 256
     t = cfg.train
     assert stage_layers(cfg.model.num_layers, t.pipeline_parallel, t.pipeline_first_stage_layers,
                         t.pipeline_last_stage_layers) == [8] * 7 + [5]
