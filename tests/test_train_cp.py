@@ -3,7 +3,8 @@
 Two processes hold one document as the plan's arbitrary early/late mix (rank 0 chunks {0, 3},
 rank 1 chunks {1, 2}) beside whole short documents; their logits and summed gradients must
 equal one process running the whole packed micro-batch with megatron's stock
-``DotProductAttention`` (dense block-causal mask, packed positions).
+``DotProductAttention`` (dense block-causal mask, packed positions).  And a head/tail cut where
+one rank holds no cut document (its backward must still join the exchange).
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ SLOT = [
     [(0, 4, 8), (2, 0, 7), (0, 8, 12)],       # rank 1: chunks 1 and 2 of doc 0, doc 2
 ]
 PAD = 2                                      # rank 1 pads its micro-batch with 2 pad rows
+# three data ranks: doc 0 cut between ranks 0 and 1, rank 2 a bystander holding only a whole
+# document (it joins the slot's all-gather, as every rank of the exchange group does, but no
+# query of it reads a gathered row)
+BYSTANDER = [
+    [(0, 0, 10), (1, 0, 5)],
+    [(0, 10, 16)],
+    [(2, 0, 7)],
+]
+SLOTS = {"mix": (SLOT, PAD), "bystander": (BYSTANDER, 0)}
 
 
 def _tokens(seed: int = 3) -> list[np.ndarray]:
@@ -52,7 +62,7 @@ def _model_config(arch: str):
     return C.load(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")).model
 
 
-def _worker(out: str, arch: str) -> None:
+def _worker(out: str, arch: str, slot: str = "mix") -> None:
     from neon_hpc.models import megatron as mm
     from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.batch import block_causal_mask
@@ -75,12 +85,13 @@ def _worker(out: str, arch: str) -> None:
         p.grad = None
 
     # pieces: this rank's rows only, K/V of doc 0 exchanged
-    pieces = SLOT[me]
+    plan_slot, pad = SLOTS[slot]
+    pieces = plan_slot[me]
     rows = [_ref_row(d, q) for (d, a, b) in pieces for q in range(a, b)]
-    n_pad = PAD if me == 1 else 0
+    n_pad = pad if me == 1 else 0
     my_ids = torch.from_numpy(np.concatenate([toks[d][a:b] for (d, a, b) in pieces] + [np.zeros(n_pad, np.int64)]))
     pos = torch.from_numpy(np.concatenate([np.arange(a, b) for (_d, a, b) in pieces] + [np.zeros(n_pad, np.int64)]))
-    lay = build_layout(SLOT, me, len(rows) + n_pad, group=dist.group.WORLD)
+    lay = build_layout(plan_slot, me, len(rows) + n_pad, group=dist.group.WORLD)
     with attention_layout(lay):
         logits = model(input_ids=my_ids.unsqueeze(0), position_ids=pos.unsqueeze(0), attention_mask=None)
     real = logits[0, :len(rows)].float()
@@ -100,13 +111,14 @@ def _worker(out: str, arch: str) -> None:
     mm.destroy_parallel()
 
 
-def _run_pair(tmp_path: Path, arch: str) -> list[dict]:
+def _run_pair(tmp_path: Path, arch: str, slot: str = "mix") -> list[dict]:
     port = free_port()
     procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+    world = len(SLOTS[slot][0])
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"r{r}.json"), arch], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"r{r}.json"), arch, slot], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -119,7 +131,7 @@ def _run_pair(tmp_path: Path, arch: str) -> list[dict]:
                 p.wait()
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-4000:]}"
-    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.slow
@@ -131,6 +143,19 @@ def test_early_late_chunks_match_one_process_exactly(tmp_path, arch):
         assert x["logit_err"] <= 1e-5 * max(1.0, x["logit_scale"]), (r, x)
         assert x["grad_err"] <= 1e-5 * max(1.0, x["grad_scale"]), (r, x)
         assert x["params_with_grad"] > 10, x
+
+
+@pytest.mark.slow
+def test_a_bystander_rank_still_joins_the_backward_exchange(tmp_path):
+    """Rank 2 holds no piece of a cut document: nothing it computes reads the gathered K/V, so
+    without care autograd skips the gather's backward there and ranks 0 and 1 wait in its
+    all-reduce (found by bench_train_balance at DP=4: a hang).  Exact against one process."""
+    res = _run_pair(tmp_path, "qwen3_moe", "bystander")
+    assert len(res) == 3
+    for r, x in enumerate(res):
+        assert x["exchanged"] and x["rows_per_rank"] == 10, x
+        assert x["logit_err"] <= 1e-5 * max(1.0, x["logit_scale"]), (r, x)
+        assert x["grad_err"] <= 1e-5 * max(1.0, x["grad_scale"]), (r, x)
 
 
 def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
@@ -155,4 +180,4 @@ def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(*sys.argv[1:])

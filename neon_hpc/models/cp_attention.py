@@ -254,10 +254,12 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
         k_rem = buf[:, :n_groups * hn].view(-1, n_groups, hn)
         v_rem = buf[:, n_groups * hn:].view(-1, n_groups, hv)
     outs = []
+    used_remote = False
     for grp in lay.groups:
         qd = q[grp.q_idx]
         kd, vd = k[grp.q_idx], v[grp.q_idx]
         if grp.remote_idx.numel():
+            used_remote = True
             kd = torch.cat([kd, k_rem[grp.remote_idx]])
             vd = torch.cat([vd, v_rem[grp.remote_idx]])
         nq = qd.shape[0]
@@ -271,6 +273,12 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
         vp = v[lay.pad_idx]
         outs.append(vp[:, :, None, :].expand(-1, n_groups, rep, hv).reshape(-1, n_heads * hv))
     out = torch.cat(outs)[lay.inverse]
+    if lay.exchanges and not used_remote and buf.requires_grad:
+        # this rank's queries see no remote row (e.g. it holds only a document's head), but
+        # others need its rows: the gathered buffer must stay in the graph, or autograd skips
+        # the gather's backward here and the other ranks wait in its all-reduce forever.
+        # Its gradient through this term is zero, so nothing changes numerically.
+        out = out + (buf.sum() * 0).to(out.dtype)
     if out.shape[0] != s:
         raise ValueError(f"PieceAttention: layout covers {out.shape[0]} rows, the micro-batch has {s}")
     return out.unsqueeze(1)
