@@ -57,6 +57,10 @@ ports() {
 
 port_owner() {  # the pid and command line of whoever listens on TCP port $1 ("" if none)
   local line pid
+  if ! command -v ss >/dev/null; then   # no iproute2: a connect tells taken from free, not who
+    if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then echo "a process (install iproute2's ss to see which)"; fi
+    return 0
+  fi
   line=$(ss -H -ltnp "sport = :$1" 2>/dev/null | head -1) || true
   [[ -n $line ]] || return 0
   pid=$(grep -o 'pid=[0-9]*' <<<"$line" | head -1 | cut -d= -f2)
