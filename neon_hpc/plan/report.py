@@ -195,7 +195,8 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
 
     Splits whose trainer layout cannot hold weights, gradients and optimizer state are
     listed, not simulated.  Stage 1: every fitting split at the largest bound and trajectories
-    per step, the config's concurrency (cheap: one event per group); stage 2: every concurrency
+    per step, without a queue (the config's concurrency, or 1 when it queues: one event per
+    group, cheap); stage 2: every concurrency
     at the best split, then every bound x trajectories-per-step at the best split and
     concurrency; stage 3: hill-climbing the split at the best of those.  The balancer's makespan/bound ratio is computed once per (dp, pp,
     cp, trajectories per step).
@@ -223,7 +224,10 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
         return done[key]
 
     splits = split_candidates(total_nodes, points, replica_nodes)
-    first = [run(r, max(Ss), max(Ts), Cs[0]) for r in splits]   # the least wasteful S and tps first
+    # no queue in stage 1 (one event per group: cheap): the config's concurrency, or workers that
+    # just fill the request slots when the config's queue
+    c1 = Cs[0] if Cs == [0.0] or p.rollout_slots <= p.engine_slots else 1.0
+    first = [run(r, max(Ss), max(Ts), c1) for r in splits]   # the least wasteful S and tps first
     fitting = [sp for sp in first if sp.result is not None]
     if not fitting:
         return out
