@@ -123,3 +123,11 @@ def test_other_splits_keep_the_configs_workers_per_request_slot():
 def test_the_queue_refuses_abort_stale():
     with pytest.raises(ValueError, match="abort_stale is not modelled"):
         simulate(constant(rollout_slots=16, engine_slots=8, abort_stale=True))
+
+
+def test_policy_comparison_leaves_out_abort_stale_when_workers_queue():
+    queued = from_experiment(config.load(KIMI, []), KIMI)
+    assert queued.params.queued
+    assert not any("abort" in v.label for v in report.policy_variants(queued))
+    fits = from_experiment(config.load(KIMI, ["rollout.num_workers=384"]), KIMI)   # 1x the 3,072 slots
+    assert not fits.params.queued and any("abort-stale" in v.label for v in report.policy_variants(fits))

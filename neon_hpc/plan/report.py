@@ -40,7 +40,7 @@ def policy_variants(sourced: Sourced) -> list[Variant]:
         Variant(f"async S={p.max_staleness} {replay} {other_planner}",
                 dict(policy="async", replay_mode=replay, planner=other_planner)),
     ]
-    if p.slot_mode == "worker":
+    if p.slot_mode == "worker" and not p.queued:   # (abort_stale is not modelled with the engines' queue)
         out.append(Variant(f"async S={p.max_staleness} {replay} {p.planner} abort-stale",
                            dict(policy="async", replay_mode=replay, abort_stale=not p.abort_stale)))
         if p.abort_stale:
