@@ -10,11 +10,10 @@ from typing import Callable
 from neon_hpc.plan.memory import Layout, layout_search
 from neon_hpc.plan.params import Sourced
 from neon_hpc.plan.sim import SimResult, simulate
-from neon_hpc.plan.trainer import StepTimeModel
+from neon_hpc.plan.trainer import RATIO_BATCH, StepTimeModel
 from neon_hpc.plan.workload import sample_episodes
 
 Progress = Callable[[str], None]
-RATIO_BATCH = 2048      # sequences the balancer's makespan/bound ratio is planned on (simulate_point)
 
 
 @dataclass
@@ -178,9 +177,7 @@ def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: in
     q = sourced.replace(**changes).params
     key = (q.dp, q.pp, q.cp, tps)
     if key not in ratios:   # one planner call per layout and batch size, on a batch of the workload
-        # (at most RATIO_BATCH sequences: a larger batch balances at least as well, so its step is
-        # overestimated a little -- Kimi tp8 pp8 cp4: 1.047 planned on 2,048, 1.025 on 4,096 -- and the
-        # planner's cost, ~8 s at 4,096, stays bounded)
+        # (at most trainer.RATIO_BATCH sequences of it: see there)
         batch = sample_episodes(q, min(tps, RATIO_BATCH), np.random.default_rng(q.seed + 7)).seq_len
         ratios[key] = StepTimeModel(q).planned_ratio(np.asarray(batch, dtype=np.float64))
     res = simulate(q, StepTimeModel(q, ratio=ratios[key]))
