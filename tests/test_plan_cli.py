@@ -116,3 +116,20 @@ def test_real_benchmark_result_lines_are_sorted_into_used_and_not_used(tmp_path)
     assert "runs the balancer's planner itself" in reasons["balance_predicted_speedup_vs_tokenkk"]
     assert "positive finite" in reasons["mfu"] and "positive finite" in reasons["decode_tokens_per_s"]
     assert set(reasons) >= {"planner_s_10k_1024", "reshard_speedup_vs_serial", "reshard_floor_efficiency"}
+
+
+def test_virtual_pipeline_stages_reach_the_step_time_model():
+    """train.virtual_pipeline_stages is the planner's vpp: the interleaved schedule's smaller
+    bubble shortens the planned step (balance.pipeline's model), V = 1 is the 1F1B one."""
+    import dataclasses
+    import numpy as np
+    from neon_hpc.plan.trainer import StepTimeModel
+    cfg = config.load(TINY, overrides=["train.pipeline_parallel=2", "train.virtual_pipeline_stages=2",
+                                       "model.num_layers=4"])
+    s = from_experiment(cfg, TINY)
+    assert s.params.vpp == 2 and "train.virtual_pipeline_stages" in s.source("vpp")
+    lengths = np.random.default_rng(0).integers(64, 1024, 64)
+    p2 = dataclasses.replace(s.params, cost_a=1.0, cost_b=1e-3, fixed_step_s=0.0, dp=1, pp=4, cp=1)
+    t2 = StepTimeModel(p2).compute_seconds(lengths)
+    t1 = StepTimeModel(dataclasses.replace(p2, vpp=1)).compute_seconds(lengths)
+    assert t2 < t1

@@ -61,6 +61,7 @@ class SimParams:
     consume_per_step: float = 0.0       # > 0: the trainer takes this many on average (measured runs)
     dp: int = 1
     pp: int = 1
+    vpp: int = 1                        # virtual pipeline stages (interleaved 1F1B) when pp > 1
     cp: int = 1
     token_cap: int = 4096
     planner: str = "cost"               # cost | tokenkk | sequential
@@ -337,6 +338,7 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
     s.set("trajectories_per_step", T.trajectories_per_step, c("train.trajectories_per_step"))
     s.set("dp", T.data_parallel, c("train.data_parallel"))
     s.set("pp", T.pipeline_parallel, c("train.pipeline_parallel"))
+    s.set("vpp", T.virtual_pipeline_stages, c("train.virtual_pipeline_stages"))
     s.set("cp", T.context_parallel, c("train.context_parallel"))
     s.set("token_cap", cfg.balance.tokens_per_microbatch, c("balance.tokens_per_microbatch"))
     s.set("planner", cfg.balance.planner, c("balance.planner"))

@@ -97,7 +97,7 @@ class StepTimeModel:
         self.planner_calls += 1
         plan = self._plan_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
                                token_cap=p.token_cap, cost=self._cost, planner=p.planner,
-                               shadow=False, check=False)
+                               shadow=False, check=False, vpp=p.vpp if p.pp > 1 else 1)
         return float(plan.makespan)
 
     def _fallback_flops(self, lengths: np.ndarray, bound: float) -> float:
