@@ -16,20 +16,12 @@ import pytest
 
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.embedded import start_server
-from test_engine_embedded import PROMPT, TOL, teacher_forced, weights  # noqa: F401  (fixture)
+from test_engine_embedded import PROMPT, TOL, engine, teacher_forced, weights  # noqa: F401  (fixtures)
 
 LONG = 300
 SP = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 10, "seed": 5}
 NARROW = [9, 4]                                    # shorter than the running row
 WIDE = [(11 * j) % 200 + 1 for j in range(60)]     # longer than the running row (3 + held tokens)
-
-
-@pytest.fixture
-def engine(weights):  # noqa: F811
-    root, _ = weights
-    h = start_server(root / "v_0", max_batch_size=4, in_process=True, allowed_root=str(root))
-    yield h, EngineClient(h.url, timeout=120)
-    h.stop()
 
 
 def _wait(cond, what: str, timeout: float = 60.0):

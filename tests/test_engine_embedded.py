@@ -58,6 +58,16 @@ def client(server):
     return EngineClient(server.url, timeout=120)
 
 
+@pytest.fixture
+def engine(weights):
+    """An in-process engine over ``v_0`` (its scheduler reachable: tests hold a running batch at
+    a known step), batch 4, and a client; for the in-place update and continuous-batching tests."""
+    root, _ = weights
+    h = start_server(root / "v_0", max_batch_size=4, in_process=True, allowed_root=str(root))
+    yield h, EngineClient(h.url, timeout=120)
+    h.stop()
+
+
 def teacher_forced(model, prompt, output):
     """Logprobs of ``output`` after ``prompt`` and routes [seqlen, layers, top_k], one forward."""
     seq = list(prompt) + list(output)

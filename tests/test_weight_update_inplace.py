@@ -16,20 +16,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from neon_hpc.rollout.engines.client import EngineClient, EngineError
-from neon_hpc.rollout.engines.embedded import LoadedModel, start_server
+from neon_hpc.rollout.engines.client import EngineError
+from neon_hpc.rollout.engines.embedded import LoadedModel
 from neon_hpc.rollout.engines.fleet import update_weights
-from test_engine_embedded import PROMPT, TOL, teacher_forced, weights  # noqa: F401  (fixture)
+from test_engine_embedded import PROMPT, TOL, engine, teacher_forced, weights  # noqa: F401  (fixtures)
 
 N = 40
-
-
-@pytest.fixture
-def engine(weights):  # noqa: F811
-    root, _ = weights
-    h = start_server(root / "v_0", max_batch_size=4, in_process=True, allowed_root=str(root))
-    yield h, EngineClient(h.url, timeout=120)
-    h.stop()
 
 
 def _running_job(sched, at_least: int, timeout: float = 60.0):

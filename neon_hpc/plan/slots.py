@@ -90,6 +90,31 @@ class _Slots:
     def abort_stale_inflight(self) -> None:   # only workers abort
         pass
 
+    def _episode_ended(self, ev: simpy.Event) -> "_Group | None":
+        """One episode's end event (value: group, start, duration, length, last turn's share,
+        pause mark, decode share). Pushed back by the in-place pauses begun while it ran (None:
+        it ends later), else it leaves its request slot and its group takes its length and,
+        with in-flight updates, its newest version (the last turn ran on it); returns the group."""
+        g, t0, dur, seq, last_frac, mark, share = ev._value
+        sim = self.sim
+        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
+            owed = (sim.pause_begun - mark) * share
+            ev2 = simpy.Event(sim.env)
+            ev2._ok = True
+            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
+            ev2.callbacks.append(self._finish)
+            sim.env.schedule(ev2, delay=owed)
+            return None
+        self.in_flight -= 1
+        sim.occ.vacate(1, t0, sim.env._now)
+        g.lengths.append(seq)
+        if not sim.batch_mode and sim.load_times:
+            v_last = sim.version if sim.in_place else sim._version_at(sim.env._now - dur * last_frac)
+            if v_last > g.vmax:
+                g.vmax = v_last
+        g.remaining -= 1
+        return g
+
 
 def decode_speed_table(p) -> list[float]:
     """Decode-time factor per occupancy level of :class:`EngineStall`'s table (0..1 of
@@ -346,24 +371,9 @@ class QueuedWorkerSlots(WorkerSlots):
         env.schedule(ev, delay=dur)
 
     def _finish(self, ev: simpy.Event) -> None:
-        g, t0, dur, seq, last_frac, mark, share = ev._value
-        sim = self.sim
-        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
-            owed = (sim.pause_begun - mark) * share
-            ev2 = simpy.Event(sim.env)
-            ev2._ok = True
-            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
-            ev2.callbacks.append(self._finish)
-            sim.env.schedule(ev2, delay=owed)
+        g = self._episode_ended(ev)
+        if g is None:
             return
-        self.in_flight -= 1
-        sim.occ.vacate(1, t0, sim.env._now)
-        g.lengths.append(seq)
-        if not sim.batch_mode and sim.load_times:
-            v_last = sim.version if sim.in_place else sim._version_at(sim.env._now - dur * last_frac)
-            if v_last > g.vmax:
-                g.vmax = v_last
-        g.remaining -= 1
         if g.remaining == 0:
             self._group_end(g)
         self._dispatch()
@@ -428,25 +438,10 @@ class EpisodeSlots(_Slots):
                              ep.last_turn_frac.tolist()))
 
     def _finish(self, ev: simpy.Event) -> None:
-        g, t0, dur, seq, last_frac, mark, share = ev._value
-        sim = self.sim
-        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
-            owed = (sim.pause_begun - mark) * share
-            ev2 = simpy.Event(sim.env)
-            ev2._ok = True
-            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
-            ev2.callbacks.append(self._finish)
-            sim.env.schedule(ev2, delay=owed)
+        g = self._episode_ended(ev)
+        if g is None:
             return
-        self.in_flight -= 1
-        sim.occ.vacate(1, t0, sim.env._now)
-        g.lengths.append(seq)
-        if not sim.batch_mode and sim.load_times:   # in-flight updates: the last turn ran on the newest version then
-            v_last = sim.version if sim.in_place else sim._version_at(sim.env._now - dur * last_frac)
-            if v_last > g.vmax:
-                g.vmax = v_last
-        g.remaining -= 1
         if g.remaining == 0:
-            sim.groups_open -= 1
-            sim._group_done(g)
-        sim._fill()
+            self.sim.groups_open -= 1
+            self.sim._group_done(g)
+        self.sim._fill()
