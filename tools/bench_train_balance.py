@@ -103,6 +103,7 @@ def worker(args) -> None:
     from neon_hpc.balance.calibrate import fit_microbatches
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import StepData, prepare_step, train_step
+    from neon_hpc.train.sections import TrainerSections
     from neon_hpc.train.loss import LossConfig
 
     out = Path(args.out)
@@ -153,7 +154,7 @@ def worker(args) -> None:
                                                        f"balance.split_sequences={split}",
                                                        f"balance.tokens_per_microbatch={args.cap}",
                                                        f"balance.cost_file={cost_file}"])
-                data = prepare_step(trajs, be.layout.dp, cfg)
+                data = prepare_step(trajs, be.layout.dp, TrainerSections.of(cfg))
                 m = train_step(be, data, lcfg)
                 rows.append(dict(rep=rep, layout=lay_name, planner=planner, wall_s=m["fwd_bwd_s_max"],
                                  wall_mean_s=m["fwd_bwd_s_mean"], cpu_s=m["fwd_bwd_cpu_s_max"],
