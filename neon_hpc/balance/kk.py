@@ -10,6 +10,7 @@ ties break on insertion order.
 from __future__ import annotations
 
 import heapq
+from operator import itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 # from this many parts on, partial solutions are numpy arrays (the per-merge Python loop over
 # k subsets dominates otherwise: seconds for 8k items into 1024 parts)
 VECTOR_FROM_K = 256
+_SUM = itemgetter(0)          # a subset's sum
 
 
 def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
@@ -60,19 +62,12 @@ def _merge(a, b, k):
     if na + nb <= k:
         out = a + b
     else:
-        # pad conceptually to k; pair a[i] with b[k-1-i]
-        out = []
-        for i in range(k):
-            j = k - 1 - i
-            x = a[i] if i < na else None
-            y = b[j] if j < nb else None
-            if x is None:
-                out.append(y)
-            elif y is None:
-                out.append(x)
-            else:
-                out.append((x[0] + y[0], x[1] + y[1]))
-    out.sort(key=lambda s: -s[0])
+        # pad conceptually to k and pair a[i] with b[k-1-i]: a's first k - nb alone, then the
+        # overlap summed, then the rest of b (reversed) alone
+        lo = k - nb
+        rb = b[::-1]
+        out = a[:lo] + [(x[0] + y[0], x[1] + y[1]) for x, y in zip(a[lo:na], rb)] + rb[na - lo:]
+    out.sort(key=_SUM, reverse=True)     # largest first; stable, ties keep their order
     return out
 
 
@@ -82,40 +77,37 @@ def _karmarkar_karp_np(w: np.ndarray, k: int) -> list[list[int]]:
     n = len(w)
     merges: list[tuple[int, np.ndarray, np.ndarray]] = []   # (first new id, left ids, right ids)
     next_id = n
-    heap: list = []
-    for i in range(n):
-        heap.append((-float(w[i]), i, np.array([w[i]]), np.array([i])))
+    heap: list = [(-x, i, np.array([x]), np.array([i])) for i, x in enumerate(w.tolist())]
     heapq.heapify(heap)
     counter = n
+    pop, push, empty, arange, argsort = heapq.heappop, heapq.heappush, np.empty, np.arange, np.argsort
     while len(heap) > 1:
-        _, _, sa, ia = heapq.heappop(heap)
-        _, _, sb, ib = heapq.heappop(heap)
+        _, _, sa, ia = pop(heap)
+        _, _, sb, ib = pop(heap)
         na, nb = len(sa), len(sb)
         if na + nb <= k:
-            sums = np.concatenate([sa, sb])
-            ids = np.concatenate([ia, ib])
+            sums = np.concatenate((sa, sb))
+            ids = np.concatenate((ia, ib))
         else:
-            pa = np.zeros(k)
-            pa[:na] = sa
-            qa = np.full(k, -1, dtype=np.int64)
-            qa[:na] = ia
-            pb = np.zeros(k)
-            pb[:nb] = sb
-            qb = np.full(k, -1, dtype=np.int64)
-            qb[:nb] = ib
-            pb, qb = pb[::-1], qb[::-1]
-            sums = pa + pb
-            both = (qa >= 0) & (qb >= 0)
-            ids = np.where(qa >= 0, qa, qb)
-            m = int(both.sum())
-            new = np.arange(next_id, next_id + m)
-            merges.append((next_id, qa[both], qb[both]))
-            ids[both] = new
+            # pair a[i] with b[k-1-i] (as in _merge): positions [0, lo) a's alone, [lo, na)
+            # summed (new node ids), [na, k) the rest of b reversed
+            lo = k - nb
+            m = na - lo
+            rb, rib = sb[::-1], ib[::-1]
+            sums = empty(k)
+            ids = empty(k, dtype=np.int64)
+            sums[:lo] = sa[:lo]
+            ids[:lo] = ia[:lo]
+            np.add(sa[lo:], rb[:m], out=sums[lo:na])
+            ids[lo:na] = arange(next_id, next_id + m)
+            sums[na:] = rb[m:]
+            ids[na:] = rib[m:]
+            merges.append((next_id, ia[lo:], rib[:m]))
             next_id += m
-        order = np.argsort(-sums, kind="stable")
+        order = argsort(-sums, kind="stable")
         sums, ids = sums[order], ids[order]
-        spread = sums[0] - (sums[-1] if len(sums) == k else 0.0)
-        heapq.heappush(heap, (-float(spread), counter, sums, ids))
+        spread = float(sums[0]) - (float(sums[-1]) if len(sums) == k else 0.0)
+        push(heap, (-spread, counter, sums, ids))
         counter += 1
     _, _, sums, ids = heap[0]
     label = np.full(next_id, -1, dtype=np.int64)
