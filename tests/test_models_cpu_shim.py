@@ -54,6 +54,14 @@ SCRIPT = textwrap.dedent(r"""
     cfg.sequence_parallel = True  # as at TP>1 (the constructor refuses SP at TP=1)
     norm = WrappedTorchNorm(cfg, 8, eps=1e-6)
     r["sp_norm"] = [type(norm).__name__, all(p.sequence_parallel for p in norm.parameters())]
+    # megatron's jit_fuser: its decorated functions are the plain ones, torch.compile is torch's
+    # again, and nothing imported inductor (dynamo neither)
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.fusions import fused_bias_swiglu
+    r["jit_fuser"] = {"router_compiled": hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable"),
+                      "swiglu_compiled": hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"),
+                      "torch_compile_restored": torch.compile.__module__ == "torch",
+                      "compiler_imported": sorted(m for m in ("torch._inductor", "torch._dynamo") if m in sys.modules)}
     print("RESULT " + json.dumps(r))
 """)
 
@@ -103,3 +111,8 @@ def test_torch_norm_accepts_sequence_parallel_and_marks_weights(shim_result):
 def test_hf_side_neither_imports_megatron_nor_applies_the_shim(shim_result):
     assert shim_result["before"] == []
     assert shim_result["megatron_imported_by_hf_side"] is False
+
+
+def test_megatron_fusions_run_eagerly_and_torch_compile_is_restored(shim_result):
+    assert shim_result["jit_fuser"] == {"router_compiled": False, "swiglu_compiled": False,
+                                        "torch_compile_restored": True, "compiler_imported": []}

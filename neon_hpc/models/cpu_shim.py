@@ -14,6 +14,14 @@ its entry point under ``if __name__ == "__main__":`` (the checkpoint writer fork
 
 The patch list, one line each (``PATCHES`` keeps the same names for tests and logs):
 
+- ``jit_fuser``: megatron's ``jit_fuser`` (``torch.compile``) decorates its fusions with
+  megatron's own no-op, so they run as their eager torch code.  ``megatron.core.jit`` binds
+  ``torch.compile`` when it is imported, which costs every process an inductor import (~4 s of
+  a loaded 2-core machine) and, where a decorated function runs (the DeepSeek-V3 router's
+  ``_apply_expert_bias``, an integer counter update; the fusions proper are off in the model
+  config), an inductor C++ compile per input shape (~20 s cold, ~2.5 s from its disk cache) for
+  a 0.1 s step.  megatron.core is imported with ``torch.compile`` as the identity, which is
+  restored after; a process that imported megatron before the shim keeps what it decorated.
 - ``current_device``: ``torch.cuda.current_device()`` returns ``"cpu"``, so every
   ``device=torch.cuda.current_device()`` and ``.to(torch.cuda.current_device())`` lands on CPU.
 - ``synchronize``: ``torch.cuda.synchronize()`` is a no-op (CPU ops are synchronous).
@@ -47,11 +55,12 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
 
-PATCHES = ("current_device", "synchronize", "rng_tracker", "causal_mask", "te_general_gemm",
+PATCHES = ("jit_fuser", "current_device", "synchronize", "rng_tracker", "causal_mask", "te_general_gemm",
            "torch_norm_sp", "streams", "numpy_splits", "pipeline_token_counter", "p2p_shapes")
 
 _lock = threading.Lock()
@@ -77,6 +86,26 @@ def apply() -> list[str]:
             globals()[f"_patch_{name}"]()
             _applied.append(name)
         return list(_applied)
+
+
+# --------------------------------------------------------------------------------------
+# torch.compile, as megatron-core binds it
+
+def _eager(model=None, **kwargs):
+    """``torch.compile``'s two call forms (``compile(fn)``, ``compile(**options)(fn)``), compiling nothing."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def _patch_jit_fuser() -> None:
+    if "megatron.core.jit" not in sys.modules:
+        compile_ = torch.compile
+        torch.compile = _eager
+        try:
+            import megatron.core.jit  # noqa: F401  (imports megatron.core, whose fusions it decorates)
+        finally:
+            torch.compile = compile_
+    from megatron.core import jit
+    jit.disable_jit_fuser()         # what megatron imports later decorates with the no-op too
 
 
 # --------------------------------------------------------------------------------------
