@@ -15,6 +15,9 @@ from neon_hpc.plan.workload import sample_episodes
 
 Progress = Callable[[str], None]
 
+# the split hill-climb's first stride, in searchable splits (halved down to 1: see sweep)
+HILL_STRIDE = 4
+
 
 @dataclass
 class Variant:
@@ -175,10 +178,10 @@ def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: in
     if lay.dp:   # the layout this many trainer nodes give (it decides the step time's cells)
         changes.update(dp=lay.dp, cp=lay.cp, pp=lay.pp)
     q = sourced.replace(**changes).params
-    key = (q.dp, q.pp, q.cp, tps)
-    if key not in ratios:   # one planner call per layout and batch size, on a batch of the workload
-        # (at most trainer.RATIO_BATCH sequences of it: see there)
-        batch = sample_episodes(q, min(tps, RATIO_BATCH), np.random.default_rng(q.seed + 7)).seq_len
+    planned = min(tps, RATIO_BATCH)   # the planner plans at most trainer.RATIO_BATCH sequences (see there),
+    key = (q.dp, q.pp, q.cp, planned)  # so batches of that size and more share one ratio
+    if key not in ratios:   # one planner call per layout and planned batch size, on a batch of the workload
+        batch = sample_episodes(q, planned, np.random.default_rng(q.seed + 7)).seq_len
         ratios[key] = StepTimeModel(q).planned_ratio(np.asarray(batch, dtype=np.float64))
     res = simulate(q, StepTimeModel(q, ratio=ratios[key]))
     return SplitPoint(r_nodes, t_nodes, res, S, tps, lay, concurrency, workers)
@@ -195,8 +198,10 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
     per step, without a queue (the config's concurrency, or 1 when it queues: one event per
     group, cheap); stage 2: every concurrency
     at the best split, then every bound x trajectories-per-step at the best split and
-    concurrency; stage 3: hill-climbing the split at the best of those.  The balancer's makespan/bound ratio is computed once per (dp, pp,
-    cp, trajectories per step).
+    concurrency; stage 3: hill-climbing the split at the best of those, coarse to fine (splits
+    ``HILL_STRIDE`` apart first, the stride halved while the best stays put, then the adjacent
+    ones).  The balancer's makespan/bound ratio is computed once per (dp, pp, cp, sequences
+    planned: trajectories per step up to ``trainer.RATIO_BATCH``).
     """
     p = sourced.params
     gpn = max(p.gpus_per_node, 1)
@@ -235,20 +240,26 @@ def sweep(sourced: Sourced, points: int, steps: int, target_staleness: int,
     for S in Ss:
         for t in Ts:
             run(best.rollout_nodes, S, t, best.concurrency)
-    # hill-climb the split at the best S and tps: one model replica of trainer nodes at a time,
-    # or one node where a deeper pipeline lays that many out (memory.layout_search)
+    # hill-climb the split at the best S and tps over the splits a trainer can be laid out on: one
+    # model replica of trainer nodes at a time, or one node where a deeper pipeline lays that many
+    # out (memory.layout_search); coarse to fine: neighbours HILL_STRIDE splits away first, the
+    # stride halved whenever the best stays put, down to the adjacent splits
     valid = sorted(set(split_candidates(total_nodes, total_nodes, replica_nodes))
                    | {r for r in split_candidates(total_nodes, total_nodes)
                       if trainer_layout(p, total_nodes - r).fits and trainer_layout(p, total_nodes - r).pp != p.pp})
-    for _ in range(2 * len(valid)):
+    stride = max(1, min(HILL_STRIDE, len(valid) // 4))
+    for _ in range(4 * len(valid)):
         best = _best([sp for sp in out if sp.result is not None])[0]
         i = valid.index(best.rollout_nodes) if best.rollout_nodes in valid else None
         if i is None:
             break
-        fresh = [run(valid[j], *best.key) for j in (i - 1, i + 1)
-                 if 0 <= j < len(valid) and (valid[j], *best.key) not in done]
-        if not fresh:
-            break
+        for j in (i - stride, i + stride):
+            if 0 <= j < len(valid):
+                run(valid[j], *best.key)
+        if _best([sp for sp in out if sp.result is not None])[0] is best:
+            if stride == 1:
+                break
+            stride //= 2
     return out
 
 
