@@ -205,14 +205,22 @@ def _fit_run(scripted, tmp_path, *args):
 
 
 @pytest.mark.slow
-def test_protocol_fit_on_train_uses_the_threshold_fitted_on_train_tasks(scripted, tmp_path):
-    from neon_hpc.xrd.evaluate import thresholds_fitted_on_train
+def test_protocol_fit_on_train_uses_the_threshold_fitted_on_train_tasks(scripted, tmp_path, monkeypatch):
+    from neon_hpc.xrd import evaluate
     from neon_hpc.xrd.fitting import DETECTION_Z_MIN
-    th, info = thresholds_fitted_on_train("tiny", 3, 0)
-    assert all(t.startswith("tiny-train-") for t in info["train_tasks"]) and len(info["train_tasks"]) == 3
-    assert th.z_min != DETECTION_Z_MIN           # else the test could not tell the two apart
+    # the run's own fit (fitting it again here would double the test's time), recorded with its arguments
+    calls, fit = [], evaluate.thresholds_fitted_on_train
+
+    def recording(*args):
+        calls.append((args, fit(*args)))
+        return calls[-1][1]
+    monkeypatch.setattr(evaluate, "thresholds_fitted_on_train", recording)
     report, seen = _fit_run(scripted, tmp_path, "--preset", "tiny", "--split", "test_id,test_ood", "--n", "3",
                             "--protocol", "fit-on-train")
+    assert [args for args, _ in calls] == [("tiny", 3, 0)]       # once per run: --preset, --n, --seed 0
+    th, info = calls[0][1]
+    assert all(t.startswith("tiny-train-") for t in info["train_tasks"]) and len(info["train_tasks"]) == 3
+    assert th.z_min != DETECTION_Z_MIN           # else the test could not tell the two apart
     assert report["meta"]["protocol"] == "fit-on-train"
     assert report["protocol"]["test_id"]["thresholds"] == th.__dict__
     assert len(report["episodes"]) == 6
@@ -235,9 +243,10 @@ def test_protocol_refuses_splits_it_cannot_score_before_any_request(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_protocol_loo_fits_each_mixture_on_the_others(scripted, tmp_path):
+def test_protocol_loo_fits_each_mixture_on_the_others(scripted, tmp_path, monkeypatch):
+    from neon_hpc.xrd import evaluate
     from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.evaluate import choose_thresholds, mixture_of, trace_all
+    from neon_hpc.xrd.evaluate import choose_thresholds, mixture_of
     from neon_hpc.xrd.grader import grade
     from neon_hpc.xrd.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
@@ -247,9 +256,19 @@ def test_protocol_loo_fits_each_mixture_on_the_others(scripted, tmp_path):
         label = sample_label(t.id)
         TRUTH[label] = ", ".join(f"{pid or f} {wf}" for pid, f, wf in t.truth)
         FIT_PHASES[label] = [pid for pid, _f, _w in t.truth]
+    # the expectation below grades the baseline traces the run itself made (tracing 4 real scans
+    # again would double the test's time), recorded by task id as the run's trace_all returns them
+    traced, trace_all = {}, evaluate.trace_all
+
+    def recording(ts, *a, **kw):
+        out = trace_all(ts, *a, **kw)
+        traced.update({u.id: tr for u, tr in zip(ts, out[0])})
+        return out
+    monkeypatch.setattr(evaluate, "trace_all", recording)
     report, seen = _fit_run(scripted, tmp_path, "--split", "real", "--n", "4", "--protocol", "loo")
     assert len(report["episodes"]) == 4 and set(report["protocol"]["real"]["folds"]) == {mixture_of(t) for t in tasks}
-    traces = trace_all(tasks)[0]
+    assert sorted(traced) == sorted(t.id for t in tasks)          # the run traced exactly the scored tasks
+    traces = [traced[t.id] for t in tasks]
     for t in tasks:
         ep = next(e for e in report["episodes"] if e["task_id"] == t.id)
         rest = [i for i, u in enumerate(tasks) if mixture_of(u) != mixture_of(t)]
