@@ -9,6 +9,7 @@ ties break on insertion order.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from operator import itemgetter
 from typing import Sequence
@@ -16,10 +17,13 @@ from typing import Sequence
 import numpy as np
 
 
-# from this many parts on, partial solutions are numpy arrays (the per-merge Python loop over
-# k subsets dominates otherwise: seconds for 8k items into 1024 parts)
-VECTOR_FROM_K = 256
+# from this many parts on, partial solutions are numpy arrays. The lists' merge has fast paths for
+# what dominates a planner's packing (one subset joining a full partition, a concatenation already
+# in order), so below this they are faster: 1,952 FLOP costs into 316 parts 6.5 ms vs 18.6 ms,
+# 8,192 uniform weights into 1,024 41 vs 56 ms, 16,384 into 4,096 152 vs 216 ms (the same partitions)
+VECTOR_FROM_K = 4096
 _SUM = itemgetter(0)          # a subset's sum
+_NEG_SUM = lambda s: -s[0]     # noqa: E731  (a largest-first list is ascending in it)
 
 
 def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
@@ -61,6 +65,15 @@ def _merge(a, b, k):
     na, nb = len(a), len(b)
     if na + nb <= k:
         out = a + b
+        if a[-1][0] >= b[0][0]:          # already largest first (what the stable sort would keep)
+            return out
+    elif nb == 1 and na == k:            # the common case: b's one subset joins a's smallest, and
+        x = a[-1]                        # moves up past every subset smaller than it (ties stay first)
+        y = b[0]
+        merged = (x[0] + y[0], x[1] + y[1])
+        out = a[:-1]
+        out.insert(bisect.bisect_right(out, -merged[0], key=_NEG_SUM), merged)
+        return out
     else:
         # pad conceptually to k and pair a[i] with b[k-1-i]: a's first k - nb alone, then the
         # overlap summed, then the rest of b (reversed) alone
@@ -88,6 +101,20 @@ def _karmarkar_karp_np(w: np.ndarray, k: int) -> list[list[int]]:
         if na + nb <= k:
             sums = np.concatenate((sa, sb))
             ids = np.concatenate((ia, ib))
+            if sa[-1] >= sb[0]:           # already largest first: the stable sort keeps it
+                push(heap, (-(float(sums[0]) - (float(sums[-1]) if na + nb == k else 0.0)), counter, sums, ids))
+                counter += 1
+                continue
+        elif nb == 1 and na == k:         # b's one subset joins a's smallest (as below) and moves up past
+            x = float(sa[-1]) + float(sb[0])   # every subset smaller than it; ties stay first
+            j = k - 1 - int(np.searchsorted(sa[-2::-1], x, side="left")) if k > 1 else 0
+            sums = np.concatenate((sa[:j], (x,), sa[j:-1]))
+            ids = np.concatenate((ia[:j], (next_id,), ia[j:-1]))
+            merges.append((next_id, ia[-1:], ib))
+            next_id += 1
+            push(heap, (-(float(sums[0]) - float(sums[-1])), counter, sums, ids))
+            counter += 1
+            continue
         else:
             # pair a[i] with b[k-1-i] (as in _merge): positions [0, lo) a's alone, [lo, na)
             # summed (new node ids), [na, k) the rest of b reversed
