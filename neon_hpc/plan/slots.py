@@ -91,20 +91,21 @@ class _Slots:
         pass
 
     def _episode_ended(self, ev: simpy.Event) -> "_Group | None":
-        """One episode's end event (value: group, start, duration, length, last turn's share,
-        pause mark, decode share). Pushed back by the in-place pauses begun while it ran (None:
-        it ends later), else it leaves its request slot and its group takes its length and,
-        with in-flight updates, its newest version (the last turn ran on it); returns the group."""
-        g, t0, dur, seq, last_frac, mark, share = ev._value
+        """One episode's end event (value, a list: group, start, duration, length, last turn's
+        share, pause mark, decode share). Pushed back by the in-place pauses begun while it ran
+        (None: the same event, its duration and mark updated, is due again later), else it leaves
+        its request slot and its group takes its length and, with in-flight updates, its newest
+        version (the last turn ran on it); returns the group."""
+        v = ev._value
         sim = self.sim
-        if sim.pause_s > 0 and sim.pause_begun > mark:   # paused by in-place weight loads meanwhile
-            owed = (sim.pause_begun - mark) * share
-            ev2 = simpy.Event(sim.env)
-            ev2._ok = True
-            ev2._value = (g, t0, dur + owed, seq, last_frac, sim.pause_begun, share)
-            ev2.callbacks.append(self._finish)
-            sim.env.schedule(ev2, delay=owed)
+        if sim.pause_begun > v[5] and sim.pause_s > 0:   # paused by in-place weight loads meanwhile
+            owed = (sim.pause_begun - v[5]) * v[6]
+            v[2] += owed
+            v[5] = sim.pause_begun
+            ev.callbacks = [self._finish]          # (simpy's step took the processed event's list)
+            sim.env.schedule(ev, delay=owed)
             return None
+        g, t0, dur, seq, last_frac = v[0], v[1], v[2], v[3], v[4]
         self.in_flight -= 1
         sim.occ.vacate(1, t0, sim.env._now)
         g.lengths.append(seq)
@@ -335,40 +336,42 @@ class QueuedWorkerSlots(WorkerSlots):
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Free request slots take the queue's next episodes, oldest group first."""
+        """Free request slots take the queue's next episodes, oldest group first (the hot path:
+        one pass per simulated episode, so locals and no helper calls but the books')."""
         sim, occ, q = self.sim, self.sim.occ, self.queue
+        if occ.idle <= 0 or not q:
+            return
+        env, acc, G = sim.env, sim.acc, sim.G
+        now = env._now
+        stall, scale, speed, finish = self._stall_table, self._stall_scale, self._speed, self._finish
         while occ.idle > 0 and q:
             g = q[0]
-            if g.unstarted == sim.G and not sim.track_oldest:
+            if g.unstarted == G and not sim.track_oldest:
                 g.vmin = g.vmax = sim.version    # its first token: the engines' version when it starts
             g.unstarted -= 1
             if g.unstarted == 0:
                 q.popleft()
-            occ.occupy(1, sim.env._now)
-            self._start_episode(g)
-
-    def _start_episode(self, g: _Group) -> None:
-        sim = self.sim
-        i = self._ebuf_i
-        if i >= CHUNK:
-            ep = sample_episodes(sim.p, CHUNK, sim.rng)
-            self._ebuf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
-                                  ep.last_turn_frac.tolist()))
-            i = 0
-        self._ebuf_i = i + 1
-        decode, fixed, seq, last_frac = self._ebuf[i]
-        level = int(self.in_flight * self._stall_scale + 0.5)
-        f = self._stall_table[level]
-        sim.acc.stall_sum += f
-        d = decode * self._speed[level] / (1.0 - f)
-        dur = d + fixed
-        self.in_flight += 1
-        env = sim.env
-        ev = simpy.Event(env)
-        ev._ok = True
-        ev._value = (g, env._now, dur, seq, last_frac, sim.pause_begun, d / dur if dur > 0 else 1.0)
-        ev.callbacks.append(self._finish)
-        env.schedule(ev, delay=dur)
+            occ.occupy(1, now)
+            # the episode starts: its duration under the engines' stall and batch at this occupancy
+            i = self._ebuf_i
+            if i >= CHUNK:
+                ep = sample_episodes(sim.p, CHUNK, sim.rng)
+                self._ebuf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
+                                      ep.last_turn_frac.tolist()))
+                i = 0
+            self._ebuf_i = i + 1
+            decode, fixed, seq, last_frac = self._ebuf[i]
+            level = int(self.in_flight * scale + 0.5)
+            f = stall[level]
+            acc.stall_sum += f
+            d = decode * speed[level] / (1.0 - f)
+            dur = d + fixed
+            self.in_flight += 1
+            ev = simpy.Event(env)
+            ev._ok = True
+            ev._value = [g, now, dur, seq, last_frac, sim.pause_begun, d / dur if dur > 0 else 1.0]
+            ev.callbacks.append(finish)
+            env.schedule(ev, delay=dur)
 
     def _finish(self, ev: simpy.Event) -> None:
         g = self._episode_ended(ev)
@@ -427,7 +430,7 @@ class EpisodeSlots(_Slots):
         now = env._now
         ev = simpy.Event(env)
         ev._ok = True
-        ev._value = (sim.open, now, dur, seq, last_frac, sim.pause_begun, decode / dur if dur > 0 else 1.0)
+        ev._value = [sim.open, now, dur, seq, last_frac, sim.pause_begun, decode / dur if dur > 0 else 1.0]
         ev.callbacks.append(self._finish)
         env.schedule(ev, delay=dur)
 
