@@ -22,6 +22,13 @@ def version_from_path(path: str | os.PathLike) -> str:
 
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword an HF model's forward takes its KV cache by: transformers >= 5.2x renamed
+    ``past_key_values`` to ``cache`` (the old name warns)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class LoadedModel:
     """An HF MoE model plus hooks that record every router's top-k indices per forward."""
 
@@ -52,9 +59,7 @@ class LoadedModel:
         def record(module, inputs, output) -> None:
             buf.append(output[2])  # (tokens, top_k) indices of this forward, in layer order
 
-        import inspect
-        # transformers >= 5.2x renamed past_key_values -> cache (the old name warns)
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_kwarg(model)
         for r in self.routers:
             r.register_forward_hook(record)
 
