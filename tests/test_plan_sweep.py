@@ -53,6 +53,20 @@ def test_split_search_finds_the_balanced_split_and_each_side_is_bound_by_its_gro
     assert (best.rollout_nodes, best.train_nodes) == (5, 5) and "most samples/hour" in why
 
 
+
+def test_the_coarse_to_fine_hill_climb_finds_a_balance_between_the_first_scan_s_splits():
+    """6 slots per rollout node (0.6 trajectories/s a node) against 0.4 a trainer node: balanced at
+    4 / 6 (2.4/s), which a 3-point first scan (1, 5, 9) misses; the climb (stride 2, then 1) must
+    reach it without simulating every split."""
+    case = balanced_case()
+    case = Sourced(dataclasses.replace(case.params, rollout_slots=30, engine_slots=30))
+    pts = report.sweep(case, points=3, steps=30, target_staleness=1000, bounds=[1000], tps=[720])
+    best, why = report.recommend(pts, 1000)
+    assert (best.rollout_nodes, best.train_nodes) == (4, 6) and "most samples/hour" in why
+    assert len({s.rollout_nodes for s in pts}) < 9                  # not every split
+    by = {s.rollout_nodes: s for s in pts}
+    assert by[4].result.samples_per_hour > max(s.result.samples_per_hour for r, s in by.items() if r != 4)
+
 def test_memory_by_hand_and_splits_that_do_not_fit():
     # dense 8e9 over tp2 x pp2 (replicated 2x), experts 16e9 over ep4 x pp2 (not replicated), 8 GPUs:
     # 2e9 * (2 + 4 + 12/2) + 2e9 * (2 + 4 + 12/1) = 24e9 + 36e9
