@@ -90,6 +90,11 @@ class _Slots:
     def abort_stale_inflight(self) -> None:   # only workers abort
         pass
 
+    def _episode_rows(self) -> list[tuple[float, float, float, float]]:
+        """The next :data:`CHUNK` episodes (one event each): decode s, fixed s, length, last turn's share."""
+        ep = sample_episodes(self.sim.p, CHUNK, self.sim.rng)
+        return list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(), ep.last_turn_frac.tolist()))
+
     def _episode_ended(self, ev: simpy.Event) -> "_Group | None":
         """One episode's end event (value, a list: group, start, duration, length, last turn's
         share, pause mark, decode share). Pushed back by the in-place pauses begun while it ran
@@ -355,9 +360,7 @@ class QueuedWorkerSlots(WorkerSlots):
             # the episode starts: its duration under the engines' stall and batch at this occupancy
             i = self._ebuf_i
             if i >= CHUNK:
-                ep = sample_episodes(sim.p, CHUNK, sim.rng)
-                self._ebuf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
-                                      ep.last_turn_frac.tolist()))
+                self._ebuf = self._episode_rows()
                 i = 0
             self._ebuf_i = i + 1
             decode, fixed, seq, last_frac = self._ebuf[i]
@@ -435,10 +438,7 @@ class EpisodeSlots(_Slots):
         env.schedule(ev, delay=dur)
 
     def _refill(self) -> None:
-        sim = self.sim
-        ep = sample_episodes(sim.p, CHUNK, sim.rng)
-        self._buf = list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(),
-                             ep.last_turn_frac.tolist()))
+        self._buf = self._episode_rows()
 
     def _finish(self, ev: simpy.Event) -> None:
         g = self._episode_ended(ev)
