@@ -131,6 +131,7 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
         "versions_spanned": dict(sorted(spans.items())),
         "reward_first": mean([r.get("reward_mean") for r in trainer[:k]]),
         "reward_last": mean([r.get("reward_mean") for r in trainer[-k:]]),
+        "reward_steps": k,                      # steps averaged at each end
         "staleness_max": max((r.get("staleness_max", 0) for r in trainer), default=None),
         "trainer_idle_fraction": wait / (wait + busy) if wait + busy > 0 else None,
         "rollout_idle_fraction": rollout_wait / (wall * len(workers)) if wall > 0 else None,
@@ -145,16 +146,17 @@ def render_summary(s: dict[str, Any]) -> str:
     spans = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}" for k, v in s["versions_spanned"].items()) or "-"
     trained = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}"
                         for k, v in s.get("trained_versions_spanned", {}).items()) or "-"
+    ends = f" (mean of {s['reward_steps']} steps at each end)" if s.get("reward_steps") else ""
     return "\n".join([
         f"steps {s['steps']}   wall {s['wall_s']:.0f}s",
         f"trajectories written {s['trajectories_written']}, trained {s['trajectories_trained']}; "
         f"tokens written {s['tokens_written']}, trained {s['tokens_trained']}",
-        f"versions spanned per trajectory: {spans}",
+        f"versions spanned per trajectory (newest - oldest + 1, as written): {spans}",
         f"versions spanned per trained trajectory (token by token): {trained}   "
         f"(>= 2 versions: {f(s.get('trained_multi_version_fraction'))})",
         f"wasted rollout tokens {f(s.get('wasted_rollout_tokens'))} (stale: {s.get('masked_stale_tokens', 0)} "
         f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
-        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}   max staleness {f(s['staleness_max'])}",
+        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   max staleness {f(s['staleness_max'])}",
         f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
     ])
 
