@@ -64,14 +64,14 @@ def test_kimi_config_passes_config_check_with_the_trainer_rules(tmp_path):
 
 
 @pytest.mark.parametrize("sets, key", [
-    # 64 nodes x 8 = 512 ranks started, twice the configured DP asks for 1024
+    # 32 nodes x 8 = 256 ranks started, twice the configured DP asks for 512
     ([f"train.data_parallel={2 * yaml.safe_load(KIMI.read_text())['train']['data_parallel']}"],
      "train.data_parallel"),
     # 61 layers do not split over 8 even stages
     (["train.pipeline_last_stage_layers=0"], "train.pipeline_parallel"),
     # 5 + 7 * x = 61 has no integer x
     (["train.pipeline_last_stage_layers=6"], "train.pipeline_first_stage_layers"),
-    # a stage holds tp*cp*dp = 64 ranks: EP 128 does not fit
+    # a stage holds tp*cp*dp = 32 ranks: EP 128 does not fit
     (["train.expert_parallel=128"], "train.expert_parallel"),
     # 8 layers per stage do not make 3 equal model chunks (interleaved PP)
     (["train.virtual_pipeline_stages=3", "train.pipeline_last_stage_layers=0", "model.num_layers=64"],
