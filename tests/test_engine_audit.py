@@ -14,7 +14,7 @@ from neon_hpc.rollout.engines.embedded import audit
 from neon_hpc.rollout.engines.fleet import update_weights
 from neon_hpc.store import Trajectory, write_shard
 from test_engine_embedded import PROMPT, TOL, engine, weights  # noqa: F401  (fixtures)
-from test_weight_update_inplace import _running_job
+from test_weight_update_inplace import running_job
 
 ENV = [3, 4]
 
@@ -24,7 +24,7 @@ def _two_turns(engine, weights):  # noqa: F811
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(client.generate, PROMPT, {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True,
                                                   "seed": 7})
-        _running_job(h.server.scheduler, 6)
+        running_job(h.server.scheduler, 6)
         update_weights(client, str(root / "v_1"), "1", "in_place")
         first = fut.result(timeout=120)
     assert [s["version"] for s in first.weight_versions] == ["0", "1"]

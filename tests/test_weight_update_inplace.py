@@ -24,7 +24,7 @@ from test_engine_embedded import PROMPT, TOL, engine, teacher_forced, weights  #
 N = 40
 
 
-def _running_job(sched, at_least: int, timeout: float = 60.0):
+def running_job(sched, at_least: int, timeout: float = 60.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         jobs = list(sched._running)
@@ -61,7 +61,7 @@ def test_in_place_update_splits_a_running_response_into_two_spans_and_keeps_its_
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(client.generate, PROMPT, {"temperature": 0, "max_new_tokens": N, "ignore_eos": True},
                         True, True)
-        _running_job(sched, 3)
+        running_job(sched, 3)
         client.pause_generation(mode="in_place")
         try:
             # SGLang cannot flush its cache under held requests: the engine refuses it as loudly
@@ -69,7 +69,7 @@ def test_in_place_update_splits_a_running_response_into_two_spans_and_keeps_its_
                 client.update_weights_from_disk(str(root / "v_1"), weight_version=1)
         finally:
             client.continue_generation()
-        _running_job(sched, 6)
+        running_job(sched, 6)
         upd = update_weights(client, str(root / "v_1"), "1", "in_place")
         res = fut.result(timeout=120)
     assert upd["success"] and upd["num_paused_requests"] == 1
@@ -99,7 +99,7 @@ def test_between_requests_update_waits_for_the_running_response(engine, weights)
     (h, client), (root, models) = engine, weights
     with cf.ThreadPoolExecutor(2) as ex:
         fut = ex.submit(client.generate, PROMPT, {"temperature": 0, "max_new_tokens": N, "ignore_eos": True})
-        _running_job(h.server.scheduler, 3)
+        running_job(h.server.scheduler, 3)
         upd = ex.submit(update_weights, client, str(root / "v_1"), "1", "between_requests")
         res = fut.result(timeout=120)
         assert upd.result(timeout=120)["success"]
