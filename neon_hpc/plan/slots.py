@@ -98,7 +98,7 @@ class _Slots:
     def _episode_ended(self, ev: simpy.Event) -> "_Group | None":
         """One episode's end event (value, a list: group, start, duration, length, last turn's
         share, pause mark, decode share). Pushed back by the in-place pauses begun while it ran
-        (None: the same event, its duration and mark updated, is due again later), else it leaves
+        (None: an event with the same value, its duration and mark updated, is due later), else it leaves
         its request slot and its group takes its length and, with in-flight updates, its newest
         version (the last turn ran on it); returns the group."""
         v = ev._value
@@ -107,8 +107,11 @@ class _Slots:
             owed = (sim.pause_begun - v[5]) * v[6]
             v[2] += owed
             v[5] = sim.pause_begun
-            ev.callbacks = [self._finish]          # (simpy's step took the processed event's list)
-            sim.env.schedule(ev, delay=owed)
+            ev2 = simpy.Event(sim.env)
+            ev2._ok = True
+            ev2._value = v
+            ev2.callbacks.append(self._finish)
+            sim.env.schedule(ev2, delay=owed)
             return None
         g, t0, dur, seq, last_frac = v[0], v[1], v[2], v[3], v[4]
         self.in_flight -= 1
@@ -341,40 +344,39 @@ class QueuedWorkerSlots(WorkerSlots):
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Free request slots take the queue's next episodes, oldest group first (the hot path:
-        one pass per simulated episode, so locals and no helper calls but the books')."""
+        """Free request slots take the queue's next episodes, oldest group first."""
         sim, occ, q = self.sim, self.sim.occ, self.queue
-        if occ.idle <= 0 or not q:
-            return
-        env, acc, G = sim.env, sim.acc, sim.G
-        now = env._now
-        stall, scale, speed, finish = self._stall_table, self._stall_scale, self._speed, self._finish
         while occ.idle > 0 and q:
             g = q[0]
-            if g.unstarted == G and not sim.track_oldest:
+            if g.unstarted == sim.G and not sim.track_oldest:
                 g.vmin = g.vmax = sim.version    # its first token: the engines' version when it starts
             g.unstarted -= 1
             if g.unstarted == 0:
                 q.popleft()
-            occ.occupy(1, now)
-            # the episode starts: its duration under the engines' stall and batch at this occupancy
-            i = self._ebuf_i
-            if i >= CHUNK:
-                self._ebuf = self._episode_rows()
-                i = 0
-            self._ebuf_i = i + 1
-            decode, fixed, seq, last_frac = self._ebuf[i]
-            level = int(self.in_flight * scale + 0.5)
-            f = stall[level]
-            acc.stall_sum += f
-            d = decode * speed[level] / (1.0 - f)
-            dur = d + fixed
-            self.in_flight += 1
-            ev = simpy.Event(env)
-            ev._ok = True
-            ev._value = [g, now, dur, seq, last_frac, sim.pause_begun, d / dur if dur > 0 else 1.0]
-            ev.callbacks.append(finish)
-            env.schedule(ev, delay=dur)
+            occ.occupy(1, sim.env._now)
+            self._start_episode(g)
+
+    def _start_episode(self, g: _Group) -> None:
+        """One episode starts: its duration under the engines' stall and batch at this occupancy."""
+        sim = self.sim
+        i = self._ebuf_i
+        if i >= CHUNK:
+            self._ebuf = self._episode_rows()
+            i = 0
+        self._ebuf_i = i + 1
+        decode, fixed, seq, last_frac = self._ebuf[i]
+        level = int(self.in_flight * self._stall_scale + 0.5)
+        f = self._stall_table[level]
+        sim.acc.stall_sum += f
+        d = decode * self._speed[level] / (1.0 - f)
+        dur = d + fixed
+        self.in_flight += 1
+        env = sim.env
+        ev = simpy.Event(env)
+        ev._ok = True
+        ev._value = [g, env._now, dur, seq, last_frac, sim.pause_begun, d / dur if dur > 0 else 1.0]
+        ev.callbacks.append(self._finish)
+        env.schedule(ev, delay=dur)
 
     def _finish(self, ev: simpy.Event) -> None:
         g = self._episode_ended(ev)
