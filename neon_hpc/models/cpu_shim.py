@@ -1,18 +1,31 @@
-"""Make megatron-core 0.16.1 run on a machine without CUDA (laptop, CI, the embedded default).
+"""Make megatron-core 0.16.1 run where it assumes a GPU or Transformer Engine that is not there.
 
-megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
-it asks for "the current CUDA device" to place tensors, keeps its RNG streams in CUDA
-generators, builds the causal mask with ``device="cuda"``, refers to a Transformer Engine GEMM
-by name, refuses torch norms under sequence parallelism, and moves MoE split sizes through a
-side CUDA stream.  Each patch below replaces exactly one of those assumptions with its CPU
-equivalent; nothing changes the arithmetic of a forward or backward pass.
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths (it
+asks for "the current CUDA device" to place tensors, keeps its RNG streams in CUDA generators,
+builds the causal mask with ``device="cuda"``, moves MoE split sizes through a side CUDA
+stream), and Transformer Engine in others (it refers to TE's GEMM by name in the router,
+refuses torch norms under sequence parallelism).  The two are independent: a cluster user's
+CUDA install often has no TE, and a laptop has neither.  Each patch below replaces exactly one
+assumption; nothing changes the arithmetic of a forward or backward pass.
 
-:func:`apply` is idempotent and does nothing when CUDA is available, so the same code runs
-unchanged on a GPU cluster.  It must run before a model is built; :mod:`neon_hpc.models.megatron`
-calls it first thing.  A process that saves megatron checkpoints with gloo workers must keep
-its entry point under ``if __name__ == "__main__":`` (the checkpoint writer forks/spawns).
+Which patches apply is a pure function of what this process has (:func:`plan`): the
+``NO_TE`` group whenever ``transformer_engine`` does not import (CPU *or* CUDA), the
+``NO_CUDA`` group only without a usable CUDA device.  :func:`apply` runs that plan once
+(idempotent); it must run before a model is built (:mod:`neon_hpc.models.megatron` calls it
+first thing).  :func:`kernels` says which optional kernels were found, for the start-up log.
+A process that saves megatron checkpoints with gloo workers must keep its entry point under
+``if __name__ == "__main__":`` (the checkpoint writer forks/spawns).
 
-The patch list, one line each (``PATCHES`` keeps the same names for tests and logs):
+Without Transformer Engine (``NO_TE``):
+
+- ``te_general_gemm``: ``moe_utils.te_general_gemm = None`` (the name is only defined when TE
+  imports, and the router's gating GEMM raises NameError without it; with None megatron
+  takes its torch matmul).
+- ``torch_norm_sp``: ``WrappedTorchNorm`` accepts ``sequence_parallel`` (required by MoE when
+  TP > 1) and marks its weights ``sequence_parallel`` so their grads are all-reduced over TP,
+  as the fused norms do.
+
+Without CUDA (``NO_CUDA``):
 
 - ``jit_fuser``: megatron's ``jit_fuser`` (``torch.compile``) decorates its fusions with
   megatron's own no-op, so they run as their eager torch code.  ``megatron.core.jit`` binds
@@ -22,6 +35,7 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
   config), an inductor C++ compile per input shape (~20 s cold, ~2.5 s from its disk cache) for
   a 0.1 s step.  megatron.core is imported with ``torch.compile`` as the identity, which is
   restored after; a process that imported megatron before the shim keeps what it decorated.
+  On CUDA megatron compiles them as it means to (inductor and triton ship with CUDA torch).
 - ``current_device``: ``torch.cuda.current_device()`` returns ``"cpu"``, so every
   ``device=torch.cuda.current_device()`` and ``.to(torch.cuda.current_device())`` lands on CPU.
 - ``synchronize``: ``torch.cuda.synchronize()`` is a no-op (CPU ops are synchronous).
@@ -31,11 +45,6 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
 - ``causal_mask``: ``get_default_causal_mask`` / ``get_sliding_window_causal_mask`` build
   their masks on CPU (they hard-code ``"cuda"``); patched where defined and
   where ``fused_softmax`` imported them.
-- ``te_general_gemm``: ``moe_utils.te_general_gemm = None`` (without Transformer Engine the
-  name is never defined and the router's gating GEMM raises NameError).
-- ``torch_norm_sp``: ``WrappedTorchNorm`` accepts ``sequence_parallel`` (required by MoE when
-  TP > 1) and marks its weights ``sequence_parallel`` so their grads are all-reduced over TP,
-  as the fused norms do.
 - ``streams``: ``torch.cuda.Stream/current_stream/stream/Event`` become one inert CPU stream
   and events whose waits return at once (the alltoall dispatcher's DtoH side stream).
 - ``numpy_splits``: ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns numpy for CPU
@@ -55,37 +64,89 @@ The patch list, one line each (``PATCHES`` keeps the same names for tests and lo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import threading
 
 import torch
 
+NO_TE = ("te_general_gemm", "torch_norm_sp")
+NO_CUDA = ("jit_fuser", "current_device", "synchronize", "rng_tracker", "causal_mask", "streams",
+           "numpy_splits", "pipeline_token_counter", "p2p_shapes")
+# application order: jit_fuser first (it imports megatron.core with torch.compile disabled)
 PATCHES = ("jit_fuser", "current_device", "synchronize", "rng_tracker", "causal_mask", "te_general_gemm",
            "torch_norm_sp", "streams", "numpy_splits", "pipeline_token_counter", "p2p_shapes")
 
 _lock = threading.Lock()
 _applied: list[str] = []
+_done = False
+
+
+def has_cuda() -> bool:
+    """A usable CUDA device (the device side of :func:`plan`)."""
+    return torch.cuda.is_available()
+
+
+def has_te() -> bool:
+    """Transformer Engine's PyTorch module imports (the library side of :func:`plan`)."""
+    return importlib.util.find_spec("transformer_engine") is not None and _te_imports()
+
+
+def _te_imports() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (deferred: optional and heavy)
+    except Exception:   # a broken TE install is "no TE": megatron's own import guard says the same
+        return False
+    return True
+
+
+def plan(cuda: bool, te: bool) -> list[str]:
+    """The patches a process with (``cuda``, ``te``) needs, in application order."""
+    wanted = set(() if te else NO_TE) | set(() if cuda else NO_CUDA)
+    return [p for p in PATCHES if p in wanted]
 
 
 def needed() -> bool:
-    """True when there is no usable CUDA device (the shim only ever applies then)."""
-    return not torch.cuda.is_available()
+    """True when this process needs any patch."""
+    return bool(plan(has_cuda(), has_te()))
 
 
 def applied() -> list[str]:
-    """Names of the patches in effect in this process (empty on a GPU machine)."""
+    """Names of the patches in effect in this process."""
     return list(_applied)
 
 
-def apply() -> list[str]:
-    """Apply every patch once (thread-safe, idempotent); returns the names applied."""
+def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
+    """Apply this process's :func:`plan` once (thread-safe, idempotent); returns the names applied.
+
+    ``cuda`` / ``te`` override what is detected (tests simulate a CUDA machine without TE);
+    only the first call decides."""
+    global _done
     with _lock:
-        if _applied or not needed():
+        if _done:
             return list(_applied)
-        for name in PATCHES:
+        names = plan(has_cuda() if cuda is None else cuda, has_te() if te is None else te)
+        for name in names:
             globals()[f"_patch_{name}"]()
             _applied.append(name)
+        _done = True
         return list(_applied)
+
+
+def kernels() -> dict[str, object]:
+    """The optional kernels this process found, for the trainer's start-up log (no side effects
+    beyond imports of what is installed)."""
+    cuda = has_cuda()
+    sdpa = {"flash": bool(cuda and torch.backends.cuda.flash_sdp_enabled()),
+            "mem_efficient": bool(cuda and torch.backends.cuda.mem_efficient_sdp_enabled()),
+            "cpu_flash": not cuda}
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "transformer_engine": has_te(),
+            "flash_attn": importlib.util.find_spec("flash_attn") is not None,
+            "sdpa": sdpa,
+            "grouped_gemm": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "none (sequential experts)",
+            "patches": applied()}
 
 
 # --------------------------------------------------------------------------------------
@@ -254,22 +315,29 @@ def _patch_numpy_splits() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
-class _TorchWithCpuZeros:
-    """``torch`` for one module, except that ``zeros(..., device="cuda")`` lands on CPU."""
+def _on_cpu(device):
+    return "cpu" if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda") else device
+
+
+class TorchOnCpu:
+    """``torch`` for one module, except that ``zeros`` / ``tensor`` with ``device="cuda"`` land on
+    CPU (bound as a megatron module's ``torch`` where it hard-codes the literal)."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
-        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+        return torch.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, device=_on_cpu(device), **kwargs)
 
 
 def _patch_pipeline_token_counter() -> None:
     from megatron.core.pipeline_parallel import schedules
-    schedules.torch = _TorchWithCpuZeros()
+    schedules.torch = TorchOnCpu()
 
 
 def _patch_p2p_shapes() -> None:

@@ -104,7 +104,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
         moe_router_load_balancing_type="none",  # the loss adds an aux term itself if it wants one
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,                # grouped GEMM kernels are CUDA-only
+        moe_grouped_gemm=False,                # megatron's grouped experts need TE; ours: models/experts.py
         moe_permute_fusion=False,
         moe_enable_routing_replay=routing_replay,
         normalization="RMSNorm",
@@ -138,14 +138,17 @@ def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
 
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
-                    seed: int | None = None, vp_stage: int | None = None, **overrides: Any):
+                    seed: int | None = None, vp_stage: int | None = None, experts: str | None = None,
+                    **overrides: Any):
     """This rank's shard of the GPTModel (needs :func:`init_parallel` first).
 
     ``seed`` (default ``cfg.seed``) reseeds megatron's RNG tracker so that a fresh model's
     initial weights are reproducible.  ``vp_stage``: which of this stage's model chunks to
     build under the interleaved schedule (``init_parallel(vpp=V)`` and the override
     ``virtual_pipeline_model_parallel_size=V``); only chunk 0 of the first stage embeds and
-    only chunk V-1 of the last stage has the output layer.
+    only chunk V-1 of the last stage has the output layer.  ``experts``: ``"grouped"`` (one
+    grouped GEMM per projection, :mod:`.experts`) or ``"sequential"`` (megatron's loop); default
+    :func:`neon_hpc.models.experts.expert_impl`, what this torch can run.  Same parameters either way.
     """
     cpu_shim.apply()
     from megatron.core import parallel_state as ps
@@ -165,7 +168,13 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
     spec = layer_spec(cfg, tcfg, vp_stage)
     from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
+    from neon_hpc.models import experts as grouped
     cp_attention.hook_spec(spec)
+    impl = experts or grouped.expert_impl()
+    if impl not in grouped.IMPLS:
+        raise ValueError(f"experts={impl!r}: one of {grouped.IMPLS}")
+    if impl == "grouped":
+        grouped.hook_spec(spec)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings,
                      pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -104,8 +104,10 @@ class Backend:
 
     def __init__(self, model_cfg: ModelConfig, layout: Layout, model: Any = None, ddp: Any = None,
                  optimizer: Any = None, replay: bool = True, models: list | None = None,
-                 ddps: list | None = None, replay_spans: list[tuple[int, int]] | None = None) -> None:
+                 ddps: list | None = None, replay_spans: list[tuple[int, int]] | None = None,
+                 precision: str = "fp32", recompute: str = "none") -> None:
         self.model_cfg, self.layout, self.optimizer, self.replay = model_cfg, layout, optimizer, replay
+        self.precision, self.recompute = precision, recompute
         self.models = list(models) if models is not None else [model]
         self.ddps = list(ddps) if ddps is not None else [ddp]
         self.replay_spans = replay_spans
@@ -171,16 +173,55 @@ class Backend:
 
 
 def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: int = 0,
-                       vpp: int = 1) -> dict[str, Any]:
-    """TransformerConfig fields for ``pp`` stages of ``vpp`` model chunks each (empty for PP = 1)."""
+                       vpp: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """TransformerConfig fields for ``pp`` stages of ``vpp`` model chunks each (empty for PP = 1);
+    ``dtype``: the activations the stages exchange (the parameters' dtype)."""
     if pp == 1:
         return {}
-    return dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+    return dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
                 variable_seq_lengths=True,                 # packed micro-batches differ in length
                 batch_p2p_comm=torch.cuda.is_available(),  # gloo: ordered isend/irecv, not batch_isend_irecv
                 num_layers_in_first_pipeline_stage=first_stage_layers or None,
                 num_layers_in_last_pipeline_stage=last_stage_layers or None,
                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+
+
+PRECISIONS = ("bf16", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def resolve_precision(precision: str) -> str:
+    """``train.precision`` as run: ``auto`` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls
+    are emulated and slower than fp32)."""
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r}: one of auto, {', '.join(PRECISIONS)}")
+    return precision
+
+
+def precision_overrides(precision: str) -> dict[str, Any]:
+    """TransformerConfig fields of a precision: bf16 parameters and activations (megatron's
+    ``Float16Module`` wraps the model; the optimizer keeps fp32 main parameters), the router's
+    logits and probabilities in fp32 (with fp32 parameters they are anyway)."""
+    if precision == "bf16":
+        return dict(bf16=True, params_dtype=torch.bfloat16, moe_router_dtype="fp32")
+    return {}
+
+
+def recompute_overrides(recompute: str) -> dict[str, Any]:
+    """TransformerConfig fields of ``train.recompute``: ``full`` keeps only each layer's input and
+    recomputes the layer in backward (megatron's uniform method, one layer per checkpoint);
+    ``selective`` recomputes the MoE experts' activation and the norms (megatron's
+    ``moe_act`` / ``layernorm`` modules; attention is a fused kernel that stores no score matrix,
+    so there is nothing to recompute there)."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["moe_act", "layernorm"])
+    if recompute != "none":
+        raise ValueError(f"train.recompute={recompute!r}: one of {', '.join(RECOMPUTE)}")
+    return {}
 
 
 # Chunk c > 0 of a stage is initialised from seed + CHUNK_SEED_STRIDE * c (chunk 0 from the seed
@@ -191,13 +232,19 @@ CHUNK_SEED_STRIDE = 7919
 def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: float = 1e-3,
           weight_decay: float = 0.0, grad_clip: float = 1.0, replay: bool = True,
           seed: int = 1234, backend: str | None = None, pp_first_stage_layers: int = 0,
-          pp_last_stage_layers: int = 0, vpp: int = 1, cp: int = 1) -> Backend:
+          pp_last_stage_layers: int = 0, vpp: int = 1, cp: int = 1, precision: str = "fp32",
+          recompute: str = "none", experts: str | None = None) -> Backend:
     """Initialise parallel state (from the torch.distributed env vars), build and wrap the model.
 
     ``cp`` is recorded in the layout only: CP ranks are megatron DP ranks (the CP attention of
     :mod:`neon_hpc.models.cp_attention` exchanges K/V itself), so megatron's DP size is dp*cp.
     ``vpp > 1``: that many model chunks per stage (interleaved 1F1B), each its own GPTModel and
     DDP, with layers as :func:`neon_hpc.train.layout.chunk_layers` assigns them.
+    ``precision`` (``auto`` | ``bf16`` | ``fp32``): with bf16 each chunk is megatron's
+    ``Float16Module`` (bf16 parameters and activations, fp32 logits out) inside DDP (fp32 gradient
+    buffers), and the optimizer is megatron's mixed-precision one (fp32 main parameters and
+    Adam state; no loss scaling for bf16).  ``recompute``: :func:`recompute_overrides`.
+    ``experts``: :func:`neon_hpc.models.megatron.build_gpt_model`'s.
     """
     from neon_hpc.models import megatron as mm
     from neon_hpc.train import cpu_optimizer
@@ -209,11 +256,16 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     planned = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    precision = resolve_precision(precision)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    overrides = {**precision_overrides(precision), **recompute_overrides(recompute),
+                 **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp, dtype)}
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
     cpu_optimizer.apply()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -227,7 +279,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         lo = len(RouterReplay.global_router_replay_instances)
         model = mm.build_gpt_model(model_cfg, tp=tp, ep=ep, routing_replay=replay,
                                    seed=seed + CHUNK_SEED_STRIDE * c, vp_stage=c if vpp > 1 else None,
-                                   **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp))
+                                   experts=experts, **overrides)
         spans.append((lo, len(RouterReplay.global_router_replay_instances)))
         built.append((get_transformer_layer_offset(model.config, vp_stage=c if vpp > 1 else None),
                       len(model.decoder.layers)))
@@ -235,12 +287,13 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
             model.cuda(torch.cuda.current_device())
         _mark_tp_local_expert_grads(model, tp, ep)
         models.append(model)
-        ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model))
+        wrapped = Float16Module(model.config, model) if precision == "bf16" else model
+        ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
     if built != planned[pp_rank]:
         raise RuntimeError(f"pipeline stage {pp_rank}: megatron built (first layer, layers) {built} per model "
                            f"chunk, train/layout.py planned {planned[pp_rank]} (the two rules disagree)")
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
-                              clip_grad=grad_clip, bf16=False, fp16=False, params_dtype=torch.float32,
+                              clip_grad=grad_clip, bf16=precision == "bf16", fp16=False, params_dtype=dtype,
                               use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
     optimizer = get_megatron_optimizer(opt_cfg, ddps)
     (offset, n_local) = built[0]
@@ -250,7 +303,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
                     cp_rank=coords["dp_rank"] % cp, layer_offset=offset,
                     num_local_layers=n_local, chunks=tuple(built) if vpp > 1 else ())
     be = Backend(model_cfg=model_cfg, layout=layout, optimizer=optimizer, replay=replay, models=models,
-                 ddps=ddps, replay_spans=spans)
+                 ddps=ddps, replay_spans=spans, precision=precision, recompute=recompute)
     for c, (lo, hi) in enumerate(spans):
         if replay and hi - lo != len(be.route_rows(c)):
             raise RuntimeError(f"expected {len(be.route_rows(c))} RouterReplay instances for model chunk {c} "

@@ -49,6 +49,12 @@ class TrainConfig:
     wait_for_data_s: float = 600.0
     checkpoint_write_timeout_s: float = 1800.0   # a save whose megatron writers have not all reported by then fails
     seed: int = 1234
+    # bf16: bf16 parameters and activations, fp32 main parameters, gradients and Adam state
+    # (megatron's Float16Module + mixed-precision optimizer); auto = bf16 on CUDA, fp32 on CPU
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # activation recomputation: full = each layer recomputed in backward from its input;
+    # selective = the experts' activation and the norms (train/backend.recompute_overrides)
+    recompute: Literal["none", "selective", "full"] = "none"
 
     CHECKS = {
         "steps": between(1, 10**9),

@@ -27,6 +27,7 @@ resume is automatic).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -392,10 +393,14 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
                  weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=t.router_replay == "replay",
                  seed=t.seed, pp_first_stage_layers=t.pipeline_first_stage_layers,
                  pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
-                 cp=t.context_parallel)
+                 cp=t.context_parallel, precision=t.precision, recompute=t.recompute)
     last, _state = _startup(run, be, cfg, log)
-    log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s", be.layout.tp, be.layout.ep,
-             be.layout.dp, world, be.replay, t.off_policy_correction)
+    log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s, precision=%s, recompute=%s",
+             be.layout.tp, be.layout.ep, be.layout.dp, world, be.replay, t.off_policy_correction, be.precision,
+             be.recompute)
+    if rank == 0:
+        from neon_hpc.models import cpu_shim
+        log.info("kernels %s", json.dumps(cpu_shim.kernels(), sort_keys=True))
     if not run.weight_versions() or run.latest_weights() is None:
         via = t.publish_via
         if via == "reshard" and not run.checkpoint(last).is_dir():
