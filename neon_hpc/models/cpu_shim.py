@@ -24,6 +24,10 @@ Without Transformer Engine (``NO_TE``):
 - ``torch_norm_sp``: ``WrappedTorchNorm`` accepts ``sequence_parallel`` (required by MoE when
   TP > 1) and marks its weights ``sequence_parallel`` so their grads are all-reduced over TP,
   as the fused norms do.
+- ``recompute_fp8``: ``CheckpointWithoutOutput()`` (the output-discarding recompute of the norms
+  under ``train.recompute: selective``) sets ``self.fp8 = fp8 is not None``, True for its
+  default ``fp8=False``, and then asks TE's ``FP8GlobalStateManager`` (undefined without TE:
+  NameError).  Without TE there is no fp8: it is set False.
 
 Without CUDA (``NO_CUDA``):
 
@@ -70,12 +74,12 @@ import threading
 
 import torch
 
-NO_TE = ("te_general_gemm", "torch_norm_sp")
+NO_TE = ("te_general_gemm", "torch_norm_sp", "recompute_fp8")
 NO_CUDA = ("jit_fuser", "current_device", "synchronize", "rng_tracker", "causal_mask", "streams",
            "numpy_splits", "pipeline_token_counter", "p2p_shapes")
 # application order: jit_fuser first (it imports megatron.core with torch.compile disabled)
 PATCHES = ("jit_fuser", "current_device", "synchronize", "rng_tracker", "causal_mask", "te_general_gemm",
-           "torch_norm_sp", "streams", "numpy_splits", "pipeline_token_counter", "p2p_shapes")
+           "torch_norm_sp", "recompute_fp8", "streams", "numpy_splits", "pipeline_token_counter", "p2p_shapes")
 
 _lock = threading.Lock()
 _applied: list[str] = []
@@ -299,6 +303,17 @@ def _patch_torch_norm_sp() -> None:
         return norm
 
     WrappedTorchNorm.__new__ = new
+
+
+def _patch_recompute_fp8() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    original = mrandom.CheckpointWithoutOutput.__init__
+
+    def init(self, fp8=False):
+        original(self, fp8=fp8)
+        self.fp8 = False              # no TE, no fp8 (megatron 0.16.1 reads `fp8 is not None`)
+
+    mrandom.CheckpointWithoutOutput.__init__ = init
 
 
 def _patch_numpy_splits() -> None:

@@ -212,13 +212,15 @@ def precision_overrides(precision: str) -> dict[str, Any]:
 def recompute_overrides(recompute: str) -> dict[str, Any]:
     """TransformerConfig fields of ``train.recompute``: ``full`` keeps only each layer's input and
     recomputes the layer in backward (megatron's uniform method, one layer per checkpoint);
-    ``selective`` recomputes the MoE experts' activation and the norms (megatron's
-    ``moe_act`` / ``layernorm`` modules; attention is a fused kernel that stores no score matrix,
-    so there is nothing to recompute there)."""
+    ``selective`` recomputes the MoE layer (router, dispatch and experts: most of a MoE model's
+    activations) and the norms (megatron's ``moe`` / ``layernorm`` modules; attention is a fused
+    kernel that stores no score matrix, so there is little to gain there).  Either way the
+    recomputed forward sees the micro-batch's attention layout and replayed routes
+    (:mod:`neon_hpc.models.recompute`)."""
     if recompute == "full":
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["moe_act", "layernorm"])
+        return dict(recompute_granularity="selective", recompute_modules=["moe", "layernorm"])
     if recompute != "none":
         raise ValueError(f"train.recompute={recompute!r}: one of {', '.join(RECOMPUTE)}")
     return {}
@@ -262,6 +264,9 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
                  **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp, dtype)}
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
     cpu_optimizer.apply()
+    if recompute != "none":
+        from neon_hpc.models import recompute as rc
+        rc.install()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
