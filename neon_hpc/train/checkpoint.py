@@ -157,7 +157,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
             (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
                                                              sort_keys=True) + "\n")
             full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
-                          "layout": lay.as_record()}
+                          "layout": lay.as_record(), "precision": be.precision}
             (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
             publish_dir(staging, final)
         _barrier(lay.world)
@@ -229,6 +229,7 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
 
     ckpt = run.checkpoint(step)
     state = read_state(ckpt)
+    check_precision(ckpt, state, be.precision)
     meta = refuse_untrusted(ckpt)   # before megatron unpickles anything in it
     lay = be.layout
     # A checkpoint saved before the first optimizer step (publish_via=reshard's step_0) holds no
@@ -255,6 +256,17 @@ def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
         _set_rng_state(torch.load(rng_file, weights_only=True))
     _barrier(lay.world)
     return state
+
+
+def check_precision(ckpt: Path, state: dict[str, Any], precision: str) -> None:
+    """A resume continues in the precision the checkpoint was trained in: its optimizer holds fp32
+    main parameters beside bf16 ones (bf16) or the parameters themselves (fp32), and megatron
+    loads neither into the other.  Checkpoints from before ``precision`` was recorded are fp32."""
+    saved = state.get("precision", "fp32")
+    if saved != precision:
+        raise ValueError(f"{ckpt}: saved with train.precision={saved}, this trainer runs {precision}; resume with "
+                         f"train.precision: {saved}, or start a new run from these weights with "
+                         f"model.init_checkpoint: {ckpt}")
 
 
 def _seal_share(staging: Path, rank: int, world: int) -> dict[str, dict]:

@@ -338,6 +338,10 @@ def _startup(run: RunDir, be, cfg: TrainerSections, log: RoleLogger) -> tuple[in
     last = ckpt.latest_complete(run) if be.layout.rank == 0 else None
     last = ckpt.broadcast_from_rank0(last, be.layout.rank, be.layout.world)
     if last is not None:
+        try:
+            ckpt.check_precision(run.checkpoint(last), ckpt.read_state(run.checkpoint(last)), be.precision)
+        except ValueError as e:                 # a one-line refusal naming the key, not a traceback
+            raise TrainerError(str(e)) from None
         state = ckpt.load(run, be, last)
         log.info("resumed from %s (step %d, rng %s)", run.checkpoint(last), last,
                  "restored" if state["rng_restored"] else "reseeded: layout changed")
