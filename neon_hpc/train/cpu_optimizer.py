@@ -96,9 +96,11 @@ def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) 
         total = torch.tensor([float(local)])
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=grad_stats_parallel_group)
         return float(total[0])
+    # each tensor's norm in its own dtype (one fused pass each), their p-th powers summed in float64
+    norms = torch._foreach_norm([g.detach() for g in grads_for_norm], norm_type) if grads_for_norm else []
     total = torch.zeros(1, dtype=torch.float64)
-    for g in grads_for_norm:
-        total += g.detach().double().abs().pow(norm_type).sum()
+    if norms:
+        total += torch.stack(norms).double().pow(norm_type).sum()
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
     return float(total[0]) ** (1.0 / norm_type)
 

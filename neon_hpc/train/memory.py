@@ -148,3 +148,58 @@ class StepMemory:
             self._snap = snap
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+class PeakMemory:
+    """Peak memory over a span of work, on the device it runs on (benchmarks and tests).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` since the span started (the allocator's bytes in
+    use: what decides out-of-memory).  CPU: the process's resident set, sampled every
+    ``interval_s`` by a thread (``/proc/self/statm``), after glibc's free pages went back to the
+    OS at the start (:func:`glibc` ``malloc_trim``), so a span's peak is not an earlier span's
+    high-water mark; ``base`` is the RSS when the span started.  Use as a context manager;
+    ``peak`` and ``base`` are bytes."""
+
+    def __init__(self, cuda: bool, interval_s: float = 0.002) -> None:
+        self.cuda, self.interval_s = cuda, interval_s
+        self.peak = self.base = 0
+        self._stop = None
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakMemory":
+        import threading
+
+        import torch
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        libc = glibc()
+        if libc is not None:
+            libc.malloc_trim(0)
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval_s):
+                self.peak = max(self.peak, self.rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
