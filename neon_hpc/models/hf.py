@@ -115,6 +115,10 @@ def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLi
     try:
         save_file(disk, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         hf_cfg = hf_config(cfg)
+        # the dtype the weights are stored in (bf16 from a bf16 trainer): what SGLang's "auto" serves
+        stored = {t.dtype for t in disk.values() if t.is_floating_point()}
+        if len(stored) == 1:
+            hf_cfg.dtype = str(stored.pop()).removeprefix("torch.")
         (staging / "config.json").write_text(json.dumps(hf_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
         publish_dir(staging, out_dir)
     except BaseException:

@@ -1,0 +1,55 @@
+"""The main job with the trainer in bf16 (`neon-hpc run configs/tiny_cpu.yaml --set
+train.precision=bf16`), as local processes, a few steps: it completes, the trainer ran bf16
+(logged, recorded in its checkpoints), the published weights are bf16 and the engine served
+them (the steps after the first trained on them), every document replayed its routes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neon_hpc.logs import read_metrics
+from neon_hpc.protocol.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e_bf16") / "run"
+    cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
+           "--run-dir", str(root), "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
+           "--set", "train.precision=bf16"]
+    out = root.parent / "launcher.out"
+    with open(out, "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=900).returncode
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not finish in 900 s; see {out}")
+    return {"root": root, "rc": rc, "out": out.read_text()}
+
+
+def test_bf16_main_job_completes(finished_run):
+    assert finished_run["rc"] == 0, finished_run["out"][-3000:]
+    trainer = [r for r in read_metrics(finished_run["root"], "trainer") if "loss" in r]
+    assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
+    assert all(r["replay_docs_missing"] == 0 for r in trainer)
+    log = (finished_run["root"] / "logs" / "trainer" / "0.log").read_text()
+    assert "precision=bf16" in log and '"grouped_gemm": "torch._grouped_mm"' in log
+
+
+def test_checkpoints_record_bf16_and_weights_are_bf16(finished_run):
+    from safetensors import safe_open
+    run = RunDir(finished_run["root"])
+    state = json.loads((run.checkpoint(2) / "trainer_state.json").read_text())
+    assert state["precision"] == "bf16"
+    with safe_open(str(run.weights_version(STEPS) / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes == {"BF16"}, dtypes
+    assert json.loads((run.weights_version(STEPS) / "config.json").read_text())["dtype"] == "bfloat16"
