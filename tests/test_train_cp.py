@@ -167,12 +167,14 @@ def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
     assert l1.send_idx.tolist() == [0, 1, 2, 3, 11, 12, 13, 14]
     assert l1.pad_idx.tolist() == [15, 16]
     assert l0.pos.tolist()[:13] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 12, 13, 14, 15]
-    # rank 0's doc-0 queries at positions 0..3 may see no remote key; at 12..15 all of rank 1's 8
+    # rank 0's doc 0: local keys 0..3, 12..15 and rank 1's 8 rows 4..11, all sorted by position;
+    # queries at 0..3 are one causal run, at 12..15 a run over all 16 keys (lower-right mask)
     g = l0.groups[0]
-    assert g.mask.shape == (8, 16)
-    assert g.mask[:4, 8:].sum() == 0 and bool(g.mask[4:, 8:].all())
+    assert g.key_pos.tolist() == list(range(16)) and g.q_pos.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert g.key_idx.tolist() == [0, 1, 2, 3] + [13 + j for j in range(8, 16)] + [9, 10, 11, 12]
+    assert g.runs == [(0, 4, 4), (4, 8, 16)] and g.remote
     # whole short documents exchange nothing
-    assert l0.groups[1].remote_idx.numel() == 0
+    assert not l0.groups[1].remote and l0.groups[1].rows == (4, 9) and l0.groups[1].runs == [(0, 5, 5)]
     # a slot with no document across ranks has no exchange at all, on every rank
     lone = [[(1, 0, 5)], [(2, 0, 7)]]
     assert not build_layout(lone, 0, 5).exchanges and not build_layout(lone, 1, 7).exchanges

@@ -6,12 +6,13 @@ is torch's ``scaled_dot_product_attention`` behind the same constructor and forw
 rest of megatron's MLA (projections, norms, RoPE/YaRN, softmax scale) is used unchanged.
 
 Masks: megatron passes ``attention_mask`` as bool ``[b|1, 1, s, s]`` with True = *masked*
-(a block-causal mask of packed documents).  ``None`` with a piece layout active (the trainer
-packs documents without a dense mask, :mod:`neon_hpc.models.cp_attention`) means causal
-within each document by its true positions; ``None`` without one means causal.  A layout that
-exchanges K/V between ranks (context parallelism, documents split across DP ranks) goes to
-:func:`neon_hpc.models.cp_attention.piece_attention` (the trainer-layout work's K/V all-gather).  Dropout is not
-implemented (the policy configs use 0.0; any other value is refused at construction).
+(a block-causal mask of packed documents; tests' dense reference).  ``None`` with a piece
+layout active (the trainer packs documents without a dense mask,
+:mod:`neon_hpc.models.cp_attention`) goes to :func:`neon_hpc.models.cp_attention.piece_attention`,
+with or without a K/V exchange between ranks: causal within each document by its true
+positions, fused SDPA per run of contiguous positions (memory linear in length; no ``[s, s]``
+mask).  ``None`` without a layout means causal.  Dropout is not implemented (the policy
+configs use 0.0; any other value is refused at construction).
 """
 
 from __future__ import annotations
@@ -41,35 +42,13 @@ class SDPACoreAttention(torch.nn.Module):
             raise NotImplementedError("packed (THD) sequences are not supported by SDPACoreAttention")
         # megatron: [s, b, heads, dim] -> torch: [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        from neon_hpc.models.cp_attention import active_layout
+        from neon_hpc.models.cp_attention import active_layout, piece_attention
         lay = active_layout()
-        if attention_mask is None and lay is not None and lay.exchanges:
-            from neon_hpc.models.cp_attention import piece_attention   # K/V of split documents (16a)
-            return piece_attention(query, key, value, lay, self.scale)
         if attention_mask is None and lay is not None:
-            allowed = _layout_allowed(lay, q.shape[2], q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
-        elif attention_mask is None:
+            # the trainer's packed documents / CP pieces: per-document fused SDPA (cp_attention)
+            return piece_attention(query, key, value, lay, self.scale)
+        if attention_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.to(q.device), scale=self.scale)
         return o.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-
-def _layout_allowed(lay, s: int, device) -> torch.Tensor:
-    """Bool ``[s, s]`` (True = may attend) of a piece layout (:mod:`neon_hpc.models.cp_attention`):
-    causal within each document by its true positions, pads attend to themselves.  Cached on
-    the layout (one per micro-batch, shared by every layer)."""
-    cached = getattr(lay, "_sdpa_allowed", None)
-    if cached is not None and cached.shape[0] == s:
-        return cached
-    # layouts that exchange K/V never get here: forward hands them to cp_attention.piece_attention
-    allowed = torch.zeros(s, s, dtype=torch.bool)
-    for g in lay.groups:
-        qi = g.q_idx.cpu()
-        allowed[qi[:, None], qi[None, :]] = g.mask[:, :len(qi)].cpu()
-    pad = lay.pad_idx.cpu()
-    allowed[pad, pad] = True
-    allowed = allowed.to(device)
-    lay._sdpa_allowed = allowed
-    return allowed

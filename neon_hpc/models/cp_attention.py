@@ -26,16 +26,25 @@ is each rank receiving all split rows (``(g-1)/g`` of them remote), fine for sma
 groups; a ring overlapping transfer and compute would be the next step for large CP.
 
 Attention runs per document (block-diagonal), so its cost follows the balancer's cost
-model (``sum n_i^2``), not the packed ``S^2`` of a dense mask.  Without a layout set the
-module is megatron's ``DotProductAttention`` unchanged (dense mask), which is also the
-reference the tests compare against.
+model (``sum n_i^2``), not the packed ``S^2`` of a dense mask, and its memory is linear in
+length: per document, the local query rows sorted by position split into maximal runs of
+contiguous positions; a run's allowed keys (local and gathered, sorted by position) are a
+prefix of them, i.e. a causal mask aligned to the lower right, and each run is one call of
+torch's fused ``F.scaled_dot_product_attention`` (``is_causal`` when the run has no earlier
+keys, ``causal_lower_right`` otherwise; :class:`_Sdpa` says which kernel serves what).  The
+layout precomputes the sorted rows and runs once per micro-batch; per layer it is indexing and
+SDPA calls.  The einsum path it replaced (fp32 score matrices, memory in ``L^2``) is kept as
+:func:`reference_piece_attention` for tests and ``tools/bench_attention.py`` only.  Without a
+layout set the module is megatron's ``DotProductAttention`` unchanged (dense mask), which is
+also the reference the model-level tests compare against.
 
-MLA (deepseek_v3): its core attention (``models/core_attention.SDPACoreAttention``) reads
-the same layout and hands micro-batches with an exchange to :func:`piece_attention` (value
-head dim != q/k head dim is handled); RoPE of its YaRN rotary is hooked the same way.
+MLA (deepseek_v3): its core attention (``models/core_attention.SDPACoreAttention``) hands
+every layout (with or without an exchange) to :func:`piece_attention` (value head dim !=
+q/k head dim is handled); RoPE of its YaRN rotary is hooked the same way.
 
-Not done: Transformer Engine's CP attention is never used (the local spec has no TE); on
-CUDA this module runs as plain torch ops (untested on GPU here).
+Not done: Transformer Engine's fused / CP attention is never used (the local spec has no TE);
+the CUDA kernel choices in :class:`_Sdpa` are torch's documented dispatch, not measured here
+(no GPU in the session that wrote this).
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -57,9 +68,19 @@ _ACTIVE: list["AttentionLayout"] = []
 
 @dataclass
 class _DocGroup:
-    q_idx: torch.Tensor        # local rows of this document (queries; also its local keys)
-    remote_idx: torch.Tensor   # rows of the gathered buffer holding this document's other pieces
-    mask: torch.Tensor         # bool [nq, n_local + n_remote], True = may attend
+    """One document of the micro-batch: its local query rows and all its keys, both sorted by
+    true position, and the runs of contiguous query positions that each make one SDPA call."""
+
+    q_idx: torch.Tensor        # local rows of this document, sorted by position (queries)
+    q_pos: torch.Tensor        # their positions (CPU; tests and the reference)
+    key_idx: torch.Tensor      # rows of [local K ; gathered K] holding the doc's keys, sorted by position
+    key_pos: torch.Tensor      # their positions (CPU)
+    runs: list[tuple[int, int, int]]   # (q0, q1, lk): queries q_idx[q0:q1] attend keys key_idx[:lk]
+    rows: tuple[int, int] | None = None  # q_idx == arange(*rows) and no remote key: slice, not gather
+
+    @property
+    def remote(self) -> bool:
+        return self.rows is None and self.key_idx.numel() > self.q_idx.numel()
 
 
 @dataclass
@@ -70,13 +91,15 @@ class AttentionLayout:
     document present; ``pad_idx`` the pad rows (each attends only to itself); ``inverse``
     restores local row order after the per-document outputs are concatenated.  With
     ``send_idx`` not None, every rank of ``group`` sends those local rows (padded to
-    ``rows_per_rank``) at every attention layer.
+    ``rows_per_rank``) at every attention layer; gathered row ``j`` is key row ``S + j``.
+    Built once per micro-batch and shared by every layer: per layer, attention is indexing
+    and one SDPA call per run of contiguous query positions.
     """
 
     pos: torch.Tensor
     groups: list[_DocGroup]
     pad_idx: torch.Tensor
-    inverse: torch.Tensor
+    inverse: torch.Tensor | None     # None: the concatenated outputs are in row order already
     send_idx: torch.Tensor | None = None
     rows_per_rank: int = 0
     group: object = None
@@ -92,6 +115,23 @@ def _rows(pieces: Sequence[tuple[int, int, int]]) -> tuple[list[int], list[int]]
         doc.extend([i] * (e - s))
         pos.extend(range(s, e))
     return doc, pos
+
+
+def _runs(q_pos: torch.Tensor, key_pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of contiguous positions in the sorted ``q_pos``, each with its key count.
+
+    A run's queries hold positions ``a..b-1``, all among the sorted keys (a rank's own rows are
+    keys), so the keys allowed to its query at ``a + t`` are the first ``n_before + t + 1``
+    sorted keys, ``n_before`` = keys at positions ``< a``: a causal mask aligned to the lower
+    right corner of ``(b - a) x (n_before + b - a)``."""
+    qp = q_pos.tolist()
+    runs, q0 = [], 0
+    for t in range(1, len(qp) + 1):
+        if t == len(qp) or qp[t] != qp[t - 1] + 1:
+            before = int(torch.searchsorted(key_pos, qp[q0]))
+            runs.append((q0, t, before + t - q0))
+            q0 = t
+    return runs
 
 
 def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int, seq_len: int,
@@ -133,22 +173,32 @@ def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int,
     groups, order = [], []
     for i in dict.fromkeys(doc):          # documents in first-appearance order
         q = torch.nonzero(ldoc == i).flatten()
+        q = q[torch.argsort(lpos[q], stable=True)]
         r = torch.nonzero(rdoc == i).flatten() if i in shared else torch.zeros(0, dtype=torch.long)
-        kpos = torch.cat([lpos[q], rpos[r]])
-        mask = kpos[None, :] <= lpos[q][:, None]
-        groups.append(_DocGroup(q.to(device), r.to(device), mask.to(device)))
+        kpos, kidx = torch.cat([lpos[q], rpos[r]]), torch.cat([q, seq_len + r])
+        ks = torch.argsort(kpos, stable=True)
+        kpos, kidx = kpos[ks], kidx[ks]
+        if kpos.numel() > 1 and bool((kpos[1:] == kpos[:-1]).any()):
+            raise ValueError(f"layout: document {i} holds a position twice in this slot's pieces "
+                             f"{[list(p) for p in slot_pieces]}")
+        rows = None
+        if r.numel() == 0 and bool((q == torch.arange(int(q[0]), int(q[0]) + q.numel())).all()):
+            rows = (int(q[0]), int(q[0]) + q.numel())
+        groups.append(_DocGroup(q.to(device), lpos[q], kidx.to(device), kpos, _runs(lpos[q], kpos), rows))
         order.append(q)
     pad = torch.arange(n_real, seq_len, dtype=torch.long)
     order.append(pad)
     perm = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel())
+    identity = bool((perm == torch.arange(perm.numel())).all())
     full_pos = torch.cat([lpos, torch.zeros(seq_len - n_real, dtype=torch.long)])
     send = None
     if m > 0:
         send = torch.tensor(sent[me], dtype=torch.long).to(device)
     return AttentionLayout(pos=full_pos.to(device), groups=groups, pad_idx=pad.to(device),
-                           inverse=inverse.to(device), send_idx=send, rows_per_rank=m, group=group)
+                           inverse=None if identity else inverse.to(device), send_idx=send,
+                           rows_per_rank=m, group=group)
 
 
 @contextlib.contextmanager
@@ -238,42 +288,26 @@ def piece_attention(query, key, value, lay: AttentionLayout, scale: float | None
     return _piece_attention(query, key, value, lay, scale, query.shape[2], key.shape[2])
 
 
-def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_heads: int,
-                     n_groups: int) -> torch.Tensor:
-    # query [s, 1, np, hn], key [s, 1, ng, hn], value [s, 1, ng, hv]  ->  [s, 1, np * hv]
-    if query.shape[1] != 1:
-        raise ValueError(f"PieceAttention runs packed micro-batches (batch 1), got batch {query.shape[1]}")
-    q, k, v = query[:, 0], key[:, 0], value[:, 0]
-    s, hn, hv = q.shape[0], k.shape[-1], v.shape[-1]
-    rep = n_heads // n_groups
-    if lay.exchanges:
-        send = torch.cat([k[lay.send_idx].flatten(1), v[lay.send_idx].flatten(1)], dim=1)
-        if send.shape[0] < lay.rows_per_rank:
-            send = torch.cat([send, send.new_zeros(lay.rows_per_rank - send.shape[0], send.shape[1])])
-        buf = gather_rows(send, lay.group)
-        k_rem = buf[:, :n_groups * hn].view(-1, n_groups, hn)
-        v_rem = buf[:, n_groups * hn:].view(-1, n_groups, hv)
-    outs = []
-    used_remote = False
-    for grp in lay.groups:
-        qd = q[grp.q_idx]
-        kd, vd = k[grp.q_idx], v[grp.q_idx]
-        if grp.remote_idx.numel():
-            used_remote = True
-            kd = torch.cat([kd, k_rem[grp.remote_idx]])
-            vd = torch.cat([vd, v_rem[grp.remote_idx]])
-        nq = qd.shape[0]
-        qg = qd.view(nq, n_groups, rep, hn)
-        scores = torch.einsum("qgrd,kgd->grqk", qg, kd).float() * scale
-        scores = scores.masked_fill(~grp.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vd.dtype)
-        o = torch.einsum("grqk,kgd->qgrd", probs, vd)
-        outs.append(o.reshape(nq, n_heads * hv))
+def _exchange(k, v, lay: AttentionLayout, n_groups: int):
+    """All-gather the split documents' K/V rows: ``(k_rem, v_rem, buf)``."""
+    hn, hv = k.shape[-1], v.shape[-1]
+    send = torch.cat([k[lay.send_idx].flatten(1), v[lay.send_idx].flatten(1)], dim=1)
+    if send.shape[0] < lay.rows_per_rank:
+        send = torch.cat([send, send.new_zeros(lay.rows_per_rank - send.shape[0], send.shape[1])])
+    buf = gather_rows(send, lay.group)
+    return buf[:, :n_groups * hn].view(-1, n_groups, hn), buf[:, n_groups * hn:].view(-1, n_groups, hv), buf
+
+
+def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, used_remote: bool, s: int):
+    """Pad rows, local row order, and the gathered buffer kept in the graph (both paths)."""
+    hv = v.shape[-1]
     if lay.pad_idx.numel():   # a pad row attends only to itself: its output is its value
         vp = v[lay.pad_idx]
-        outs.append(vp[:, :, None, :].expand(-1, n_groups, rep, hv).reshape(-1, n_heads * hv))
-    out = torch.cat(outs)[lay.inverse]
-    if lay.exchanges and not used_remote and buf.requires_grad:
+        outs.append(vp[:, :, None, :].expand(-1, n_groups, n_heads // n_groups, hv).reshape(-1, n_heads * hv))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if lay.inverse is not None:
+        out = out[lay.inverse]
+    if buf is not None and not used_remote and buf.requires_grad:
         # this rank's queries see no remote row (e.g. it holds only a document's head), but
         # others need its rows: the gathered buffer must stay in the graph, or autograd skips
         # the gather's backward here and the other ranks wait in its all-reduce forever.
@@ -282,6 +316,120 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
     if out.shape[0] != s:
         raise ValueError(f"PieceAttention: layout covers {out.shape[0]} rows, the micro-batch has {s}")
     return out.unsqueeze(1)
+
+
+def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_heads: int,
+                     n_groups: int) -> torch.Tensor:
+    # query [s, 1, np, hn], key [s, 1, ng, hn], value [s, 1, ng, hv]  ->  [s, 1, np * hv]
+    if query.shape[1] != 1:
+        raise ValueError(f"PieceAttention runs packed micro-batches (batch 1), got batch {query.shape[1]}")
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    s, hv = q.shape[0], v.shape[-1]
+    buf = None
+    k_all, v_all = k, v
+    if lay.exchanges:
+        k_rem, v_rem, buf = _exchange(k, v, lay, n_groups)
+        if any(g.remote for g in lay.groups):
+            k_all, v_all = torch.cat([k, k_rem]), torch.cat([v, v_rem])
+    sdpa = _Sdpa(q, k, v, n_heads, n_groups, scale)
+    outs = []
+    for grp in lay.groups:
+        if grp.rows is not None:
+            a, b = grp.rows
+            qd, kd, vd = q[a:b], k[a:b], v[a:b]
+        else:
+            qd, kd, vd = q[grp.q_idx], k_all[grp.key_idx], v_all[grp.key_idx]
+        for (q0, q1, lk) in grp.runs:
+            outs.append(sdpa(qd[q0:q1], kd[:lk], vd[:lk]))
+    return _finish(outs, v, lay, n_heads, n_groups, buf, any(g.remote for g in lay.groups), s)
+
+
+class _Sdpa:
+    """One run: ``q [Lq, np, hn]`` against ``k [Lk, ng, hn]``, ``v [Lk, ng, hv]`` (``Lk >= Lq``),
+    causal aligned to the lower right, by ``F.scaled_dot_product_attention`` -> ``[Lq, np * hv]``.
+
+    Kernel choice (what the dispatcher can run with memory linear in length):
+
+    - ``Lk == Lq``: ``is_causal=True``.  ``Lk > Lq`` (a late piece: keys of earlier pieces
+      first): ``causal_lower_right(Lq, Lk)``; CUDA runs it as flash (is_causal is lower-right
+      there) or memory-efficient attention (``custom_mask_type``); the CPU materialises an
+      ``Lq x Lk`` bool mask (only for split pieces, never over the packed micro-batch) and runs
+      its flash kernel with it.
+    - GQA: ``enable_gqa=True`` where the kernel takes it (the CPU flash kernel; CUDA flash in
+      bf16/fp16); otherwise (CUDA memory-efficient attention, e.g. fp32) K/V are expanded to
+      the query heads (``[Lk, np, dim]`` copies: linear).
+    - ``hv != hn`` (MLA): CUDA's memory-efficient / cuDNN kernels take it; the CPU flash kernel
+      does not (torch 2.13 falls back to the math kernel, an ``[np, Lq, Lk]`` fp32 score
+      matrix), so on the CPU V is zero-padded to ``hn`` and the output sliced back (exact:
+      the padded columns of the output are zero and get no gradient).
+    - dtype: the inputs' (bf16 runs in bf16; the kernels accumulate the softmax in fp32).
+    """
+
+    def __init__(self, q, k, v, n_heads: int, n_groups: int, scale: float):
+        self.n_heads, self.n_groups, self.scale = n_heads, n_groups, scale
+        self.hv = v.shape[-1]
+        cpu = q.device.type == "cpu"
+        self.pad_v = q.shape[-1] - v.shape[-1] if cpu and v.shape[-1] != q.shape[-1] else 0
+        self.gqa = n_heads != n_groups
+        self.native_gqa = cpu or (self.gqa and _flash_takes(q, k, v))
+
+    def __call__(self, qr, kr, vr):
+        lq, lk = qr.shape[0], kr.shape[0]
+        if self.pad_v:
+            vr = F.pad(vr, (0, self.pad_v))
+        if self.gqa and not self.native_gqa:
+            rep = self.n_heads // self.n_groups
+            kr, vr = kr.repeat_interleave(rep, dim=1), vr.repeat_interleave(rep, dim=1)
+        # [L, heads, dim] -> [1, heads, L, dim]
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (qr, kr, vr))
+        gqa = self.gqa and self.native_gqa
+        if lk == lq:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(lq, lk), scale=self.scale,
+                                               enable_gqa=gqa)
+        if self.pad_v:
+            o = o[..., :self.hv]
+        return o[0].transpose(0, 1).reshape(lq, self.n_heads * self.hv)
+
+
+_FLASH_GQA: dict = {}
+
+
+def _flash_takes(q, k, v) -> bool:
+    """Whether CUDA's flash kernel runs these shapes/dtypes with GQA unexpanded (cached)."""
+    key = (q.device, q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1])
+    if key not in _FLASH_GQA:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+        qb, kb, vb = (t[:1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        _FLASH_GQA[key] = bool(can_use_flash_attention(SDPAParams(qb, kb, vb, None, 0.0, True, True), False))
+    return _FLASH_GQA[key]
+
+
+def reference_piece_attention(query, key, value, lay: AttentionLayout, scale: float | None = None) -> torch.Tensor:
+    """The einsum reference of :func:`piece_attention`, for tests and ``tools/bench_attention.py``
+    only, never the trainer's path: per document an fp32 ``[groups, rep, nq, nk]`` score matrix
+    masked by true position (memory in ``L^2``).  Same exchange, same output layout."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    n_heads, n_groups = query.shape[2], key.shape[2]
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    s, hn, hv = q.shape[0], k.shape[-1], v.shape[-1]
+    rep = n_heads // n_groups
+    buf = None
+    k_all, v_all = k, v
+    if lay.exchanges:
+        k_rem, v_rem, buf = _exchange(k, v, lay, n_groups)
+        k_all, v_all = torch.cat([k, k_rem]), torch.cat([v, v_rem])
+    outs = []
+    for grp in lay.groups:
+        qd, kd, vd = q[grp.q_idx], k_all[grp.key_idx], v_all[grp.key_idx]
+        mask = (grp.key_pos[None, :] <= grp.q_pos[:, None]).to(q.device)
+        nq = qd.shape[0]
+        scores = torch.einsum("qgrd,kgd->grqk", qd.view(nq, n_groups, rep, hn), kd).float() * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(vd.dtype)
+        outs.append(torch.einsum("grqk,kgd->qgrd", probs, vd).reshape(nq, n_heads * hv))
+    return _finish(outs, v, lay, n_heads, n_groups, buf, any(g.remote for g in lay.groups), s)
 
 
 def hook_spec(spec) -> int:
