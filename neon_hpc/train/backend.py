@@ -301,6 +301,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
                               clip_grad=grad_clip, bf16=precision == "bf16", fp16=False, params_dtype=dtype,
                               use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
     optimizer = get_megatron_optimizer(opt_cfg, ddps)
+    fuse_torch_adam(optimizer)
     (offset, n_local) = built[0]
     layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
@@ -314,6 +315,26 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
             raise RuntimeError(f"expected {len(be.route_rows(c))} RouterReplay instances for model chunk {c} "
                                f"on pipeline stage {pp_rank} after the build, found {hi - lo}")
     return be
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Run torch's Adam as its fused kernel where megatron fell back to torch's optimizer.
+
+    Without Transformer Engine or apex megatron builds ``torch.optim.Adam(W)`` with torch's
+    defaults: the per-tensor loop on CPU, ``foreach`` on CUDA.  The fused kernel (one pass per
+    parameter group; CPU and CUDA) does the same update.  It is a flag of each param group,
+    read at every step, and saved with the optimizer's state, so a checkpoint resumes on the
+    path it was trained with.  TE's and apex's fused optimizers are left alone.  Returns the
+    number of param groups switched."""
+    n = 0
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in chained:
+        inner = getattr(opt, "optimizer", None)
+        if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+                n += 1
+    return n
 
 
 def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
