@@ -239,3 +239,38 @@ def test_plan_with_transformer_engine_on_cuda_patches_nothing():
     from neon_hpc.models import cpu_shim
     assert cpu_shim.plan(cuda=True, te=True) == []
     assert cpu_shim.plan(cuda=False, te=True) == [p for p in cpu_shim.PATCHES if p in cpu_shim.NO_CUDA]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_router_replay_stays_exact_in_bf16(arch):
+    """Under bf16 the routers take exactly the recorded experts (the scores that weight them are
+    fp32: ``moe_router_dtype``), on the grouped-GEMM experts."""
+    from neon_hpc.train import backend as B
+    from neon_hpc.train.batch import build_microbatch, input_lengths
+    from neon_hpc.train.loop import prepare_step
+    from neon_hpc.train.sections import TrainerSections
+
+    cfg = C.load(CONFIGS[arch])
+    be = B.setup(cfg.model, seed=3, precision="bf16")
+    try:
+        trajs = prepare_step(trajectories(cfg, 5), 1, TrainerSections.of(cfg)).trajectories  # MoE rows
+        pieces = [(i, 0, n) for i, n in enumerate(input_lengths(trajs))]
+        mb = build_microbatch(trajs, pieces, [0.0] * len(trajs), dense_mask=True,
+                              route_shape=(be.num_moe_layers(), cfg.model.moe_router_topk, cfg.model.num_experts))
+        routers = [layer.mlp.router for layer in be.models[0].decoder.layers if hasattr(layer.mlp, "router")]
+        maps = []
+        hooks = [r.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone())) for r in routers]
+        try:
+            with torch.no_grad():
+                logp = B.forward_logp(be, mb, replay=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert logp.dtype == torch.float32 and torch.isfinite(logp).all()
+        assert len(maps) == be.num_moe_layers() >= 1
+        for j, rmap in enumerate(maps):
+            want = torch.zeros(mb.seq_len, cfg.model.num_experts, dtype=torch.bool)
+            want.scatter_(1, torch.from_numpy(np.ascontiguousarray(mb.routes[:, j])).long(), True)
+            assert torch.equal(rmap.bool(), want)
+    finally:
+        B.teardown()
