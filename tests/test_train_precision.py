@@ -128,7 +128,7 @@ def test_grouped_experts_are_the_default_and_keep_sequential_parameter_names():
     cfg = C.load(CONFIGS["qwen3_moe"])
     be = B.setup(cfg.model, seed=3)
     try:
-        assert experts.expert_impl() == "grouped"
+        assert experts.expert_impl(cuda=False, dtype=torch.float32) == "grouped"
         mods = [layer.mlp.experts for layer in be.models[0].decoder.layers]
         assert all(type(m) is experts.GroupedExperts for m in mods)
         names = [n for n, _ in be.models[0].named_parameters() if ".experts." in n]
@@ -197,7 +197,8 @@ NO_TE_ON_CUDA = textwrap.dedent(r"""
     import torch
     from neon_hpc.models import cpu_shim, experts
     r = {"te": cpu_shim.has_te(), "plan_cuda": cpu_shim.plan(cuda=True, te=cpu_shim.has_te()),
-         "plan_cpu": cpu_shim.plan(cuda=False, te=cpu_shim.has_te()), "experts": experts.expert_impl()}
+         "plan_cpu": cpu_shim.plan(cuda=False, te=cpu_shim.has_te()),
+         "experts": experts.expert_impl(cuda=False, dtype=torch.bfloat16)}
     # the device query says CUDA while the patches are chosen (what a GPU node reports) ...
     real = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
@@ -274,3 +275,14 @@ def test_router_replay_stays_exact_in_bf16(arch):
             assert torch.equal(rmap.bool(), want)
     finally:
         B.teardown()
+
+
+def test_expert_kernel_choice_by_device_and_dtype(monkeypatch):
+    from neon_hpc.models import experts
+    assert experts.expert_impl(cuda=False, dtype=torch.float32) == "grouped"     # CPU: any float
+    assert experts.expert_impl(cuda=False, dtype=torch.bfloat16) == "grouped"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # an H200
+    assert experts.expert_impl(cuda=True, dtype=torch.bfloat16) == "grouped"
+    assert experts.expert_impl(cuda=True, dtype=torch.float32) == "sequential"  # CUDA's kernel: bf16 only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert experts.expert_impl(cuda=True, dtype=torch.bfloat16) == "sequential"

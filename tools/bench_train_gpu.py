@@ -420,6 +420,8 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     from neon_hpc.train.backend import resolve_precision
     precision = resolve_precision(args.precision)
+    if cuda and precision != "bf16":
+        p.error("--device cuda runs bf16: the reference's experts are torch._grouped_mm, which takes bf16 on CUDA")
     peak = matmul_peak(cuda, torch.bfloat16 if precision == "bf16" else torch.float32)
     cfg = model_config(kind, "qwen3_moe")
     from neon_hpc.models import cpu_shim

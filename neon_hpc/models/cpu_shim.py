@@ -137,6 +137,14 @@ def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
         return list(_applied)
 
 
+def _grouped_gemm(cuda: bool) -> str:
+    if not hasattr(torch, "_grouped_mm"):
+        return "none (sequential experts)"
+    if cuda and torch.cuda.get_device_capability() < (8, 0):
+        return "none on this GPU (sequential experts)"
+    return "torch._grouped_mm" + (" (bf16 only; fp32 runs sequential experts)" if cuda else "")
+
+
 def kernels() -> dict[str, object]:
     """The optional kernels this process found, for the trainer's start-up log (no side effects
     beyond imports of what is installed)."""
@@ -149,7 +157,7 @@ def kernels() -> dict[str, object]:
             "transformer_engine": has_te(),
             "flash_attn": importlib.util.find_spec("flash_attn") is not None,
             "sdpa": sdpa,
-            "grouped_gemm": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "none (sequential experts)",
+            "grouped_gemm": _grouped_gemm(cuda),
             "patches": applied()}
 
 

@@ -14,11 +14,13 @@ stacked (a view-free copy, in the compute dtype: bf16 under mixed precision) and
 projections run as ``torch._grouped_mm`` over the dispatcher's token offsets; the gated SiLU
 and the per-token router probabilities are applied exactly as megatron's ``MLP`` applies them
 (probabilities after the activation, the product cast back to the activation's dtype).
-``torch._grouped_mm`` runs on CUDA (bf16; Hopper's grouped kernel) and on CPU (fp32 and bf16;
-forward and backward), so the same path is what the CPU tests exercise.
+``torch._grouped_mm`` runs on CUDA for bf16 inputs on SM >= 8.0 (its documented domain; Hopper
+has the grouped kernel) and on CPU for fp32 and bf16 (forward and backward), so the same path is
+what the CPU tests exercise.
 
-Chosen by :func:`expert_impl`: ``grouped`` wherever ``torch._grouped_mm`` exists, else megatron's
-``SequentialMLP`` (the arithmetic is the same; the tests compare the two).  With Transformer
+Chosen by :func:`expert_impl` from the device and the parameters' dtype: ``grouped`` where
+``torch._grouped_mm`` can run them, else megatron's ``SequentialMLP`` (fp32 training on CUDA;
+the arithmetic is the same, and the tests compare the two).  With Transformer
 Engine installed the choice is the same: TE's grouped linear would need TE's layer spec
 throughout, which this trainer does not build (named in ``train/README.md``).
 """
@@ -32,9 +34,14 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 IMPLS = ("grouped", "sequential")
 
 
-def expert_impl() -> str:
-    """``"grouped"`` when this torch has ``torch._grouped_mm``, else ``"sequential"``."""
-    return "grouped" if hasattr(torch, "_grouped_mm") else "sequential"
+def expert_impl(cuda: bool, dtype: torch.dtype) -> str:
+    """``"grouped"`` where ``torch._grouped_mm`` runs experts of ``dtype`` on this device (CPU:
+    any float; CUDA: bf16 on SM >= 8.0), else ``"sequential"``."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "sequential"
+    if not cuda:
+        return "grouped"
+    return "grouped" if dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0) else "sequential"
 
 
 def _stack(weights: list[torch.Tensor]) -> torch.Tensor:

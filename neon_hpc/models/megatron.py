@@ -148,7 +148,8 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     ``virtual_pipeline_model_parallel_size=V``); only chunk 0 of the first stage embeds and
     only chunk V-1 of the last stage has the output layer.  ``experts``: ``"grouped"`` (one
     grouped GEMM per projection, :mod:`.experts`) or ``"sequential"`` (megatron's loop); default
-    :func:`neon_hpc.models.experts.expert_impl`, what this torch can run.  Same parameters either way.
+    :func:`neon_hpc.models.experts.expert_impl`, what this device can run for the parameters'
+    dtype.  Same parameters either way.
     """
     cpu_shim.apply()
     from megatron.core import parallel_state as ps
@@ -170,7 +171,7 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
     from neon_hpc.models import experts as grouped
     cp_attention.hook_spec(spec)
-    impl = experts or grouped.expert_impl()
+    impl = experts or grouped.expert_impl(torch.cuda.is_available(), tcfg.params_dtype)
     if impl not in grouped.IMPLS:
         raise ValueError(f"experts={impl!r}: one of {grouped.IMPLS}")
     if impl == "grouped":
