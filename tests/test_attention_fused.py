@@ -267,7 +267,7 @@ def _mem_worker(n: str, out: str) -> None:
     Path(out).write_text(json.dumps({"n": n, "bytes": peak - before, "scores_bytes": h * n * n * 4}))
 
 
-@pytest.mark.slow      # ~15 s: three fresh processes, 16k tokens of attention on one thread
+@pytest.mark.slow      # three fresh processes, 16k tokens on one thread: ~20 s idle, 3.5 min on the shared 2 cores
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
 def test_attention_memory_grows_linearly_with_length(tmp_path):
     got = {}
