@@ -103,6 +103,7 @@ class AttentionLayout:
     send_idx: torch.Tensor | None = None
     rows_per_rank: int = 0
     group: object = None
+    reads_remote: bool = False       # some local query attends a gathered row
 
     @property
     def exchanges(self) -> bool:
@@ -198,7 +199,7 @@ def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int,
         send = torch.tensor(sent[me], dtype=torch.long).to(device)
     return AttentionLayout(pos=full_pos.to(device), groups=groups, pad_idx=pad.to(device),
                            inverse=None if identity else inverse.to(device), send_idx=send,
-                           rows_per_rank=m, group=group)
+                           rows_per_rank=m, group=group, reads_remote=any(g.remote for g in groups))
 
 
 @contextlib.contextmanager
@@ -298,7 +299,7 @@ def _exchange(k, v, lay: AttentionLayout, n_groups: int):
     return buf[:, :n_groups * hn].view(-1, n_groups, hn), buf[:, n_groups * hn:].view(-1, n_groups, hv), buf
 
 
-def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, used_remote: bool, s: int):
+def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, s: int):
     """Pad rows, local row order, and the gathered buffer kept in the graph (both paths)."""
     hv = v.shape[-1]
     if lay.pad_idx.numel():   # a pad row attends only to itself: its output is its value
@@ -307,7 +308,7 @@ def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, use
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     if lay.inverse is not None:
         out = out[lay.inverse]
-    if buf is not None and not used_remote and buf.requires_grad:
+    if buf is not None and not lay.reads_remote and buf.requires_grad:
         # this rank's queries see no remote row (e.g. it holds only a document's head), but
         # others need its rows: the gathered buffer must stay in the graph, or autograd skips
         # the gather's backward here and the other ranks wait in its all-reduce forever.
@@ -329,7 +330,7 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
     k_all, v_all = k, v
     if lay.exchanges:
         k_rem, v_rem, buf = _exchange(k, v, lay, n_groups)
-        if any(g.remote for g in lay.groups):
+        if lay.reads_remote:
             k_all, v_all = torch.cat([k, k_rem]), torch.cat([v, v_rem])
     sdpa = _Sdpa(q, k, v, n_heads, n_groups, scale)
     outs = []
@@ -341,7 +342,7 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
             qd, kd, vd = q[grp.q_idx], k_all[grp.key_idx], v_all[grp.key_idx]
         for (q0, q1, lk) in grp.runs:
             outs.append(sdpa(qd[q0:q1], kd[:lk], vd[:lk]))
-    return _finish(outs, v, lay, n_heads, n_groups, buf, any(g.remote for g in lay.groups), s)
+    return _finish(outs, v, lay, n_heads, n_groups, buf, s)
 
 
 class _Sdpa:
@@ -429,7 +430,7 @@ def reference_piece_attention(query, key, value, lay: AttentionLayout, scale: fl
         scores = torch.einsum("qgrd,kgd->grqk", qd.view(nq, n_groups, rep, hn), kd).float() * scale
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(vd.dtype)
         outs.append(torch.einsum("grqk,kgd->qgrd", probs, vd).reshape(nq, n_heads * hv))
-    return _finish(outs, v, lay, n_heads, n_groups, buf, any(g.remote for g in lay.groups), s)
+    return _finish(outs, v, lay, n_heads, n_groups, buf, s)
 
 
 def hook_spec(spec) -> int:
