@@ -89,6 +89,16 @@ class SimParams:
     expert_params: float = 0.0
     gpu_memory_bytes: float = 141e9
     train_memory_fraction: float = 0.8
+    # activations (plan.memory.ActivationTerm): hidden_size 0 = not counted; the per-unit
+    # coefficients are measured (plan.activation_file) or plan.memory.FORMULA
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    vocab_size: int = 0
+    recompute: str = "none"             # none | selective | full (train.recompute)
+    act_per_hidden: float = 0.0         # bytes per token per layer per hidden unit
+    act_per_head: float = 0.0           # bytes per (query, key) pair per layer per attention head
+    act_per_vocab: float = 0.0          # bytes per token per vocabulary entry (logits, loss)
+    act_element_bytes: int = 2          # bytes of one activation element (what full recompute keeps per layer)
     # staleness and weight updates (rollout.stale_policy, engine.weight_update)
     stale_policy: str = "mask"          # mask | drop
     weight_update: str = "in_place"     # in_place | between_requests
@@ -357,10 +367,40 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
           "derived (parameter count - routed experts)")
     s.set("gpu_memory_bytes", pc.gpu_memory_bytes, c("plan.gpu_memory_bytes"))
     s.set("train_memory_fraction", pc.train_memory_fraction, c("plan.train_memory_fraction"))
+    _activations(s, cfg, c)
     if pc.publish_bytes_per_s:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
     else:
         s.set("publish_bytes_per_s", 1e9 * cfg.launch.train.nodes, "derived (1 GB/s per trainer node)")
+
+
+def _activations(s: Sourced, cfg: Any, c) -> None:
+    """The activation term's shape and coefficients (plan/memory.py): measured when
+    ``plan.activation_file`` is set (the memory block of a ``neon-hpc balance calibrate`` cost
+    file), else the documented formula."""
+    from neon_hpc.plan.memory import FORMULA
+    M, pc = cfg.model, cfg.plan
+    for name in ("hidden_size", "num_attention_heads", "vocab_size"):
+        s.set(name, getattr(M, name), c(f"model.{name}"))
+    recompute = getattr(cfg.train, "recompute", "none")
+    s.set("recompute", recompute, c("train.recompute"))
+    if pc.activation_file:
+        from neon_hpc.balance.memory import load_memory
+        m = load_memory(pc.activation_file)
+        if m.recompute != "none" and m.recompute != recompute or m.recompute == "full":
+            raise ValueError(f"plan.activation_file={pc.activation_file}: measured with train.recompute="
+                             f"{m.recompute!r}, planned with {recompute!r}; the planner derives selective and full "
+                             f"from a measurement without recomputation: re-run `neon-hpc balance calibrate` with "
+                             f"--set train.recompute=none")
+        src = f"measured ({c('plan.activation_file')}: {m.source})"
+        values = {"act_per_hidden": m.per_hidden, "act_per_head": m.per_head, "act_per_vocab": m.per_vocab,
+                  "act_element_bytes": m.element_bytes}
+    else:
+        src = "derived (plan.memory.FORMULA: Korthikanti et al. 2022 in bf16; set plan.activation_file to measure)"
+        values = {"act_per_hidden": FORMULA["per_hidden"], "act_per_head": FORMULA["per_head"],
+                  "act_per_vocab": FORMULA["per_vocab"], "act_element_bytes": FORMULA["element_bytes"]}
+    for name, v in values.items():
+        s.set(name, v, src)
 
 
 def _weight_load(s: Sourced, cfg: Any, c) -> None:
