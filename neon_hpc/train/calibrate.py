@@ -22,10 +22,11 @@ What one step reports (:class:`StepMeasure`):
   ``torch.cuda.max_memory_allocated()`` (peak reset before the step) minus
   ``memory_allocated()`` before it: tensors only, not the caching allocator's reserve.  CPU:
   the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus
-  its resident set before the step, after glibc's ``malloc_trim(0)`` returned the freed heap
-  (else the previous step's freed pages would hide this step's growth).  That is what the
-  operating system charges, allocator slack and all: an upper bound on the tensors, and a
-  noisy one for small steps (a few MB), so the memory fit uses the longer lengths.
+  its resident set before the step, with glibc mapping every allocation of 64 KiB or more on
+  its own (:class:`_CpuPeak`) and ``malloc_trim(0)`` before the step, so the resident set
+  follows the tensors alive.  It still counts what the OS charges: whole pages, small
+  allocations in the arenas, the step's non-tensor memory; so the memory fit uses the longer
+  lengths, where tensors dominate.
 
 Setup arguments the lead adds to ``backend.setup`` (``precision``, ``recompute``) are passed
 when the config has them and ``setup`` accepts them (:func:`setup_extras`); a config asking
@@ -96,18 +97,32 @@ def _cpu_rss_bytes(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key} line: peak RSS cannot be measured on this OS")
 
 
+M_MMAP_THRESHOLD = -3            # glibc mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
 class _CpuPeak:
-    """Peak resident set of this process over a span (``/proc/self/clear_refs`` resets ``VmHWM``)."""
+    """Peak resident set of this process over a span (``/proc/self/clear_refs`` resets ``VmHWM``).
+
+    From its creation on, glibc serves every allocation of 64 KiB or more with its own ``mmap``
+    (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc raising that threshold as it does by
+    default), so a freed tensor leaves the resident set at once and the peak follows the
+    tensors alive rather than the arenas' high-water mark: repeated measurements then agree to
+    ~0.1 MiB (they differed by up to 2x without).  The step gets slower (a page fault per new
+    page), so time steps before the first memory step (``balance calibrate`` does).
+    """
 
     def __init__(self) -> None:
         from neon_hpc.train.memory import glibc
         self._libc = glibc()
+        if self._libc is None or not self._libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+            raise RuntimeError("the CPU memory measurement needs glibc's malloc (mallopt, malloc_trim) to make "
+                               "the resident set follow the tensors; run it on glibc Linux, or pass --no-memory")
 
     def start(self) -> int:
         import gc
         gc.collect()
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+        self._libc.malloc_trim(0)
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")             # reset the peak RSS to the current RSS (Linux >= 4.0)
@@ -159,7 +174,7 @@ class TrainerStepRunner:
             self._mark.append(self._now())
             return finalize()
         self.be.finalize_grads = timed_finalize
-        self._cpu_peak = None if self.cuda else _CpuPeak()
+        self._cpu_peak = None            # created by the first memory step (_CpuPeak: it changes malloc)
 
     # ---- clocks and memory ------------------------------------------------------------
     def _sync(self) -> None:
@@ -176,6 +191,8 @@ class TrainerStepRunner:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return float(torch.cuda.memory_allocated())
+        if self._cpu_peak is None:
+            self._cpu_peak = _CpuPeak()
         return float(self._cpu_peak.start())
 
     def _mem_peak(self) -> float:
@@ -240,8 +257,8 @@ class TrainerStepRunner:
             "recompute": self.extras.get("recompute", "none"),
             "kernels": kernels(model),
             "memory_method": ("torch.cuda.max_memory_allocated() above memory_allocated() before the step" if self.cuda
-                              else "peak RSS (VmHWM, reset by /proc/self/clear_refs) above RSS before the step, "
-                                   "after malloc_trim(0)"),
+                              else "peak RSS (VmHWM, reset by /proc/self/clear_refs) above RSS before the step; "
+                                   "glibc mmap threshold 64 KiB, malloc_trim(0) before"),
         }
         return d
 
