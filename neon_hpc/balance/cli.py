@@ -101,12 +101,11 @@ def _calibrate(a, trainer_step=None) -> int:
     try:
         rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,
                         progress=say, runner=runner)
-        if runner is not None and not a.no_memory:
-            rep["memory"] = _memory(cfg, lengths, step, runner, say)
-            runner = None                   # measure_memory closed it
     finally:
         if runner is not None:
             runner.close()
+    if step is not None and not a.no_memory:
+        rep["memory"] = _memory(a, cfg, lengths, step)
     cm, f = rep["cost_model"], rep["fit"]
     print(f"device: {rep['machine'].get('device')} ({rep['machine'].get('runner')}; clock {rep['machine'].get('clock')})")
     print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['piece_overhead']:.3e}*docs + {cm['a']:.3e}*n "
@@ -132,10 +131,11 @@ def _calibrate(a, trainer_step=None) -> int:
     return 0
 
 
-def _memory(cfg, lengths, step, runner, say) -> dict:
-    """The cost file's memory block (balance/memory.py) from the trainer's steps at two depths."""
+def _memory(a, cfg, lengths, step) -> dict:
+    """The cost file's memory block (balance/memory.py) from the trainer's steps at two depths,
+    measured in a fresh process (an allocator this process's timing steps have not shaped)."""
     from neon_hpc.balance.memory import fit_activation_memory, memory_block
-    points, d = step.measure_memory(cfg, step.memory_lengths(lengths), runner=runner, progress=say)
+    points, d = step.measure_memory_process(a.config, a.set, step.memory_lengths(lengths))
     return memory_block(fit_activation_memory(points), cfg.model, element_bytes=d["element_bytes"],
                         recompute=d["recompute"], method=d["memory_method"], device=d["device"],
                         precision=d["precision"])

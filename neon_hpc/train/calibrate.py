@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -101,6 +102,17 @@ M_MMAP_THRESHOLD = -3            # glibc mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 64 * 1024
 
 
+def mmap_large_allocations():
+    """glibc: serve every allocation of 64 KiB or more with its own mmap from now on (:class:`_CpuPeak`);
+    returns the library.  RuntimeError where malloc is not glibc's."""
+    from neon_hpc.train.memory import glibc
+    libc = glibc()
+    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+        raise RuntimeError("the CPU memory measurement needs glibc's malloc (mallopt, malloc_trim) to make "
+                           "the resident set follow the tensors; run it on glibc Linux, or pass --no-memory")
+    return libc
+
+
 class _CpuPeak:
     """Peak resident set of this process over a span (``/proc/self/clear_refs`` resets ``VmHWM``).
 
@@ -113,11 +125,7 @@ class _CpuPeak:
     """
 
     def __init__(self) -> None:
-        from neon_hpc.train.memory import glibc
-        self._libc = glibc()
-        if self._libc is None or not self._libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
-            raise RuntimeError("the CPU memory measurement needs glibc's malloc (mallopt, malloc_trim) to make "
-                               "the resident set follow the tensors; run it on glibc Linux, or pass --no-memory")
+        self._libc = mmap_large_allocations()
 
     def start(self) -> int:
         import gc
@@ -320,28 +328,26 @@ def memory_depths(num_layers: int) -> tuple[int, int]:
     return (num_layers, num_layers // 2) if num_layers >= 4 else (num_layers, 2 * num_layers)
 
 
-def measure_memory(cfg: Any, lengths: Sequence[int], runner: TrainerStepRunner | None = None,
-                   repeats: int = 2, progress=None) -> tuple[list[tuple[int, int, float]], dict]:
+def measure_memory(cfg: Any, lengths: Sequence[int], repeats: int = 2,
+                   progress=None) -> tuple[list[tuple[int, int, float]], dict]:
     """Peak memory of single-document steps at two model depths (:func:`memory_depths`).
 
-    ``runner``: an open runner of ``cfg`` (its depth is measured on it); it is closed here, like
-    the runner built for the other depth.  Per (depth, length) the smallest of ``repeats``
-    steps, after one warm-up step at that depth (the optimizer's state exists from then on).
-    Returns ``([(layers, tokens, peak_bytes)], describe() of the config's depth with its
-    ``element_bytes``)``.
+    Per (depth, length) the smallest of ``repeats`` steps, after one warm-up step at that
+    depth (the optimizer's state exists from then on).  Run it in a process that has not
+    trained before (:func:`measure_memory_process`): on CPU the arenas an earlier step left
+    behind would be reused and counted.  Returns ``([(layers, tokens, peak_bytes)], describe()
+    of the config's depth with its ``element_bytes``)``.
     """
     import dataclasses
+
+    import torch
     say = progress or (lambda s: None)
     points: list[tuple[int, int, float]] = []
     described: dict = {}
+    if not torch.cuda.is_available():
+        mmap_large_allocations()          # before the first step: no arena shaped by the default threshold
     for depth in memory_depths(cfg.model.num_layers):
-        if runner is not None and depth == cfg.model.num_layers:
-            r, runner = runner, None
-        else:
-            if runner is not None:           # one process group at a time
-                runner.close()
-                runner = None
-            r = TrainerStepRunner(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth)))
+        r = TrainerStepRunner(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth)))
         try:
             r.step([(0, min(lengths))])                            # warm-up: optimizer state
             for n in lengths:
@@ -353,3 +359,53 @@ def measure_memory(cfg: Any, lengths: Sequence[int], runner: TrainerStepRunner |
         finally:
             r.close()
     return points, described
+
+
+def measure_memory_process(config_path: str | None, sets: Sequence[str], lengths: Sequence[int],
+                           repeats: int = 2) -> tuple[list[tuple[int, int, float]], dict]:
+    """:func:`measure_memory` in a fresh Python process (the config file and ``--set`` overrides
+    as the CLI got them); its progress goes to this process's stderr."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="neon_memory_") as tmp:
+        out = os.path.join(tmp, "memory.json")
+        cmd = [sys.executable, "-m", "neon_hpc.train.calibrate", "--out", out, "--repeats", str(repeats),
+               "--lengths", ",".join(str(int(n)) for n in lengths)]
+        cmd += (["--config", config_path] if config_path else []) + [f"--set={s}" for s in sets]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        r = subprocess.run(cmd, env=env, stdout=sys.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"the memory measurement process exited with {r.returncode} (its output is above); "
+                               f"pass --no-memory to calibrate without it")
+        with open(out) as f:
+            data = json.load(f)
+    return [tuple(p) for p in data["points"]], data["described"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m neon_hpc.train.calibrate --out F --lengths ... [--config C] [--set k=v]``: the
+    memory measurement of :func:`measure_memory_process` (a fresh process)."""
+    import argparse
+
+    from neon_hpc import config
+    from neon_hpc.protocol.rundir import atomic_write_json
+    ap = argparse.ArgumentParser(prog="python -m neon_hpc.train.calibrate",
+                                 description="peak memory of the trainer's step at two depths (JSON)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lengths", required=True)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", action="append", default=[])
+    a = ap.parse_args(argv)
+    cfg = config.load(a.config, a.set)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    points, described = measure_memory(cfg, lengths, a.repeats,
+                                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+    atomic_write_json(a.out, {"points": points, "described": described})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
