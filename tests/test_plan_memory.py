@@ -99,3 +99,12 @@ def test_memory_fit_recovers_per_layer_outside_and_score_bytes():
     assert f["bytes_per_token_pair_per_layer"] == pytest.approx(truth["q"], rel=1e-6)
     with pytest.raises(ValueError, match="two model depths"):
         fit_activation_memory([(2, n, 1e6 * n) for n in (256, 512, 1024)])
+
+
+def test_recomputation_costs_a_forward_in_the_step_time_model():
+    none = from_experiment(config.load(KIMI), KIMI).params
+    full = from_experiment(config.load(KIMI, ["train.recompute=full"]), KIMI)
+    sel = from_experiment(config.load(KIMI, ["train.recompute=selective"]), KIMI).params
+    assert full.params.cost_a == pytest.approx(none.cost_a * 4 / 3) and "x 4/3" in full.source("cost_a")
+    assert full.params.cost_b == pytest.approx(none.cost_b * 4 / 3)
+    assert sel.cost_a == none.cost_a and sel.cost_b == pytest.approx(none.cost_b * 4 / 3)

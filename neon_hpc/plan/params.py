@@ -249,6 +249,22 @@ def cost_coefficients(cfg: Any, dense_layers: int) -> tuple[float, float, str]:
         return a, b, "derived (plan fallback: 6*active params; 6*L*heads*head_dim)"
 
 
+RECOMPUTE_FACTOR = 4.0 / 3.0   # forward + backward = 3 forwards; recomputation runs one more forward
+
+
+def recompute_cost(a: float, b: float, src: str, recompute: str) -> tuple[float, float, str]:
+    """The step's FLOPs under ``train.recompute``: ``full`` re-runs every layer's forward in the
+    backward (a and b x 4/3; the LM head, not recomputed, is counted in too: an upper bound),
+    ``selective`` only core attention's (b x 4/3). Costs the config gives (balance.cost_a/cost_b)
+    are taken as measured with the config's recomputation, unchanged."""
+    if recompute == "none" or src.startswith("config"):
+        return a, b, src
+    f = RECOMPUTE_FACTOR
+    if recompute == "full":
+        return a * f, b * f, f"{src} x 4/3 (train.recompute: full re-runs each layer's forward)"
+    return a, b * f, f"{src}; b x 4/3 (train.recompute: selective re-runs core attention's forward)"
+
+
 # --------------------------------------------------------------------------------------
 
 def _source_namer(cfg: Any, where: str):
@@ -353,6 +369,7 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
     s.set("token_cap", cfg.balance.tokens_per_microbatch, c("balance.tokens_per_microbatch"))
     s.set("planner", cfg.balance.planner, c("balance.planner"))
     a, b, src = cost_coefficients(cfg, pc.dense_layers)
+    a, b, src = recompute_cost(a, b, src, getattr(T, "recompute", "none"))
     s.set("cost_a", a, src)
     s.set("cost_b", b, src)
     s.set("model_bytes", 2.0 * model_param_count(cfg.model, pc.dense_layers),
