@@ -59,13 +59,13 @@ def setup_extras(train_cfg: Any, setup_fn=None) -> dict[str, Any]:
         from neon_hpc.train.backend import setup as setup_fn
     accepted = inspect.signature(setup_fn).parameters
     out = {}
-    for key, plain in (("precision", None), ("recompute", "none")):
+    for key, plain in (("precision", "fp32"), ("recompute", "none")):
         if not hasattr(train_cfg, key):
             continue
         value = getattr(train_cfg, key)
         if key in accepted:
             out[key] = value
-        elif plain is not None and value != plain:
+        elif value != plain:
             raise ValueError(f"train.{key}={value!r}, but this trainer's backend.setup takes no {key!r} "
                              f"argument: it would be measured without it; set train.{key}: {plain}")
     return out
@@ -158,12 +158,11 @@ class TrainerStepRunner:
         self.clock = "wall" if self.cuda else clock
         if not self.cuda:
             torch.set_num_threads(threads)
-        self.threads = threads
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from neon_hpc.netutil import free_port
             os.environ["MASTER_ADDR"] = "127.0.0.1"      # a fresh rendezvous per runner: one may follow another
             os.environ["MASTER_PORT"] = str(free_port())
-        rank, world, local = dist_env()
+        _rank, world, local = dist_env()
         if world != 1:
             raise ValueError(f"calibration runs one trainer rank; WORLD_SIZE={world} is set: unset it")
         _select_device(local)
@@ -279,8 +278,17 @@ class TrainerStepRunner:
         return 2 if next(self.be.models[0].parameters()).dtype in (torch.bfloat16, torch.float16) else 4
 
     def close(self) -> None:
+        """Tear the process group down and free the model, its grads and optimizer state (on CUDA
+        back to the device too: the memory measurement's process runs after this one's)."""
+        import gc
+
+        import torch
         from neon_hpc.train import backend as B
         B.teardown()
+        self.be = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
 
 
 def _version(dist_name: str) -> str | None:
