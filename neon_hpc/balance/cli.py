@@ -105,7 +105,10 @@ def _calibrate(a, trainer_step=None) -> int:
         if runner is not None:
             runner.close()
     if step is not None and not a.no_memory:
-        rep["memory"] = _memory(a, cfg, lengths, step)
+        try:
+            rep["memory"] = _memory(a, cfg, lengths, step)
+        except RuntimeError as e:      # the measurement process failed: its output is above
+            raise ValueError(str(e)) from e
     cm, f = rep["cost_model"], rep["fit"]
     print(f"device: {rep['machine'].get('device')} ({rep['machine'].get('runner')}; clock {rep['machine'].get('clock')})")
     print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['piece_overhead']:.3e}*docs + {cm['a']:.3e}*n "

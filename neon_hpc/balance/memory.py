@@ -88,7 +88,8 @@ def fit_activation_memory(points: Sequence[tuple[int, int, float]]) -> dict:
     if len({p[0] for p in points}) < 2:
         raise ValueError("memory fit: needs steps at two model depths (bytes per layer vs outside the layers)")
     if len({p[1] for p in points}) < 3:
-        raise ValueError("memory fit: needs at least 3 sequence lengths (linear vs quadratic bytes)")
+        raise ValueError("memory fit: needs at least 3 sequence lengths (linear vs quadratic bytes); give "
+                         "calibrate more --lengths, or --no-memory")
     y = np.asarray([p[2] for p in points], dtype=np.float64)
     if (y <= 0).any():
         raise ValueError("memory fit: a measured peak is <= 0 bytes: the step allocated nothing above "
