@@ -46,10 +46,17 @@ def _plot_run(run_dir: str):
     return plot_run(run_dir)
 
 
+def _trainer_step():
+    from neon_hpc.train import calibrate
+    return calibrate
+
+
 # command -> keyword arguments its main() takes from this layer: what a lower layer must not import
-# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn)
+# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn; `neon-hpc balance
+# calibrate` times the trainer's own step, which the balancer, a service, must not import)
 HANDED_IN: dict[str, dict] = {
     "run": {"plot": _plot_run},
+    "balance": {"trainer_step": _trainer_step},
 }
 
 

@@ -62,21 +62,84 @@ def test_chunk_attention_equals_masked_reference():
     assert torch.allclose(out, ref.squeeze(0).transpose(0, 1).reshape(n, H * d), atol=1e-5)
 
 
-def test_calibrate_command_writes_a_loadable_cost_file(tmp_path):
+SHAPE = ["--set", "model.hidden_size=256", "--set", "model.head_dim=64", "--set", "model.ffn_hidden_size=512",
+         "--set", "model.moe_ffn_hidden_size=256"]
+
+
+def test_calibrate_times_the_trainers_step_and_measures_its_memory(tmp_path):
+    """The real trainer step (megatron-core, CPU here): positive coefficients, the device and
+    kernels recorded, a memory block the planner then uses."""
     out = tmp_path / "cost.json"
-    r = run("balance", "calibrate", "--lengths", "32,128,256,512", "--repeats", "1", "--out", str(out),
+    r = run("balance", "calibrate", "--lengths", "64,256,512,1024", "--repeats", "1", "--out", str(out), *SHAPE,
             check=False)
-    assert r.returncode == 0, r.stderr
-    assert "fit: t =" in r.stdout
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fit: t =" in r.stdout and "device: cpu" in r.stdout and "B/token/layer" in r.stdout
     rep = json.loads(out.read_text())
+    m = rep["machine"]
+    assert m["runner"].startswith("trainer step") and m["device_type"] == "cpu" and m["torch"] == torch.__version__
+    assert m["param_dtype"] == "float32" and m["kernels"]["core_attention"] and m["kernels"]["experts"]
     cm = load_cost_file(out)
-    assert cm.source == "calibration" and cm.a + cm.b > 0
-    assert np.isfinite(rep["fit"]["rel_rms"])
-    assert {c["case"].split()[0] for c in rep["checks"]} == {"6", "chunk", "zigzag"}
+    assert cm.source == "calibration" and cm.a > 0 and cm.b > 0 and cm.mb_overhead > 0
+    assert rep["step_overhead_s"] > 0                          # finalize + optimizer, beside the cost model
     assert len(rep["fit"]["points"]) == 4 + 3                  # single sequences + packed
-    # the config points at it
+    assert {c["case"].split()[0] for c in rep["checks"]} == {"6", "mixed", "single"}
     cfg = config.load(None, [f"balance.cost_file={out}"])
     assert cost_model_for_config(cfg) == cm
+    # memory: steps at 2 and 4 layers; more layers hold more, and bytes per token per layer > 0
+    mem = rep["memory"]
+    peak = {(p["layers"], p["tokens"]): p["peak_bytes"] for p in mem["points"]}
+    assert peak[(4, 1024)] > peak[(2, 1024)] > peak[(2, 256)]
+    assert mem["bytes_per_token_per_layer"] > 0 and mem["per_hidden"] == mem["bytes_per_token_per_layer"] / 256
+    assert mem["element_bytes"] == 4 and mem["recompute"] == "none" and "RSS" in mem["method"]
+    # the planner reads it: measured coefficients, and they decide the fit (a GPU sized between
+    # the states plus half the measured activations and the states plus all of them)
+    from neon_hpc.plan import report
+    from neon_hpc.plan.params import from_experiment
+    tiny = str(REPO / "configs" / "tiny_cpu.yaml")
+    sets = [f"plan.activation_file={out}", "model.hidden_size=256", "model.head_dim=64",
+            "balance.tokens_per_microbatch=4096"]
+    s = from_experiment(config.load(tiny, sets), tiny)
+    assert s.params.act_per_hidden == mem["per_hidden"] and s.source("act_per_hidden").startswith("measured")
+    lay = report.trainer_layout(s.params, 1)
+    states = lay.bytes_per_gpu - lay.activation_bytes
+    gpu = (states + 0.75 * lay.activation_bytes) / s.params.train_memory_fraction
+    halved = tmp_path / "halved.json"
+    halved.write_text(json.dumps(dict(rep, memory={**mem, **{k: mem[k] / 2 for k in ("per_hidden", "per_head",
+                                                                                     "per_vocab")}})))
+    measured = from_experiment(config.load(tiny, sets + [f"plan.gpu_memory_bytes={gpu}"]), tiny)
+    too_small = from_experiment(config.load(tiny, sets + [f"plan.gpu_memory_bytes={gpu}",
+                                                          f"plan.activation_file={halved}"]), tiny)
+    assert not report.trainer_layout(measured.params, 1).fits
+    assert report.trainer_layout(too_small.params, 1).fits
+
+
+def test_calibrate_stand_in_and_without_the_trainer_handed_in(tmp_path):
+    out = tmp_path / "cost.json"
+    r = run("balance", "calibrate", "--stand-in", "--lengths", "32,128,256,512", "--repeats", "1",
+            "--out", str(out), check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert "stand-in" in rep["machine"]["runner"] and "memory" not in rep
+    assert {c["case"].split()[0] for c in rep["checks"]} == {"6", "chunk", "zigzag"}
+    r = subprocess.run([sys.executable, "-c", "import sys; from neon_hpc.balance.cli import main; "
+                        "sys.exit(main(['calibrate', '--lengths', '32,64,128']))"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "neon-hpc balance calibrate" in r.stderr and "--stand-in" in r.stderr
+
+
+def test_setup_extras_pass_what_setup_takes_and_refuse_what_it_cannot_do():
+    from neon_hpc.train.calibrate import setup_extras
+
+    def old_setup(model_cfg, tp=1):
+        pass
+
+    def new_setup(model_cfg, tp=1, precision="fp32", recompute="none"):
+        pass
+    t = config.load(None, ["train.recompute=full"]).train
+    assert setup_extras(t, new_setup)["recompute"] == "full"
+    with pytest.raises(ValueError, match="train.recompute"):
+        setup_extras(t, old_setup)
+    assert setup_extras(config.load(None).train, old_setup) == {}
 
 
 def test_dry_run_prints_every_planner_and_json_plan(tmp_path):

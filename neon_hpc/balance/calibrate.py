@@ -1,11 +1,18 @@
-"""Fit the cost model to measured forward + backward times on this machine.
+"""Fit the cost model to measured micro-batch times on this machine.
 
 Measures single-sequence micro-batches over a grid of lengths and a few packed micro-batches
-of short documents with the real compute of :mod:`neon_hpc.balance.measure`, fits
-``t = c0 + d*documents + a*tokens + b*sum(n**2)`` by non-negative least squares on
-*relative* errors (so short sequences count as much as long ones), then checks the fit on
-micro-batches it was not fitted on: other packed documents, a chunk of a split sequence and
-a zigzag pair.  ``c0`` becomes the cost model's ``mb_overhead``, ``d`` its ``piece_overhead``.
+of short documents, fits ``t = c0 + d*documents + a*tokens + b*sum(n**2)`` by non-negative
+least squares on *relative* errors (so short sequences count as much as long ones), then
+checks the fit on micro-batches it was not fitted on.  ``c0`` becomes the cost model's
+``mb_overhead``, ``d`` its ``piece_overhead``.
+
+What is timed is a *runner*: ``runner.best_of(pieces, repeats) -> seconds`` (and optionally
+``describe() -> dict``, ``can_split``, ``step_overheads``).  ``neon-hpc balance calibrate``
+hands in the trainer's own step (``neon_hpc.train.calibrate.TrainerStepRunner``: megatron-core
+model, the trainer's attention, DDP and optimizer, on CUDA when available); without one, the
+plain-torch stand-in of :mod:`neon_hpc.balance.measure` (the benchmark's measured compute).
+A runner that cannot run a late chunk of a sequence alone (``can_split = False``: one trainer
+rank holds no other rank's prefix) is checked on packed mixes and an unfitted length instead.
 """
 
 from __future__ import annotations
@@ -63,13 +70,15 @@ def fit(lengths: Sequence[int], times: Sequence[float]) -> dict:
 
 
 def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
-              threads: int = 1, clock: str = "cpu", progress: Callable[[str], None] | None = None) -> dict:
+              threads: int = 1, clock: str = "cpu", progress: Callable[[str], None] | None = None,
+              runner=None) -> dict:
     """Measure, fit, validate.  Returns a JSON-able report whose ``cost_model`` entry loads
-    with ``CostModel.from_dict``."""
-    from neon_hpc.balance.measure import Runner
+    with ``CostModel.from_dict``; ``machine`` says what ran where (the runner's ``describe()``)."""
     say = progress or (lambda s: None)
-    runner = Runner(model_cfg, threads=threads, clock=clock)
-    runner.run([(0, min(lengths))])                      # warm-up: allocator, kernels
+    if runner is None:
+        from neon_hpc.balance.measure import Runner
+        runner = Runner(model_cfg, threads=threads, clock=clock)
+    runner.best_of([(0, min(lengths))], 1)                # warm-up: allocator, kernels, optimizer state
     mbs = [[(0, int(n))] for n in lengths] + [[(0, n)] * k for n, k in PACKED]
     times = []
     from neon_hpc.progress import bar
@@ -80,35 +89,50 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     f = fit_microbatches(mbs, times)
     cm = CostModel(a=f["a"], b=f["b"], mb_overhead=f["c0"], piece_overhead=f["piece"],
                    source="calibration")
-    checks = _validate(runner, cm, lengths, repeats, say)
+    checks = _validate(runner, cm, lengths, repeats, say, getattr(runner, "can_split", True))
     flops = flops_breakdown(model_cfg)
-    return {
+    if hasattr(runner, "describe"):
+        machine = runner.describe()
+    else:
+        machine = {"runner": "plain-torch stand-in of the model's shape (neon_hpc.balance.measure)",
+                   "device": "cpu", "device_type": "cpu", "platform": platform.platform(),
+                   "processor": platform.processor(), "torch_threads": threads, "clock": clock}
+    rep = {
         "cost_model": {k: v for k, v in cm.to_dict().items() if k != "detail"},
         "fit": f, "checks": checks,
         "config_flops": {"a_flops": flops["a_flops"], "b_flops": flops["b_flops"]},
         "effective_gflops": {"linear": flops["a_flops"] / f["a"] / 1e9 if f["a"] else None,
                              "attention": flops["b_flops"] / f["b"] / 1e9 if f["b"] else None},
         "crossover_tokens": cm.crossover_tokens(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch_threads": threads, "clock": clock},
+        "machine": machine,
         "model": {k: getattr(model_cfg, k) for k in ("arch", "hidden_size", "num_layers",
                                                       "num_attention_heads", "num_query_groups",
                                                       "head_dim", "moe_ffn_hidden_size",
                                                       "moe_router_topk", "vocab_size")},
     }
+    overheads = getattr(runner, "step_overheads", None)
+    if overheads:
+        # per step, not per micro-batch: grad finalize + optimizer (not a cost-model term)
+        rep["step_overhead_s"] = float(np.median(overheads))
+    return rep
 
 
-def _validate(runner, cm: CostModel, lengths, repeats, say) -> list[dict]:
-    """Micro-batches unlike the fitted ones: packed documents, a late chunk, a zigzag pair."""
+def _validate(runner, cm: CostModel, lengths, repeats, say, can_split: bool = True) -> list[dict]:
+    """Micro-batches unlike the fitted ones: packed documents, and a late chunk and a zigzag
+    pair (``can_split``) or a long document packed with short ones and an unfitted length."""
     short, long_ = int(min(lengths)), int(max(lengths))
     half = long_ // 2
     q = long_ // 4
     mid = max(short + 1, (3 * short) // 2)
-    cases = {
-        f"6 x {mid} packed": [(0, mid)] * 6,
-        f"chunk [{half}, {long_})": [(half, long_)],
-        f"zigzag pair of {long_}": [(0, q), (3 * q, long_)],
-    }
+    cases = {f"6 x {mid} packed": [(0, mid)] * 6}
+    if can_split:
+        cases.update({f"chunk [{half}, {long_})": [(half, long_)],
+                      f"zigzag pair of {long_}": [(0, q), (3 * q, long_)]})
+    else:
+        grid = sorted(set(int(n) for n in lengths))
+        between = (grid[-2] + grid[-1]) // 2 if len(grid) > 1 else long_ // 2
+        cases.update({f"mixed {half} + 4 x {short} packed": [(0, half)] + [(0, short)] * 4,
+                      f"single {between} (not fitted)": [(0, between)]})
     out = []
     for name, pieces in cases.items():
         m = runner.best_of(pieces, repeats)

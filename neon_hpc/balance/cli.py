@@ -1,6 +1,7 @@
 """``neon-hpc balance calibrate|dry-run``.
 
     neon-hpc balance calibrate [CONFIG] [--set k=v] [--lengths 64,128,...] [--out cost.json]
+                               [--no-memory] [--stand-in]
     neon-hpc balance dry-run [CONFIG] [--set k=v] (--lengths 900,12000,... | --lengths-file F |
                              --synthetic mixture:512) [--dp N --pp N --cp N --token-cap N]
                              [--planner cost] [--cost-file cost.json] [--json]
@@ -16,7 +17,10 @@ from pathlib import Path
 import numpy as np
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], trainer_step=None) -> int:
+    """``trainer_step()`` -> the module that runs the trainer's own step
+    (``neon_hpc.train.calibrate``), handed in by ``neon_hpc/cli.py``: a service must not import
+    the trainer (tests/test_layers.py)."""
     p = argparse.ArgumentParser(prog="neon-hpc balance", description="cost model calibration and planner dry runs")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -29,6 +33,11 @@ def main(argv: list[str]) -> int:
     c.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="cpu: process CPU time (robust on a shared machine); wall: elapsed time")
     c.add_argument("--out", default="", help="write the report (JSON) here; the balance.cost_file format")
+    c.add_argument("--no-memory", action="store_true",
+                   help="skip the activation-memory measurement (the cost file's memory block, plan.activation_file)")
+    c.add_argument("--stand-in", action="store_true",
+                   help="time the plain-torch stand-in of the model's shape (balance/measure.py) instead of the "
+                        "trainer's step (seconds on CPU; no memory block)")
 
     d = sub.add_parser("dry-run", help="plan one step from lengths and print every planner's prediction")
     _config_args(d)
@@ -47,7 +56,7 @@ def main(argv: list[str]) -> int:
 
     a = p.parse_args(argv)
     try:
-        return _calibrate(a) if a.cmd == "calibrate" else _dry_run(a)
+        return _calibrate(a, trainer_step) if a.cmd == "calibrate" else _dry_run(a)
     except ValueError as e:
         print(f"neon-hpc balance {a.cmd}: {e}", file=sys.stderr)
         return 2
@@ -73,26 +82,66 @@ def _int_list(text: str, what: str) -> list[int]:
     return vals
 
 
-def _calibrate(a) -> int:
+def _calibrate(a, trainer_step=None) -> int:
     from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
     from neon_hpc.protocol.rundir import atomic_write_json
     cfg = _load_cfg(a)
-    lengths = _int_list(a.lengths, "--lengths") if a.lengths else list(DEFAULT_LENGTHS)
-    rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,
-                    progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.lengths:
+        lengths = _int_list(a.lengths, "--lengths")
+    else:   # the defaults, up to what the model's positions reach
+        lengths = [n for n in DEFAULT_LENGTHS if n <= cfg.model.max_position_embeddings]
+    say = lambda s: print(s, file=sys.stderr, flush=True)    # noqa: E731
+    runner, step = None, None
+    if not a.stand_in:
+        if trainer_step is None:
+            raise ValueError("the trainer's step is handed in by the `neon-hpc balance calibrate` entry point "
+                             "(neon_hpc/cli.py); run it that way, or pass --stand-in for the plain-torch stand-in")
+        step = trainer_step()
+        runner = step.TrainerStepRunner(cfg, clock=a.clock, threads=a.threads)
+    try:
+        rep = calibrate(cfg.model, lengths, repeats=a.repeats, threads=a.threads, clock=a.clock,
+                        progress=say, runner=runner)
+    finally:
+        if runner is not None:
+            runner.close()
+    if step is not None and not a.no_memory:
+        try:
+            rep["memory"] = _memory(a, cfg, lengths, step)
+        except RuntimeError as e:      # the measurement process failed: its output is above
+            raise ValueError(str(e)) from e
     cm, f = rep["cost_model"], rep["fit"]
+    print(f"device: {rep['machine'].get('device')} ({rep['machine'].get('runner')}; clock {rep['machine'].get('clock')})")
     print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['piece_overhead']:.3e}*docs + {cm['a']:.3e}*n "
           f"+ {cm['b']:.3e}*n^2 s   "
           f"(relative residual rms {f['rel_rms']:.1%}, max {f['rel_max']:.1%}; "
           f"quadratic = linear at {rep['crossover_tokens']:.0f} tokens)")
+    if "step_overhead_s" in rep:
+        print(f"per step (grad finalize + optimizer, not in the cost model): {rep['step_overhead_s'] * 1e3:.1f} ms")
     for chk in rep["checks"]:
         print(f"check {chk['case']}: {chk['rel_err']:+.1%}")
+    if "memory" in rep:
+        m = rep["memory"]
+        print(f"memory: {m['bytes_per_token_per_layer']:.0f} B/token/layer (= {m['per_hidden']:.2f} x hidden), "
+              f"{m['bytes_per_token_pair_per_layer']:.3g} B/token pair/layer, "
+              f"{m['bytes_per_token_outside_layers']:.0f} B/token outside the layers "
+              f"(= {m['per_vocab']:.2f} x vocab), fixed {m['bytes_fixed'] / 2**20:.1f} MiB; "
+              f"relative residual rms {m['rel_rms']:.1%}, max {m['rel_max']:.1%} ({m['method']})")
     if a.out:
         atomic_write_json(a.out, rep)
         print(f"wrote {a.out}")
     else:
         print(json.dumps(rep["cost_model"]))
     return 0
+
+
+def _memory(a, cfg, lengths, step) -> dict:
+    """The cost file's memory block (balance/memory.py) from the trainer's steps at two depths,
+    measured in a fresh process (an allocator this process's timing steps have not shaped)."""
+    from neon_hpc.balance.memory import fit_activation_memory, memory_block
+    points, d = step.measure_memory_process(a.config, a.set, step.memory_lengths(lengths))
+    return memory_block(fit_activation_memory(points), cfg.model, element_bytes=d["element_bytes"],
+                        recompute=d["recompute"], method=d["memory_method"], device=d["device"],
+                        precision=d["precision"])
 
 
 def _read_lengths_file(path: str) -> list[int]:

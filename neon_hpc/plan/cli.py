@@ -47,7 +47,11 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     cfg = config.load(a.config, a.set)
-    sourced = from_experiment(cfg, a.config)
+    try:
+        sourced = from_experiment(cfg, a.config)
+    except ValueError as e:              # e.g. plan.activation_file unreadable or measured otherwise
+        print(f"neon-hpc plan: {e}", file=sys.stderr)
+        return 2
     progress = None if a.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     cal = None
     if a.calibrate:

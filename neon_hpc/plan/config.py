@@ -60,9 +60,13 @@ class PlanConfig:
     # request slots (decoding engines x max_batch_size; above 100 the rest wait in the engines' queue).
     # Empty = the config's, 100, 200, 300 and 400 (worker mode; report.concurrency_space)
     sweep_in_flight_pct: list[int] = field(default_factory=list)
-    # trainer memory (plan/memory.py): weights + grads + optimizer state must fit this share of a GPU
+    # trainer memory (plan/memory.py): weights + grads + optimizer state + activations must fit this
+    # share of a GPU (the rest: NCCL and allocator buffers)
     gpu_memory_bytes: float = 141e9     # H200
     train_memory_fraction: float = 0.8
+    # activation bytes per token measured on the trainer's step: a cost file with a memory block
+    # (`neon-hpc balance calibrate --out FILE`); "" = plan/memory.py's formula
+    activation_file: str = ""
     seed: int = 0
 
     CHECKS = {

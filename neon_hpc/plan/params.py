@@ -89,6 +89,16 @@ class SimParams:
     expert_params: float = 0.0
     gpu_memory_bytes: float = 141e9
     train_memory_fraction: float = 0.8
+    # activations (plan.memory.ActivationTerm): hidden_size 0 = not counted; the per-unit
+    # coefficients are measured (plan.activation_file) or plan.memory.FORMULA
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    vocab_size: int = 0
+    recompute: str = "none"             # none | selective | full (train.recompute)
+    act_per_hidden: float = 0.0         # bytes per token per layer per hidden unit
+    act_per_head: float = 0.0           # bytes per (query, key) pair per layer per attention head
+    act_per_vocab: float = 0.0          # bytes per token per vocabulary entry (logits, loss)
+    act_element_bytes: int = 2          # bytes of one activation element (what full recompute keeps per layer)
     # staleness and weight updates (rollout.stale_policy, engine.weight_update)
     stale_policy: str = "mask"          # mask | drop
     weight_update: str = "in_place"     # in_place | between_requests
@@ -239,6 +249,22 @@ def cost_coefficients(cfg: Any, dense_layers: int) -> tuple[float, float, str]:
         return a, b, "derived (plan fallback: 6*active params; 6*L*heads*head_dim)"
 
 
+RECOMPUTE_FACTOR = 4.0 / 3.0   # forward + backward = 3 forwards; recomputation runs one more forward
+
+
+def recompute_cost(a: float, b: float, src: str, recompute: str) -> tuple[float, float, str]:
+    """The step's FLOPs under ``train.recompute``: ``full`` re-runs every layer's forward in the
+    backward (a and b x 4/3; the LM head, not recomputed, is counted in too: an upper bound),
+    ``selective`` only core attention's (b x 4/3). Costs the config gives (balance.cost_a/cost_b)
+    are taken as measured with the config's recomputation, unchanged."""
+    if recompute == "none" or src.startswith("config"):
+        return a, b, src
+    f = RECOMPUTE_FACTOR
+    if recompute == "full":
+        return a * f, b * f, f"{src} x 4/3 (train.recompute: full re-runs each layer's forward)"
+    return a, b * f, f"{src}; b x 4/3 (train.recompute: selective re-runs core attention's forward)"
+
+
 # --------------------------------------------------------------------------------------
 
 def _source_namer(cfg: Any, where: str):
@@ -343,6 +369,7 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
     s.set("token_cap", cfg.balance.tokens_per_microbatch, c("balance.tokens_per_microbatch"))
     s.set("planner", cfg.balance.planner, c("balance.planner"))
     a, b, src = cost_coefficients(cfg, pc.dense_layers)
+    a, b, src = recompute_cost(a, b, src, getattr(T, "recompute", "none"))
     s.set("cost_a", a, src)
     s.set("cost_b", b, src)
     s.set("model_bytes", 2.0 * model_param_count(cfg.model, pc.dense_layers),
@@ -357,10 +384,40 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
           "derived (parameter count - routed experts)")
     s.set("gpu_memory_bytes", pc.gpu_memory_bytes, c("plan.gpu_memory_bytes"))
     s.set("train_memory_fraction", pc.train_memory_fraction, c("plan.train_memory_fraction"))
+    _activations(s, cfg, c)
     if pc.publish_bytes_per_s:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
     else:
         s.set("publish_bytes_per_s", 1e9 * cfg.launch.train.nodes, "derived (1 GB/s per trainer node)")
+
+
+def _activations(s: Sourced, cfg: Any, c) -> None:
+    """The activation term's shape and coefficients (plan/memory.py): measured when
+    ``plan.activation_file`` is set (the memory block of a ``neon-hpc balance calibrate`` cost
+    file), else the documented formula."""
+    from neon_hpc.plan.memory import FORMULA
+    M, pc = cfg.model, cfg.plan
+    for name in ("hidden_size", "num_attention_heads", "vocab_size"):
+        s.set(name, getattr(M, name), c(f"model.{name}"))
+    recompute = getattr(cfg.train, "recompute", "none")
+    s.set("recompute", recompute, c("train.recompute"))
+    if pc.activation_file:
+        from neon_hpc.balance.memory import load_memory
+        m = load_memory(pc.activation_file)
+        if m.recompute != "none" and m.recompute != recompute or m.recompute == "full":
+            raise ValueError(f"plan.activation_file={pc.activation_file}: measured with train.recompute="
+                             f"{m.recompute!r}, planned with {recompute!r}; the planner derives selective and full "
+                             f"from a measurement without recomputation: re-run `neon-hpc balance calibrate` with "
+                             f"--set train.recompute=none")
+        src = f"measured ({c('plan.activation_file')}: {m.source})"
+        values = {"act_per_hidden": m.per_hidden, "act_per_head": m.per_head, "act_per_vocab": m.per_vocab,
+                  "act_element_bytes": m.element_bytes}
+    else:
+        src = "derived (plan.memory.FORMULA: Korthikanti et al. 2022 in bf16; set plan.activation_file to measure)"
+        values = {"act_per_hidden": FORMULA["per_hidden"], "act_per_head": FORMULA["per_head"],
+                  "act_per_vocab": FORMULA["per_vocab"], "act_element_bytes": FORMULA["element_bytes"]}
+    for name, v in values.items():
+        s.set(name, v, src)
 
 
 def _weight_load(s: Sourced, cfg: Any, c) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from typing import Callable
 
-from neon_hpc.plan.memory import Layout, layout_search
+from neon_hpc.plan.memory import ActivationTerm, Layout, layout_search
 from neon_hpc.plan.params import Sourced
 from neon_hpc.plan.sim import SimResult, simulate
 from neon_hpc.plan.trainer import RATIO_BATCH, StepTimeModel
@@ -115,7 +115,17 @@ def trainer_layout(p, train_nodes: int) -> Layout:
     memory verdict."""
     return layout_search(train_nodes * max(p.gpus_per_node, 1), max(p.tp, 1), max(p.pp, 1), max(p.cp, 1),
                          max(p.ep, 1), p.dense_params, p.expert_params, p.gpu_memory_bytes,
-                         p.train_memory_fraction, p.num_experts, p.num_layers)
+                         p.train_memory_fraction, p.num_experts, p.num_layers, activation_term(p))
+
+
+def activation_term(p) -> ActivationTerm | None:
+    """The activation term of the simulator's parameters (None when they carry no model shape)."""
+    if not p.hidden_size:
+        return None
+    return ActivationTerm(hidden=p.hidden_size, heads=p.num_attention_heads, vocab=p.vocab_size,
+                          num_layers=max(p.num_layers, 1), token_cap=p.token_cap, recompute=p.recompute,
+                          per_hidden=p.act_per_hidden, per_head=p.act_per_head, per_vocab=p.act_per_vocab,
+                          element_bytes=p.act_element_bytes)
 
 
 def split_candidates(total_nodes: int, points: int, train_multiple: int = 1) -> list[int]:

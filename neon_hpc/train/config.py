@@ -43,6 +43,9 @@ class TrainConfig:
     pipeline_first_stage_layers: int = 0   # uneven PP: layers on the first stage (0 = even share)
     pipeline_last_stage_layers: int = 0    # uneven PP: layers on the last stage (0 = even share)
     virtual_pipeline_stages: int = 1     # > 1: interleaved 1F1B with this many model chunks per stage
+    # activation recomputation: none | selective (megatron's core-attention recompute) | full (a layer's
+    # inputs kept, the layer re-run in the backward); the planner's memory term reads it (plan/memory.py)
+    recompute: Literal["none", "selective", "full"] = "none"
     checkpoint_every: int = 4
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
