@@ -127,19 +127,10 @@ def test_calibrate_stand_in_and_without_the_trainer_handed_in(tmp_path):
     assert r.returncode == 2 and "neon-hpc balance calibrate" in r.stderr and "--stand-in" in r.stderr
 
 
-def test_setup_extras_pass_what_setup_takes_and_refuse_what_it_cannot_do():
+def test_setup_extras_are_the_configs_precision_and_recompute():
     from neon_hpc.train.calibrate import setup_extras
-
-    def old_setup(model_cfg, tp=1):
-        pass
-
-    def new_setup(model_cfg, tp=1, precision="fp32", recompute="none"):
-        pass
-    t = config.load(None, ["train.recompute=full"]).train
-    assert setup_extras(t, new_setup)["recompute"] == "full"
-    with pytest.raises(ValueError, match="train.recompute"):
-        setup_extras(t, old_setup)
-    assert setup_extras(config.load(None).train, old_setup) == {}
+    t = config.load(None, ["train.recompute=full", "train.precision=bf16"]).train
+    assert setup_extras(t) == {"precision": "bf16", "recompute": "full"}
 
 
 def test_dry_run_prints_every_planner_and_json_plan(tmp_path):

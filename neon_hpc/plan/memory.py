@@ -20,8 +20,10 @@ tokens (one document of T tokens, the worst case), on the first pipeline stage, 
   attention scores a kernel materialises (a CP rank's queries against the whole prefix);
 * outside the layers ``per_vocab x vocab / tp x T / cp`` (logits and the cross-entropy's
   buffers: the output layer is split by vocabulary over TP);
-* ``train.recompute``: ``selective`` (megatron's core-attention recompute) drops the scores
-  term; ``full`` keeps only each layer's input (``element_bytes x hidden`` per token and
+* ``train.recompute``: ``selective`` (the trainer recomputes the MoE layer and the norms,
+  ``train/backend.recompute_overrides``) drops the scores term and otherwise counts the layer
+  as without recompute (an upper bound for the formula; a measurement taken with
+  ``selective`` is the real figure); ``full`` keeps only each layer's input (``element_bytes x hidden`` per token and
   layer) plus one layer's working set (the layer re-run in the backward).
 
 The coefficients are **measured** when ``plan.activation_file`` names a cost file with a

@@ -23,19 +23,17 @@ What one step reports (:class:`StepMeasure`):
   ``memory_allocated()`` before it: tensors only, not the caching allocator's reserve.  CPU:
   the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus
   its resident set before the step, with glibc mapping every allocation of 64 KiB or more on
-  its own (:class:`_CpuPeak`) and ``malloc_trim(0)`` before the step, so the resident set
+  its own (``train.memory.PeakMemory``) and ``malloc_trim(0)`` before the step, so the resident set
   follows the tensors alive.  It still counts what the OS charges: whole pages, small
   allocations in the arenas, the step's non-tensor memory; so the memory fit uses the longer
   lengths, where tensors dominate.
 
-Setup arguments the lead adds to ``backend.setup`` (``precision``, ``recompute``) are passed
-when the config has them and ``setup`` accepts them (:func:`setup_extras`); a config asking
-for recomputation that this ``setup`` cannot do is refused rather than measured without it.
+The trainer's ``train.precision`` and ``train.recompute`` are passed to ``backend.setup``
+(:func:`setup_extras`), so the step is measured as the trainer runs it; the cost file records both.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import platform
 import sys
@@ -45,6 +43,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from neon_hpc.train.memory import PeakMemory, mmap_large_allocations
+
+
 @dataclass
 class StepMeasure:
     microbatch_s: float          # zero grads + micro-batch build + forward + backward
@@ -52,23 +53,10 @@ class StepMeasure:
     peak_bytes: float            # peak memory above the step's starting point
 
 
-def setup_extras(train_cfg: Any, setup_fn=None) -> dict[str, Any]:
-    """``backend.setup`` keyword arguments for the config's ``train.precision`` / ``train.recompute``,
-    where both exist; ValueError when the config asks for something this ``setup`` cannot do."""
-    if setup_fn is None:
-        from neon_hpc.train.backend import setup as setup_fn
-    accepted = inspect.signature(setup_fn).parameters
-    out = {}
-    for key, plain in (("precision", "fp32"), ("recompute", "none")):
-        if not hasattr(train_cfg, key):
-            continue
-        value = getattr(train_cfg, key)
-        if key in accepted:
-            out[key] = value
-        elif value != plain:
-            raise ValueError(f"train.{key}={value!r}, but this trainer's backend.setup takes no {key!r} "
-                             f"argument: it would be measured without it; set train.{key}: {plain}")
-    return out
+def setup_extras(train_cfg: Any) -> dict[str, Any]:
+    """``backend.setup`` keyword arguments of the config's ``train.precision`` / ``train.recompute``:
+    the step is measured as the trainer will run it."""
+    return {"precision": train_cfg.precision, "recompute": train_cfg.recompute}
 
 
 def synthetic_trajectories(lengths: Sequence[int], vocab: int, seed: int = 0) -> list:
@@ -88,59 +76,6 @@ def synthetic_trajectories(lengths: Sequence[int], vocab: int, seed: int = 0) ->
         t.advantage = 1.0 if i % 2 == 0 else -1.0
         out.append(t)
     return out
-
-
-def _cpu_rss_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key} line: peak RSS cannot be measured on this OS")
-
-
-M_MMAP_THRESHOLD = -3            # glibc mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 64 * 1024
-
-
-def mmap_large_allocations():
-    """glibc: serve every allocation of 64 KiB or more with its own mmap from now on (:class:`_CpuPeak`);
-    returns the library.  RuntimeError where malloc is not glibc's."""
-    from neon_hpc.train.memory import glibc
-    libc = glibc()
-    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
-        raise RuntimeError("the CPU memory measurement needs glibc's malloc (mallopt, malloc_trim) to make "
-                           "the resident set follow the tensors; run it on glibc Linux, or pass --no-memory")
-    return libc
-
-
-class _CpuPeak:
-    """Peak resident set of this process over a span (``/proc/self/clear_refs`` resets ``VmHWM``).
-
-    From its creation on, glibc serves every allocation of 64 KiB or more with its own ``mmap``
-    (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc raising that threshold as it does by
-    default), so a freed tensor leaves the resident set at once and the peak follows the
-    tensors alive rather than the arenas' high-water mark: repeated measurements then agree to
-    ~0.1 MiB (they differed by up to 2x without).  The step gets slower (a page fault per new
-    page), so time steps before the first memory step (``balance calibrate`` does).
-    """
-
-    def __init__(self) -> None:
-        self._libc = mmap_large_allocations()
-
-    def start(self) -> int:
-        import gc
-        gc.collect()
-        self._libc.malloc_trim(0)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")             # reset the peak RSS to the current RSS (Linux >= 4.0)
-        except OSError as e:
-            raise RuntimeError(f"cannot reset the peak RSS (/proc/self/clear_refs: {e.strerror}); run the "
-                               f"memory measurement on Linux, or with --no-memory") from None
-        return _cpu_rss_bytes("VmRSS")
-
-    def peak(self) -> int:
-        return _cpu_rss_bytes("VmHWM")
 
 
 class TrainerStepRunner:
@@ -181,7 +116,7 @@ class TrainerStepRunner:
             self._mark.append(self._now())
             return finalize()
         self.be.finalize_grads = timed_finalize
-        self._cpu_peak = None            # created by the first memory step (_CpuPeak: it changes malloc)
+        self._peak = None                # created by the first memory step (it changes malloc on CPU)
 
     # ---- clocks and memory ------------------------------------------------------------
     def _sync(self) -> None:
@@ -193,21 +128,12 @@ class TrainerStepRunner:
         return time.process_time() if self.clock == "cpu" else time.perf_counter()
 
     def _mem_start(self) -> float:
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return float(torch.cuda.memory_allocated())
-        if self._cpu_peak is None:
-            self._cpu_peak = _CpuPeak()
-        return float(self._cpu_peak.start())
+        if self._peak is None:
+            self._peak = PeakMemory(self.cuda, mmap_large=True)
+        return float(self._peak.start())
 
     def _mem_peak(self) -> float:
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
-            return float(torch.cuda.max_memory_allocated())
-        return float(self._cpu_peak.peak())
+        return float(self._peak.stop())
 
     # ---- steps --------------------------------------------------------------------------
     def step(self, pieces: Sequence[tuple[int, int]], memory: bool = False) -> StepMeasure:

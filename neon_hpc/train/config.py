@@ -43,9 +43,6 @@ class TrainConfig:
     pipeline_first_stage_layers: int = 0   # uneven PP: layers on the first stage (0 = even share)
     pipeline_last_stage_layers: int = 0    # uneven PP: layers on the last stage (0 = even share)
     virtual_pipeline_stages: int = 1     # > 1: interleaved 1F1B with this many model chunks per stage
-    # activation recomputation: none | selective (megatron's core-attention recompute) | full (a layer's
-    # inputs kept, the layer re-run in the backward); the planner's memory term reads it (plan/memory.py)
-    recompute: Literal["none", "selective", "full"] = "none"
     checkpoint_every: int = 4
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
@@ -56,7 +53,8 @@ class TrainConfig:
     # (megatron's Float16Module + mixed-precision optimizer); auto = bf16 on CUDA, fp32 on CPU
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # activation recomputation: full = each layer recomputed in backward from its input;
-    # selective = the experts' activation and the norms (train/backend.recompute_overrides)
+    # selective = the MoE layer and the norms (train/backend.recompute_overrides); the
+    # planner's memory term reads it (plan/memory.py)
     recompute: Literal["none", "selective", "full"] = "none"
 
     CHECKS = {
