@@ -162,7 +162,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout_max_staleness,
                   quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout_stale_policy,
-                  poll_s=cfg.protocol.claim_poll_s)
+                  poll_s=cfg.protocol.claim_poll_s, uid_window_steps=cfg.store.uid_window_steps)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -482,6 +482,7 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
                reward_mean=float(np.mean([t.reward for t in trajs])) if trajs else float("nan"),
                staleness_mean=s_mean, staleness_max=s_max, staleness_hist=hist,
                dropped_stale=res.dropped_stale, quarantined=len(res.quarantined), shards=len(res.shards),
+               duplicates_skipped=res.duplicates,
                masked_stale_tokens=res.masked_stale_tokens, dropped_stale_tokens=res.dropped_stale_tokens,
                claimed_gen_tokens=res.generated_tokens, wasted_rollout_tokens=res.wasted_rollout_tokens,
                version_spans=version_span_histogram(np.asarray(t.versions) for t in trajs),
