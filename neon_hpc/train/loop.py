@@ -357,7 +357,8 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     """Train until ``train.steps`` (or a preemption signal); returns the process exit code.
 
     0: done, or preempted after a checkpoint (requeue and call again); 2: refused to start
-    or cannot continue (config, environment, no data within ``train.wait_for_data_s``).
+    or cannot continue (config, environment, an untrusted or corrupt checkpoint, no data within
+    ``train.wait_for_data_s``).
     """
     try:
         check_config(cfg)
@@ -370,10 +371,18 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     run = RunDir(run_dir).create()
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
+    from neon_hpc.reshard.metadata import CheckpointError
     try:
+        if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
+            ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:
         log.error("%s", e)
+        return 2
+    except CheckpointError as e:
+        # an untrusted or corrupt checkpoint (init_checkpoint, or a resume's step_N): one line naming
+        # the file, what in it is refused, and what to do; no traceback
+        log.error("refused checkpoint: %s", " | ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()))
         return 2
     finally:
         pre.restore()
