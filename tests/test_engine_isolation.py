@@ -154,6 +154,10 @@ MALFORMED = [
     ("/continue_generation", 3, "continue_generation: the body must be a JSON object"),
     ("/update_weights_from_disk", [1], "update_weights_from_disk: the body must be a JSON object"),
     ("/update_weights_from_disk", "v_1", "update_weights_from_disk: the body must be a JSON object"),
+    ("/update_weights_from_disk", {"model_path": "x", "weight_version": True}, "weight_version"),
+    ("/update_weights_from_disk", {"model_path": "x", "abort_all_requests": "yes"}, "abort_all_requests"),
+    ("/update_weights_from_disk", {"model_path": "x", "flush_cache": 0}, "flush_cache"),
+    ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
 ]
 
 

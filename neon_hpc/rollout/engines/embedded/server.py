@@ -146,18 +146,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, results if batch else results[0])
 
     def _update_weights(self, body: Any) -> None:
-        protocol.parse_object(body, "update_weights_from_disk", {})
+        protocol.parse_object(body, "update_weights_from_disk", {
+            "weight_version": (str, int, type(None)), "abort_all_requests": (bool,), "flush_cache": (bool,)})
         if not isinstance(body.get("model_path"), str):
             raise BadRequest("model_path: expected the path of an HF weights folder")
         version = body.get("weight_version")
-        if version is not None and not isinstance(version, (str, int)):
-            raise BadRequest(f"weight_version: expected a string, got {version!r}")
         abort_all = body.get("abort_all_requests", False)
-        if not isinstance(abort_all, bool):
-            raise BadRequest(f"abort_all_requests: expected true or false, got {abort_all!r}")
         flush = body.get("flush_cache", True)   # SGLang's default
-        if not isinstance(flush, bool):
-            raise BadRequest(f"flush_cache: expected true or false, got {flush!r}")
         path = body["model_path"]
         sched = self.server.scheduler
         if flush and sched.holds_requests_in_place():
