@@ -260,10 +260,14 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
             text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"{where}: no such config file; the examples live in configs/") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); the file is damaged") from None
         try:
             data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: not valid YAML: {e}") from e
+        except yaml.YAMLError as e:   # one line: what and where (the default str spans several)
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}{at}") from e
     for item in overrides:
         keys, value = _parse_override(item)
         _apply_override(data, keys, value)

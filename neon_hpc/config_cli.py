@@ -36,22 +36,14 @@ def _trainer(cfg: ExperimentConfig) -> list[Problem]:
 
 
 def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
-    path = cfg.model.init_checkpoint
-    if not path:
+    if not cfg.model.init_checkpoint:
         return []
-    from neon_hpc.train.backend import init_checkpoint_kind
-    p = Path(path)
-    try:
-        if init_checkpoint_kind(p) == "hf":
-            return []
-    except FileNotFoundError as e:
-        return [("trainer", str(e))]
     from neon_hpc.reshard.metadata import CheckpointError
-    from neon_hpc.train.checkpoint import refuse_untrusted
+    from neon_hpc.train.checkpoint import check_init_checkpoint   # the trainer's own start-up check
     try:
-        refuse_untrusted(p)
+        check_init_checkpoint(cfg.model.init_checkpoint)
     except CheckpointError as e:
-        return [("trainer", f"model.init_checkpoint: {e}")]
+        return [("trainer", str(e))]
     return []
 
 

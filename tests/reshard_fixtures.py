@@ -80,7 +80,18 @@ def _layouts_in_group(out: str, layouts: list, seq: int) -> None:
             np.save(d / "logits.npy", logits.float().numpy())
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), str(d / "ckpt"))
-        dist.barrier()
+        _seal_on_rank0(d / "ckpt")
+
+
+def _seal_on_rank0(ckpt: Path) -> None:
+    """Write the digests (``integrity.json``) every checkpoint neon-hpc saves carries: reshard
+    refuses a checkpoint without them unless told ``--allow-unverified``."""
+    import torch.distributed as dist
+    from neon_hpc.reshard import integrity
+    dist.barrier()
+    if dist.get_rank() == 0:
+        integrity.seal(ckpt)
+    dist.barrier()
 
 
 def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2, 2)), seq: int = 8) -> Path:
@@ -145,7 +156,7 @@ def _mla_in_group(out: str, seq: int) -> None:
         np.save(out_p / "logits.npy", logits.float().numpy())
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(out_p / "ckpt"))
-    dist.barrier()
+    _seal_on_rank0(out_p / "ckpt")
 
 
 def save_mla(out_dir: str | os.PathLike, seq: int = 8) -> Path:

@@ -96,10 +96,11 @@ def test_malicious_checkpoint_pickles_refused(tmp_path):
     assert line is not None, f"child failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     out = json.loads(line.split(" ", 1)[1])
     assert out["real_loaded_step"] == 1                     # what the trainer writes is accepted
-    for name, needle in (("resume_metadata", "posix.system"), ("resume_common", "weights_only"),
+    for name, needle in (("resume_metadata", "posix.system"), ("resume_common", "global(s) posix.system"),
                          ("init_checkpoint", "posix.system")):
         assert out[name].startswith("REFUSED "), (name, out[name])
         assert needle in out[name], (name, out[name])
+        assert "\n" not in out[name], (name, out[name])      # one line: the file, the global, what to do
     assert "step_2/.metadata" in out["resume_metadata"] and "step_3/common.pt" in out["resume_common"]
     assert out["marker_after_refusals"] is False            # the command never ran
     assert out["marker_after_megatron"] is True             # ... and would have, without the check
@@ -124,4 +125,56 @@ def test_config_check_refuses_malicious_init_checkpoint(tmp_path):
                        cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "model.init_checkpoint" in r.stderr and "posix.system" in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+def _evil_reduce(marker: Path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    return Evil()
+
+
+def _init_dir(tmp_path: Path, what: str, marker: Path) -> tuple[Path, str, str]:
+    """A model.init_checkpoint folder of kind ``what``; returns (folder, file named, what it names)."""
+    import pickle
+
+    import torch
+    d = tmp_path / f"init_{what.replace(' ', '_')}"
+    d.mkdir()
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    if what == "malicious .metadata":
+        (d / ".metadata").write_bytes(pickle.dumps(_evil_reduce(marker)))
+        return d, ".metadata", "global posix.system"
+    if what == "malicious common.pt":
+        from torch.distributed.checkpoint.metadata import Metadata
+        (d / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+        torch.save({"note": _evil_reduce(marker)}, d / "common.pt")
+        return d, "common.pt", "global(s) posix.system"
+    if what == "truncated .metadata":
+        from torch.distributed.checkpoint.metadata import Metadata
+        (d / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}))[:20])
+        return d, ".metadata", "cannot read DCP metadata"
+    if what == "neither kind":
+        return d, str(d), "neither a torch_dist checkpoint"
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["malicious .metadata", "malicious common.pt", "truncated .metadata", "neither kind"])
+def test_the_trainer_refuses_an_untrusted_init_checkpoint_in_one_line(tmp_path, what):
+    """The trainer process, as the launcher starts it: no traceback, one error line naming the
+    file and what in it is refused, what to do, exit code 2, before the model is built."""
+    marker = tmp_path / "PWNED"
+    d, file, named = _init_dir(tmp_path, what, marker)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "neon_hpc.train", "--config", "configs/tiny_cpu.yaml",
+                        "--run-dir", str(tmp_path / "run"), "--set", f"model.init_checkpoint={d}"],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1, r.stderr[-3000:]
+    line = errors[0]
+    assert "model.init_checkpoint" in line and file in line and named in line, line
+    assert any(w in line for w in ("Re-save", "re-save", "restore", "point it at")), line   # what to do
     assert not marker.exists()

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from neon_hpc.reshard import convert
+from neon_hpc.reshard.cli import main
 from neon_hpc.reshard.pipeline import ReshardError, build_plan
 from reshard_fixtures import shared
 from neon_hpc.reshard.serial import materialize
@@ -158,8 +159,9 @@ def test_foreign_pickle_is_refused_and_leaves_nothing(ckpt, tmp_path):
 
 
 def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path, capsys):
-    """Without digests (integrity.json removed), damage that breaks the blob's zip fails the run
-    and removes staging; the run warned that integrity could not be verified."""
+    """Without digests (integrity.json removed, converted with --allow-unverified), damage that
+    breaks the blob's zip fails the run and removes staging; the run warned that integrity could
+    not be verified."""
     src = _broken_copy(ckpt, tmp_path)
     (src / "integrity.json").unlink()
     plan, _, _ = build_plan(src, ckpt / "hf")
@@ -169,9 +171,142 @@ def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path, capsy
         f.write(b"\0" * 64)
     (tmp_path / "out").mkdir()
     with pytest.raises(ReshardError, match="not a loadable torch.save blob"):
-        convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", ranks=2)
+        convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", ranks=2, allow_unverified=True)
     _assert_nothing_written(tmp_path / "out")
     assert "integrity of its tensor bytes cannot be verified" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_digests_is_refused_unless_allowed_and_the_output_says_so(ckpt, tmp_path, capsys):
+    src = _broken_copy(ckpt, tmp_path)
+    (src / "integrity.json").unlink()
+    (tmp_path / "out").mkdir()
+    rc = main(["--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("reshard: error: ") and "has no integrity.json" in err, err
+    assert "--allow-unverified" in err and err.count("\n") == 1
+    _assert_nothing_written(tmp_path / "out")
+    stats = convert(src, tmp_path / "out" / "hf", hf_config_dir=ckpt / "hf", allow_unverified=True)
+    assert stats["digests_verified"] is False
+    index = json.loads((tmp_path / "out" / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["integrity"] == "not verified: --allow-unverified (the checkpoint has no integrity.json)"
+    verified = convert(ckpt / "ckpt", tmp_path / "ok", hf_config_dir=ckpt / "hf")
+    assert verified["digests_verified"]
+    assert json.loads((tmp_path / "ok" / "model.safetensors.index.json").read_text())["metadata"]["integrity"] == "verified"
+
+
+# ---------------------------------------------------------------------------------------
+# every input file, every kind of damage: one `reshard: error:` line naming the file, rc 1,
+# no output (or, for the files reshard does not need, a normal conversion)
+
+def _flip_middle(path: Path, at: int | None = None) -> None:
+    """64 bytes XOR 0xFF (in a text file: invalid UTF-8) at ``at`` (default the middle)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    n = min(64, len(data) - at)
+    data[at:at + n] = bytes(b ^ 0xFF for b in data[at:at + n])
+    path.write_bytes(bytes(data))
+
+
+def _wrong_shape(path: Path) -> None:
+    """Valid syntax, wrong content: what each file's own parser must catch."""
+    if path.name == "metadata.json":
+        path.write_text("[1]")
+    elif path.name == "integrity.json":
+        body = json.loads(path.read_text())
+        name = sorted(body["files"])[0]
+        body["files"][name]["items"] = {k: 7 for k in body["files"][name]["items"]}
+        path.write_text(json.dumps(body))
+    elif path.name == "config.json":
+        path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_size": "32"}))
+    elif path.name == ".metadata":   # a valid DCP pickle whose first chunk overruns its tensor
+        import pickle
+        meta = pickle.loads(path.read_bytes())   # the fixture's own file: trusted here
+        md = next(v for v in meta.state_dict_metadata.values() if hasattr(v, "chunks"))
+        md.chunks[0].sizes = torch.Size([d + 5 for d in md.chunks[0].sizes])
+        path.write_bytes(pickle.dumps(meta))
+    else:
+        raise AssertionError(path)
+
+
+DAMAGE = {
+    "flipped": _flip_middle,
+    "truncated": lambda p: os.truncate(p, p.stat().st_size // 2),
+    "empty": lambda p: os.truncate(p, 0),
+    "deleted": lambda p: p.unlink(),
+    "wrong shape": _wrong_shape,
+}
+# per file: the damage it is checked for, and the files reshard does not read (converts unchanged)
+FILES = {"metadata.json": DAMAGE, ".metadata": DAMAGE, "integrity.json": DAMAGE, "hf/config.json": DAMAGE,
+         "__0_0.distcp": {k: v for k, v in DAMAGE.items() if k != "wrong shape"},
+         "__0_1.distcp": {k: v for k, v in DAMAGE.items() if k != "wrong shape"},
+         "__1_0.distcp": {k: v for k, v in DAMAGE.items() if k != "wrong shape"},
+         "__1_1.distcp": {k: v for k, v in DAMAGE.items() if k != "wrong shape"},
+         "common.pt": {k: v for k, v in DAMAGE.items() if k != "wrong shape"}}
+NOT_READ = {"common.pt"}                                  # megatron's non-sharded state: not needed for weights
+STILL_VALID = {("metadata.json", "deleted")}               # a plain DCP checkpoint has no megatron marker
+CASES = [(f, d) for f, ds in FILES.items() for d in ds]
+
+
+def test_the_matrix_covers_every_file_of_the_checkpoint(ckpt):
+    assert sorted(f for f in FILES if f != "hf/config.json") == sorted(p.name for p in (ckpt / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("file,damage", CASES, ids=[f"{f}-{d}" for f, d in CASES])
+def test_damage_to_any_input_file_is_one_error_line_naming_it(ckpt, tmp_path, capsys, file, damage):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src, ignore=shutil.ignore_patterns("hf_out*"))
+    victim = src / file if file.startswith("hf/") else src / "ckpt" / file
+    if victim.suffix == ".distcp" and damage == "flipped":   # inside a blob reshard reads (not optimizer state)
+        plan, _, _ = build_plan(src / "ckpt", src / "hf")
+        chunk = next(c for t in plan.tasks for _, c in t.chunks if c.file == file)
+        _flip_middle(victim, chunk.offset + chunk.length // 2)
+    else:
+        DAMAGE[damage](victim)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = main(["--src", str(src / "ckpt"), "--dst", str(out / "hf"), "--hf-config-dir", str(src / "hf"), "--quiet"])
+    err = capsys.readouterr().err
+    if file in NOT_READ or (file, damage) in STILL_VALID:
+        assert rc == 0, err
+        assert (out / "hf" / "model.safetensors.index.json").exists()
+        return
+    assert rc == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), err
+    assert Path(file).name in lines[0], err
+    _assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "not YAML", "wrong shape"])
+def test_a_damaged_run_yaml_as_the_config_source_is_one_error_line_naming_it(ckpt, tmp_path, capsys, damage):
+    """A checkpoint inside a run takes its config from RUN/run.yaml (the third source)."""
+    from neon_hpc import config as experiment
+    run = tmp_path / "run"
+    shutil.copytree(ckpt / "ckpt", run / "checkpoints" / "step_1")
+    run_yaml = run / "run.yaml"
+    run_yaml.write_text(experiment.dump(experiment.load(None)))
+    if damage == "flipped":
+        _flip_middle(run_yaml)
+    elif damage == "not YAML":
+        run_yaml.write_text("model: [unclosed\n")
+    else:
+        run_yaml.write_text("model: 5\n")
+    (tmp_path / "out").mkdir()
+    rc = main(["--src", str(run / "checkpoints" / "step_1"), "--dst", str(tmp_path / "out" / "hf"), "--quiet"])
+    lines = capsys.readouterr().err.splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("reshard: error: ") and "run.yaml" in lines[0], lines
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_a_damaged_marker_through_the_tool_is_an_error_line_not_a_traceback(ckpt, tmp_path):
+    """The issue's repro, as an operator runs it: 64 flipped bytes (invalid UTF-8) in metadata.json."""
+    src = _broken_copy(ckpt, tmp_path)
+    _flip_middle(src / "metadata.json")
+    (tmp_path / "out").mkdir()
+    r = run_cli("--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("reshard: error: ") and "metadata.json" in r.stderr and "not UTF-8" in r.stderr
+    _assert_nothing_written(tmp_path / "out")
 
 
 @pytest.mark.parametrize("mode", ["fast", "serial"])

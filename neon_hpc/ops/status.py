@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.launch.common import trained_versions_and_waste
+from neon_hpc.launch.common import trained_versions_and_waste, trainer_steps
 from neon_hpc.launch.slurmjob import SlurmUnavailable, query
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
@@ -91,6 +91,8 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
         "heartbeats": run.heartbeats(),
         "shards": shard_counts(run),
         "trajectories_written": len(rollout),
+        # trajectories a claim skipped because their uid had been consumed (a shard published twice)
+        "duplicates_skipped": sum(int(r.get("duplicates_skipped", 0)) for r in trainer_steps(trainer)),
         "staleness_hist": trainer[-1].get("staleness_hist", {}) if trainer else {},
         **trained_versions_and_waste(trainer),
         "trainer_tokens_per_s": _rate(trainer, "tokens"),
@@ -127,7 +129,8 @@ def render(info: dict[str, Any]) -> str:
                  f"weights=v_{_fmt(info['weights_latest'])} reward={_fmt(info['reward_last'])}")
     s = info["shards"]
     lines.append(f"shards    ready={s['ready']} claimed={s['claimed']} quarantined={s['quarantined']} "
-                 f"writing={s['writing']}  trajectories written={info['trajectories_written']}")
+                 f"writing={s['writing']}  trajectories written={info['trajectories_written']}"
+                 f"{'  duplicates skipped=' + str(info['duplicates_skipped']) if info.get('duplicates_skipped') else ''}")
     lines.append(f"tokens/s  trainer={_fmt(info['trainer_tokens_per_s'])} rollout={_fmt(info['rollout_tokens_per_s'])}")
     if info["staleness_hist"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(info["staleness_hist"].items(), key=lambda kv: int(kv[0])))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
 import socket
 import time
@@ -93,7 +94,7 @@ class Record:
         if not isinstance(obj, dict):
             raise RunDirError(f"{path}: not a {cls.KIND} record (a JSON {type(obj).__name__}, not an object); "
                               f"it was not written by neon-hpc. Move it aside and restart")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "extra":
@@ -120,6 +121,13 @@ class Record:
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_json(path, self.to_json())
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A record class's field types, evaluated once (``get_type_hints`` compiles every string
+    annotation on each call: most of the cost of reading a record)."""
+    return typing.get_type_hints(cls)
 
 
 def _coerce(v: Any, tp: Any) -> Any:
@@ -474,6 +482,8 @@ class ClaimRecord(Record):
     generated_tokens: int = 0
     masked_stale_tokens: int = 0
     dropped_stale_tokens: int = 0
+    uids: list = field(default_factory=list)          # trajectory uids this claim consumed (kept or stale-dropped)
+    duplicates: list = field(default_factory=list)    # [{"shard", "index", "uid", "step"}]: skipped, uid seen before
 
     @classmethod
     def from_json(cls, obj: Any, path: str | os.PathLike = "<record>"):

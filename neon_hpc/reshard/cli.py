@@ -26,6 +26,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "ones in the output's README.md (never for serving)")
     p.add_argument("--no-verify-digests", dest="verify_digests", action="store_false",
                    help="do not check chunks against the checkpoint's integrity.json (to measure the check's cost)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="convert a checkpoint that has no integrity.json (refused otherwise); recorded in the "
+                        "output's model.safetensors.index.json metadata.integrity")
     p.add_argument("--ranks", type=int, help="plan ranks (default: MPI world size, else 1)")
     p.add_argument("--mode", choices=["fast", "serial"], default="fast",
                    help="fast: planned byte-range reads; serial: materialize, convert, reshard (baseline)")
@@ -61,13 +64,16 @@ def main(argv: list[str] | None = None) -> int:
             if source.guessed:
                 print("config fields guessed: " + ", ".join(source.guessed))
             if plan.ckpt.digests is None:
-                print(f"warning: {plan.ckpt.path} {UNVERIFIED_WARNING}")
+                print(f"warning: {plan.ckpt.path} {UNVERIFIED_WARNING}; converting it needs --allow-unverified")
             return 0
         stats = convert(args.src, args.dst, args.hf_config_dir, args.arch, args.ranks, mode=args.mode,
                         shard_cap=cap, verify=args.verify, progress=not args.quiet, use_mpi=None,
-                        allow_guessed_config=args.allow_guessed_config, verify_digests=args.verify_digests)
+                        allow_guessed_config=args.allow_guessed_config, verify_digests=args.verify_digests,
+                        allow_unverified=args.allow_unverified)
     except (CheckpointError, ReshardError) as e:
-        print(f"reshard: error: {e}", file=sys.stderr)
+        # one line whatever the message (a quoted parser error may span several)
+        print("reshard: error: " + " | ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()),
+              file=sys.stderr)
         return 1
     except BaseException:
         _abort_world_if_mpi()

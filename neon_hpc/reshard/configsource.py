@@ -18,14 +18,14 @@ checkpoint's tensors before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neon_hpc.bounded import short_repr
 from neon_hpc.hfmap import hf_config_dict
 from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
-from neon_hpc.reshard.metadata import Checkpoint
+from neon_hpc.reshard.metadata import Checkpoint, read_json_object
 
 CONFIG_FILE = "config.json"
 from neon_hpc.protocol.rundir import RUN_YAML as RUN_CONFIG  # noqa: E402  (the run's config file)
@@ -70,19 +70,36 @@ def hf_config_for_model(model_cfg) -> dict:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MappingError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise MappingError(f"{path}: expected a JSON object (an HF config.json), got {type(cfg).__name__}")
+    cfg = read_json_object(path, "an HF config.json", MappingError)
+    if cfg is None:
+        raise MappingError(f"{path} is missing")
+    _check_field_types(cfg, str(path))
     return cfg
+
+
+def _check_field_types(cfg: dict, where: str) -> None:
+    """The fields reshard computes with are integers (``vocab_size``, the shape fields) or a
+    string (``model_type``): anything else is refused naming the field, not met later as a
+    TypeError deep in the plan."""
+    ints = {"vocab_size", *(k for ks in _SHAPE_FIELDS.values() for k in ks)}
+    for k in sorted(ints & set(cfg)):
+        v = cfg[k]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise MappingError(f"{where}: {k} is {short_repr(v)}, not a non-negative integer; the config is "
+                               f"damaged or not this model's HF config.json")
+    for k in ("model_type",):
+        if k in cfg and cfg[k] is not None and not isinstance(cfg[k], str):
+            raise MappingError(f"{where}: {k} is {short_repr(cfg[k])}, not a string")
+    if "architectures" in cfg and not (isinstance(cfg["architectures"], list)
+                                       and all(isinstance(a, str) for a in cfg["architectures"])):
+        raise MappingError(f"{where}: architectures is {short_repr(cfg['architectures'])}, not a list of strings")
 
 
 def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None, arch: str | None = None,
             allow_guessed: bool = False) -> ConfigSource:
     """The config for ``ckpt`` from the first source that applies (see the module doc)."""
     if hf_config is not None:
+        _check_field_types(hf_config, "hf_config (given by the caller)")
         return ConfigSource(dict(hf_config), "hf_config (given by the caller)")
     if hf_config_dir is not None:
         p = Path(hf_config_dir) / CONFIG_FILE

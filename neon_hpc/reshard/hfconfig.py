@@ -21,20 +21,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tiktoken.model")
 
 
-def load_hf_config(hf_config_dir: str | Path | None, hf_config: dict | None) -> dict | None:
-    if hf_config is not None:
-        return dict(hf_config)
-    if hf_config_dir is None:
-        return None
-    p = Path(hf_config_dir) / "config.json"
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise MappingError(f"{p} is missing; --hf-config-dir must hold the model's HF config.json") from None
-    except json.JSONDecodeError as e:
-        raise MappingError(f"{p}: not valid JSON ({e})") from e
-
-
 def _shape(ckpt: Checkpoint, *keys: str):
     for k in keys:
         if k in ckpt.tensors:

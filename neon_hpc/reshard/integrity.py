@@ -26,6 +26,7 @@ from pathlib import Path
 
 import xxhash
 
+from neon_hpc.bounded import short_repr
 from neon_hpc.reshard.metadata import CheckpointError
 
 DIGEST_FILE = "integrity.json"
@@ -168,18 +169,46 @@ class Digests:
 
 
 def load(ckpt_dir: str | os.PathLike) -> Digests | None:
-    """The checkpoint's digests, or None when it has none (saved before they existed, or foreign)."""
+    """The checkpoint's digests, or None when it has none (saved before they existed, or foreign).
+
+    The whole file is checked here, before any tensor byte is read: a damaged ``integrity.json``
+    (not UTF-8, not JSON, or not the shape written by :func:`write`) raises naming it."""
+    from neon_hpc.reshard.metadata import read_json_object
     path = Path(ckpt_dir) / DIGEST_FILE
-    try:
-        body = json.loads(path.read_text())
-    except FileNotFoundError:
+    body = read_json_object(path, "the checkpoint's digest file", IntegrityError)
+    if body is None:
         return None
-    except json.JSONDecodeError as e:
-        raise IntegrityError(f"{path}: not valid JSON ({e}); the checkpoint's digest file is damaged") from e
     if body.get("format") != FORMAT or body.get("algorithm") != ALGORITHM or not isinstance(body.get("files"), dict):
-        raise IntegrityError(f"{path}: format {body.get('format')!r} / algorithm {body.get('algorithm')!r} not "
-                             f"understood (expected format {FORMAT}, {ALGORITHM})")
+        raise IntegrityError(f"{path}: format {short_repr(body.get('format'))} / algorithm {short_repr(body.get('algorithm'))} "
+                             f"/ files {type(body.get('files')).__name__} not understood (expected format {FORMAT}, "
+                             f"{ALGORITHM}, files an object); the digest file is damaged or from another tool")
+    for name, entry in body["files"].items():
+        problem = _entry_problem(entry)
+        if problem:
+            raise IntegrityError(f"{path}: files[{short_repr(name)}] {problem}; the digest file is damaged: restore it "
+                                 f"from another copy of the checkpoint")
     return Digests(path, body["files"])
+
+
+_HEX = re.compile(r"^[0-9a-f]{1,16}$")
+_RANGE = re.compile(r"^\d+:\d+$")
+
+
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one file's entry of ``integrity.json`` (None: nothing)."""
+    if not isinstance(entry, dict):
+        return f"is a {type(entry).__name__}, not an object"
+    size, digest, items = entry.get("size"), entry.get("digest"), entry.get("items")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"size is {short_repr(size)}, not a byte count"
+    if not isinstance(digest, str) or not _HEX.match(digest):
+        return f"digest is {short_repr(digest)}, not an {ALGORITHM} hex digest"
+    if not isinstance(items, dict):
+        return f"items is a {type(items).__name__}, not an object"
+    for k, v in items.items():
+        if not _RANGE.match(k) or not isinstance(v, str) or not _HEX.match(v):
+            return f"items[{short_repr(k)}] = {short_repr(v)} is not '<offset>:<length>': <{ALGORITHM} hex digest>"
+    return None
 
 
 UNVERIFIED_WARNING = (f"has no {DIGEST_FILE}: the integrity of its tensor bytes cannot be verified "

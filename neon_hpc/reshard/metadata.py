@@ -28,6 +28,30 @@ class CheckpointError(RuntimeError):
     """The checkpoint is missing, truncated, foreign, or does not match its metadata."""
 
 
+def read_json_object(path: Path, what: str, error: type[CheckpointError] = CheckpointError) -> dict | None:
+    """Every JSON file reshard reads goes through here: ``path`` parsed as a JSON object, or
+    None when it does not exist.  Any other problem (unreadable, not UTF-8, not JSON, not an
+    object) raises ``error`` naming the file and ``what`` it should be, on one line."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} ({e.strerror or e})") from e
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: {what} is damaged: not UTF-8 text (byte {e.start}: {e.reason}); restore the file "
+                    f"from another copy of the checkpoint") from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{path}: {what} is damaged: not valid JSON ({e}); restore the file from another copy "
+                    f"of the checkpoint") from None
+    if not isinstance(body, dict):
+        raise error(f"{path}: {what} must be a JSON object, got {type(body).__name__}; the file is damaged "
+                    f"or not {what}")
+    return body
+
+
 # DCP stores dtypes as torch globals; we keep their names.  Bytes per element for planning.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -163,8 +187,10 @@ def load_dcp_metadata(path: Path):
     except CheckpointError:
         raise
     except Exception as e:  # truncated or garbage pickle
-        raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e}); "
-                              f"the file is truncated or not a DCP .metadata pickle") from e
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:200]
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {first}); the file is "
+                              f"truncated or not a DCP .metadata pickle: restore it from another copy of the "
+                              f"checkpoint, or use an older one") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,12 +199,10 @@ def load_dcp_metadata(path: Path):
 
 def _check_marker(ckpt: Path) -> None:
     marker = ckpt / "metadata.json"
-    if not marker.exists():
+    body = read_json_object(marker, "megatron's checkpoint marker")
+    if body is None:
         return  # plain DCP checkpoints (no megatron marker) read the same way
-    try:
-        backend = json.loads(marker.read_text()).get("sharded_backend")
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{marker}: not valid JSON ({e})") from e
+    backend = body.get("sharded_backend")
     if backend not in ("torch_dist", None):
         raise CheckpointError(f"{marker}: sharded_backend is {backend!r}; only torch_dist checkpoints "
                               f"are supported (re-save with --ckpt-format torch_dist)")
@@ -197,7 +221,14 @@ def _tensor_meta(key: str, md, storage: dict) -> TensorMeta:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{key}@{list(offsets)} is stored with transforms "
                                   f"{info.transform_descriptors}; only plain torch.save chunks are supported")
-        tm.chunks.append(Chunk(offsets, sizes, info.relative_path, int(info.offset), int(info.length)))
+        chunk = Chunk(tuple(int(x) for x in offsets), tuple(int(x) for x in sizes), str(info.relative_path),
+                      int(info.offset), int(info.length))
+        if (len(chunk.offsets) != len(tm.shape) or len(chunk.sizes) != len(tm.shape) or chunk.offset < 0
+                or chunk.length <= 0 or any(o < 0 or z < 0 or o + z > d
+                                            for o, z, d in zip(chunk.offsets, chunk.sizes, tm.shape))):
+            raise CheckpointError(f"chunk {key}@{list(offsets)} of size {list(sizes)} at bytes [{chunk.offset}, "
+                                  f"+{chunk.length}) does not fit the tensor's global shape {list(tm.shape)}")
+        tm.chunks.append(chunk)
     return tm
 
 
@@ -212,13 +243,20 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     storage_raw = getattr(meta, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage_raw, dict):
         raise CheckpointError(f"{ckpt / '.metadata'}: no state_dict_metadata/storage_data; not a DCP checkpoint")
-    storage = {(idx.fqn, tuple(getattr(idx, "offset", None) or ())): info for idx, info in storage_raw.items()}
     tensors, others = {}, []
-    for key, md in sdm.items():
-        if type(md).__name__ == "TensorStorageMetadata":
-            tensors[key] = _tensor_meta(key, md, storage)
-        else:
-            others.append(key)
+    try:
+        storage = {(idx.fqn, tuple(getattr(idx, "offset", None) or ())): info for idx, info in storage_raw.items()}
+        for key, md in sdm.items():
+            if type(md).__name__ == "TensorStorageMetadata":
+                tensors[key] = _tensor_meta(str(key), md, storage)
+            else:
+                others.append(str(key))
+    except CheckpointError as e:
+        raise CheckpointError(f"{ckpt / '.metadata'}: {e}") from None
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+        # a pickle that loads but does not hold what DCP writes (damage that kept it a valid pickle)
+        raise CheckpointError(f"{ckpt / '.metadata'}: malformed DCP metadata ({type(e).__name__}: {e}); the file is "
+                              f"damaged or foreign: restore it from another copy of the checkpoint") from None
     files = {c.file for t in tensors.values() for c in t.chunks}
     from neon_hpc.reshard import integrity
     return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files), integrity.load(ckpt))

@@ -19,7 +19,7 @@ from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
 from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src
 from neon_hpc.reshard.configsource import resolve as resolve_config
 from neon_hpc.reshard.hfconfig import write_hf_side
-from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
+from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
 
@@ -52,7 +52,8 @@ def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None
 def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | None = None, *,
             hf_config: dict | None = None, mode: str = "fast", shard_cap: int = DEFAULT_SHARD_CAP,
             verify: int | None = None, progress: bool = False, use_mpi: bool | None = False,
-            allow_guessed_config: bool = False, verify_digests: bool = True) -> dict:
+            allow_guessed_config: bool = False, verify_digests: bool = True,
+            allow_unverified: bool = False) -> dict:
     """Convert torch_dist checkpoint ``src`` into HF safetensors directory ``dst``.
 
     ``ranks``: how many plan ranks (default: the MPI world size, 1 without MPI).  A process
@@ -64,6 +65,9 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
     ``allow_guessed_config``: with no config found, derive one from shapes (``arch`` needed)
     and record the guesses.  ``verify_digests``: check every chunk read against the
     checkpoint's ``integrity.json`` (False only to measure what the check costs).
+    ``allow_unverified``: convert a checkpoint that has no ``integrity.json`` (refused
+    otherwise: every checkpoint neon-hpc writes carries one, so its absence means it was
+    removed or the checkpoint is foreign); the output's index records it.
     Returns stats (on every rank; rank 0's are complete).
     """
     t0 = time.monotonic()
@@ -81,7 +85,12 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
                            f"or remove it first.")
     warnings = []
     if plan.ckpt.digests is None:
-        warnings.append(f"{plan.ckpt.path} {UNVERIFIED_WARNING}")
+        if not allow_unverified:
+            raise ReshardError(f"{plan.ckpt.path} {UNVERIFIED_WARNING}. Every checkpoint neon-hpc saves carries "
+                               f"one, so it was removed or the checkpoint is foreign; restore it from another copy, "
+                               f"or pass --allow-unverified to convert anyway (recorded in the output's "
+                               f"model.safetensors.index.json metadata.integrity)")
+        warnings.append(f"{plan.ckpt.path} {UNVERIFIED_WARNING}; converted anyway (--allow-unverified)")
     elif not verify_digests:
         warnings.append(f"{plan.ckpt.path}: digest verification switched off; corrupt bytes would pass")
     if source.guessed:
@@ -99,7 +108,10 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
     errors = [r["error"] for r in results if "error" in r]
     final = None
     if comm.rank == 0:
-        final = _guarded(lambda: _finish(plan, source, staging, dst, errors, verify, mode))
+        integrity = ("verified" if plan.ckpt.digests is not None and verify_digests else
+                     "not verified: --no-verify-digests" if plan.ckpt.digests is not None else
+                     f"not verified: --allow-unverified (the checkpoint has no {DIGEST_FILE})")
+        final = _guarded(lambda: _finish(plan, source, staging, dst, errors, verify, mode, integrity))
     final = comm.bcast(final)
     if "error" in final:
         raise ReshardError(final["error"])
@@ -152,7 +164,8 @@ def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: b
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode) -> dict:
+def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode,
+            integrity: str) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
     from neon_hpc.protocol.rundir import publish_dir
     try:
@@ -166,6 +179,7 @@ def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[s
         verified = verify_output(plan, staging, index, verify) if verify is not None else None
         write_hf_side(staging, source.cfg, source.tokenizer_dir)
         index["metadata"]["config_source"] = source.origin
+        index["metadata"]["integrity"] = integrity   # whether the tensor bytes were checked against digests
         if source.guessed:
             index["metadata"]["guessed_config_fields"] = source.guessed
             _write_guess_readme(staging, plan, source)

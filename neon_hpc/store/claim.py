@@ -29,6 +29,14 @@ Staleness (with ``trainer_version`` and ``max_staleness`` given), per ``stale_po
 
 Either way the waste is counted in generated tokens (``masked_stale_tokens``,
 ``dropped_stale_tokens`` over ``generated_tokens``, all in CLAIM.json).
+
+Exactly once by trajectory uid (``metadata["uid"]``, a string): names make shards unique,
+not their content, so a valid shard published again under a new name (a copy put back into
+ready/, a writer retrying a publish) would train twice.  Every committed claim records the
+uids it consumed (``CLAIM.json`` ``uids``); a claim skips a trajectory whose uid a committed
+claim of the last ``uid_window_steps`` steps (or this claim itself) already consumed, and
+records it (``CLAIM.json`` ``duplicates``, ``ClaimResult.duplicates``).  The window is read
+back from those records, so it survives a restart with nothing else to persist.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +58,7 @@ from neon_hpc.protocol.rundir import OWNER as OWNER_FILE
 from neon_hpc.protocol.rundir import REASON_SUFFIX
 from neon_hpc.protocol.rundir import RunDir, atomic_write_text, fsync_dir, remove_stale_tmp, staging_dir_for
 from neon_hpc.store import schema as S
+from neon_hpc.store.config import StoreConfig
 from neon_hpc.store.reader import ShardError, read_shard
 from neon_hpc.store.trajectory import Trajectory
 
@@ -57,6 +67,7 @@ log = logging.getLogger("neon_hpc.store")
 # CLAIM_FILE, OWNER_FILE, DROPPED_FILE, REASON_SUFFIX: the record names, re-exported from neon_hpc.protocol
 DEFAULT_POLL_S = ProtocolConfig.claim_poll_s   # how often a waiting claim looks at ready/ (the trainer passes its config's)
 STALE_POLICIES = ("mask", "drop")
+DEFAULT_UID_WINDOW_STEPS = StoreConfig.uid_window_steps
 
 
 def stale_token_mask(loss_mask, versions, trainer_version: int, max_staleness: int):
@@ -89,6 +100,7 @@ class ClaimResult:
     generated_tokens: int = 0            # generated tokens of every trajectory read (kept or dropped)
     masked_stale_tokens: int = 0         # generated tokens of kept trajectories given loss weight 0
     dropped_stale_tokens: int = 0        # generated tokens of the dropped trajectories
+    duplicates: int = 0                  # trajectories skipped: their uid was consumed already
 
     @property
     def wasted_rollout_tokens(self) -> float:
@@ -164,6 +176,64 @@ def staleness_stats(trajs: list[Trajectory], trainer_version: int) -> dict:
             "staleness_hist": hist}
 
 
+def trajectory_uid(t: Trajectory) -> str | None:
+    """The run-wide id a producer gave ``t`` (``metadata["uid"]``), or None (not deduplicated)."""
+    uid = t.metadata.get("uid") if isinstance(t.metadata, dict) else None
+    return uid if isinstance(uid, str) and uid else None
+
+
+class ConsumedUids:
+    """The uids consumed by a run's committed claims, read from their ``CLAIM.json`` once per
+    process (a committed record never changes) and kept as one ``uid -> step`` map; a lookup
+    applies the window.  A step directory moved aside is forgotten at the next refresh."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.steps: set[int] = set()
+        self.step_of: dict[str, int] = {}
+        self._uids: dict[int, list[str]] = {}
+
+    def refresh(self, rd: RunDir, lowest: int) -> None:
+        """Load the committed claims of steps >= ``lowest`` not loaded yet; drop the others."""
+        try:
+            names = os.listdir(rd.traj_claimed)
+        except FileNotFoundError:
+            names = []
+        present = {int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit() and int(n[5:]) >= lowest}
+        with self._lock:
+            for gone in self.steps - present:
+                for u in self._uids.pop(gone, []):
+                    if self.step_of.get(u) == gone:
+                        del self.step_of[u]
+                self.steps.discard(gone)
+            for s in sorted(present - self.steps):
+                record = ClaimRecord.read_in(rd.claimed_step(s))
+                if record is None:
+                    continue                          # not committed (yet): looked at again next time
+                uids = [u for u in record.uids if isinstance(u, str)]
+                for u in uids:
+                    self.step_of.setdefault(u, s)
+                self._uids[s] = uids
+                self.steps.add(s)
+
+    def consumed_by(self, uid: str, step: int, window_steps: int) -> int | None:
+        """The step whose committed claim consumed ``uid`` within the window of ``step``, or None."""
+        s = self.step_of.get(uid)
+        return s if s is not None and s != step and s >= step - window_steps else None
+
+
+_CONSUMED: dict[str, ConsumedUids] = {}   # per run directory, for this process
+
+
+def consumed_uids(run_dir, step: int, window_steps: int = DEFAULT_UID_WINDOW_STEPS) -> ConsumedUids:
+    """The run's consumed uids, refreshed for a claim of ``step`` (window: steps from
+    ``step - window_steps`` on, and any later committed step, e.g. another consumer's)."""
+    rd = _rundir(run_dir)
+    index = _CONSUMED.setdefault(str(rd.root.absolute()), ConsumedUids())
+    index.refresh(rd, step - window_steps)
+    return index
+
+
 @dataclass
 class _Claim:
     rd: RunDir
@@ -180,6 +250,10 @@ class _Claim:
     quarantined: list[Path] = field(default_factory=list)
     generated: int = 0
     masked: int = 0
+    seen: ConsumedUids | None = None                      # uids consumed by committed claims
+    uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS
+    uids: list[str] = field(default_factory=list)         # uids this claim consumed (kept or stale-dropped)
+    duplicates: list[dict] = field(default_factory=list)  # skipped: uid consumed before
 
     @property
     def dir(self) -> Path:
@@ -247,7 +321,17 @@ class _Claim:
             self.quarantined.append(quarantine(self.rd, path, e.reason))
             return
         keep = []
+        mine = set(self.uids)
         for i, t in enumerate(trajs):
+            uid = trajectory_uid(t)
+            if uid is not None:
+                before = self.seen.consumed_by(uid, self.step, self.uid_window_steps) if self.seen else None
+                if before is not None or uid in mine:   # trained (or dropped) already: never twice
+                    self.duplicates.append({"shard": path.name, "index": i, "uid": uid,
+                                            "step": self.step if before is None else before})
+                    continue
+                mine.add(uid)
+                self.uids.append(uid)
             gen = t.num_generated
             self.generated += gen
             stale = self._staleness(t)
@@ -283,14 +367,20 @@ class _Claim:
             dropped_stale=len(self.dropped), quarantined=[p.name for p in self.quarantined],
             waited_s=waited_s, claim_s=claim_s, stale_policy=self.stale_policy,
             generated_tokens=self.generated, masked_stale_tokens=self.masked,
-            dropped_stale_tokens=dropped_tokens,
+            dropped_stale_tokens=dropped_tokens, uids=self.uids, duplicates=self.duplicates,
         ).write_in(self.dir)
+        if self.duplicates:
+            log.warning("step %d: skipped %d trajectories whose uid was consumed before (e.g. %s in %s, first "
+                        "consumed by step %d): a shard published twice; listed in %s", self.step,
+                        len(self.duplicates), self.duplicates[0]["uid"], self.duplicates[0]["shard"],
+                        self.duplicates[0]["step"], self.dir / CLAIM_FILE)
         if self.dropped:
             log.warning("step %d: dropped %d trajectories older than %d versions behind v%s (see %s)",
                         self.step, len(self.dropped), self.max_staleness, self.trainer_version, dropped_file)
         return ClaimResult(self.step, self.trajectories, self.shards, len(self.dropped),
                            self.quarantined, waited_s, claim_s, generated_tokens=self.generated,
-                           masked_stale_tokens=self.masked, dropped_stale_tokens=dropped_tokens)
+                           masked_stale_tokens=self.masked, dropped_stale_tokens=dropped_tokens,
+                           duplicates=len(self.duplicates))
 
 
 def _apply_stale_policy(t: Trajectory, trainer_version: int | None, max_staleness: int | None,
@@ -332,13 +422,13 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
     q = [rd.traj_quarantine / n for n in record.quarantined]
     return ClaimResult(step, trajs, shards, record.dropped_stale, q, 0.0, 0.0, resumed=True,
                        generated_tokens=record.generated_tokens, masked_stale_tokens=record.masked_stale_tokens,
-                       dropped_stale_tokens=record.dropped_stale_tokens)
+                       dropped_stale_tokens=record.dropped_stale_tokens, duplicates=len(record.duplicates))
 
 
 def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,
                max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S,
                allow_partial: bool = False, quarantine_invalid: bool = True,
-               stale_policy: str = "drop") -> ClaimResult:
+               stale_policy: str = "drop", uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS) -> ClaimResult:
     """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
 
     Blocks, polling ready/ every ``poll_s``, up to ``timeout_s``; then raises
@@ -348,7 +438,9 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
     ``max_staleness`` set, ``stale_policy`` says what happens to tokens more than
     ``max_staleness`` versions old (module docstring): ``drop`` drops their trajectory,
     ``mask`` clears them from ``loss_mask`` and drops a trajectory only when nothing of it is
-    left to train; dropped ones are listed in ``dropped_stale.json``.
+    left to train; dropped ones are listed in ``dropped_stale.json``.  A trajectory whose uid a
+    committed claim of the last ``uid_window_steps`` steps consumed is skipped and counted
+    (``duplicates``).
     """
     if stale_policy not in STALE_POLICIES:
         raise ValueError(f"claim_step: stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
@@ -361,7 +453,10 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
     for d in (rd.traj_ready, rd.traj_claimed, rd.traj_quarantine):
         d.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(rd.traj_claimed, older_than_s=3600.0)  # staging dirs of consumers that crashed
-    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid, stale_policy)
+    if uid_window_steps < 1:
+        raise ValueError(f"claim_step: uid_window_steps ({uid_window_steps}) must be >= 1")
+    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid, stale_policy,
+                   seen=consumed_uids(rd, step, uid_window_steps), uid_window_steps=uid_window_steps)
     claim.open()
     claim.absorb_existing()
     t0, waited = time.monotonic(), 0.0
@@ -382,7 +477,7 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
             waited += poll_s
     result = claim.commit(want, waited, time.monotonic() - t0)
     log.info("step %d: claimed %d shards, %d trajectories (%d stale dropped, %d stale tokens masked, "
-             "%d quarantined) in %.2fs (%.2fs waiting)", step, len(result.shards), len(result.trajectories),
-             result.dropped_stale, result.masked_stale_tokens, len(result.quarantined), result.claim_s,
-             result.waited_s)
+             "%d quarantined, %d duplicates skipped) in %.2fs (%.2fs waiting)", step, len(result.shards),
+             len(result.trajectories), result.dropped_stale, result.masked_stale_tokens, len(result.quarantined),
+             result.duplicates, result.claim_s, result.waited_s)
     return result

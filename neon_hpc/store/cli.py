@@ -136,7 +136,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
         if rec is None:              # committed a moment ago and gone since (moved aside)
             continue
         print(f"  step_{s:<6} {rec.trajectories} trajectories, {rec.tokens} tokens, "
-              f"{len(rec.shards)} shards, {rec.dropped_stale} stale dropped, by {rec.consumer}")
+              f"{len(rec.shards)} shards, {rec.dropped_stale} stale dropped, "
+              f"{len(rec.duplicates)} duplicates skipped, by {rec.consumer}")
     q = rd.traj_quarantine
     names = sorted(n for n in os.listdir(q) if not n.endswith(REASON_SUFFIX)) if q.is_dir() else []
     print(f"quarantine  {len(names)} files")

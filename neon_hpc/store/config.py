@@ -17,9 +17,13 @@ class StoreConfig:
     quarantine_invalid: bool = True    # False: a claim stops with ShardError on an invalid shard
     fsync: bool = True                 # fsync data + directory on publish (off only for tests/benchmarks)
     stale_tmp_s: float = 3600.0        # a writer removes tmp/.*.tmp.part files untouched this long
+    # a claim skips a trajectory whose metadata.uid was consumed by a committed claim of one of
+    # the last this-many steps (README, "Exactly once by trajectory uid")
+    uid_window_steps: int = 1000
 
     CHECKS = {
-        **{k: at_least(1) for k in ("flush_trajectories", "flush_bytes", "compression_chunk_tokens")},
+        **{k: at_least(1) for k in ("flush_trajectories", "flush_bytes", "compression_chunk_tokens",
+                                    "uid_window_steps")},
         "flush_seconds": above(0, note="seconds"),
         "stale_tmp_s": above(0, note="seconds"),
     }

@@ -45,7 +45,7 @@ import torch
 
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
-from neon_hpc.protocol.rundir import RunDir, publish_dir, read_json, staging_dir_for
+from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for
 from neon_hpc.train.backend import Backend, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
 
@@ -173,10 +173,12 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    st = read_json(Path(ckpt_dir) / STATE_FILE)
+    from neon_hpc.reshard.metadata import CheckpointError, read_json_object
+    path = Path(ckpt_dir) / STATE_FILE
+    st = read_json_object(path, "the trainer's state record")
     if st is None:
-        raise FileNotFoundError(f"{ckpt_dir}/{STATE_FILE} missing: not a neon-hpc trainer checkpoint "
-                                f"(a published step_N always has one); move the directory aside")
+        raise CheckpointError(f"{path} missing: not a neon-hpc trainer checkpoint (a published step_N always "
+                              f"has one); move the directory aside")
     return st
 
 
@@ -188,10 +190,9 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
     checkpoint the trainer loads (a resume's ``checkpoints/step_N``, ``model.init_checkpoint``)
     passes this first: ``.metadata`` through the allowlist unpickler of
     :mod:`neon_hpc.reshard.metadata` (only DCP's own classes, as stand-ins), ``common.pt``
-    through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` naming the file and
-    the global it refused; returns the (stand-in) DCP metadata.
+    through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` (one line) naming
+    the file, the global it refused, and what to do; returns the (stand-in) DCP metadata.
     """
-    from neon_hpc.bounded import clip_text
     from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata
 
     ckpt = Path(ckpt_dir)
@@ -201,11 +202,42 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
         try:
             torch.load(common, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any failure means: do not let megatron unpickle it
-            raise CheckpointError(f"{common}: refused: it does not load with torch.load(weights_only=True) "
-                                  f"({type(e).__name__}: {clip_text(str(e), 300)}); the file is foreign or "
-                                  f"tampered with. Re-save the checkpoint with megatron-core, or start "
-                                  f"from an HF folder") from None
+            raise CheckpointError(f"{common}: refused: {_why_not_weights_only(common, e)}; the file is foreign, "
+                                  f"tampered with or damaged. Re-save the checkpoint with megatron-core, or "
+                                  f"start from an HF folder") from None
     return meta
+
+
+def _why_not_weights_only(path: Path, error: Exception) -> str:
+    """One line on why ``torch.load(weights_only=True)`` refused ``path``: the globals it names
+    that are not allowed (read from the pickle, never run), else the error's first line."""
+    from neon_hpc.bounded import REPR_CAP, clip_text
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a readable torch.save archive: say what torch said
+        unsafe = []
+    if unsafe:
+        return (f"it names global(s) {clip_text(', '.join(sorted(unsafe)), REPR_CAP)}, which "
+                f"torch.load(weights_only=True) does not allow")
+    first = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
+    return (f"it does not load with torch.load(weights_only=True) "
+            f"({type(error).__name__}: {clip_text(first, REPR_CAP)})")
+
+
+def check_init_checkpoint(path: str | Path) -> None:
+    """Refuse ``model.init_checkpoint`` before the model is built: a folder that is neither an
+    HF folder nor a torch_dist checkpoint, or a torch_dist one that :func:`refuse_untrusted`
+    refuses.  Raises ``CheckpointError``, one line, prefixed with the config key."""
+    from neon_hpc.reshard.metadata import CheckpointError
+    from neon_hpc.train.backend import init_checkpoint_kind
+    try:
+        if init_checkpoint_kind(path) == "hf":
+            return
+        refuse_untrusted(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e}; point it at the model's HF folder or a torch_dist checkpoint") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"model.init_checkpoint={path}: {e}") from None
 
 
 OPTIMIZER_STATE_KEY = "optimizer.state."   # megatron's sharded keys of per-parameter optimizer tensors

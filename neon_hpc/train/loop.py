@@ -163,7 +163,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout_max_staleness,
                   quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout_stale_policy,
-                  poll_s=cfg.protocol.claim_poll_s)
+                  poll_s=cfg.protocol.claim_poll_s, uid_window_steps=cfg.store.uid_window_steps)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -362,7 +362,8 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     """Train until ``train.steps`` (or a preemption signal); returns the process exit code.
 
     0: done, or preempted after a checkpoint (requeue and call again); 2: refused to start
-    or cannot continue (config, environment, no data within ``train.wait_for_data_s``).
+    or cannot continue (config, environment, an untrusted or corrupt checkpoint, no data within
+    ``train.wait_for_data_s``).
     """
     try:
         check_config(cfg)
@@ -375,10 +376,18 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     run = RunDir(run_dir).create()
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
+    from neon_hpc.reshard.metadata import CheckpointError
     try:
+        if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
+            ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:
         log.error("%s", e)
+        return 2
+    except CheckpointError as e:
+        # an untrusted or corrupt checkpoint (init_checkpoint, or a resume's step_N): one line naming
+        # the file, what in it is refused, and what to do; no traceback
+        log.error("refused checkpoint: %s", " | ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()))
         return 2
     finally:
         pre.restore()
@@ -491,6 +500,7 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
                reward_mean=float(np.mean([t.reward for t in trajs])) if trajs else float("nan"),
                staleness_mean=s_mean, staleness_max=s_max, staleness_hist=hist,
                dropped_stale=res.dropped_stale, quarantined=len(res.quarantined), shards=len(res.shards),
+               duplicates_skipped=res.duplicates,
                masked_stale_tokens=res.masked_stale_tokens, dropped_stale_tokens=res.dropped_stale_tokens,
                claimed_gen_tokens=res.generated_tokens, wasted_rollout_tokens=res.wasted_rollout_tokens,
                version_spans=version_span_histogram(np.asarray(t.versions) for t in trajs),

@@ -13,7 +13,8 @@ works unchanged against a real SGLang server.
     return_logprob            bool
     return_routed_experts     bool  (server started with --enable-return-routed-experts)
     routed_experts_start_len  int in [0, prompt_tokens]; 0 = full
-    rid                       str (optional; echoed as meta_info.id)
+    rid                       str (optional; echoed as meta_info.id), or for a batch a list
+                              of one str per sequence
     stream                    false (streaming is not part of our subset)
 
 Response (one object; a list of them for a batch)::
@@ -33,7 +34,8 @@ first layers; no columns for shared experts) where
 ``start + i`` was routed to when it was forwarded.  The last token was never forwarded,
 so it has no row.
 
-Errors: HTTP 400 with ``{"error": {"message": ...}}``.
+Errors: HTTP 400 with ``{"error": {"message": ...}}`` naming the field, for every malformed body of
+every endpoint (control endpoints: :func:`parse_object`); 500 only for an engine fault.
 """
 
 from __future__ import annotations
@@ -139,6 +141,37 @@ def parse_sampling(sp: Any, vocab_size: int) -> Sampling:
     return s
 
 
+def parse_rid(rid: Any, batch: int | None) -> str | list[str] | None:
+    """``rid``: a string (a batch's rows get ``{rid}-{i}``), or for a batch of ``batch`` rows a
+    list of exactly that many strings; None or absent: ids are made up."""
+    if rid is None or isinstance(rid, str):
+        return rid
+    if not isinstance(rid, list):
+        raise BadRequest(f"rid: expected a string{' or a list of strings' if batch else ''}, "
+                         f"got {type(rid).__name__}")
+    if batch is None:
+        raise BadRequest("rid: a list of ids is for a batch (input_ids a list of lists); "
+                         "send one string for one sequence")
+    if len(rid) != batch:
+        raise BadRequest(f"rid: {len(rid)} ids for {batch} sequences; send one string per sequence")
+    for i, r in enumerate(rid):
+        if not isinstance(r, str):
+            raise BadRequest(f"rid[{i}]: expected a string, got {type(r).__name__}")
+    return rid
+
+
+def parse_object(body: Any, endpoint: str, fields: dict[str, tuple]) -> dict:
+    """A control endpoint's body: a JSON object (empty = ``{}``) whose known ``fields`` have
+    one of the listed types; unknown fields are ignored, as SGLang's pydantic models do."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}")
+    for k, types in fields.items():
+        if k in body and not _is(body[k], types):
+            raise BadRequest(f"{endpoint}: {k}: expected {'/'.join(t.__name__ for t in types)}, "
+                             f"got {type(body[k]).__name__}")
+    return body
+
+
 def parse_generate(body: Any, vocab_size: int) -> list[GenerateRequest]:
     """Validate a ``/generate`` body; returns one request (or several for a batch body)."""
     if not isinstance(body, dict):
@@ -173,9 +206,7 @@ def parse_generate(body: Any, vocab_size: int) -> list[GenerateRequest]:
     start = 0 if start is None else start
     if not _is(start, (int,)):
         raise BadRequest(f"routed_experts_start_len: expected an integer, got {start!r}")
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, (str, list)):
-        raise BadRequest(f"rid: expected a string, got {rid!r}")
+    rid = parse_rid(body.get("rid"), len(seqs) if batch else None)
     out = []
     for i, (seq, sp) in enumerate(zip(seqs, sps)):
         where = f"input_ids[{i}]" if batch else "input_ids"

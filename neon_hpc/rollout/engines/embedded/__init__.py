@@ -18,10 +18,16 @@ Wire format: :mod:`neon_hpc.rollout.engines.protocol`.  Inside, three parts:
   ``[{"version", "start", "end"}]`` over the output tokens (end exclusive) and
   ``weight_version`` = the last span's version.
 
+Rows are isolated by construction: a request's sampling parameters become its own
+``Sampler`` at admission, which cannot fail at sampling time (greedy, or a finite positive
+temperature, top-k in [2, vocab], a nucleus that always keeps the most likely token); a row
+whose sampling still raises is answered with its own error and leaves the batch, which goes
+on (``stats.row_errors``).  Every malformed body of every endpoint is a 400 naming the field.
+
 Modules: ``model`` (the model and the router hooks that capture routes in SGLang's
-layout), ``scheduler`` (batching, sampling, weight swaps), ``server`` (HTTP endpoints,
-framing, admission), ``launcher`` (start/stop, the CLI; ``python -m
-neon_hpc.rollout.engines.embedded``).
+layout), ``sampler`` (a request's sampling parameters, normalised at admission),
+``scheduler`` (batching, weight swaps), ``server`` (HTTP endpoints, framing, admission),
+``launcher`` (start/stop, the CLI; ``python -m neon_hpc.rollout.engines.embedded``).
 """
 
 from neon_hpc.rollout.engines.embedded.model import LoadedModel, version_from_path

@@ -27,6 +27,7 @@ import torch
 
 from neon_hpc.rollout.engines import protocol
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
+from neon_hpc.rollout.engines.embedded.sampler import Sampler
 from neon_hpc.rollout.engines.protocol import GenerateRequest
 
 # a request's generation may run this long (from its arrival); then it ends with finish_reason
@@ -37,31 +38,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 # --------------------------------------------------------------------------------------
-# sampling
-
-def _choose(logits: torch.Tensor, s: protocol.Sampling, gen: torch.Generator | None,
-            original_logprob: bool) -> tuple[int, float]:
-    """Sample one token from ``[V]`` logits; returns (token, logprob as SGLang reports it)."""
-    greedy = s.temperature < 1e-6 or s.top_k == 1
-    temp = 1.0 if greedy else float(s.temperature)
-    logprobs = torch.log_softmax(logits / temp, dim=-1)  # SGLang: after temperature
-    if greedy:
-        tok = int(torch.argmax(logits))
-    else:
-        probs = logprobs.exp()
-        if s.top_k > 1:
-            kth = torch.topk(probs, min(s.top_k, probs.numel())).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if s.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = (sorted_p.cumsum(0) - sorted_p) < s.top_p * sorted_p.sum()
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[order[keep]] = True
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-        tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-    lp = torch.log_softmax(logits, dim=-1)[tok] if original_logprob else logprobs[tok]
-    return tok, float(lp)
-
+# responses
 
 def weight_version_meta(versions: list[str], current: str) -> dict:
     """``weight_versions`` spans (SGLang's format) and ``weight_version`` for a response whose
@@ -83,6 +60,7 @@ def weight_version_meta(versions: list[str], current: str) -> dict:
 @dataclass
 class _Job:
     req: GenerateRequest
+    sampler: Sampler
     done: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
     error: str | None = None
@@ -173,7 +151,9 @@ class Scheduler:
     """Owns the model; runs queued requests in a continuous batch; swaps weights only between steps.
 
     ``stats``: ``batches`` prefill forwards (admission rounds), ``forwards`` all forwards,
-    ``requests`` admitted, ``max_batch`` the most rows decoded together, ``updates`` swaps."""
+    ``requests`` admitted, ``max_batch`` the most rows decoded together, ``updates`` swaps,
+    ``row_errors`` rows evicted because sampling their token failed (each answered with its own
+    error; the batch went on)."""
 
     def __init__(self, model: LoadedModel, max_batch_size: int = 16,
                  request_time_budget_s: float | None = REQUEST_TIME_BUDGET_S):
@@ -200,7 +180,7 @@ class Scheduler:
         self._running: list[_Job] = []
         self._stepping = False      # the scheduler thread is running a step (outside the lock)
         self._stop = False
-        self.stats = {"batches": 0, "forwards": 0, "requests": 0, "max_batch": 0, "updates": 0}
+        self.stats = {"batches": 0, "forwards": 0, "requests": 0, "max_batch": 0, "updates": 0, "row_errors": 0}
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -208,7 +188,8 @@ class Scheduler:
     def submit(self, reqs: list[GenerateRequest]) -> list[_Job]:
         budget = self.request_time_budget_s
         deadline = time.monotonic() + budget if budget else None
-        jobs = [_Job(r, deadline=deadline) for r in reqs]
+        vocab = self.loaded.vocab_size   # a swap keeps the shapes (same_shape_as)
+        jobs = [_Job(r, Sampler.from_params(r.sampling, vocab), deadline=deadline) for r in reqs]
         with self._cv:
             self._queue.extend(jobs)
             self._cv.notify_all()
@@ -360,10 +341,10 @@ class Scheduler:
             if job.req.sampling.max_new_tokens == 0:
                 job.finish = {"type": "length", "length": 0}
             else:
-                self._sample(job, logits[i], loaded)
+                self._sample_row(job, logits[i], loaded)
             if job.finish is not None:
                 self._answer(job, loaded)
-        rows = [i for i, j in enumerate(jobs) if j.finish is None]
+        rows = [i for i, j in enumerate(jobs) if j.finish is None and j.error is None]
         if rows:
             new = _Batch()
             new.join(jobs, cache, mask, pos[:, -1:])
@@ -380,10 +361,22 @@ class Scheduler:
         self.stats["forwards"] += 1
         for i, job in enumerate(batch.jobs):
             job.routes.append(routes[i].numpy().astype(np.int32))  # the token forwarded needed a successor
-            self._sample(job, logits[i], loaded)
+            self._sample_row(job, logits[i], loaded)
             if job.finish is not None:   # answered now: a long neighbour in the batch never holds it
                 self._answer(job, loaded)
-        batch.keep([i for i, j in enumerate(batch.jobs) if j.finish is None])
+        batch.keep([i for i, j in enumerate(batch.jobs) if j.finish is None and j.error is None])
+
+    def _sample_row(self, job: _Job, logits: torch.Tensor, loaded: LoadedModel) -> None:
+        """Sample ``job``'s next token; if that fails (its sampler was built to make this
+        impossible on sane logits), this row alone is answered with its own error and leaves
+        the batch: its neighbours, which shared the forward but not the sampling, go on."""
+        try:
+            self._sample(job, logits, loaded)
+        except Exception as e:  # noqa: BLE001 - one row's failure, reported to its own request
+            job.error = (f"engine error in request {job.req.rid or f'req-{id(job):x}'} after "
+                         f"{len(job.out)} output tokens: {type(e).__name__}: {e}")
+            self.stats["row_errors"] += 1
+            job.done.set()
 
     def _sample(self, job: _Job, logits: torch.Tensor, loaded: LoadedModel) -> None:
         s = job.req.sampling
@@ -391,7 +384,7 @@ class Scheduler:
         if len(job.out) < s.min_new_tokens and stops:
             logits = logits.clone()
             logits[list(stops)] = float("-inf")
-        tok, lp = _choose(logits, s, job.gen, self.original_logprob)
+        tok, lp = job.sampler.choose(logits, job.gen, self.original_logprob)
         job.out.append(tok)
         job.logprobs.append(lp)
         job.versions.append(loaded.version)

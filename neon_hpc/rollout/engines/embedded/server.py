@@ -146,17 +146,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, results if batch else results[0])
 
     def _update_weights(self, body: Any) -> None:
-        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        protocol.parse_object(body, "update_weights_from_disk", {
+            "weight_version": (str, int, type(None)), "abort_all_requests": (bool,), "flush_cache": (bool,)})
+        if not isinstance(body.get("model_path"), str):
             raise BadRequest("model_path: expected the path of an HF weights folder")
         version = body.get("weight_version")
-        if version is not None and not isinstance(version, (str, int)):
-            raise BadRequest(f"weight_version: expected a string, got {version!r}")
         abort_all = body.get("abort_all_requests", False)
-        if not isinstance(abort_all, bool):
-            raise BadRequest(f"abort_all_requests: expected true or false, got {abort_all!r}")
         flush = body.get("flush_cache", True)   # SGLang's default
-        if not isinstance(flush, bool):
-            raise BadRequest(f"flush_cache: expected true or false, got {flush!r}")
         path = body["model_path"]
         sched = self.server.scheduler
         if flush and sched.holds_requests_in_place():
@@ -185,13 +181,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"success": True, "message": msg, "num_paused_requests": paused})
 
     def _pause(self, body: Any) -> None:
-        mode = (body or {}).get("mode", "abort")
+        mode = protocol.parse_object(body, "pause_generation", {"mode": (str,)}).get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise BadRequest(f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self.server.scheduler.pause(mode)
         self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def _continue(self, body: Any) -> None:
+        protocol.parse_object(body, "continue_generation", {})
         self.server.scheduler.resume()
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
@@ -216,9 +213,16 @@ def context_length(loaded: LoadedModel) -> int | None:
 
 def admit(req: GenerateRequest, loaded: LoadedModel, max_new_tokens_cap: int | None = None) -> None:
     """Refuse (400) a request that cannot run within this engine's limits, before it is queued:
-    ``max_new_tokens`` over the cap, a prompt that leaves no room in the context, or prompt
+    ``min_new_tokens`` with every token a stop token, ``max_new_tokens`` over the cap, a prompt that leaves no room in the context, or prompt
     plus generation beyond it (generation past the context would index positions the model
     never learnt)."""
+    s = req.sampling
+    if s.min_new_tokens > 0:
+        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(loaded.eos_ids))
+        if len(stops) >= loaded.vocab_size:   # every logit masked until min_new_tokens: nothing to sample
+            raise BadRequest(f"sampling_params.min_new_tokens={s.min_new_tokens}: stop_token_ids (with the model's "
+                             f"EOS ids unless ignore_eos) cover all {loaded.vocab_size} tokens, so none may be "
+                             f"sampled before min_new_tokens; leave some tokens out of stop_token_ids")
     ctx = context_length(loaded)
     prompt, new = len(req.input_ids), req.sampling.max_new_tokens
     cap = max_new_tokens_cap if max_new_tokens_cap is not None else ctx
