@@ -248,27 +248,27 @@ def test_uneven_early_late_pieces_on_two_ranks_match_the_references(cp_results, 
 
 def _mem_worker(n: str, out: str) -> None:
     """One document of ``n`` tokens, forward + backward of the fused attention (GQA 8/2, dim 32,
-    fp32); writes the peak RSS over the RSS before the call."""
-    import resource
+    fp32); writes the peak RSS above the RSS before the call (``train.memory.PeakMemory``: the
+    high-water mark reset at the start, large allocations mapped on their own)."""
     from neon_hpc.models.cp_attention import build_layout, piece_attention
+    from neon_hpc.train.memory import PeakMemory
     torch.set_num_threads(1)
     n = int(n)
     h, g, d = 8, 2, 32
+    mem = PeakMemory(cuda=False, mmap_large=True)
     q, k, v = (torch.randn(n, 1, heads, d, requires_grad=True) for heads in (h, g, g))
     w = torch.randn(n, 1, h * d)
     small = build_layout([[(0, 0, 64)]], 0, 64)     # warm-up: the kernels' thread buffers
     piece_attention(q[:64], k[:64], v[:64], small).sum().backward()
     q.grad = k.grad = v.grad = None
     lay = build_layout([[(0, 0, n)]], 0, n)
-    before = max(int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
-                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    (piece_attention(q, k, v, lay) * w).sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(out).write_text(json.dumps({"n": n, "bytes": peak - before, "scores_bytes": h * n * n * 4}))
+    with mem:
+        (piece_attention(q, k, v, lay) * w).sum().backward()
+    Path(out).write_text(json.dumps({"n": n, "bytes": mem.peak - mem.base, "scores_bytes": h * n * n * 4}))
 
 
 @pytest.mark.slow      # three fresh processes, 16k tokens on one thread: ~20 s idle, 3.5 min on the shared 2 cores
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak RSS through /proc/self/clear_refs (Linux)")
 def test_attention_memory_grows_linearly_with_length(tmp_path):
     got = {}
     for n in (4096, 8192, 16384):
