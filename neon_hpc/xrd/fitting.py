@@ -828,6 +828,7 @@ class Fitter:
                         caglioti_w=float(p[g["W"]]), eta=float(p[g["eta"]]), n_obs=len(self.y), n_params=n_par,
                         refined=True)
         res.details["components"] = [p[i] * cols[i] for i in range(k)]
+        res.details["wf_cov"] = cov_w                  # covariance of the Hill-Howard fractions
         res.details["esd"] = {"zero_shift": float(esd[g["zero"]]), "displacement": float(esd[g["disp"]])}
         return res
 
