@@ -126,7 +126,8 @@ def _eval_loo(args, progress) -> int:
         print("neon-hpc xrd eval --protocol loo: needs --data DIR (the real dev set, e.g. ../shared/data/xrd-real) "
               "and --solver baseline (the solver whose thresholds it fits)", file=sys.stderr)
         return 2
-    from neon_hpc.xrd.evaluate import detection_limits_by_scan, evaluate_loo, loo_quant_summary, scan_of, strict_lines
+    from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
+                                       scan_of, strict_lines)
     from neon_hpc.xrd.real import load_real_tasks
     tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
     rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)
@@ -148,6 +149,8 @@ def _eval_loo(args, progress) -> int:
         key = f"radius {f['quant']['radius_um']} um, se_sys {f['quant']['se_sys']}"
         radii[key] = radii.get(key, 0) + 1
     print("  quantification chosen per fold: " + ", ".join(f"{k} ({v}x)" for k, v in sorted(radii.items())))
+    for mix, moved in moved_by_mixture(folds).items():
+        print(f"  microabsorption moved {mix}: {moved}")
     limits = detection_limits_by_scan(folds)
     print("  detection limit (z_min x esd of w, median / max over refined phases): " +
           ", ".join(f"{k} {v['median']:.3f} / {v['max']:.3f}" for k, v in limits.items()))

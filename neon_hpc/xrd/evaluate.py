@@ -312,6 +312,18 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
     return report, folds
 
 
+def moved_by_mixture(folds: dict) -> dict[str, dict[str, float]]:
+    """Per held-out mixture, how much the microabsorption correction moved each phase (mean over its scans)."""
+    out: dict[str, dict[str, float]] = {}
+    for mix, f in folds.items():
+        acc: dict[str, list[float]] = {}
+        for row in f.get("scans", {}).values():
+            for pid, d in row.get("moved", {}).items():
+                acc.setdefault(pid, []).append(d)
+        out[mix.rpartition(":")[2]] = {pid.partition(":")[2] or pid: round(sum(v) / len(v), 4) for pid, v in acc.items()}
+    return out
+
+
 def loo_quant_summary(report: EvalReport) -> dict:
     """What the leave-one-mixture-out rows say about the correction and the standard errors."""
     inside = [b for r in report.rows for b in r.get("within_2se", [])]
