@@ -229,3 +229,11 @@ def test_loo_never_chooses_the_radius_or_the_se_on_the_held_out_mixture(monkeypa
     assert all(folds[f"mix{i}"]["quant"]["radius_um"] > 0.0 for i in (1, 2, 3))    # they do see mix0
     # its s.e. were calibrated on mix1-3, whose errors are 0: the held-out 0.2 is far outside +-2 s.e.
     assert folds["mix0"]["quant"]["se_sys"] == 0.0 and rep.rows[0]["within_2se"] == [False, False]
+
+
+def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line():
+    table = ab.load_table()
+    for el in {e for p in load_library().phases for e in p.elements}:
+        assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.xrd.absorption)"
+        for line, lam in ab.LINES.items():
+            assert table["mu_rho"][el][line] > 0, (el, line)
