@@ -237,3 +237,49 @@ def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line(
         assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.xrd.absorption)"
         for line, lam in ab.LINES.items():
             assert table["mu_rho"][el][line] > 0, (el, line)
+
+
+def test_anomalous_scattering_of_nio_by_hand():
+    from neon_hpc.xrd.simulate import compute_reflections, form_factors
+    p = load_library().get("cur:NiO_bunsenite")
+    disp = ab.dispersion(["Ni", "O"], CU)
+    # Chantler at Cu K-alpha1, just below the Ni K edge: f'(Ni) ~ -3.05, f''(Ni) ~ 0.51
+    assert disp["Ni"].real == pytest.approx(-3.05, abs=0.05) and disp["Ni"].imag == pytest.approx(0.505, abs=0.02)
+    plain = compute_reflections(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords), 1.2)
+    anom = compute_reflections(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords), 1.2, dispersion=disp)
+    a = p.lattice_params[0]
+    for hkl, sign in (((1, 1, 1), -1), ((2, 0, 0), +1)):        # rocksalt: F = 4 (f_Ni -+ f_O)
+        k = int(np.nonzero(np.all(anom.hkl == hkl, axis=1))[0][0])
+        s2 = (np.linalg.norm(hkl) / a / 2) ** 2
+        f0 = form_factors(["Ni", "O"], np.array([s2]))[0]
+        F = 4 * ((f0[0] + disp["Ni"]) + sign * (f0[1] + disp["O"]))
+        assert anom.f2[k] == pytest.approx(2 * abs(F) ** 2, rel=1e-9)         # f2 holds 2 |F|^2 (Friedel pair)
+        assert plain.f2[k] == pytest.approx(2 * (4 * (f0[0] + sign * f0[1])) ** 2, rel=1e-9)
+        assert 0.6 < anom.f2[k] / plain.f2[k] < 0.85              # NiO lines 15-35 % weaker (111 most)
+
+
+def test_measured_patterns_are_fitted_with_anomalous_scattering_and_synthetic_ones_without():
+    from neon_hpc.xrd.fitting import Fitter
+    from neon_hpc.xrd.simulate import Instrument, phase_reflections
+    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.xrd.tools import TaskContext
+    x = np.linspace(20, 80, 3001)
+    y = np.ones_like(x)
+    plain, real = Fitter(x, y, Instrument()), Fitter(x, y, Instrument(measured=True))
+    assert plain.dispersion_wavelength is None and real.dispersion_wavelength == CU
+    pid = "cur:NiO_bunsenite"
+    allowed = plain.model(pid).f2 > 1e-6 * plain.model(pid).f2.max()        # not the systematic absences
+    assert allowed.sum() >= 5 and np.all(real.model(pid).f2[allowed] < plain.model(pid).f2[allowed])
+    assert np.allclose(plain.model(pid).f2_unmerged, phase_reflections(pid, round(plain.d_min, 3)).f2)
+    synthetic = load_tasks("easy", "test_id", n=1)[0]
+    assert TaskContext.for_task(synthetic, None).instrument.measured is False
+    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    if real_data_dir() is not None:
+        assert TaskContext.for_task(load_real_tasks(scan="2min")[0], None).instrument.measured is False
+        assert TaskContext.for_task(load_real_tasks(scan="2min", measured=True)[0], None).instrument.measured is True
+
+
+def test_default_quantification_corrects_real_measurements_only():
+    from neon_hpc.xrd.simulate import Instrument
+    assert quant.default_model(Instrument()).radius_um == 0.0                    # the simulator has no microabsorption
+    assert quant.default_model(Instrument(measured=True)).radius_um == quant.RADIUS_PRIOR_UM

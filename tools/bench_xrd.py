@@ -96,7 +96,7 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
     return rep.summary()
 
 
-def bench_real() -> tuple[dict, dict] | None:
+def bench_real(measured: bool = False) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
     from neon_hpc.xrd.baseline import Thresholds
     from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
@@ -104,7 +104,7 @@ def bench_real() -> tuple[dict, dict] | None:
     from neon_hpc.xrd.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None
-    tasks = load_real_tasks("precursor_mixture")
+    tasks = load_real_tasks("precursor_mixture", measured=measured)
     traced = trace_all(tasks, progress=lambda m: print("  " + m, file=sys.stderr, flush=True))
     out = []
     for rep, folds in ((report_from_traces(tasks, traced[0], Thresholds(), traced[1], "real_dev", cpu=traced[2]), None),
@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-structures", type=int, default=20, help="AFLOW structures beside the real-data phases")
     ap.add_argument("--splits", default="test_id", help="comma-separated splits for the synthetic presets")
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--measured", action="store_true",
+                    help="fit the real scans with anomalous scattering (Instrument.measured; off by default)")
     args = ap.parse_args(argv)
     from neon_hpc.xrd.evaluate import strict_lines
 
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             s = bench_baseline(preset, split, args.n)
             results[(preset, split)] = s
             print(_line(s), flush=True)
-    real = None if args.skip_real else bench_real()
+    real = None if args.skip_real else bench_real(args.measured)
     if real:
         fixed, loo = real
         print(_line(fixed) + f"  by scan: {fixed['by_scan']}  (default thresholds)", flush=True)

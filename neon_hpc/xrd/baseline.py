@@ -183,13 +183,15 @@ class Trace:
             res = self._fits[key]
         return res, k
 
-    def quantify(self, res, quant: QuantModel = QuantModel()) -> list:
+    def quantify(self, res, quant: QuantModel) -> list:
         """Weight fractions of a fit with microabsorption correction and standard errors (:mod:`quant`)."""
         from neon_hpc.xrd.quant import quantify
         return quantify(res, self.ctx.library, self.ctx.instrument.wavelength, quant)
 
-    def decide(self, th: Thresholds = Thresholds(), quant: QuantModel = QuantModel()) -> Solution:
-        from neon_hpc.xrd.quant import report
+    def decide(self, th: Thresholds = Thresholds(), quant: QuantModel | None = None) -> Solution:
+        """The answer under ``th``; fractions by ``quant`` (None: :func:`quant.default_model` of the pattern)."""
+        from neon_hpc.xrd.quant import default_model, report
+        quant = quant or default_model(self.ctx.instrument)
         res, k = self.final_fit(th)
         if res is None:
             return Solution([], self.background_rwp, {"screened": self.screened, "trail": self._trail(),
@@ -306,5 +308,5 @@ def trace(ctx: TaskContext, candidates: list[str] | None = None) -> Trace:
 
 
 def solve(ctx: TaskContext, candidates: list[str] | None = None, thresholds: Thresholds = Thresholds(),
-          quant: QuantModel = QuantModel()) -> Solution:
+          quant: QuantModel | None = None) -> Solution:
     return trace(ctx, candidates).decide(thresholds, quant)

@@ -96,7 +96,7 @@ def _cmd_eval(args, argv: list[str]) -> int:
     groups = []
     if args.data:
         from neon_hpc.xrd.real import load_real_tasks
-        tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+        tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
         groups.append((f"real_dev{'-' + args.scan if args.scan else ''}", tasks))
     elif args.tasks:
         tasks = read_tasks(args.tasks)
@@ -129,7 +129,7 @@ def _eval_loo(args, progress) -> int:
     from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
                                        scan_of, strict_lines)
     from neon_hpc.xrd.real import load_real_tasks
-    tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+    tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
     rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)
     s = rep.summary()
     lo, hi = s["success_ci95"]
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "fitted on the other mixtures (needs --data); fit-on-train: synthetic preset, thresholds "
                          "fitted on --n train tasks, scored on --split")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
+    ev.add_argument("--measured", action="store_true",
+                    help="real data: fit with anomalous scattering (f', f'') and, outside a protocol, the prior's "
+                         "Brindley radius (Instrument.measured; off by default, see the xrd README)")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (`neon-hpc xrd eval --endpoint URL "
                                        "--help` for its options: neon_hpc.rollout.agent.eval_cli)")

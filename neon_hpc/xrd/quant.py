@@ -16,9 +16,8 @@ The two parameters are chosen on data by :mod:`neon_hpc.xrd.evaluate` (leave one
 ``radius_um`` by :func:`choose_radius` (the most probable radius under a log-normal prior
 given the other mixtures' true fractions), ``se_sys`` by :func:`calibrate_se` (the smallest
 value for which +-2 s.e. holds ``COVERAGE`` of the other mixtures' true fractions).  Outside a
-protocol (the tools, the baseline's defaults) the radius is 0: no correction, because under
-leave-one-mixture-out the chosen radii (0.25-0.5 um) made the fractions slightly worse
-(README); ``se_sys`` is ``SE_SYS_DEFAULT``.
+protocol (the tools, the baseline's defaults) :func:`default_model`: the prior's median radius
+for a real measurement, none for a synthetic pattern; ``se_sys`` is ``SE_SYS_DEFAULT``.
 """
 from __future__ import annotations
 
@@ -46,6 +45,12 @@ SE_K = 2.0                      # the interval quoted: +- SE_K s.e.
 class QuantModel:
     radius_um: float = 0.0              # Brindley particle radius (um); 0 = no microabsorption correction
     se_sys: float = SE_SYS_DEFAULT      # model error added to the statistical s.e. (x sqrt(w (1 - w)))
+
+
+def default_model(instrument) -> QuantModel:
+    """Outside a protocol: the prior's median radius for a real measurement (``Instrument.measured``),
+    no correction for a synthetic pattern (its simulator has no microabsorption)."""
+    return QuantModel(radius_um=RADIUS_PRIOR_UM if getattr(instrument, "measured", False) else 0.0)
 
 
 @dataclass

@@ -49,7 +49,8 @@ class TaskContext:
     plot_dir: str = ""               # where plot_fit writes PNGs; "" = plotting refused
     detection_z_min: float | None = None   # fit_phases' significance threshold; None = fitting.DETECTION_Z_MIN
                                            # (an evaluation protocol sets one fitted on other data)
-    quant: object | None = None      # quant.QuantModel (microabsorption radius, s.e. model term); None = its defaults
+    quant: object | None = None      # quant.QuantModel (microabsorption radius, s.e. model term);
+                                     # None = quant.default_model(instrument)
 
     @property
     def view(self) -> DatedView:
@@ -62,7 +63,8 @@ class TaskContext:
     def for_task(cls, task, store: Store) -> "TaskContext":
         inst = Instrument(wavelength=task.instrument.get("wavelength", Instrument.wavelength),
                           wavelength2=task.instrument.get("wavelength2", Instrument.wavelength2),
-                          ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio))
+                          ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio),
+                          measured=bool(task.instrument.get("measured", False)))
         return cls(two_theta=np.asarray(task.pattern.two_theta, float),
                    intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=store,
                    elements=list(task.elements), precursors=list(getattr(task, "precursors", []) or []),
@@ -373,11 +375,11 @@ def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
 def _fit_report(res, ctx: TaskContext, z_min: float) -> dict:
     """The fit as the agent reads it: quality, refined parameters, what is (not) detectable, fractions +- s.e."""
     from neon_hpc.xrd.fitting import detection_stats
-    from neon_hpc.xrd.quant import QuantModel, quantify, report
+    from neon_hpc.xrd.quant import default_model, quantify, report
     detection_stats(ctx.fitter(), res, z_min)
     out = res.summary()
     detected = [p for p in res.phases if p.significance >= z_min] if res.refined else list(res.phases)
-    model = ctx.quant or QuantModel()
+    model = ctx.quant or default_model(ctx.instrument)
     qs = {q.phase_id: q for q in quantify(res, ctx.library, ctx.instrument.wavelength, model)}
     total = sum(qs[p.phase_id].weight_fraction for p in detected) or 1.0
     for row, p in zip(out["phases"], res.phases):
