@@ -127,7 +127,13 @@ class _FakeTrace:
     def __init__(self, answers):
         self.answers = answers
 
-    def decide(self, th):
+    def final_fit(self, th):
+        return None, 0
+
+    def quantify(self, res, quant):
+        return []
+
+    def decide(self, th, quant=None):
         return baseline.Solution(self.answers[th], 0.1, {"fit": {"phases": []}})
 
 

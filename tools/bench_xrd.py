@@ -13,15 +13,21 @@
    ``shared/data/xrd-real`` is found.
 
 3. Real dev set, leave one mixture out (``xrd.evaluate.evaluate_loo``): the baseline's detection
-   thresholds are fitted on the other mixtures for each held-out one; the default-threshold
+   thresholds, then its Brindley radius and s.e. model term, are fitted on the other mixtures for
+   each held-out one; the default-threshold
    score comes from the same traces.  ``xrd_fit_seconds``: CPU seconds of the whole baseline per
    real pattern (search + refinements, one core); ``xrd_refine_seconds``: one refinement of the
    true phases.
 
 Last line: ``RESULT xrd_sim_speedup_vs_pymatgen=... xrd_baseline_success_easy=...
 xrd_baseline_success_realistic=... xrd_baseline_success_real=... xrd_baseline_success_real_loo=...
-xrd_baseline_success_real_loo_2min=... xrd_baseline_wf_mae_real_loo=... xrd_fit_seconds=...
-xrd_refine_seconds=...``
+xrd_baseline_success_real_loo_2min=... xrd_baseline_wf_mae_real_loo=...
+xrd_baseline_success_real_loo_strict=... (+-5 wt%; _2min/_8min per scan length)
+xrd_baseline_wf_mae_real_loo_2min=... _8min=... xrd_baseline_se_coverage_real_loo=... xrd_fit_seconds=...
+xrd_refine_seconds=...``.  The real-data lines are followed by the strict report: success at +-10
+and +-5 wt%, MAE and s/pattern (wall, CPU) overall and per scan length; the loo line also by the
+Brindley radii and s.e. model terms the folds chose, how much the correction moved each phase, and
+the share of held-out true fractions inside +-2 s.e.
 """
 from __future__ import annotations
 
@@ -90,17 +96,18 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
     return rep.summary()
 
 
-def bench_real() -> tuple[dict, dict] | None:
+def bench_real(measured: bool = False) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
     from neon_hpc.xrd.baseline import Thresholds
-    from neon_hpc.xrd.evaluate import detection_limits_by_scan, evaluate_loo, report_from_traces, scan_of, trace_all
+    from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
+                                       report_from_traces, scan_of, trace_all)
     from neon_hpc.xrd.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None
-    tasks = load_real_tasks("precursor_mixture")
+    tasks = load_real_tasks("precursor_mixture", measured=measured)
     traced = trace_all(tasks, progress=lambda m: print("  " + m, file=sys.stderr, flush=True))
     out = []
-    for rep, folds in ((report_from_traces(tasks, traced[0], Thresholds(), traced[1], "real_dev"), None),
+    for rep, folds in ((report_from_traces(tasks, traced[0], Thresholds(), traced[1], "real_dev", cpu=traced[2]), None),
                        evaluate_loo(tasks, traced=traced)):
         by_scan = {}
         for t, row in zip(tasks, rep.rows):
@@ -111,6 +118,11 @@ def bench_real() -> tuple[dict, dict] | None:
         if folds is not None:
             s["detection_limits"] = detection_limits_by_scan(folds)
             s["misses"] = [(r["task"], r["predicted"], r["truth"]) for r in rep.rows if not r["success"]]
+            s["misses_strict"] = [(r["task"], r["predicted"], r["truth"]) for r in rep.rows if not r["success_5"]]
+            s["quant"] = loo_quant_summary(rep)
+            s["radii"] = sorted({f["quant"]["radius_um"] for f in folds.values()})
+            s["se_sys"] = sorted({f["quant"]["se_sys"] for f in folds.values()})
+            s["moved"] = moved_by_mixture(folds)
         out.append(s)
     out[0]["cpu_per_pattern"] = float(np.mean(traced[2]))
     out[0]["wall_per_pattern"] = float(np.mean(traced[1]))
@@ -140,6 +152,33 @@ def _line(s: dict) -> str:
             f"{s['seconds_per_task']} s/task")
 
 
+def _scan(real, scan: str, key: str) -> float:
+    """One scan length's figure of the loo strict report (nan without real data)."""
+    if not real:
+        return float("nan")
+    return float(real[1]["strict"]["by_scan"].get(scan, {}).get(key, float("nan")))
+
+
+def result_line(sim: dict, synthetic: dict, real, refine_s: float) -> str:
+    """The ``RESULT`` line: ``synthetic`` = {"easy": summary, "realistic": summary}; ``real`` = bench_real() or None."""
+    nan = float("nan")
+    return (f"RESULT xrd_sim_speedup_vs_pymatgen={sim['speedup']:.2f} "
+            f"xrd_baseline_success_easy={synthetic['easy']['success']:.3f} "
+            f"xrd_baseline_success_realistic={synthetic['realistic']['success']:.3f} "
+            f"xrd_baseline_success_real={real[0]['success'] if real else nan:.3f} "
+            f"xrd_baseline_success_real_loo={real[1]['success'] if real else nan:.3f} "
+            f"xrd_baseline_success_real_loo_2min={real[1]['success_by_scan'].get('2min', nan) if real else nan:.3f} "
+            f"xrd_baseline_wf_mae_real_loo={real[1]['wf_mae'] if real else nan:.4f} "
+            f"xrd_baseline_success_real_loo_strict={real[1]['strict']['success_5'] if real else nan:.3f} "
+            f"xrd_baseline_success_real_loo_strict_2min={_scan(real, '2min', 'success_5'):.3f} "
+            f"xrd_baseline_success_real_loo_strict_8min={_scan(real, '8min', 'success_5'):.3f} "
+            f"xrd_baseline_wf_mae_real_loo_2min={_scan(real, '2min', 'wf_mae'):.4f} "
+            f"xrd_baseline_wf_mae_real_loo_8min={_scan(real, '8min', 'wf_mae'):.4f} "
+            f"xrd_baseline_se_coverage_real_loo={real[1]['quant']['coverage_2se'] if real else nan:.3f} "
+            f"xrd_fit_seconds={real[0]['cpu_per_pattern'] if real else nan:.2f} "
+            f"xrd_refine_seconds={refine_s:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=20, help="synthetic tasks per preset and split")
@@ -147,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-structures", type=int, default=20, help="AFLOW structures beside the real-data phases")
     ap.add_argument("--splits", default="test_id", help="comma-separated splits for the synthetic presets")
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--measured", action="store_true",
+                    help="fit the real scans with anomalous scattering (Instrument.measured; off by default)")
     args = ap.parse_args(argv)
+    from neon_hpc.xrd.evaluate import strict_lines
 
     sim = bench_simulation(args.repeat, args.extra_structures)
     print(f"simulation: {sim['structures']} structures, {sim['peaks']} peaks; pymatgen {sim['pymatgen_s']:.3f} s, "
@@ -159,14 +201,23 @@ def main(argv: list[str] | None = None) -> int:
             s = bench_baseline(preset, split, args.n)
             results[(preset, split)] = s
             print(_line(s), flush=True)
-    real = None if args.skip_real else bench_real()
+    real = None if args.skip_real else bench_real(args.measured)
     if real:
         fixed, loo = real
         print(_line(fixed) + f"  by scan: {fixed['by_scan']}  (default thresholds)", flush=True)
+        print("\n".join(strict_lines(fixed)), flush=True)
         print(_line(loo) + f"  by scan: {loo['by_scan']}  (leave one mixture out)", flush=True)
+        print("\n".join(strict_lines(loo)), flush=True)
         print(f"  detection limits (weight fraction, median / max): {loo['detection_limits']}", flush=True)
+        print(f"  loo quantification: Brindley radius chosen per fold {loo['radii']} um, se_sys {loo['se_sys']}; "
+              f"wf_MAE without the correction {loo['quant']['wf_mae_uncorrected']:.4f}; true fractions inside "
+              f"+-2 s.e. {loo['quant']['coverage_2se']:.3f} of {loo['quant']['n_fractions']}", flush=True)
+        for mix, moved in loo["moved"].items():
+            print(f"  microabsorption moved {mix}: {moved}", flush=True)
         for m in loo["misses"]:
             print(f"  loo miss: {m}", flush=True)
+        for m in loo["misses_strict"]:
+            print(f"  loo miss at +-5 wt%: {m}", flush=True)
         print(f"  baseline per real pattern: {fixed['cpu_per_pattern']:.2f} s CPU, {fixed['wall_per_pattern']:.2f} s wall",
               flush=True)
     else:
@@ -174,16 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     refine_s = bench_refine()
     print(f"one refinement of the true phases: {refine_s:.2f} s CPU", flush=True)
     first = args.splits.split(",")[0]
-    nan = float("nan")
-    print(f"RESULT xrd_sim_speedup_vs_pymatgen={sim['speedup']:.2f} "
-          f"xrd_baseline_success_easy={results[('easy', first)]['success']:.3f} "
-          f"xrd_baseline_success_realistic={results[('realistic', first)]['success']:.3f} "
-          f"xrd_baseline_success_real={real[0]['success'] if real else nan:.3f} "
-          f"xrd_baseline_success_real_loo={real[1]['success'] if real else nan:.3f} "
-          f"xrd_baseline_success_real_loo_2min={real[1]['success_by_scan'].get('2min', nan) if real else nan:.3f} "
-          f"xrd_baseline_wf_mae_real_loo={real[1]['wf_mae'] if real else nan:.4f} "
-          f"xrd_fit_seconds={real[0]['cpu_per_pattern'] if real else nan:.2f} "
-          f"xrd_refine_seconds={refine_s:.2f}")
+    print(result_line(sim, {p: results[(p, first)] for p in ("easy", "realistic")}, real, refine_s))
     return 0
 
 

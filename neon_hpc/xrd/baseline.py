@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neon_hpc.xrd.fitting import DETECTION_Z_MIN
+from neon_hpc.xrd.quant import QuantModel
 from neon_hpc.xrd.tools import TaskContext, _sticks, observed_peaks
 
 SCREEN_STRAINS = np.linspace(-0.01, 0.01, 21)
@@ -159,7 +160,8 @@ class Trace:
         """Phase ids the search added as stated precursors (all of them when none are stated)."""
         return {st.phases[-1] for st in self.steps if st.expected}
 
-    def decide(self, th: Thresholds = Thresholds()) -> Solution:
+    def final_fit(self, th: Thresholds = Thresholds()):
+        """(refined fit the thresholds keep or None, index of the first refused step); cached refits."""
         k = 0
         for st in self.steps:
             gain_min, z_min = th.for_phase(st.expected)
@@ -167,8 +169,7 @@ class Trace:
                 break
             k += 1
         if k == 0:
-            return Solution([], self.background_rwp, {"screened": self.screened, "trail": self._trail(),
-                                                      "thresholds": th.__dict__})
+            return None, 0
         res = self.steps[k - 1].result
         chosen = list(self.steps[k - 1].phases)
         keep = [p.phase_id for p in res.phases if p.weight_fraction >= MIN_FRACTION
@@ -180,10 +181,28 @@ class Trace:
                 self._fits[key] = self.ctx.fitter().refine(keep, [by[q].strain for q in keep],
                                                            [by[q].size_nm for q in keep], res.zero_shift)
             res = self._fits[key]
+        return res, k
+
+    def quantify(self, res, quant: QuantModel) -> list:
+        """Weight fractions of a fit with microabsorption correction and standard errors (:mod:`quant`)."""
+        from neon_hpc.xrd.quant import quantify
+        return quantify(res, self.ctx.library, self.ctx.instrument.wavelength, quant)
+
+    def decide(self, th: Thresholds = Thresholds(), quant: QuantModel | None = None) -> Solution:
+        """The answer under ``th``; fractions by ``quant`` (None: :func:`quant.default_model` of the pattern)."""
+        from neon_hpc.xrd.quant import default_model, report
+        quant = quant or default_model(self.ctx.instrument)
+        res, k = self.final_fit(th)
+        if res is None:
+            return Solution([], self.background_rwp, {"screened": self.screened, "trail": self._trail(),
+                                                      "thresholds": th.__dict__})
+        qs = self.quantify(res, quant)
         not_detectable = [s.phases[-1] for s in self.steps[k:k + 1]]
-        return Solution([(p.phase_id, p.weight_fraction) for p in res.phases], res.rwp,
+        return Solution([(q.phase_id, q.weight_fraction) for q in qs], res.rwp,
                         {"screened": [(p, round(s, 3), e, z) for p, s, e, z in self.screened],
                          "trail": self._trail(), "fit": res.summary(), "thresholds": th.__dict__,
+                         "quant": {**report(qs, quant), "se": {q.phase_id: round(q.se, 4) for q in qs},
+                                   "se_stat": {q.phase_id: round(q.se_stat, 4) for q in qs}},
                          "not_detectable": not_detectable})
 
     def _trail(self):
@@ -288,5 +307,6 @@ def trace(ctx: TaskContext, candidates: list[str] | None = None) -> Trace:
     return Trace(ctx, steps, screened, bg_rwp)
 
 
-def solve(ctx: TaskContext, candidates: list[str] | None = None, thresholds: Thresholds = Thresholds()) -> Solution:
-    return trace(ctx, candidates).decide(thresholds)
+def solve(ctx: TaskContext, candidates: list[str] | None = None, thresholds: Thresholds = Thresholds(),
+          quant: QuantModel | None = None) -> Solution:
+    return trace(ctx, candidates).decide(thresholds, quant)

@@ -67,7 +67,7 @@ def _refuse_endpoint() -> int:
 def _cmd_eval(args, argv: list[str]) -> int:
     if args.endpoint:
         return _refuse_endpoint()
-    from neon_hpc.xrd.evaluate import SOLVERS, evaluate
+    from neon_hpc.xrd.evaluate import SOLVERS, evaluate, strict_lines
     from neon_hpc.xrd.tasks import load_tasks, read_tasks
     if args.solver not in SOLVERS:
         print(f"unknown solver {args.solver!r}; choose from {', '.join(SOLVERS)}", file=sys.stderr)
@@ -88,6 +88,7 @@ def _cmd_eval(args, argv: list[str]) -> int:
               f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
               f"(thresholds {info['thresholds']} fitted on {info['train_n']} train tasks: "
               f"{info['train_successes']}/{info['train_n']})")
+        print("\n".join(strict_lines(s)))
         if args.json:
             Path(args.json).write_text(json.dumps({"solver": args.solver, "protocol": "fit-on-train", "info": info,
                                                    "results": [{**s, "rows": rep.rows}]}, indent=1))
@@ -95,7 +96,7 @@ def _cmd_eval(args, argv: list[str]) -> int:
     groups = []
     if args.data:
         from neon_hpc.xrd.real import load_real_tasks
-        tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+        tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
         groups.append((f"real_dev{'-' + args.scan if args.scan else ''}", tasks))
     elif args.tasks:
         tasks = read_tasks(args.tasks)
@@ -113,6 +114,7 @@ def _cmd_eval(args, argv: list[str]) -> int:
         print(f"{name:<28} n={s['n']:<4} success={s['success']:.3f} [{lo:.3f}, {hi:.3f}]  "
               f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
               f"({s['seconds_per_task']} s/task)")
+        print("\n".join(strict_lines(s)))
     if args.json:
         Path(args.json).write_text(json.dumps({"solver": args.solver, "results": summaries}, indent=1))
     return 0
@@ -124,9 +126,10 @@ def _eval_loo(args, progress) -> int:
         print("neon-hpc xrd eval --protocol loo: needs --data DIR (the real dev set, e.g. ../shared/data/xrd-real) "
               "and --solver baseline (the solver whose thresholds it fits)", file=sys.stderr)
         return 2
-    from neon_hpc.xrd.evaluate import detection_limits_by_scan, evaluate_loo, scan_of
+    from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
+                                       scan_of, strict_lines)
     from neon_hpc.xrd.real import load_real_tasks
-    tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data)
+    tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
     rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)
     s = rep.summary()
     lo, hi = s["success_ci95"]
@@ -137,6 +140,17 @@ def _eval_loo(args, progress) -> int:
           f"phase_F1={s['phase_f1']:.3f}  wf_MAE={s['wf_mae']:.4f}  dense={s['dense']:.3f}  "
           f"({s['seconds_per_task']} s/task)")
     print("  by scan: " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in sorted(by_scan.items())))
+    print("\n".join(strict_lines(s)))
+    qsum = loo_quant_summary(rep)
+    print(f"  true fractions inside +-2 s.e.: {qsum['coverage_2se']:.3f} of {qsum['n_fractions']} (held-out "
+          f"mixtures); wf_MAE without the microabsorption correction {qsum['wf_mae_uncorrected']:.4f}")
+    radii: dict[str, int] = {}
+    for f in folds.values():
+        key = f"radius {f['quant']['radius_um']} um, se_sys {f['quant']['se_sys']}"
+        radii[key] = radii.get(key, 0) + 1
+    print("  quantification chosen per fold: " + ", ".join(f"{k} ({v}x)" for k, v in sorted(radii.items())))
+    for mix, moved in moved_by_mixture(folds).items():
+        print(f"  microabsorption moved {mix}: {moved}")
     limits = detection_limits_by_scan(folds)
     print("  detection limit (z_min x esd of w, median / max over refined phases): " +
           ", ".join(f"{k} {v['median']:.3f} / {v['max']:.3f}" for k, v in limits.items()))
@@ -151,6 +165,7 @@ def _eval_loo(args, progress) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"solver": args.solver, "protocol": "loo",
                                                "results": [{**s, "rows": rep.rows}], "folds": folds,
+                                               "quant": qsum,
                                                "detection_limits": limits}, indent=1))
     return 0
 
@@ -185,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "fitted on the other mixtures (needs --data); fit-on-train: synthetic preset, thresholds "
                          "fitted on --n train tasks, scored on --split")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
+    ev.add_argument("--measured", action="store_true",
+                    help="real data: fit with anomalous scattering (f', f'') and, outside a protocol, the prior's "
+                         "Brindley radius (Instrument.measured; off by default, see the xrd README)")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (`neon-hpc xrd eval --endpoint URL "
                                        "--help` for its options: neon_hpc.rollout.agent.eval_cli)")

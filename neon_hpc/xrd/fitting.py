@@ -248,8 +248,8 @@ class PhaseModel:
     members of a group keep one d-spacing under every allowed change of the cell.
     """
 
-    def __init__(self, pid: str, d_min: float, library: Library):
-        refl = phase_reflections(pid, round(d_min, 3))
+    def __init__(self, pid: str, d_min: float, library: Library, dispersion_wavelength: float | None = None):
+        refl = phase_reflections(pid, round(d_min, 3), 0.0, None, dispersion_wavelength)
         self.pid = pid
         self.phase = library.get(pid)
         self.lattice0 = np.asarray(self.phase.lattice, dtype=float)
@@ -411,6 +411,8 @@ class Fitter:
         self.x = np.asarray(x, dtype=float)
         self.y = np.asarray(y, dtype=float)
         self.inst = instrument
+        # anomalous scattering (f', f'') at the anode line for real measurements (Instrument.measured)
+        self.dispersion_wavelength = float(instrument.wavelength) if instrument.measured else None
         self.lib = library or load_library()
         self.w = 1.0 / np.maximum(self.y, 1.0)
         self.sw = np.sqrt(self.w)
@@ -427,7 +429,7 @@ class Fitter:
         key = (pid, round(zero, 5), round(strain, 6), round(size, 2))
         prof = self._cache.get(key)
         if prof is None:
-            refl = phase_reflections(pid, round(self.d_min, 3))
+            refl = phase_reflections(pid, round(self.d_min, 3), 0.0, None, self.dispersion_wavelength)
             prof = phase_pattern(refl, self.x, self.inst.with_(zero_shift=zero),
                                  Microstructure(strain=strain, size_nm=size))
             peak = float(prof.max()) or 1.0
@@ -524,7 +526,7 @@ class Fitter:
     def model(self, pid: str) -> PhaseModel:
         m = self._models.get(pid)
         if m is None:
-            m = self._models[pid] = PhaseModel(pid, self.d_min, self.lib)
+            m = self._models[pid] = PhaseModel(pid, self.d_min, self.lib, self.dispersion_wavelength)
         return m
 
     def _phase_peaks(self, m: PhaseModel, eps, Y, e, axis, r, zero, disp, W, derivs: bool):
@@ -828,6 +830,7 @@ class Fitter:
                         caglioti_w=float(p[g["W"]]), eta=float(p[g["eta"]]), n_obs=len(self.y), n_params=n_par,
                         refined=True)
         res.details["components"] = [p[i] * cols[i] for i in range(k)]
+        res.details["wf_cov"] = cov_w                  # covariance of the Hill-Howard fractions
         res.details["esd"] = {"zero_shift": float(esd[g["zero"]]), "displacement": float(esd[g["disp"]])}
         return res
 

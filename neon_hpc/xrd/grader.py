@@ -164,4 +164,5 @@ def grade(predicted: list[tuple[str, float]], truth, strict: bool = False, libra
         "predicted_matched": {true_keys[j].label: round(got[j], 4) for j in range(len(true_keys))},
         "missed_major": missed_major, "spurious": spurious, "spurious_major": spurious_major,
         "fraction_off": off, "unreadable": errors, "tolerance": tol, "major": MAJOR,
+        "assignment": [None if j is None else true_keys[j].label for j in assigned],   # per readable predicted phase
         "mae": sum(frac_err) / max(1, len(frac_err))})

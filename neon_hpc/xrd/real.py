@@ -115,8 +115,14 @@ def real_records(with_patterns: bool = True) -> list[dict]:
     return out
 
 
-def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, data_dir: str | Path | None = None):
-    """Real patterns as :class:`~neon_hpc.xrd.tasks.Task` (split ``real_dev`` or ``real_reactions``)."""
+def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, data_dir: str | Path | None = None,
+                    measured: bool = False):
+    """Real patterns as :class:`~neon_hpc.xrd.tasks.Task` (split ``real_dev`` or ``real_reactions``).
+
+    ``measured``: mark them ``instrument["measured"]`` so that fits model anomalous scattering and
+    (outside a protocol) the prior's Brindley radius (``Instrument.measured``).  Off by default: on
+    the dev set it costs a leave-one-mixture-out success at +-10 wt% (README, "measured physics").
+    """
     from neon_hpc.xrd.tasks import Pattern, Task
     root = Path(data_dir) if data_dir else real_data_dir()
     if root is None or not root.is_dir():
@@ -139,5 +145,5 @@ def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, da
                           pattern=Pattern(m.two_theta, m.intensity), truth=truth,
                           split="real_dev" if phases is not None else "real_reactions", preset="real",
                           instrument={"wavelength": m.wavelength, "wavelength2": m.wavelength2,
-                                      "ka2_ratio": m.ka2_ratio}))
+                                      "ka2_ratio": m.ka2_ratio, "measured": bool(measured)}))
     return tasks

@@ -87,8 +87,12 @@ class Reflections:
 
 
 def compute_reflections(lattice: np.ndarray, species: list[str], frac_coords: np.ndarray,
-                        d_min: float, b_iso: float = 0.0) -> Reflections:
-    """All hkl with d >= d_min at once (vectorized; no per-reflection Python loop)."""
+                        d_min: float, b_iso: float = 0.0, dispersion: dict | None = None) -> Reflections:
+    """All hkl with d >= d_min at once (vectorized; no per-reflection Python loop).
+
+    ``dispersion``: {element: f' + i f''} added to the form factors (anomalous scattering at one
+    wavelength); None = none, as pymatgen's XRDCalculator and the synthetic tasks.
+    """
     A = np.asarray(lattice, dtype=float)
     B = np.linalg.inv(A).T                     # rows: a*, b*, c* (crystallographic, no 2 pi)
     g_max = 1.0 / d_min
@@ -105,6 +109,8 @@ def compute_reflections(lattice: np.ndarray, species: list[str], frac_coords: np
     s2 = (gn / 2.0) ** 2
     elements = sorted(set(species))
     ff = form_factors(elements, s2)
+    if dispersion:
+        ff = ff + np.array([dispersion[el] for el in elements], dtype=complex)[None, :]
     if b_iso:
         ff = ff * np.exp(-b_iso * s2)[:, None]
     index = np.array([elements.index(sp) for sp in species])
@@ -122,10 +128,16 @@ def compute_reflections(lattice: np.ndarray, species: list[str], frac_coords: np
 
 
 @functools.lru_cache(maxsize=4096)
-def phase_reflections(phase_id: str, d_min: float = 0.95, b_iso: float = 0.0, library_path: str | None = None):
+def phase_reflections(phase_id: str, d_min: float = 0.95, b_iso: float = 0.0, library_path: str | None = None,
+                      dispersion_wavelength: float | None = None):
+    """A library phase's reflections (cached); ``dispersion_wavelength``: with f', f'' at that anode line."""
     from neon_hpc.xrd.library import load_library
     p = load_library(library_path).get(phase_id)
-    return compute_reflections(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords), d_min, b_iso)
+    disp = None
+    if dispersion_wavelength is not None:
+        from neon_hpc.xrd.absorption import dispersion
+        disp = dispersion(sorted(set(p.species)), dispersion_wavelength)
+    return compute_reflections(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords), d_min, b_iso, disp)
 
 
 def lorentz_polarization(two_theta_deg: np.ndarray) -> np.ndarray:
@@ -176,6 +188,9 @@ class Instrument:
     eta: float = 0.5                  # pseudo-Voigt Lorentzian fraction
     zero_shift: float = 0.0           # deg, added to every peak position
     window_fwhm: float = 12.0         # peaks are rendered over +- this many FWHM
+    measured: bool = False            # a real measurement (real.py sets it): its sample scatters with f', f'' at
+                                      # the anode line and has microabsorption; this module's synthetic
+                                      # patterns have neither, so their fits model neither
 
     def with_(self, **kw) -> "Instrument":
         return replace(self, **kw)

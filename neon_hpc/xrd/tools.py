@@ -49,6 +49,8 @@ class TaskContext:
     plot_dir: str = ""               # where plot_fit writes PNGs; "" = plotting refused
     detection_z_min: float | None = None   # fit_phases' significance threshold; None = fitting.DETECTION_Z_MIN
                                            # (an evaluation protocol sets one fitted on other data)
+    quant: object | None = None      # quant.QuantModel (microabsorption radius, s.e. model term);
+                                     # None = quant.default_model(instrument)
 
     @property
     def view(self) -> DatedView:
@@ -61,7 +63,8 @@ class TaskContext:
     def for_task(cls, task, store: Store) -> "TaskContext":
         inst = Instrument(wavelength=task.instrument.get("wavelength", Instrument.wavelength),
                           wavelength2=task.instrument.get("wavelength2", Instrument.wavelength2),
-                          ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio))
+                          ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio),
+                          measured=bool(task.instrument.get("measured", False)))
         return cls(two_theta=np.asarray(task.pattern.two_theta, float),
                    intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=store,
                    elements=list(task.elements), precursors=list(getattr(task, "precursors", []) or []),
@@ -370,22 +373,30 @@ def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
 
 
 def _fit_report(res, ctx: TaskContext, z_min: float) -> dict:
-    """The fit as the agent reads it: quality, refined parameters, what is (not) detectable."""
+    """The fit as the agent reads it: quality, refined parameters, what is (not) detectable, fractions +- s.e."""
     from neon_hpc.xrd.fitting import detection_stats
+    from neon_hpc.xrd.quant import default_model, quantify, report
     detection_stats(ctx.fitter(), res, z_min)
     out = res.summary()
     detected = [p for p in res.phases if p.significance >= z_min] if res.refined else list(res.phases)
-    total = sum(p.weight_fraction for p in detected) or 1.0
+    model = ctx.quant or default_model(ctx.instrument)
+    qs = {q.phase_id: q for q in quantify(res, ctx.library, ctx.instrument.wavelength, model)}
+    total = sum(qs[p.phase_id].weight_fraction for p in detected) or 1.0
     for row, p in zip(out["phases"], res.phases):
+        q = qs[p.phase_id]
         if p in detected:
             row["status"] = "detected"
-            row["weight_fraction"] = round(p.weight_fraction / total, 4)
+            row["weight_fraction"] = round(q.weight_fraction / total, 4)
+            row["wf_se"] = round(q.se / total, 4)
+            row["wf_uncorrected"] = round(q.uncorrected, 4)
+            row["microabsorption_moved"] = round(q.moved, 4)
         else:
             row["status"] = "not detectable"
             row["weight_fraction"] = None
             row["below_wt_fraction"] = round(max(p.detection_limit, p.weight_fraction), 4)
         if res.refined:
             row["rwp_without"] = round(p.rwp_without, 4)
+    out["quantification"] = report(list(qs.values()), model)
     return out
 
 
@@ -398,8 +409,9 @@ def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
     z_min = DETECTION_Z_MIN if ctx.detection_z_min is None else float(ctx.detection_z_min)
     out = {"detection_z_min": z_min, **_fit_report(res, ctx, z_min)}   # first: tool results may be clipped
     out["unexplained_peaks"] = [[round(float(a), 3), round(float(b), 1)] for a, b in zip(xs, h)]
-    out["note"] = ("Rietveld fit; wt fractions of detected phases +- esd; gof~1 = fit at the noise; "
-                   "'not detectable' = refined scale under detection_z_min esds")
+    out["note"] = ("Rietveld fit; weight_fraction (microabsorption-corrected) +- wf_se (standard error: refinement "
+                   "esd + model error; +-2 wf_se is the ~95% interval), wf_esd = refinement-only esd; gof~1 = fit "
+                   "at the noise; 'not detectable' = refined scale under detection_z_min esds")
     return out
 
 
