@@ -112,3 +112,20 @@ def postgres():
     pg = PgCluster().start()
     yield pg
     pg.stop()
+
+
+# What a test's in-process trainer (``init_parallel``, ``train.loop.dist_env``, calibrate's
+# runner) writes into os.environ for its one-rank rendezvous must not reach the next test's
+# subprocesses: a child that inherits MASTER_PORT meets at a port nobody serves any more.
+_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_leak():
+    before = {k: os.environ.get(k) for k in _RENDEZVOUS_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

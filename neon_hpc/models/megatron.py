@@ -41,14 +41,15 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=10)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            rank, world = 0, 1
+            # one process, its own rendezvous: nothing written to os.environ, which the
+            # process's children (a test's subprocesses, a launcher's workers) inherit
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
         else:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp) or world % (ep * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp={tp * pp} and ep*pp={ep * pp}; "
