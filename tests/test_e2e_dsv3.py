@@ -7,34 +7,22 @@ versions as in the qwen3 e2e."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
+from mainjob import run_main_job
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e_dsv3") / "run"
-    cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs" / "tiny_dsv3_cpu.yaml"),
-           "--run-dir", str(root), "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-           "--set", "train.trajectories_per_step=8"]
-    out = root.parent / "launcher.out"
-    with open(out, "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=900).returncode
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the run did not finish in 900 s; see {out}")
-    return {"root": root, "rc": rc, "out": out.read_text()}
+    return run_main_job(tmp_path_factory, "e2e_dsv3", "tiny_dsv3_cpu.yaml", f"train.steps={STEPS}", "train.checkpoint_every=2",
+                        "train.trajectories_per_step=8")
 
 
 def test_run_completes(finished_run):

@@ -11,8 +11,6 @@ the valid ones always 200 with the tokens each gives alone.
 import concurrent.futures as cf
 import json
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
@@ -20,6 +18,7 @@ from hypothesis import strategies as st
 
 from neon_hpc.rollout.engines.embedded import Scheduler, start_server
 from test_engine_embedded import weights  # noqa: F401  (fixture)
+from test_engine_hostile import post
 
 VALID = [{"input_ids": [3 + i, 14, 15, 92], "rid": f"valid-{i}",
           "sampling_params": {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 5, "sampling_seed": 40 + i}}
@@ -28,15 +27,6 @@ VALID = [{"input_ids": [3 + i, 14, 15, 92], "rid": f"valid-{i}",
 FIELDS = ("input_ids", "sampling_params", "rid", "body", "routed_experts_start_len", "return_logprob",
           "return_routed_experts", "stream", "unknown or unsupported field", "prompt_tokens", "mode")
 
-
-def post(url: str, path: str, body, timeout: float = 120) -> tuple[int, object]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 @pytest.fixture(scope="module")
