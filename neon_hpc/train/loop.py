@@ -249,8 +249,12 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
 # --------------------------------------------------------------------------------------
 # one optimizer step
 
-def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
-    """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics."""
+def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics.
+
+    ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
+    :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
+    """
     from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.backend import forward_backward, reduce_step_sums
 
@@ -278,6 +282,8 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
 
     def loss_fn(logp, mb):
         dev = logp.device
+        if loss is not None:
+            return loss(logp, mb, denom)
         return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
                            mb.loss_mask.to(dev), denom, lcfg)
 
@@ -290,7 +296,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     be.finalize_grads()                # finalize_model_grads over every model chunk
     ok, grad_norm, _ = be.optimizer.step()
     sums = reduce_step_sums(be, sums)
-    out = term_means(sums)
+    out = means(sums)
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_skipped"] = not ok
     out["microbatches"] = n_mb
@@ -371,6 +377,9 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
     try:
+        if cfg.train.mode == "sft":      # the same model, layouts and books; another loss and data source
+            from neon_hpc.train.sft import run_sft
+            return run_sft(cfg, run, rank, world, log, pre)
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:
         log.error("%s", e)
