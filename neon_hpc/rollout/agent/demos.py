@@ -1,6 +1,6 @@
 """Demonstration conversations for SFT / mid-training: the baseline solver's actions, in the agent's tokens.
 
-``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` writes HDF5 shards of the
+``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` (``neon_hpc/launch/demos_cli.py``) writes HDF5 shards of the
 trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``xrd.preset``,
 ``split=train``, ``xrd.seed``): one conversation per task, rendered with the same chat template
 (:mod:`~neon_hpc.rollout.agent.template`), tool texts (:class:`~neon_hpc.rollout.agent.xrd_env.XRDEnv`:
@@ -24,10 +24,8 @@ to 1; one-phase tasks: adds a distractor). ``metadata["demo"]`` records the kind
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,33 +175,3 @@ def write_demos(out_dir: str | Path, tasks: list, tokenizer: Any, cfg: Any, impe
             "count_by_kind": {k: len(v) for k, v in sorted(by_kind.items())},
             "success": float(np.mean([t.rewards["success"] for t in trajs])) if trajs else None,
             "assistant_tokens": int(sum(int(t.loss_mask.sum()) for t in trajs))}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="neon-hpc demos", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the shards (train.sft_data of an SFT run)")
-    p.add_argument("--config", default=None, help="experiment YAML (rollout, xrd and model sections; "
-                   "default: configs/tiny_cpu.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--n", type=int, default=None, help="tasks (default: warm_start.demos)")
-    p.add_argument("--imperfect", type=float, default=None, help="share of imperfect demonstrations "
-                   "(default: warm_start.imperfect)")
-    a = p.parse_args(argv)
-    from neon_hpc import config
-    from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.xrd.tasks import load_tasks
-    cfg = config.load(a.config or str(Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu.yaml"), a.set)
-    n = cfg.warm_start.demos if a.n is None else a.n
-    imperfect = cfg.warm_start.imperfect if a.imperfect is None else a.imperfect
-    if n < 1 or not 0.0 <= imperfect <= 1.0:
-        print("neon-hpc demos: --n must be >= 1 and --imperfect within [0, 1]", file=sys.stderr)
-        return 2
-    tasks = load_tasks(cfg.xrd.preset, "train", seed=cfg.xrd.seed, n=n)
-    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
-    s = write_demos(a.out, tasks, tok, cfg.rollout, imperfect, cfg.xrd.seed)
-    print(json.dumps(s))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
