@@ -75,3 +75,16 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     assert r.returncode == 2 and "initial weights from" in r.stderr, r.stderr[-3000:]
     a, b = read_hf_state_dict(sft / "weights" / "v_6"), read_hf_state_dict(rl / "weights" / "v_0")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("bad,key", [("train.mode=sft", "train.sft_data"), ("train.mode=dpo", "train.mode"),
+                                     ("warm_start.imperfect=1.5", "warm_start.imperfect"),
+                                     ("warm_start.steps=0", "warm_start.steps"), ("eval.num_tasks=-1", "eval.num_tasks")])
+def test_config_check_refuses_bad_sft_warm_start_and_eval_keys(bad, key):
+    from neon_hpc.cli import main as neon_hpc
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = neon_hpc(["config", "check", CONFIG, "--set", bad])
+    assert rc == 2 and key in err.getvalue(), err.getvalue()
