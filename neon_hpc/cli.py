@@ -12,6 +12,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("neon_hpc.launch.local", "run the whole async loop as local processes (laptop, CI, one node)"),
+    "sft": ("neon_hpc.launch.warm", "the main job's warm start alone: demonstrations + SFT (train.mode: sft)"),
+    "demos": ("neon_hpc.launch.demos_cli", "write demonstration conversations (solver actions) as trajectory shards"),
     "launch": ("neon_hpc.launch.submit", "submit the heterogeneous Slurm job (rollout group + trainer group)"),
     "status": ("neon_hpc.ops.status", "one screen on a run: job, trainer step, weights, heartbeats, shards"),
     "tail": ("neon_hpc.ops.tail", "follow the per-role, per-rank logs of a run"),

@@ -33,12 +33,12 @@ import yaml
 from neon_hpc import constraints
 from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
-from neon_hpc.launch.config import LaunchConfig
+from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
 from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import ModelConfig, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig
-from neon_hpc.rollout.config import EngineConfig, RolloutConfig
+from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.train.config import TrainConfig, launch_world_errors, layout_errors
 from neon_hpc.xrd.config import XRDConfig
@@ -60,6 +60,8 @@ class ExperimentConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 class ConfigError(ValueError):

@@ -44,8 +44,10 @@ def _procs_of(run_root: Path) -> list[psutil.Process]:
 def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e") / "run"
     # the embedded default as shipped (its episodes are what weight updates land in), shorter
+    # a small warm start (demonstrations + SFT) and eval set: the run's shape, not its learning
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
-                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2"]
+                  "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
+                  "--set", "warm_start.demos=16", "--set", "warm_start.steps=2", "--set", "eval.num_tasks=4"]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None
@@ -85,6 +87,22 @@ def test_run_completes_with_summary(finished_run):
     trainer = read_metrics(finished_run["root"], "trainer")
     assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
     assert (finished_run["root"] / "plots" / "run.png").exists()
+
+
+def test_warm_start_then_eval_before_and_after_in_summary_json(finished_run):
+    root = finished_run["root"]
+    s = read_json(root / "summary.json")
+    for k in ("eval_success_start", "eval_success_end", "trained_spanning_ge2", "wasted_rollout_tokens"):
+        assert k in s and s[k] is not None, k
+    assert 0.0 <= s["eval_success_start"] <= 1.0 and 0.0 <= s["eval_success_end"] <= 1.0
+    start, end = read_json(root / "eval" / "start.json"), read_json(root / "eval" / "end.json")
+    assert (start["version"], end["version"]) == (0, STEPS) and start["temperature"] == end["temperature"] == 0.0
+    assert [t["task_id"] for t in start["tasks"]] == [t["task_id"] for t in end["tasks"]]   # the same tasks
+    assert all(t["task_id"].startswith("tiny-test_id-") for t in end["tasks"])
+    # RL started from the SFT checkpoint of the warm start
+    assert s["warm_start"]["checkpoint"] == str(root / "warm_start" / "checkpoints" / "step_2")
+    assert "initial weights from " + s["warm_start"]["checkpoint"] in (root / "logs" / "trainer" / "0.log").read_text()
+    assert "eval success (greedy, 4 held-out tasks)" in finished_run["out"]
 
 
 def test_every_published_shard_consumed_exactly_once(finished_run):

@@ -45,7 +45,8 @@ def _diagnose(cluster, job: str, root: Path, out: str) -> str:
 def test_het_job_preempted_requeued_and_resumed(slurm_cluster, tmp_path):
     root = tmp_path / "run"
     r = subprocess.run(NEON + ["launch", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
-                               "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2"],
+                               "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
+                               "--set", "warm_start.enabled=false"],
                        capture_output=True, text=True, env=slurm_cluster.env, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted heterogeneous job (\d+)", r.stdout).group(1)
@@ -96,7 +97,8 @@ def test_dead_trainer_fails_the_job_fast_and_the_run_resumes(slurm_cluster, tmp_
     same run again resumes from its newest checkpoint and finishes."""
     root = tmp_path / "run"
     launch = NEON + ["launch", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
-                     "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=1"]
+                     "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=1",
+                     "--set", "warm_start.enabled=false"]
     r = subprocess.run(launch, capture_output=True, text=True, env=slurm_cluster.env, cwd=REPO, timeout=120)
     job = re.search(r"submitted heterogeneous job (\d+)", r.stdout).group(1)
     run = RunDir(root)

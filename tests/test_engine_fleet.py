@@ -133,7 +133,8 @@ def test_node_addresses_under_slurm_use_node_addr(slurm_cluster, monkeypatch):
 
 def _run(root: Path, sets: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([STANDINS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = NEON + ["run", str(TINY), "--run-dir", str(root), "--no-plot", "--set", "engine.kind=sglang"]
+    cmd = NEON + ["run", str(TINY), "--run-dir", str(root), "--no-plot", "--set", "engine.kind=sglang",
+                  "--set", "warm_start.enabled=false", "--set", "eval.num_tasks=0"]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -128,7 +128,8 @@ def test_main_job_writes_trainer_and_rollout_metrics_to_tensorboard_and_wandb(tm
     env.pop("WANDB_API_KEY", None)
     r = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
                         "--run-dir", str(run), "--set", "train.steps=2", "--set", "logging.tensorboard=true",
-                        "--set", "logging.wandb=offline"], capture_output=True, text=True, env=env, timeout=900)
+                        "--set", "logging.wandb=offline", "--set", "warm_start.enabled=false",
+                        "--set", "eval.num_tasks=0"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     trainer = tb_scalars(run / "logs" / "tb" / "trainer.0")
     steps = [rec["step"] for rec in read_metrics(run, "trainer") if "loss" in rec]

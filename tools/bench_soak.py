@@ -170,7 +170,8 @@ def run_soak(root: Path, run_s: float, workers: int, sample_s: float, memdebug: 
     from neon_hpc.store.claim import ready_count
     cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir",
            str(root), "--quiet", "--no-plot", "--set", "train.steps=100000", "--set", f"rollout.num_workers={workers}",
-           "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_every=50"]
+           "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_every=50",
+           "--set", "warm_start.enabled=false", "--set", "eval.num_tasks=0"]
     out = open(root.parent / "soak_launcher.txt", "ab")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if memdebug:

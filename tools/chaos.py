@@ -151,7 +151,8 @@ class Trial:
         self.root, self.steps, self.rng, self.log = root, steps, rng, log
         self.run = RunDir(root)
         self.cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
-                    "--run-dir", str(root), "--quiet", "--no-plot", "--set", f"train.steps={steps}", *sum(
+                    "--run-dir", str(root), "--quiet", "--no-plot", "--set", f"train.steps={steps}",
+                    "--set", "warm_start.enabled=false", "--set", "eval.num_tasks=0", *sum(
                         (["--set", s] for s in sets), [])]
         self.seen: set[int] = set()     # every pid of the trial's launches (for "no process left")
 
@@ -376,7 +377,8 @@ class SlurmTrial(Trial):
         super().__init__(root, steps, sets, rng, log)
         self.env, self.component = env, component
         self.cmd = [sys.executable, "-m", "neon_hpc.cli", "launch", str(REPO / "configs" / "tiny_cpu.yaml"),
-                    "--run-dir", str(root), "--set", f"train.steps={steps}", *sum((["--set", x] for x in sets), [])]
+                    "--run-dir", str(root), "--set", f"train.steps={steps}", "--set", "warm_start.enabled=false",
+                    *sum((["--set", x] for x in sets), [])]
         self.jobs: list[str] = []
 
     def slurm(self, *args: str) -> subprocess.CompletedProcess:

@@ -158,7 +158,25 @@ def render_summary(s: dict[str, Any]) -> str:
         f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
         f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   max staleness {f(s['staleness_max'])}",
         f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
-    ])
+    ] + _eval_lines(s, f))
+
+
+def _eval_lines(s: dict[str, Any], f) -> list[str]:
+    """The warm start and the greedy eval before/after RL (``launch/warm.py``), when the run has them."""
+    out = []
+    w = s.get("warm_start") or {}
+    if w:
+        out.append(f"warm start: {(w.get('demos') or {}).get('demos', '-')} demonstrations, SFT loss "
+                   f"{f(w.get('sft_loss_first'))} -> {f(w.get('sft_loss_last'))}"
+                   f"{' (reused)' if w.get('reused') else ''}; RL from {w.get('checkpoint')}")
+    if s.get("eval_success_end") is not None:
+        out.append(f"eval success (greedy, {s.get('eval_tasks')} held-out tasks): start of RL "
+                   f"{f(s.get('eval_success_start'))} (v_{s.get('eval_version_start')}) -> end "
+                   f"{f(s.get('eval_success_end'))} (v_{s.get('eval_version_end')}); dense "
+                   f"{f(s.get('eval_dense_start'))} -> {f(s.get('eval_dense_end'))}")
+    if s.get("cpu_s_children") is not None:
+        out.append(f"CPU time: launcher {s['cpu_s_launcher']:.0f}s, its processes {s['cpu_s_children']:.0f}s")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

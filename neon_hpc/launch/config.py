@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import at_least
+from neon_hpc.constraints import above, at_least, between
 
 
 @dataclass
@@ -36,3 +36,28 @@ class LaunchConfig:
     extra_sbatch: list[str] = field(default_factory=list)
 
     CHECKS = {"signal_before_s": at_least(0, "seconds before the time limit")}
+
+
+@dataclass
+class WarmStartConfig:
+    """``neon-hpc run``'s warm start (``launch/warm.py``): demonstrations, then SFT, then RL from it.
+
+    With ``enabled``, the run directory's ``warm_start/`` holds the demonstrations
+    (``neon-hpc demos``) and an SFT run of the same trainer (``train.mode: sft``); the RL run's
+    ``model.init_checkpoint`` is that run's last checkpoint. A run directory that has it reuses it.
+    """
+
+    enabled: bool = False
+    demos: int = 256                    # train-split tasks, one demonstration each
+    imperfect: float = 0.3              # share of imperfect demonstrations (wrong minor phase, rough fraction)
+    steps: int = 40                     # SFT optimizer steps
+    trajectories_per_step: int = 16
+    lr: float = 3e-3
+
+    CHECKS = {
+        "demos": at_least(1),
+        "imperfect": between(0.0, 1.0),
+        "steps": between(1, 10**9),
+        "trajectories_per_step": at_least(1),
+        "lr": above(0, le=1.0),
+    }

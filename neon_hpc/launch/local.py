@@ -27,7 +27,7 @@ from typing import Callable
 
 from neon_hpc import config
 from neon_hpc.launch import lease
-from neon_hpc.launch.common import prepare_run, render_summary, summarize, trainer_steps
+from neon_hpc.launch.common import prepare_run, render_summary, resolve_run_dir, summarize, trainer_steps
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag, stop_tree
@@ -180,6 +180,8 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
     a = p.parse_args(argv)
     cfg_path = a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
     cfg = config.load(cfg_path, a.set)
+    from neon_hpc.launch import warm as W
+    W.apply_warm_start(cfg, resolve_run_dir(cfg, a.run_dir))   # RL starts from the SFT checkpoint
     token = lease.new_token()
     try:
         run, cfg = prepare_run(cfg, a.run_dir, backend="local", lease_token=token)
@@ -191,13 +193,22 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
     renewer = lease.Renewer(run, token, "launcher", on_lost=lr.lost_lease)
     renewer.start()
     t0 = time.monotonic()
+    warm = None
     try:
+        if cfg.warm_start.enabled:
+            try:
+                warm = W.run_warm_start(cfg, run.root, lr.say)
+            except W.WarmStartError as e:
+                lr.say(f"warm start failed: {e}")
+                return 2
         lr.start()
         rc = lr.wait()
     finally:
         renewer.stop()
         lease.release(run, token)
     s = summarize(run.root)
+    ev = W.evaluate_run(cfg, run, lr.say) if rc == 0 else {}
+    s = W.write_summary(run, s, ev, warm, W.cpu_seconds())
     lr.say(f"--- summary ({time.monotonic() - t0:.0f}s) ---\n" + render_summary(s))
     if not a.no_plot and s["steps"]:
         lr.say(f"plot: {plot(str(run.root))}" if plot is not None else

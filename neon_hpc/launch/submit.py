@@ -67,6 +67,13 @@ def main(argv: list[str]) -> int:
     except LeaseHeld as e:
         print(f"neon-hpc launch: {e}", file=sys.stderr)
         return 3
+    if cfg.warm_start.enabled and not cfg.model.init_checkpoint:
+        from neon_hpc.launch.warm import sft_checkpoint
+        print(f"neon-hpc launch: warm_start.enabled: the Slurm job does not run the warm start (`neon-hpc run` "
+              f"does); run `neon-hpc sft {a.config} --run-dir {run_dir}` first and add --set "
+              f"model.init_checkpoint={sft_checkpoint(cfg, run_dir)}, or --set warm_start.enabled=false",
+              file=sys.stderr)
+        return 2
     job_id, script = submit(cfg, a.config, run_dir)
     print(f"submitted heterogeneous job {job_id} ({script})")
     print(f"follow it: neon-hpc status {run_dir}   neon-hpc tail {run_dir} --role trainer -f")

@@ -1,4 +1,4 @@
-"""``neon-hpc plot RUN [--out PNG]``: reward, staleness, throughput and trainer idle fraction.
+"""``neon-hpc plot RUN [--out PNG]``: reward (and the eval success before/after RL), staleness, throughput and trainer idle fraction.
 
 One PNG (default ``RUN/plots/run.png``), four panels, from the metrics.jsonl files only.
 """
@@ -10,6 +10,17 @@ from pathlib import Path
 
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
+
+
+def _eval_points(run: RunDir, steps: list) -> list[tuple[float, float, int]]:
+    """(trainer step, eval success, tasks) at the start and the end of RL, from ``RUN/eval/{start,end}.json``."""
+    from neon_hpc.protocol.rundir import read_json
+    out = []
+    for which in ("start", "end"):
+        e = read_json(run.root / "eval" / f"{which}.json")
+        if e and e.get("success") is not None:
+            out.append((float(e.get("version", 0)), float(e["success"]), int(e.get("n", 0))))
+    return out
 
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:
@@ -35,6 +46,13 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
         a2.plot(xs, [r.get("reward", float("nan")) for r in rollout], ".", alpha=0.25, color="gray")
         a2.set_xlabel("wall time (s), gray: single trajectories")
     a.set_xlabel("trainer step"); a.set_ylabel("reward"); a.set_title("reward")
+    ev = _eval_points(run, steps)
+    if ev:   # greedy success on the fixed held-out eval set at the start and the end of RL (launch/warm.py)
+        a.plot([x for x, _y, _n in ev], [y for _x, y, _n in ev], "D-", color="tab:red", markersize=8,
+               label=f"eval success (greedy, {ev[-1][2]} held-out tasks)")
+        for x, y, _n in ev:
+            a.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", color="tab:red")
+        a.legend(loc="upper left", fontsize=8)
 
     a = ax[0][1]
     if trainer:

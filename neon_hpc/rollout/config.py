@@ -104,6 +104,22 @@ class RolloutConfig:
     }
 
 
+@dataclass
+class EvalConfig:
+    """A fixed eval set of held-out tasks, run greedily on published weights (``rollout/agent/evalset.py``).
+
+    ``neon-hpc run`` evaluates the weights RL starts from and the last published ones on the
+    same ``num_tasks`` tasks (``xrd.preset``, this ``split`` and ``seed``), temperature 0, with
+    the rollout section's turns and limits; 0 tasks = no eval.
+    """
+
+    num_tasks: int = 0
+    split: Literal["test_id", "test_ood", "test_temporal"] = "test_id"
+    seed: int = 0
+
+    CHECKS = {"num_tasks": at_least(0, "0 = no eval")}
+
+
 # --------------------------------------------------------------------------------------
 # where SGLang engines go on the rollout group's nodes: a function of the config alone, so
 # ``config check`` and the rollout node's fleet (``engines.fleet``) place them the same way

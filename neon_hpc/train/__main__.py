@@ -1,4 +1,4 @@
-"""``python -m neon_hpc.train --config RUN/run.yaml --run-dir RUN [--set key=value ...]``: one trainer rank."""
+"""``python -m neon_hpc.train --config RUN/run.yaml --run-dir RUN [--mode rl|sft] [--set key=value ...]``: one trainer rank."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, help="the run directory (shared filesystem)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=4")
+    ap.add_argument("--mode", choices=("rl", "sft"), default=None,
+                    help="train.mode: rl (the async RL loop) or sft (cross-entropy on train.sft_data's "
+                         "loss-masked tokens; neon_hpc/train/sft.py)")
     args = ap.parse_args(argv)
+    if args.mode:
+        args.overrides.append(f"train.mode={args.mode}")
     from neon_hpc.config import ConfigError, load
     try:
         cfg = load(args.config, args.overrides)

@@ -19,11 +19,13 @@ stages included).
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from neon_hpc.constraints import Range, above, at_least, between
+from neon_hpc.constraints import Range, Rule, above, at_least, between
 
 
 @dataclass
 class TrainConfig:
+    mode: Literal["rl", "sft"] = "rl"   # sft: cross-entropy on the loss-masked tokens of train.sft_data (train/sft.py)
+    sft_data: str = ""                   # sft: a folder of HDF5 trajectory shards (e.g. `neon-hpc demos --out DIR`)
     steps: int = 8
     trajectories_per_step: int = 16
     lr: float = 1e-3
@@ -71,6 +73,11 @@ class TrainConfig:
         "wait_for_data_s": above(0, note="seconds"),
         "checkpoint_write_timeout_s": above(0, note="seconds (train/writers.py: stuck checkpoint writers)"),
     }
+    RULES = (
+        Rule("sft_data", lambda c: c.mode != "sft" or bool(c.sft_data),
+             "a folder of trajectory shards when train.mode is 'sft' (write demonstrations with "
+             "`neon-hpc demos --out DIR`)"),
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -250,8 +250,12 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
 # --------------------------------------------------------------------------------------
 # one optimizer step
 
-def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
-    """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics."""
+def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics.
+
+    ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
+    :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
+    """
     from neon_hpc.models.cp_attention import attention_layout, build_layout
     from neon_hpc.train.backend import forward_backward, reduce_step_sums
 
@@ -279,6 +283,8 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
 
     def loss_fn(logp, mb):
         dev = logp.device
+        if loss is not None:
+            return loss(logp, mb, denom)
         return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
                            mb.loss_mask.to(dev), denom, lcfg)
 
@@ -291,7 +297,7 @@ def train_step(be, data: StepData, lcfg: LossConfig) -> dict[str, float]:
     be.finalize_grads()                # finalize_model_grads over every model chunk
     ok, grad_norm, _ = be.optimizer.step()
     sums = reduce_step_sums(be, sums)
-    out = term_means(sums)
+    out = means(sums)
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_skipped"] = not ok
     out["microbatches"] = n_mb
@@ -332,6 +338,22 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------------------
 # the loop
+
+def setup_backend(cfg: TrainerSections, replay: bool, log: RoleLogger):
+    """This rank's Backend from the train section (RL and SFT build it alike); rank 0 logs the
+    optional kernels it found."""
+    from neon_hpc.train import backend as B
+    t = cfg.train
+    be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
+                 weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=replay, seed=t.seed,
+                 pp_first_stage_layers=t.pipeline_first_stage_layers,
+                 pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
+                 cp=t.context_parallel, precision=t.precision, recompute=t.recompute)
+    if be.layout.rank == 0:
+        from neon_hpc.models import cpu_shim
+        log.info("kernels %s", json.dumps(cpu_shim.kernels(), sort_keys=True))
+    return be
+
 
 def _startup(run: RunDir, be, cfg: TrainerSections, log: RoleLogger) -> tuple[int, dict]:
     """Resume from the newest checkpoint, or initialise; returns (last completed step, state)."""
@@ -380,6 +402,9 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     try:
         if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
             ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
+        if cfg.train.mode == "sft":      # the same model, layouts and books; another loss and data source
+            from neon_hpc.train.sft import run_sft
+            return run_sft(cfg, run, rank, world, log, pre)
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:
         log.error("%s", e)
@@ -402,18 +427,11 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     from neon_hpc.train import writers
     writers.configure(t.checkpoint_write_timeout_s)   # the deadline of a save's megatron writers
     TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
-    be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
-                 weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=t.router_replay == "replay",
-                 seed=t.seed, pp_first_stage_layers=t.pipeline_first_stage_layers,
-                 pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
-                 cp=t.context_parallel, precision=t.precision, recompute=t.recompute)
+    be = setup_backend(cfg, replay=t.router_replay == "replay", log=log)
     last, _state = _startup(run, be, cfg, log)
     log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s, precision=%s, recompute=%s",
              be.layout.tp, be.layout.ep, be.layout.dp, world, be.replay, t.off_policy_correction, be.precision,
              be.recompute)
-    if rank == 0:
-        from neon_hpc.models import cpu_shim
-        log.info("kernels %s", json.dumps(cpu_shim.kernels(), sort_keys=True))
     if not run.weight_versions() or run.latest_weights() is None:
         via = t.publish_via
         if via == "reshard" and not run.checkpoint(last).is_dir():

@@ -210,3 +210,38 @@ def version_span_histogram(versions: Iterable[np.ndarray]) -> dict[str, int]:
         if n:
             hist[n] += 1
     return {str(k): hist[k] for k in sorted(hist)}
+
+
+# --------------------------------------------------------------------------------------
+# supervised fine-tuning (train.mode: sft): the same books, another loss
+
+SFT_TERMS = ("tokens", "loss")
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Cross-entropy on the tokens the loss mask marks: ``sum(-logp * mask) / denom``.
+
+    ``logp`` is the trainer's log-probability of each label token (megatron's vocab-parallel
+    cross-entropy negated, as for :func:`policy_loss`); ``denom`` the marked tokens of the whole
+    step (all micro-batches and data ranks), so the loss is a per-token mean over the step
+    however it is split.  Masked positions never reach the loss (even if nan/inf).
+    """
+    if logp.shape != mask.shape:
+        raise ValueError(f"sft_loss: shapes differ: logp {tuple(logp.shape)}, mask {tuple(mask.shape)}")
+    if denom <= 0:
+        raise ValueError(f"sft_loss: denom must be > 0 marked tokens, got {denom}")
+    m = mask.to(logp.dtype)
+    nll = -torch.where(m > 0, logp, torch.zeros_like(logp))
+    total = (nll * m).sum()
+    with torch.no_grad():
+        terms = {"tokens": m.sum(), "loss": total.detach()}
+    return total / denom, terms
+
+
+def sft_term_means(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token mean cross-entropy (``loss``, nats) and its perplexity, as logged by an SFT step."""
+    n = sums.get("tokens", 0.0)
+    if n <= 0:
+        return {"loss_tokens": 0}
+    loss = sums["loss"] / n
+    return {"loss_tokens": int(n), "loss": loss, "perplexity": math.exp(min(loss, 50.0))}

@@ -1,0 +1,55 @@
+"""A fixed eval set on published weights: greedy episodes of held-out tasks, graded.
+
+``evaluate_weights(weights_dir, tasks, tokenizer, rollout_cfg, model_cfg)`` serves the folder
+(``weights/v_N``, HF safetensors as the trainer publishes them) on an embedded engine in this
+process and plays one episode per task through the agent loop (:func:`run_episode`: the same
+template, tools, limits and forced answer as the RL rollouts) at temperature 0, so the same
+weights on the same tasks give the same answers. Routes are not requested (nothing trains on
+these episodes). The tasks are ``eval.num_tasks`` of ``xrd.preset`` on ``eval.split`` (a test
+split: never the train tasks RL samples) with ``eval.seed`` (:func:`eval_tasks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def eval_tasks(eval_cfg: Any, xrd_cfg: Any) -> list:
+    from neon_hpc.xrd.tasks import load_tasks
+    return load_tasks(xrd_cfg.preset, eval_cfg.split, seed=eval_cfg.seed, n=eval_cfg.num_tasks)
+
+
+def greedy(rollout_cfg: Any) -> Any:
+    """The rollout section with temperature 0 (greedy) and no route replay."""
+    return dataclasses.replace(rollout_cfg, temperature=0.0, top_p=1.0, replay_mode="off")
+
+
+def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollout_cfg: Any, model_cfg: Any,
+                     concurrency: int = 16) -> dict:
+    """Success and dense reward of greedy episodes of ``tasks`` on the weights in ``weights_dir``."""
+    from neon_hpc.rollout.agent.group import run_episode
+    from neon_hpc.rollout.engines.client import EngineClient
+    from neon_hpc.rollout.engines.embedded import start_server
+
+    if not tasks:
+        raise ValueError("evaluate_weights: no tasks (eval.num_tasks is 0)")
+    cfg = greedy(rollout_cfg)
+    t0, c0 = time.monotonic(), time.process_time()
+    with start_server(weights_dir, in_process=True, max_batch_size=max(1, min(concurrency, len(tasks)))) as h:
+        client = EngineClient(h.url, num_moe_layers=model_cfg.num_layers, top_k=model_cfg.moe_router_topk)
+        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(tasks)))) as pool:
+            trajs = list(pool.map(lambda t: run_episode(client, t, tokenizer, cfg), tasks))
+    per_task = [{"task_id": t.task_id, "success": t.rewards["success"], "dense": t.rewards["dense"],
+                 "answer": t.metadata.get("answer"), "finish": t.metadata.get("finish"),
+                 "tool_calls": t.metadata.get("tool_calls")} for t in trajs]
+    return {"weights": str(weights_dir), "n": len(trajs), "temperature": 0.0,
+            "success": float(np.mean([p["success"] for p in per_task])),
+            "dense": float(np.mean([p["dense"] for p in per_task])),
+            "success_se": float(np.std([p["success"] for p in per_task]) / np.sqrt(len(per_task))),
+            "wall_s": time.monotonic() - t0, "cpu_s": time.process_time() - c0, "tasks": per_task}

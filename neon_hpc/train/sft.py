@@ -1,0 +1,142 @@
+"""Supervised fine-tuning / mid-training in the RL trainer (``train.mode: sft``).
+
+The same megatron model, parallel layout, planner, micro-batches and optimizer as the RL step
+loop (:mod:`neon_hpc.train.loop`): only the data source and the loss differ.
+
+- Data: every HDF5 trajectory shard (``*.h5``, the store's schema) in ``train.sft_data``,
+  read by every rank. Step N takes ``train.trajectories_per_step`` trajectories from a fixed
+  order: epoch e is a permutation of the whole set drawn from ``train.seed + e``, epochs
+  concatenated. So the step number is the data cursor, as in RL: a resumed run takes exactly
+  the batches the uninterrupted one would have.
+- Loss: :func:`neon_hpc.train.loss.sft_loss`, cross-entropy on the tokens whose
+  ``loss_mask`` is 1 (a demonstration's assistant tokens), summed and divided by the step's
+  marked tokens.
+- Checkpoints (``checkpoints/step_N``, torch_dist) and published weights (``weights/v_N``, HF)
+  exactly as RL writes them, under the same keys (``checkpoint_every``, ``publish_every``,
+  ``publish_via``), so an RL run starts from either through ``model.init_checkpoint``. Resume
+  from the newest checkpoint and SIGUSR1/SIGTERM behave as in RL. Routes are not replayed
+  (demonstrations carry none; the router learns freely).
+
+Metrics (``logs/trainer/metrics.jsonl``, rank 0): ``step, mode ("sft"), loss`` (mean nats per
+marked token), ``perplexity, loss_tokens, tokens, trajectories, epoch, step_time_s,
+grad_norm, publish_s, checkpoint_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from neon_hpc.logs import RoleLogger
+from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.train import checkpoint as ckpt
+from neon_hpc.train.loss import LossConfig, sft_loss, sft_term_means
+from neon_hpc.train.sections import TrainerSections
+
+
+def load_sft_set(folder: str) -> list:
+    """Every trajectory of every ``*.h5`` shard in ``folder`` (sorted by file name)."""
+    from neon_hpc.store import read_shard
+    from neon_hpc.train.loop import TrainerError
+    if not folder:
+        raise TrainerError("train.sft_data is empty: train.mode: sft needs a folder of trajectory shards "
+                           "(write demonstrations with `neon-hpc demos --out DIR`)")
+    p = Path(folder)
+    shards = sorted(p.glob("*.h5")) if p.is_dir() else []
+    if not shards:
+        raise TrainerError(f"train.sft_data: no *.h5 trajectory shards in {p} (write demonstrations with "
+                           f"`neon-hpc demos --out {p}`)")
+    trajs = [t for s in shards for t in read_shard(s)]
+    if not any(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs):
+        raise TrainerError(f"train.sft_data: the shards in {p} mark no token to train on (loss_mask is 0)")
+    return trajs
+
+
+def step_indices(n: int, step: int, per_step: int, seed: int) -> tuple[list[int], int]:
+    """Indices into the SFT set for ``step`` (from 1), and the epoch it starts in."""
+    start = (step - 1) * per_step
+    out, epoch = [], start // n
+    first_epoch = epoch
+    pos = start - epoch * n
+    while len(out) < per_step:
+        order = np.random.default_rng(seed + epoch).permutation(n)
+        take = order[pos:pos + per_step - len(out)]
+        out += [int(i) for i in take]
+        epoch, pos = epoch + 1, 0
+    return out, first_epoch
+
+
+def _loss(logp, mb, denom):
+    return sft_loss(logp, mb.loss_mask.to(logp.device), denom)
+
+
+def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre) -> int:
+    """The SFT step loop (``train.mode: sft``); called by :func:`neon_hpc.train.loop.run_trainer`."""
+    import copy
+
+    from neon_hpc.train import backend as B
+    from neon_hpc.train import writers
+    from neon_hpc.train.loop import _any_rank, _startup, prepare_step, setup_backend, train_step
+    from neon_hpc.train.publish import publish_weights
+
+    t = cfg.train
+    writers.configure(t.checkpoint_write_timeout_s)
+    TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
+    data_set = load_sft_set(t.sft_data)
+    be = setup_backend(cfg, replay=False, log=log)
+    last, _state = _startup(run, be, cfg, log)
+    log.info("sft: %d trajectories from %s, %d steps of %d, layout tp=%d ep=%d dp=%d world=%d", len(data_set),
+             t.sft_data, t.steps, t.trajectories_per_step, be.layout.tp, be.layout.ep, be.layout.dp, world)
+    lcfg = LossConfig()
+    step, saved_at, preempted = last, last, False
+    while step < t.steps:
+        step += 1
+        log.set(step=step, version=step - 1)
+        t0 = time.perf_counter()
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
+        idx, epoch = step_indices(len(data_set), step, t.trajectories_per_step, t.seed)
+        trajs = [copy.copy(data_set[i]) for i in idx]
+        data = prepare_step(trajs, be.layout.dp, cfg)
+        m = train_step(be, data, lcfg, loss=_loss, means=sft_term_means)
+        stop = _any_rank(pre.requested, world)
+        publish_due = step % t.publish_every == 0 or step == t.steps
+        ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
+            (publish_due and t.publish_via == "reshard")
+        if publish_due and t.publish_via == "direct":
+            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step)
+        if ckpt_due:
+            c0 = time.perf_counter()
+            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
+                                      "published": step if publish_due else None, "mode": "sft"})
+            m["checkpoint_s"] = time.perf_counter() - c0
+            saved_at = step
+        if publish_due and t.publish_via == "reshard":
+            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
+                                                   checkpoint_dir=run.checkpoint(step))
+        TrainerBeat(rank=rank, step=step, version=step, phase=Phase.STEPPED).write(run)
+        if rank == 0:
+            dt = time.perf_counter() - t0
+            rec = dict(step=step, version=step, mode="sft", epoch=epoch, trajectories=len(trajs),
+                       tokens=int(sum(len(x.tokens) for x in trajs)), gen_tokens=data.global_tokens,
+                       step_time_s=dt, **m)
+            log.metrics(**rec)
+            log.info("sft step %d: loss %.4f (ppl %.2f) on %d tokens, epoch %d, grad %.3f, %.2fs", step,
+                     m.get("loss", float("nan")), m.get("perplexity", float("nan")), m.get("loss_tokens", 0),
+                     epoch, m["grad_norm"], dt)
+        if stop:
+            preempted = True
+            break
+    if preempted:
+        if saved_at != step:
+            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}, "mode": "sft"})
+        if rank == 0:
+            Preempted(step=step, signal=pre.signum, checkpoint=str(run.checkpoint(step))).write(run)
+        log.info("preempted (signal %s): checkpoint step_%d written, exiting 0", pre.signum, step)
+    else:
+        log.info("sft done: %d steps", step)
+    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.PREEMPTED if preempted else Phase.DONE).write(run)
+    B.teardown()
+    return 0
