@@ -197,8 +197,14 @@ class _QuantTrace:
     def __init__(self, task, best_R):
         self.task, self.best_R = task, best_R
 
-    def final_fit(self, th):
+    def final_fit(self, th=None):
         return "fit", 1
+
+    def quant_fit(self, res):
+        return res
+
+    def identify(self, th):
+        return [(x.phase_id, x.weight_fraction) for x in self.quantify(None, quant.QuantModel())]
 
     def quantify(self, res, q):
         (p1, _, w1), (p2, _, w2) = self.task.truth
