@@ -52,3 +52,29 @@ def test_baseline_on_real_precursor_mixtures():
     assert len(tasks) == 4
     rep = evaluate(tasks)
     assert rep.summary()["success"] >= 0.75, rep.rows
+
+
+@pytest.mark.skipif(real_data_dir() is None, reason="shared/data/xrd-real not beside the repository "
+                                                    "(set NEON_XRD_REAL_DATA)")
+def test_measured_scan_is_identified_without_and_quantified_with_anomalous_scattering():
+    from neon_hpc.xrd.baseline import trace
+    from neon_hpc.xrd.quant import QuantModel
+    wanted = "NiO_0p2030-Li2CO3"
+    plain_task = [t for t in load_real_tasks(scan="2min") if wanted in t.id][0]
+    real_task = [t for t in load_real_tasks(scan="2min", measured=True) if wanted in t.id][0]
+    store = build_store([plain_task], ":memory:", include_real=True)
+    plain, real = trace(make_context(plain_task, store)), trace(make_context(real_task, store))
+    # identification is the same search (no f', f''): same steps, same Rwp
+    assert [s.phases for s in real.steps] == [s.phases for s in plain.steps]
+    assert [round(s.result.rwp, 6) for s in real.steps] == [round(s.result.rwp, 6) for s in plain.steps]
+    res = real.final_fit()[0]
+    assert plain.quant_fit(res) is res                     # synthetic / unmarked: the identification fit
+    refit = real.quant_fit(res)
+    assert refit is not res and [p.phase_id for p in refit.phases] == [p.phase_id for p in res.phases]
+    assert refit.rwp < res.rwp                             # f'(Ni) = -3 at Cu K-alpha: the model fits better
+    none = QuantModel(radius_um=0.0)
+    w_plain = dict(plain.decide(quant=none).phases)
+    w_real = dict(real.decide(quant=none).phases)
+    # NiO's lines are 15-35 % weaker with f', f'': the same peaks mean more NiO (truth 0.203; plain ~0.13)
+    assert w_real["cur:NiO_bunsenite"] > w_plain["cur:NiO_bunsenite"] + 0.03
+    assert real.decide(quant=none).details["fit"]["rwp"] == round(refit.rwp, 4)   # the fit reported is the refit

@@ -197,8 +197,14 @@ class _QuantTrace:
     def __init__(self, task, best_R):
         self.task, self.best_R = task, best_R
 
-    def final_fit(self, th):
+    def final_fit(self, th=None):
         return "fit", 1
+
+    def quant_fit(self, res):
+        return res
+
+    def identify(self, th):
+        return [(x.phase_id, x.weight_fraction) for x in self.quantify(None, quant.QuantModel())]
 
     def quantify(self, res, q):
         (p1, _, w1), (p2, _, w2) = self.task.truth
@@ -283,3 +289,35 @@ def test_default_quantification_corrects_real_measurements_only():
     from neon_hpc.xrd.simulate import Instrument
     assert quant.default_model(Instrument()).radius_um == 0.0                    # the simulator has no microabsorption
     assert quant.default_model(Instrument(measured=True)).radius_um == quant.RADIUS_PRIOR_UM
+
+
+class _TwoStageTrace:
+    """Identification fractions off by ``id_err[j]`` at grid entry j; its quantification (decide) the other way round."""
+    def __init__(self, task, id_err):
+        self.task, self.id_err = task, id_err
+
+    def _frac(self, d):
+        (p1, _, w1), (p2, _, w2) = self.task.truth
+        return [(p1, w1 + d), (p2, w2 - d)]
+
+    def identify(self, th):
+        return self._frac(self.id_err[th.z_min])
+
+    def decide(self, th, q=None):
+        from neon_hpc.xrd.baseline import Solution
+        return Solution(self._frac(0.03 - self.id_err[th.z_min]), 0.1, {})
+
+
+def test_loo_thresholds_are_fitted_on_identification_not_on_the_quantification_model():
+    from neon_hpc.xrd import baseline
+    from neon_hpc.xrd import evaluate as ev
+    from neon_hpc.xrd.tasks import load_tasks
+    tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
+             and all(0.2 < w < 0.8 for _, _, w in t.truth)][:3]
+    for i, t in enumerate(tasks):
+        t.id = f"mix{i}--8min"
+    grid = [baseline.Thresholds(z_min=3.0), baseline.Thresholds(z_min=5.0)]
+    # both entries succeed everywhere (a tie); identification is closer at z 5, the quantified fractions at z 3
+    traces = [_TwoStageTrace(t, {3.0: 0.03, 5.0: 0.0}) for t in tasks]
+    folds = ev.loo_folds(tasks, traces, grid)
+    assert all(f["index"] == 1 for f in folds.values()), folds

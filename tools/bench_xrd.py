@@ -96,7 +96,7 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
     return rep.summary()
 
 
-def bench_real(measured: bool = False) -> tuple[dict, dict] | None:
+def bench_real(measured: bool = True) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
     from neon_hpc.xrd.baseline import Thresholds
     from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-structures", type=int, default=20, help="AFLOW structures beside the real-data phases")
     ap.add_argument("--splits", default="test_id", help="comma-separated splits for the synthetic presets")
     ap.add_argument("--skip-real", action="store_true")
-    ap.add_argument("--measured", action="store_true",
-                    help="fit the real scans with anomalous scattering (Instrument.measured; off by default)")
+    ap.add_argument("--measured", action=argparse.BooleanOptionalAction, default=True,
+                    help="quantify the real scans' found phases with anomalous scattering (Instrument.measured; "
+                         "default on, identification never uses it; --no-measured: the earlier fits)")
     args = ap.parse_args(argv)
     from neon_hpc.xrd.evaluate import strict_lines
 

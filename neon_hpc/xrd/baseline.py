@@ -19,6 +19,12 @@ listed) is *expected*; the greedy search adds expected candidates first (while o
 Rwp by ``TRACE_MIN_GAIN``), and an unexpected phase must clear ``Thresholds.unexpected`` times
 both thresholds.  Without stated precursors every candidate is expected (no prior).
 
+Identification and quantification: for a real measurement (``Instrument.measured``) the search
+and the decision (steps 2-4) use form factors without anomalous scattering, as the thresholds
+were designed; the phases kept are then refined again with f', f'' at the anode line
+(:meth:`Trace.quant_fit`) and their fractions come from that refit (Brindley correction and s.e.
+by :mod:`neon_hpc.xrd.quant`).
+
 Thresholds are parameters so that the ``loo`` evaluation protocol can fit them on the other
 mixtures only (:func:`neon_hpc.xrd.evaluate.evaluate_loo`).
 """
@@ -178,15 +184,37 @@ class Trace:
             key = tuple(keep)
             if key not in self._fits:
                 by = {p.phase_id: p for p in res.phases}
-                self._fits[key] = self.ctx.fitter().refine(keep, [by[q].strain for q in keep],
-                                                           [by[q].size_nm for q in keep], res.zero_shift)
+                self._fits[key] = _identification_fitter(self.ctx).refine(
+                    keep, [by[q].strain for q in keep], [by[q].size_nm for q in keep], res.zero_shift)
             res = self._fits[key]
         return res, k
 
+    def identify(self, th: Thresholds = Thresholds()) -> list[tuple[str, float]]:
+        """The phases ``th`` keeps with the identification fit's Hill-Howard fractions: what the
+        thresholds are fitted on (:func:`neon_hpc.xrd.evaluate.loo_folds`), independent of the
+        quantification model (f', f'', Brindley radius) chosen after them."""
+        res = self.final_fit(th)[0]
+        return [] if res is None else [(p.phase_id, p.weight_fraction) for p in res.phases]
+
+    def quant_fit(self, res):
+        """The fit the fractions come from: for a real measurement (``Instrument.measured``) the found
+        phases refined again with anomalous scattering (f', f'' at the anode line), started from ``res``;
+        otherwise ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
+        (see the module docstring); cached per phase set."""
+        if res is None or not self.ctx.instrument.measured:
+            return res
+        key = ("quant",) + tuple(p.phase_id for p in res.phases)
+        if key not in self._fits:
+            self._fits[key] = self.ctx.fitter().refine([p.phase_id for p in res.phases],
+                                                       [p.strain for p in res.phases],
+                                                       [p.size_nm for p in res.phases], res.zero_shift)
+        return self._fits[key]
+
     def quantify(self, res, quant: QuantModel) -> list:
-        """Weight fractions of a fit with microabsorption correction and standard errors (:mod:`quant`)."""
+        """Weight fractions of a fit with microabsorption correction and standard errors (:mod:`quant`);
+        ``res`` is an identification fit (:meth:`final_fit`), refined for quantification by :meth:`quant_fit`."""
         from neon_hpc.xrd.quant import quantify
-        return quantify(res, self.ctx.library, self.ctx.instrument.wavelength, quant)
+        return quantify(self.quant_fit(res), self.ctx.library, self.ctx.instrument.wavelength, quant)
 
     def decide(self, th: Thresholds = Thresholds(), quant: QuantModel | None = None) -> Solution:
         """The answer under ``th``; fractions by ``quant`` (None: :func:`quant.default_model` of the pattern)."""
@@ -197,6 +225,7 @@ class Trace:
             return Solution([], self.background_rwp, {"screened": self.screened, "trail": self._trail(),
                                                       "thresholds": th.__dict__})
         qs = self.quantify(res, quant)
+        res = self.quant_fit(res)
         not_detectable = [s.phases[-1] for s in self.steps[k:k + 1]]
         return Solution([(q.phase_id, q.weight_fraction) for q in qs], res.rwp,
                         {"screened": [(p, round(s, 3), e, z) for p, s, e, z in self.screened],
@@ -240,6 +269,20 @@ def _precursor_counts(ctx: TaskContext) -> dict[str, int]:
     return out
 
 
+def _identification_fitter(ctx: TaskContext):
+    """The fitter of the search: without anomalous scattering even for a measured pattern (the
+    thresholds were designed and are fitted on it; with f', f'' in the search a leave-one-mixture-out
+    fold picked thresholds that let bcc Li in, README "Anomalous scattering")."""
+    if not ctx.instrument.measured:
+        return ctx.fitter()
+    from neon_hpc.xrd.fitting import Fitter
+    f = ctx.cache.get("_identification_fitter")
+    if f is None:
+        f = ctx.cache["_identification_fitter"] = Fitter(ctx.two_theta, ctx.intensity,
+                                                         ctx.instrument.with_(measured=False), ctx.library)
+    return f
+
+
 def trace(ctx: TaskContext, candidates: list[str] | None = None) -> Trace:
     """Greedy search with a refinement per step, recorded down to ``TRACE_MIN_GAIN``.
 
@@ -259,7 +302,7 @@ def trace(ctx: TaskContext, candidates: list[str] | None = None) -> Trace:
         if allowed is None:
             return True
         return sum(exp_formula.get(q) == f for q in chosen) < allowed.get(f, 0)
-    fitter = ctx.fitter()
+    fitter = _identification_fitter(ctx)
     rwp = fitter.evaluate([], 0.0, [], [])[0]
     bg_rwp = rwp
     chosen, steps, zero = [], [], None

@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "fitted on the other mixtures (needs --data); fit-on-train: synthetic preset, thresholds "
                          "fitted on --n train tasks, scored on --split")
     ev.add_argument("--strict", action="store_true", help="+-5 wt%% instead of +-10")
-    ev.add_argument("--measured", action="store_true",
-                    help="real data: fit with anomalous scattering (f', f'') and, outside a protocol, the prior's "
-                         "Brindley radius (Instrument.measured; off by default, see the xrd README)")
+    ev.add_argument("--measured", action=argparse.BooleanOptionalAction, default=True,
+                    help="real data (default on): quantify the found phases with anomalous scattering (f', f'') "
+                         "and, outside a protocol, the prior's Brindley radius; identification never uses f', f'' "
+                         "(Instrument.measured; --no-measured: the earlier fits, see the xrd README)")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (`neon-hpc xrd eval --endpoint URL "
                                        "--help` for its options: neon_hpc.rollout.agent.eval_cli)")

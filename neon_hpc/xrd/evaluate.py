@@ -147,13 +147,16 @@ def scan_of(task: Task) -> str:
 
 
 def trace_all(tasks: list[Task], store: Store | None = None, progress: Callable[[str], None] | None = None):
-    """The baseline's refinement trace of every task, with wall and CPU seconds per task."""
+    """The baseline's refinement trace of every task, with wall and CPU seconds per task (including a
+    measured pattern's quantification refit at the default thresholds, :meth:`Trace.quant_fit`)."""
     from neon_hpc.xrd.baseline import trace
     store = store or build_store(tasks, ":memory:", include_real=True)
     traces, wall, cpu = [], [], []
     for i, task in enumerate(tasks):
         t0, c0 = time.perf_counter(), time.process_time()
-        traces.append(trace(make_context(task, store)))
+        tr = trace(make_context(task, store))
+        tr.quant_fit(tr.final_fit()[0])     # a measured pattern's f', f'' refit (default thresholds), timed with it
+        traces.append(tr)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         if progress:
@@ -178,14 +181,16 @@ def loo_folds(tasks: list[Task], traces, grid, strict: bool = False, outcome: di
 
     ``{mixture: {"index": j, "thresholds": grid[j], "held": [task indices], "rest": [task indices],
     "rest_successes": n}}``: j has the most successes over ``rest`` (ties: lower weight-fraction
-    MAE, then the earlier grid entry).  ``outcome`` caches ``(task index, j) -> (Solution, Grade)``.
+    MAE, then the earlier grid entry), both from the identification fit (:meth:`Trace.identify`:
+    Hill-Howard, no f', f'', no Brindley correction), so that the thresholds do not depend on the
+    quantification model fitted after them.  ``outcome`` caches ``(task index, j) -> (phases, Grade)``.
     """
     outcome = {} if outcome is None else outcome
 
     def result(i: int, j: int):
         if (i, j) not in outcome:
-            sol = traces[i].decide(grid[j])
-            outcome[(i, j)] = (sol, grade(sol.phases, tasks[i].truth, strict=strict))
+            found = traces[i].identify(grid[j])
+            outcome[(i, j)] = (found, grade(found, tasks[i].truth, strict=strict))
         return outcome[(i, j)]
 
     groups: dict[str, list[int]] = {}

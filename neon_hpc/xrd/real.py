@@ -120,8 +120,11 @@ def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, da
     """Real patterns as :class:`~neon_hpc.xrd.tasks.Task` (split ``real_dev`` or ``real_reactions``).
 
     ``measured``: mark them ``instrument["measured"]`` so that fits model anomalous scattering and
-    (outside a protocol) the prior's Brindley radius (``Instrument.measured``).  Off by default: on
-    the dev set it costs a leave-one-mixture-out success at +-10 wt% (README, "measured physics").
+    (outside a protocol) the prior's Brindley radius (``Instrument.measured``).  The baseline then
+    identifies without f', f'' and quantifies the found phases with them; its evaluations
+    (``neon-hpc xrd eval --data``, ``tools/bench_xrd.py``) pass ``measured=True`` by default.  The
+    argument stays off by default here because the agent's ``fit_phases`` would identify with f', f''
+    too, which no leave-one-mixture-out run has tested (README, "Anomalous scattering").
     """
     from neon_hpc.xrd.tasks import Pattern, Task
     root = Path(data_dir) if data_dir else real_data_dir()
