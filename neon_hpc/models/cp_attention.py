@@ -325,7 +325,7 @@ def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_he
     if query.shape[1] != 1:
         raise ValueError(f"PieceAttention runs packed micro-batches (batch 1), got batch {query.shape[1]}")
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
-    s, hv = q.shape[0], v.shape[-1]
+    s = q.shape[0]
     buf = None
     k_all, v_all = k, v
     if lay.exchanges:

@@ -280,7 +280,7 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
     details (chosen thresholds, radius, se_sys, detection limits, held-out coverage of +-2 s.e.).
     """
     from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.quant import QuantModel, SE_K
+    from neon_hpc.xrd.quant import SE_K
     grid = tuple(grid or THRESHOLD_GRID)
     traces, seconds, cpu = traced or trace_all(tasks, store, progress)
     outcome: dict = {}
@@ -288,7 +288,7 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
     folds = {}
     qcache: dict = {}
     for mix, fold in loo_folds(tasks, traces, grid, strict, outcome).items():
-        best, th = fold["index"], fold["thresholds"]
+        th = fold["thresholds"]
         fits = {i: (traces[i], traces[i].final_fit(th)[0]) for i in fold["rest"]}
         quant, qinfo = choose_quant(tasks, fits, fold["rest"], qcache)
         folds[mix] = {"thresholds": th.__dict__, "rest_successes": fold["rest_successes"],
