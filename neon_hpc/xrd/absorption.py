@@ -115,7 +115,8 @@ def line_of(wavelength: float) -> str:
     if abs(LINES[best] - wavelength) > LINE_TOL:
         raise AbsorptionError(f"wavelength {wavelength} A is not a tabulated anode line "
                               f"({', '.join(f'{k} {v}' for k, v in LINES.items())}); add it to "
-                              f"absorption.LINES and rebuild data/mass_attenuation.json")
+                              f"absorption.LINES and rebuild data/mass_attenuation.json with "
+                              f"python -m neon_hpc.xrd.absorption --build")
     return best
 
 
