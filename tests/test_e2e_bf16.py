@@ -1,7 +1,7 @@
 """The main job with the trainer in bf16 (`neon-hpc run configs/tiny_cpu.yaml --set
-train.precision=bf16`), as local processes, a few steps: it completes, the trainer ran bf16
-(logged, recorded in its checkpoints), the published weights are bf16 and the engine served
-them (the steps after the first trained on them), every document replayed its routes."""
+train.precision=bf16`), as local processes, shortened (a few RL steps, a small warm start and
+eval): it completes, the SFT warm start and RL both ran bf16 (logged, recorded in their
+checkpoints), the published weights are bf16, every document replayed its routes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     return run_main_job(tmp_path_factory, "e2e_bf16", "tiny_cpu.yaml", f"train.steps={STEPS}", "train.checkpoint_every=2",
-                        "train.precision=bf16")
+                        "train.precision=bf16", "warm_start.demos=32", "warm_start.steps=4", "eval.num_tasks=4")
 
 
 def test_bf16_main_job_completes(finished_run):
@@ -37,6 +37,8 @@ def test_checkpoints_record_bf16_and_weights_are_bf16(finished_run):
     run = RunDir(finished_run["root"])
     state = json.loads((run.checkpoint(2) / "trainer_state.json").read_text())
     assert state["precision"] == "bf16"
+    sft = sorted((finished_run["root"] / "warm_start").rglob("trainer_state.json"))
+    assert sft and all(json.loads(p.read_text())["precision"] == "bf16" for p in sft)
     with safe_open(str(run.weights_version(STEPS) / "model.safetensors"), "pt") as f:
         dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
     assert dtypes == {"BF16"}, dtypes
