@@ -228,7 +228,8 @@ def test_multi_node_engine_in_a_het_job(slurm_cluster, tmp_path):
     r = subprocess.run(NEON + ["launch", str(TINY), "--run-dir", str(root), "--wait",
                                "--set", "engine.kind=sglang", "--set", "engine.tp_size=16",
                                "--set", "launch.rollout.nodes=2", "--set", f"engine.port={free_port()}",
-                               "--set", "train.steps=3"],
+                               "--set", "train.steps=3", "--set", "warm_start.enabled=false",
+                               "--set", "eval.num_tasks=0"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = "".join(p.read_text() for p in (root / "launch").glob("neon-rl-*.out"))
     assert r.returncode == 0 and "COMPLETED" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:] + out[-3000:]
