@@ -35,7 +35,7 @@ import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ import torch
 from neon_hpc.balance.pipeline import microbatch_group_size
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.train.batch import MicroBatch, replay_tensors
+from neon_hpc.train.config import TrainConfig
 
 
 @dataclass
@@ -186,8 +187,9 @@ def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: 
                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
 
 
-PRECISIONS = ("bf16", "fp32")
-RECOMPUTE = ("none", "selective", "full")
+# the values are the config's (train/config.py: TrainConfig.precision / .recompute), written once there
+PRECISIONS = tuple(p for p in get_args(get_type_hints(TrainConfig)["precision"]) if p != "auto")
+RECOMPUTE = get_args(get_type_hints(TrainConfig)["recompute"])
 
 
 def resolve_precision(precision: str) -> str:
