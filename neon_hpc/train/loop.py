@@ -420,7 +420,6 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
 
 
 def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
-    from neon_hpc.train import backend as B
     from neon_hpc.train.publish import publish_weights
 
     t = cfg.train
@@ -489,14 +488,22 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         if stop:
             preempted = True
             break
+    return finish(run, be, log, rank, step, saved_at, preempted, pre)
+
+
+def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int, preempted: bool,
+           pre: Preemption, state: dict | None = None, what: str = "done") -> int:
+    """The end of a trainer run (RL or SFT): a preempted one checkpoints what it has not saved and
+    records the preemption (exit 0, for requeue); either way the last heartbeat, then teardown."""
+    from neon_hpc.train import backend as B
     if preempted:
         if saved_at != step:
-            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}})
+            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}, **(state or {})})
         if rank == 0:
             Preempted(step=step, signal=pre.signum, checkpoint=str(run.checkpoint(step))).write(run)
         log.info("preempted (signal %s): checkpoint step_%d written, exiting 0 for requeue", pre.signum, step)
     else:
-        log.info("done: %d steps", step)
+        log.info("%s: %d steps", what, step)
     TrainerBeat(rank=rank, step=step, version=step, phase=Phase.PREEMPTED if preempted else Phase.DONE).write(run)
     B.teardown()
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from neon_hpc.logs import RoleLogger
-from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
+from neon_hpc.protocol.records import Phase, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.train.loss import LossConfig, sft_loss, sft_term_means
@@ -77,9 +77,8 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
     """The SFT step loop (``train.mode: sft``); called by :func:`neon_hpc.train.loop.run_trainer`."""
     import copy
 
-    from neon_hpc.train import backend as B
     from neon_hpc.train import writers
-    from neon_hpc.train.loop import _any_rank, _startup, prepare_step, setup_backend, train_step
+    from neon_hpc.train.loop import _any_rank, _startup, finish, prepare_step, setup_backend, train_step
     from neon_hpc.train.publish import publish_weights
 
     t = cfg.train
@@ -129,14 +128,4 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         if stop:
             preempted = True
             break
-    if preempted:
-        if saved_at != step:
-            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}, "mode": "sft"})
-        if rank == 0:
-            Preempted(step=step, signal=pre.signum, checkpoint=str(run.checkpoint(step))).write(run)
-        log.info("preempted (signal %s): checkpoint step_%d written, exiting 0", pre.signum, step)
-    else:
-        log.info("sft done: %d steps", step)
-    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.PREEMPTED if preempted else Phase.DONE).write(run)
-    B.teardown()
-    return 0
+    return finish(run, be, log, rank, step, saved_at, preempted, pre, state={"mode": "sft"}, what="sft done")
