@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 
-from neon_hpc.netutil import free_port
 
 # (query heads, KV groups, q/k head dim, v head dim)
 SHAPES = {"gqa": (8, 2, 16, 16), "mla": (4, 4, 24, 16)}
@@ -213,23 +213,7 @@ def _cp_worker(out: str) -> None:
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "cp", str(tmp / f"r{r}.json")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-4000:]}"
+    run_ranks(2, lambda r: [__file__, "cp", str(tmp / f"r{r}.json")])
     return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(2)]
 
 

@@ -10,16 +10,14 @@ one rank holds no cut document (its backward must still join the exchange).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from ranks import run_ranks
 
-from neon_hpc.netutil import free_port
 
 # documents (index -> length) and who holds what: doc 0 (16 tokens) in four chunks of 4
 LENGTHS = [16, 5, 7]
@@ -112,25 +110,8 @@ def _worker(out: str, arch: str, slot: str = "mix") -> None:
 
 
 def _run_pair(tmp_path: Path, arch: str, slot: str = "mix") -> list[dict]:
-    port = free_port()
-    procs = []
     world = len(SLOTS[slot][0])
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"r{r}.json"), arch, slot], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-4000:]}"
+    run_ranks(world, lambda r: [__file__, str(tmp_path / f"r{r}.json"), arch, slot])
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
