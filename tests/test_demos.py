@@ -77,6 +77,10 @@ def test_demos_are_what_the_agent_loop_records_for_the_same_actions(demos):
         assert TOK.decode(gen[0]).startswith("<tool_call>search_phases ")
         assert TOK.decode(gen[1]).startswith("<tool_call>fit_phases ")
         assert demo.metadata["tool_errors"] == 0
+        # an answer that fits the forced turn's cap ends as the model must end it: with the stop tag
+        answer_ids = list(TOK.encode(demo.metadata["answer"] + "</answer>"))
+        if len(answer_ids) <= CFG.rollout.answer_max_new_tokens:
+            assert gen[-1] == answer_ids and gen[-1][-1] in ep.template.stop_token_ids()
 
 
 def test_the_grader_scores_the_correct_demonstrations_1(demos):
@@ -101,3 +105,19 @@ def test_demonstrations_refuse_test_tasks_and_write_shards(tmp_path):
     back = read_shard(tmp_path / "demos-0000.h5")
     assert s["demos"] == 2 == len(back) and all(t.metadata["demo"] == "solver" for t in back)
     assert s["assistant_tokens"] == sum(int(t.loss_mask.sum()) for t in back) > 0
+
+
+def test_a_compact_answer_names_only_listed_positions(demos):
+    """A number names the candidate listed at that position; any other number makes the answer name nothing."""
+    tasks, _ = demos
+    for task in tasks:
+        env = XRDEnv(task, tools=CFG.rollout.tools, max_tool_chars=CFG.rollout.max_tool_chars)
+        listed = {int(round(tt)): pid for pid, _f, tt in reversed(env.candidates())}
+        right = sorted({listed[int(round(tt))] for pid, _f, tt in env.candidates()
+                        if pid in {t[0] for t in task.truth}})
+        for pos, pid in listed.items():
+            assert env.parse_answer(str(pos)) == [(pid, 1.0)]
+        unlisted = next(x for x in range(20, 71) if x not in listed)
+        assert env.grade(env.parse_answer(str(unlisted)))[:2] == (0.0, 0.0)
+        assert env.grade(env.parse_answer(f"{next(iter(listed))} {unlisted}"))[:2] == (0.0, 0.0)
+        assert right, task.id

@@ -12,7 +12,7 @@ the assistant's tokens only; ``rewards`` are the grader's.
 The actions (compact style, the tiny model's): turn 1 ``<tool_call>search_phases ELEMENTS</tool_call>``
 (the solver's candidate search), turn 2 ``<tool_call>fit_phases ID ...</tool_call>`` (the solver's
 phases, as many ids as fit ``rollout.max_new_tokens``), then the answer: the strongest-peak
-positions of the solver's phases (``<answer>43 27``, one position per phase; the compact answer
+positions of the solver's phases (``<answer>43 27``, one position per phase, closed by ``</answer>`` when it fits the forced turn's cap; the compact answer
 gives named phases equal fractions). The forced final turn is used when the rollout forces one
 (``rollout.force_answer``), with ``rollout.answer_max_new_tokens`` as its cap, as the agent does.
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from neon_hpc.rollout.agent.episode import Ledger
 from neon_hpc.rollout.agent.parse import Answer, ToolCall, parse_action
-from neon_hpc.rollout.agent.template import make_template
+from neon_hpc.rollout.agent.template import TAGS, make_template
 from neon_hpc.rollout.agent.xrd_env import XRDEnv
 
 KINDS = ("solver", "wrong_minor", "rough_fraction")
@@ -75,7 +75,11 @@ def plan_demo(env: XRDEnv, cfg: Any, kind: str, rng: random.Random, solution: li
     turns = calls[:n_calls]
     answer = " ".join(str(p) for p in _positions(env, answer_ids))
     forced = bool(getattr(cfg, "force_answer", True)) and n_calls == cfg.max_turns - 1
-    return Demo(turns + [answer if forced else f"<answer>{answer}</answer>"], kind, forced)
+    # a forced answer ends as the model must end it, with the answer's closing tag (a stop token):
+    # without it a one-phase demonstration teaches nothing about stopping, and the model then
+    # fills the forced turn's token cap with a second, wrong position
+    return Demo(turns + [f"{answer}{TAGS.answer_end}" if forced else f"{TAGS.answer}{answer}{TAGS.answer_end}"],
+                kind, forced)
 
 
 def fit_turn(text: str, tokenizer: Any, cap: int) -> list[int]:

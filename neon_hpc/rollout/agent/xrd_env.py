@@ -11,10 +11,11 @@ Two prompt styles:
   observed strongest peak positions and the candidate phases (those ``search_phases`` returns
   for the sample's elements, distractors included) each with the position of its strongest
   reflection, all as single tokens.  The answer names phases by those positions:
-  ``<answer>43 27</answer>`` -> the candidates whose strongest reflection is nearest to 43 and
-  to 27 (equal fractions).  A random policy already names *some* candidate with every number
-  token it emits, which is what lets a tiny model learn from reward alone; a name (formula or
-  id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.
+  ``<answer>43 27</answer>`` -> the candidates listed at 43 and at 27 (equal fractions).  Every
+  number must be a listed candidate's position: an answer with any other number names nothing
+  and scores 0, so a constant answer is right only on the tasks where it is (issue 31: with the
+  nearest candidate instead, one constant answer scored 0.47 on the eval set).  A name (formula
+  or id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.
 
 Tools are ``neon_hpc.xrd.tools`` (``--tools full|minimal``); their errors come back as
 ``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.xrd.grader.grade``.
@@ -132,13 +133,21 @@ class XRDEnv:
         return parse_phase_answer(text)
 
     def _compact_answer(self, text: str) -> list[tuple[str, float]]:
-        cands = self.candidates()
-        if not cands:
-            return []
+        """Phases named by the candidate positions the prompt shows; [] unless every number is one.
+
+        A number names the candidate listed at that (rounded) position, the first one listed where
+        two share it; a number that is no candidate's position makes the text no compact answer
+        (it is then read as names, and an unreadable name scores nothing): a constant answer is
+        right only where it is, not wherever it happens to be nearest to the right candidate.
+        """
+        at: dict[int, str] = {}
+        for pid, _formula, tt in self.candidates():
+            at.setdefault(int(round(tt)), pid)
         chosen: list[str] = []
         for m in re.finditer(r"\d+(?:\.\d+)?", text):
-            x = float(m.group(0))
-            pid = min(cands, key=lambda c: abs(c[2] - x))[0]
+            pid = at.get(int(m.group(0))) if m.group(0).isdigit() else None
+            if pid is None:
+                return []
             if pid not in chosen:
                 chosen.append(pid)
             if len(chosen) == COMPACT_MAX_PHASES:
