@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.plan.config import PlanConfig
 
 ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
@@ -195,7 +196,7 @@ class Sourced:
 
 def moe_layers(model: Any, dense_layers: int) -> int:
     if dense_layers < 0:
-        dense_layers = 1 if model.arch == "deepseek_v3" else 0
+        dense_layers = get_architecture(model.arch).default_dense_layers
     return max(model.num_layers - dense_layers, 0)
 
 
@@ -205,7 +206,7 @@ def model_param_count(model: Any, dense_layers: int) -> float:
     attn = 4 * h * model.num_attention_heads * model.head_dim
     n_moe = moe_layers(model, dense_layers)
     n_dense = model.num_layers - n_moe
-    shared = 1 if model.arch == "deepseek_v3" else 0
+    shared = get_architecture(model.arch).default_shared_experts
     expert = 3 * h * model.moe_ffn_hidden_size
     per_moe = attn + (model.num_experts + shared) * expert + h * model.num_experts
     per_dense = attn + 3 * h * model.ffn_hidden_size
@@ -226,7 +227,7 @@ def local_cost_coefficients(model: Any, dense_layers: int) -> tuple[float, float
     attn = 4 * h * model.num_attention_heads * model.head_dim
     n_moe = moe_layers(model, dense_layers)
     n_dense = model.num_layers - n_moe
-    shared = 1 if model.arch == "deepseek_v3" else 0
+    shared = get_architecture(model.arch).default_shared_experts
     active_moe = attn + (model.moe_router_topk + shared) * 3 * h * model.moe_ffn_hidden_size
     active_dense = attn + 3 * h * model.ffn_hidden_size
     active = n_moe * active_moe + n_dense * active_dense + model.vocab_size * h
