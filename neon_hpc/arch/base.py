@@ -77,6 +77,13 @@ class Architecture:
     def shared_experts(self, cfg: Any) -> int:
         return self.default_shared_experts
 
+    # --- memory ----------------------------------------------------------------------------
+    def kv_cache_values_per_token_layer(self, cfg: Any, attn_tp: int) -> float:
+        """KV-cache values one GPU holds per token and layer: K and V of ``num_query_groups`` heads,
+        sharded over the attention TP group (MLA architectures override: one latent, replicated)."""
+        groups = max(cfg.num_query_groups or cfg.num_attention_heads, 1)
+        return 2.0 * groups * cfg.head_dim / min(max(attn_tp, 1), groups)
+
     # --- reshard ----------------------------------------------------------------------------
     def fields_from_shapes(self, shapes: Shapes, proj, fc1) -> dict:
         """ModelConfig fields the checkpoint's shapes give (``proj``: ``linear_proj``'s per-layer

@@ -452,13 +452,10 @@ def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
 
 
 def kv_bytes_per_token_per_gpu(model: Any, attn_tp: int) -> float:
-    """bf16 KV cache one GPU holds per token of a request it serves: MLA keeps the compressed
-    latent (``kv_lora_rank + qk_rope_head_dim`` per layer), replicated over the attention TP
-    group; otherwise K and V of ``num_query_groups`` heads, sharded over it."""
-    if getattr(model, "kv_lora_rank", 0):
-        return 2.0 * model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim)
-    groups = max(model.num_query_groups or model.num_attention_heads, 1)
-    return 2.0 * 2 * model.num_layers * groups * model.head_dim / min(max(attn_tp, 1), groups)
+    """bf16 KV cache one GPU holds per token of a request it serves: the architecture's values
+    per token and layer (``neon_hpc.arch``: MLA keeps the compressed latent, replicated over the
+    attention TP group; GQA K and V of ``num_query_groups`` heads, sharded over it)."""
+    return 2.0 * model.num_layers * get_architecture(model.arch).kv_cache_values_per_token_layer(model, attn_tp)
 
 
 def _decode_kv_ratio(s: Sourced, cfg: Any, c) -> None:

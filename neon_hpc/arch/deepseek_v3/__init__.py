@@ -31,6 +31,13 @@ class DeepseekV3(Architecture):
     def shared_experts(self, cfg: Any) -> int:
         return cfg.num_shared_experts
 
+    def kv_cache_values_per_token_layer(self, cfg: Any, attn_tp: int) -> float:
+        """MLA caches the compressed latent and the RoPE key, replicated over the attention TP group
+        (a config without a latent rank is counted as K and V heads, as the balancer's FLOPs are)."""
+        if not getattr(cfg, "kv_lora_rank", 0):
+            return super().kv_cache_values_per_token_layer(cfg, attn_tp)
+        return float(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
     def fields_from_shapes(self, shapes: Shapes, proj, fc1) -> dict:
         """MLA shapes.  With h heads, nope/rope/v head dims n/r/v: q_up rows = h(n+r), kv_up rows =
         h(n+v), linear_proj cols = h*v, kv_down rows = kv_rank + r."""
