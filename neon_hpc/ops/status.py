@@ -12,7 +12,6 @@ import os
 import re
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from neon_hpc.launch.common import trained_versions_and_waste, trainer_steps
