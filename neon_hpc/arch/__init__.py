@@ -13,7 +13,7 @@ Adding an architecture: a new folder with those three files, and its line in ``_
 from __future__ import annotations
 
 from neon_hpc.arch import deepseek_v3, qwen3_moe
-from neon_hpc.arch.base import Architecture, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, AttentionParams, Shapes, ShapeError
 
 _REGISTERED: tuple[Architecture, ...] = (qwen3_moe.ARCH, deepseek_v3.ARCH)
 
@@ -40,5 +40,5 @@ def get(name: str) -> Architecture:
         raise ValueError(f"unknown architecture {name!r}; supported: {known()}") from None
 
 
-__all__ = ["ARCHES", "ARCHITECTURES", "Architecture", "DEFAULT", "MODEL_TYPES", "ShapeError", "Shapes", "get",
+__all__ = ["ARCHES", "ARCHITECTURES", "Architecture", "AttentionParams", "DEFAULT", "MODEL_TYPES", "ShapeError", "Shapes", "get",
            "known"]

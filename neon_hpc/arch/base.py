@@ -8,6 +8,7 @@ class) is ``neon_hpc/arch/<name>/megatron.py``, which only ``neon_hpc.models`` i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar, Literal, Mapping, Protocol
 
@@ -27,6 +28,18 @@ class Shapes(Protocol):
 
     def dense_layers(self) -> list[int]:
         """Decoder layers with a dense MLP (``mlp.linear_fc1``), ascending."""
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """One layer's attention projections, for FLOP counts: matmul parameters (Q, K, V, O and any
+    low-rank stages), the query/key and value head dims of the score and value products, and
+    which attention was counted (``gqa`` or ``mla``)."""
+
+    params: int
+    qk_head_dim: int
+    v_head_dim: int
+    kind: str
 
 
 class Architecture:
@@ -77,7 +90,14 @@ class Architecture:
     def shared_experts(self, cfg: Any) -> int:
         return self.default_shared_experts
 
-    # --- memory ----------------------------------------------------------------------------
+    # --- FLOP and memory terms -------------------------------------------------------------
+    def attention_params(self, h: int, heads: int, groups: int, head_dim: int, *, q_lora: int | None,
+                         kv_lora: int | None, rope_d: int | None, v_d: int) -> AttentionParams:
+        """GQA: Q and O of ``heads``, K and V of ``groups`` (MLA architectures override; the ranks
+        are ignored here)."""
+        return AttentionParams(h * heads * head_dim + 2 * h * groups * head_dim + heads * head_dim * h,
+                               head_dim, head_dim, "gqa")
+
     def kv_cache_values_per_token_layer(self, cfg: Any, attn_tp: int) -> float:
         """KV-cache values one GPU holds per token and layer: K and V of ``num_query_groups`` heads,
         sharded over the attention TP group (MLA architectures override: one latent, replicated)."""

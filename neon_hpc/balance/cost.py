@@ -166,16 +166,8 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     rope_d = _pick(qk_rope_head_dim, cfg, ("qk_rope_head_dim",), None) or None
     v_d = _pick(v_head_dim, cfg, ("v_head_dim",), d) or d
 
-    mla = facts.attention == "mla" and kv_lora is not None and rope_d is not None
-    if mla:
-        d_qk = d + rope_d                       # head_dim is the no-RoPE part, as in DeepSeek-V3
-        q_params = (h * q_lora + q_lora * H * d_qk) if q_lora else h * H * d_qk
-        kv_params = h * (kv_lora + rope_d) + kv_lora * H * (d + v_d)
-        attn_proj = q_params + kv_params + H * v_d * h
-    else:
-        d_qk = d
-        v_d = d
-        attn_proj = h * H * d + 2 * h * G * d + H * d * h   # Q, K, V (GQA), O
+    att = facts.attention_params(h, H, G, d, q_lora=q_lora, kv_lora=kv_lora, rope_d=rope_d, v_d=v_d)
+    attn_proj, d_qk, v_d = att.params, att.qk_head_dim, att.v_head_dim
 
     swiglu = 3 * h                                          # gate, up, down per hidden unit
     dense_mlp = swiglu * cfg.ffn_hidden_size
@@ -187,7 +179,7 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     a_flops = 6.0 * per_token_params
     b_flops = 3.0 * L * H * (d_qk + v_d)
     return {
-        "arch": arch, "attention": "mla" if mla else "gqa",
+        "arch": arch, "attention": att.kind,
         "active_params_per_token": int(per_token_params),
         "attn_proj_params_per_layer": int(attn_proj), "dense_mlp_params_per_layer": int(dense_mlp),
         "moe_mlp_params_per_layer": int(moe_mlp), "lm_head_params": int(lm_head),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neon_hpc.arch.base import Architecture, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, AttentionParams, Shapes, ShapeError
 from neon_hpc.arch.deepseek_v3 import hfmap
 
 
@@ -30,6 +30,18 @@ class DeepseekV3(Architecture):
 
     def shared_experts(self, cfg: Any) -> int:
         return cfg.num_shared_experts
+
+    def attention_params(self, h: int, heads: int, groups: int, head_dim: int, *, q_lora: int | None,
+                         kv_lora: int | None, rope_d: int | None, v_d: int) -> AttentionParams:
+        """MLA when its ranks are known (else counted as GQA with ``head_dim``): ``head_dim`` is the
+        no-RoPE part of a query/key head; query LoRA optional (``q_lora`` 0 or None: a full Q)."""
+        if kv_lora is None or rope_d is None:
+            return super().attention_params(h, heads, groups, head_dim, q_lora=q_lora, kv_lora=kv_lora,
+                                            rope_d=rope_d, v_d=v_d)
+        d_qk = head_dim + rope_d
+        q_params = (h * q_lora + q_lora * heads * d_qk) if q_lora else h * heads * d_qk
+        kv_params = h * (kv_lora + rope_d) + kv_lora * heads * (head_dim + v_d)
+        return AttentionParams(q_params + kv_params + heads * v_d * h, d_qk, v_d, "mla")
 
     def kv_cache_values_per_token_layer(self, cfg: Any, attn_tp: int) -> float:
         """MLA caches the compressed latent and the RoPE key, replicated over the attention TP group
