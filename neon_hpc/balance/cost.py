@@ -33,6 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
+from neon_hpc.arch import get as get_architecture
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -115,7 +118,8 @@ class CostModel:
         (``first_k_dense_replace``, ``moe_shared_expert_count``, ``q_lora_rank``, ...) and
         can be given here.  Defaults: Qwen3-MoE has no dense layers and no shared expert;
         DeepSeek-V3 has its first layer dense and one shared expert of the routed experts'
-        width.  MLA is used for ``deepseek_v3`` only when its ranks are known (config or
+        width (``default_dense_layers``, ``default_shared_experts`` of :mod:`neon_hpc.arch`).
+        MLA is used for an MLA architecture only when its ranks are known (config or
         arguments); otherwise attention is counted as GQA with ``head_dim``.
         ``flops_per_second`` turns FLOPs into seconds (e.g. measured MFU x peak).
         """
@@ -144,15 +148,15 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
                     shared_expert_ffn_hidden_size=None, q_lora_rank=None, kv_lora_rank=None,
                     qk_rope_head_dim=None, v_head_dim=None) -> dict:
     """Active matmul parameters per token, by part, and the resulting ``a``/``b`` in FLOPs."""
-    arch = getattr(cfg, "arch", "qwen3_moe")
-    deepseek = arch == "deepseek_v3"
+    arch = getattr(cfg, "arch", ARCH_DEFAULT)
+    facts = get_architecture(arch)          # its defaults for what the config does not carry
     h, L = cfg.hidden_size, cfg.num_layers
     H, G, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
     dense_layers = _pick(num_dense_layers, cfg, ("first_dense_layers", "first_k_dense_replace", "num_dense_layers"),
-                         1 if deepseek else 0)
+                         facts.default_dense_layers)
     dense_layers = min(int(dense_layers), L)
     n_shared = _pick(num_shared_experts, cfg, ("moe_shared_expert_count", "num_shared_experts",
-                                               "n_shared_experts"), 1 if deepseek else 0)
+                                               "n_shared_experts"), facts.default_shared_experts)
     shared_ffn = _pick(shared_expert_ffn_hidden_size, cfg,
                        ("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
                        cfg.moe_ffn_hidden_size)
@@ -162,16 +166,8 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     rope_d = _pick(qk_rope_head_dim, cfg, ("qk_rope_head_dim",), None) or None
     v_d = _pick(v_head_dim, cfg, ("v_head_dim",), d) or d
 
-    mla = deepseek and kv_lora is not None and rope_d is not None
-    if mla:
-        d_qk = d + rope_d                       # head_dim is the no-RoPE part, as in DeepSeek-V3
-        q_params = (h * q_lora + q_lora * H * d_qk) if q_lora else h * H * d_qk
-        kv_params = h * (kv_lora + rope_d) + kv_lora * H * (d + v_d)
-        attn_proj = q_params + kv_params + H * v_d * h
-    else:
-        d_qk = d
-        v_d = d
-        attn_proj = h * H * d + 2 * h * G * d + H * d * h   # Q, K, V (GQA), O
+    att = facts.attention_params(h, H, G, d, q_lora=q_lora, kv_lora=kv_lora, rope_d=rope_d, v_d=v_d)
+    attn_proj, d_qk, v_d = att.params, att.qk_head_dim, att.v_head_dim
 
     swiglu = 3 * h                                          # gate, up, down per hidden unit
     dense_mlp = swiglu * cfg.ffn_hidden_size
@@ -183,7 +179,7 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     a_flops = 6.0 * per_token_params
     b_flops = 3.0 * L * H * (d_qk + v_d)
     return {
-        "arch": arch, "attention": "mla" if mla else "gqa",
+        "arch": arch, "attention": att.kind,
         "active_params_per_token": int(per_token_params),
         "attn_proj_params_per_layer": int(attn_proj), "dense_mlp_params_per_layer": int(dense_mlp),
         "moe_mlp_params_per_layer": int(moe_mlp), "lm_head_params": int(lm_head),

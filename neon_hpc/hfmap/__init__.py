@@ -1,13 +1,11 @@
-"""Megatron-core <-> HF: weight names and splits, and the ``config.json`` fields, one table per
-architecture, written once.
+"""Megatron-core <-> HF: weight names and splits, and the ``config.json`` fields, written once.
 
-The trainer's side (the architecture adapters in :mod:`neon_hpc.models.adapters`, the direct
-exporter :mod:`neon_hpc.models.convert`) and the post-run converter (:mod:`neon_hpc.reshard`)
-both import these tables; reshard imports nothing of the models or the trainer.  This package
-imports no torch, transformers or megatron, and nothing else of neon_hpc.
-
-Adding an architecture = one module here (``NAME``, ``LAYER_RULES``, ``HF_FIELDS``,
-``hf_fields``, ``hf_config_dict``) and its adapter in :mod:`neon_hpc.models.adapters`.
+The rules every architecture shares are :mod:`neon_hpc.hfmap.rules`; each architecture's own
+table is ``hfmap.py`` in its folder (``neon_hpc/arch/<name>/``), reached through the registry
+(:mod:`neon_hpc.arch`).  The trainer's side (the adapters in :mod:`neon_hpc.models.adapters`, the
+direct exporter :mod:`neon_hpc.models.convert`) and the post-run converter (:mod:`neon_hpc.reshard`)
+both read these tables; reshard imports nothing of the models or the trainer.  Nothing here
+imports torch, transformers or megatron.
 """
 
 from __future__ import annotations
@@ -15,25 +13,27 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from neon_hpc.hfmap import deepseek_v3, qwen3_moe
+from neon_hpc import arch as _arch
 from neon_hpc.hfmap.rules import (COMMON_LAYER_RULES, EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES, QKVShape, Rule,
                                   qkv_join, qkv_part, qkv_rows, tp_join, tp_shard)
 
-_TABLES: dict[str, ModuleType] = {m.NAME: m for m in (qwen3_moe, deepseek_v3)}
-ARCHES = tuple(_TABLES)
-# names (config ``model.arch`` and HF ``model_type``) -> architecture; Kimi-K2 ships DeepSeek-V3 weights
-MODEL_TYPES = {**{a: a for a in ARCHES}, "kimi_k2": "deepseek_v3"}
-# per architecture, decoder-layer weight suffix -> rule (the objects the adapters carry)
-LAYER_RULES: dict[str, dict[str, Rule]] = {a: m.LAYER_RULES for a, m in _TABLES.items()}
 
 
-def table(arch: str) -> ModuleType:
-    """The mapping module of ``arch`` (a config ``model.arch`` or an HF ``model_type``)."""
-    try:
-        return _TABLES[MODEL_TYPES[arch]]
-    except KeyError:
-        raise ValueError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHES)} "
-                         f"(and kimi_k2 as deepseek_v3)") from None
+def __getattr__(name: str) -> Any:
+    """``ARCHES``, ``MODEL_TYPES`` (config ``model.arch`` / HF ``model_type`` -> architecture) and
+    ``LAYER_RULES`` (architecture -> decoder-layer weight suffix -> rule): the registry's, read
+    when asked (an architecture's ``hfmap.py`` imports ``rules`` from this package while the
+    registry is still being built)."""
+    if name in ("ARCHES", "MODEL_TYPES"):
+        return getattr(_arch, name)
+    if name == "LAYER_RULES":
+        return {a.name: a.layer_rules for a in _arch.ARCHITECTURES.values()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def table(name: str) -> ModuleType:
+    """The mapping module of ``name`` (a config ``model.arch`` or an HF ``model_type``)."""
+    return _arch.get(name).mapping
 
 
 def hf_config_dict(model_cfg: Any) -> dict:

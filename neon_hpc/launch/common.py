@@ -14,6 +14,7 @@ from neon_hpc.config import ConfigError, ExperimentConfig
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.records import Finished, JobRecord, Preempted
 from neon_hpc.protocol.rundir import RunDir, atomic_write_text, remove_stale_tmp
+from neon_hpc.store import open_store
 
 
 def resolve_run_dir(cfg: ExperimentConfig, run_dir: str | None) -> Path:
@@ -60,7 +61,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
         print(f"neon-hpc: resuming {run.root} with its run.yaml; the given config differs in "
               f"{', '.join(diffs)} and is not used for those keys (start a new --run-dir to change them)",
               file=sys.stderr)
-    sweep_staging(run)
+    sweep_staging(run, cfg)
     Finished.clear(run)
     Preempted.clear(run)
     JobRecord.start(run, job_id, backend)
@@ -85,11 +86,13 @@ def trained_versions_and_waste(trainer: list[dict]) -> dict[str, Any]:
             "wasted_rollout_tokens": (masked + dropped) / gen if gen else None}
 
 
-def sweep_staging(run: RunDir) -> int:
-    """Remove what writers killed mid-write left: hidden ``.*.tmp.*`` siblings of shards,
-    checkpoints (``checkpoints/.step_N.tmp.*``) and weights (``weights/.v_N.tmp.*``). Only
-    under the lease: no writer of this run directory is alive then."""
-    return sum(remove_stale_tmp(d) for d in (run.traj_tmp, run.checkpoints, run.weights))
+def sweep_staging(run: RunDir, cfg: ExperimentConfig) -> int:
+    """Remove what writers killed mid-write left: the trajectory store's staging (the filesystem
+    store: hidden ``.*.tmp.*`` siblings of shards), checkpoints (``checkpoints/.step_N.tmp.*``)
+    and weights (``weights/.v_N.tmp.*``). Only under the lease: no writer of this run directory
+    is alive then."""
+    return (open_store(run, cfg.store).sweep_staging()
+            + sum(remove_stale_tmp(d) for d in (run.checkpoints, run.weights)))
 
 
 def trainer_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -77,7 +77,7 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: ModelCo
         else:
             rule = None
         if rule is None:
-            raise KeyError(f"megatron key {key!r} has no {ad.name} rule (neon_hpc/models/adapters/{ad.name}.py); "
+            raise KeyError(f"megatron key {key!r} has no {ad.name} rule (neon_hpc/arch/{ad.name}/hfmap.py); "
                            f"is model.arch right for this model?")
         for name, part in zip(rule.hf, _split(rule, t, cfg, key)):
             out[base + name] = part.clone()

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from neon_hpc.launch.common import trained_versions_and_waste, trainer_steps
@@ -19,6 +19,7 @@ from neon_hpc.launch.slurmjob import SlurmUnavailable, query
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.store import run_store
 
 
 def slurm_state(job_id: str) -> tuple[str, dict[str, str]]:
@@ -31,26 +32,9 @@ def slurm_state(job_id: str) -> tuple[str, dict[str, str]]:
     return job.state, dict(job.components)
 
 
-def _count_dir(d: Path, suffix: str = ".h5") -> int:
-    try:
-        return sum(1 for n in os.listdir(d) if n.endswith(suffix) and not n.startswith("."))
-    except FileNotFoundError:
-        return 0
-
-
 def shard_counts(run: RunDir) -> dict[str, int]:
-    claimed = 0
-    if run.traj_claimed.is_dir():
-        for step_dir in run.traj_claimed.iterdir():
-            if step_dir.is_dir():
-                claimed += _count_dir(step_dir)
-    try:  # shards being written are hidden temporaries (".<name>.tmp.part")
-        writing = sum(1 for n in os.listdir(run.traj_tmp) if n.endswith(".tmp.part"))
-    except FileNotFoundError:
-        writing = 0
-    from neon_hpc.store import ready_count  # the store's own definition of a published shard
-    return {"ready": ready_count(run.root)[0], "claimed": claimed,
-            "quarantined": _count_dir(run.traj_quarantine), "writing": writing}
+    """The run's store's shard counts: ready, claimed, quarantined, writing."""
+    return asdict(run_store(run).counts())
 
 
 _ERR = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")

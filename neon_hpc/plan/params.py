@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.plan.config import PlanConfig
 
 ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
@@ -195,7 +196,7 @@ class Sourced:
 
 def moe_layers(model: Any, dense_layers: int) -> int:
     if dense_layers < 0:
-        dense_layers = 1 if model.arch == "deepseek_v3" else 0
+        dense_layers = get_architecture(model.arch).default_dense_layers
     return max(model.num_layers - dense_layers, 0)
 
 
@@ -205,7 +206,7 @@ def model_param_count(model: Any, dense_layers: int) -> float:
     attn = 4 * h * model.num_attention_heads * model.head_dim
     n_moe = moe_layers(model, dense_layers)
     n_dense = model.num_layers - n_moe
-    shared = 1 if model.arch == "deepseek_v3" else 0
+    shared = get_architecture(model.arch).default_shared_experts
     expert = 3 * h * model.moe_ffn_hidden_size
     per_moe = attn + (model.num_experts + shared) * expert + h * model.num_experts
     per_dense = attn + 3 * h * model.ffn_hidden_size
@@ -226,7 +227,7 @@ def local_cost_coefficients(model: Any, dense_layers: int) -> tuple[float, float
     attn = 4 * h * model.num_attention_heads * model.head_dim
     n_moe = moe_layers(model, dense_layers)
     n_dense = model.num_layers - n_moe
-    shared = 1 if model.arch == "deepseek_v3" else 0
+    shared = get_architecture(model.arch).default_shared_experts
     active_moe = attn + (model.moe_router_topk + shared) * 3 * h * model.moe_ffn_hidden_size
     active_dense = attn + 3 * h * model.ffn_hidden_size
     active = n_moe * active_moe + n_dense * active_dense + model.vocab_size * h
@@ -451,13 +452,10 @@ def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
 
 
 def kv_bytes_per_token_per_gpu(model: Any, attn_tp: int) -> float:
-    """bf16 KV cache one GPU holds per token of a request it serves: MLA keeps the compressed
-    latent (``kv_lora_rank + qk_rope_head_dim`` per layer), replicated over the attention TP
-    group; otherwise K and V of ``num_query_groups`` heads, sharded over it."""
-    if getattr(model, "kv_lora_rank", 0):
-        return 2.0 * model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim)
-    groups = max(model.num_query_groups or model.num_attention_heads, 1)
-    return 2.0 * 2 * model.num_layers * groups * model.head_dim / min(max(attn_tp, 1), groups)
+    """bf16 KV cache one GPU holds per token of a request it serves: the architecture's values
+    per token and layer (``neon_hpc.arch``: MLA keeps the compressed latent, replicated over the
+    attention TP group; GQA K and V of ``num_query_groups`` heads, sharded over it)."""
+    return 2.0 * model.num_layers * get_architecture(model.arch).kv_cache_values_per_token_layer(model, attn_tp)
 
 
 def _decode_kv_ratio(s: Sourced, cfg: Any, c) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from neon_hpc.hfmap import (ARCHES, EXPERT_RULES, IGNORED_SUFFIXES, LAYER_RULES, MODEL_TYPES, TOP_RULES, QKVShape,
                             qkv_part, qkv_rows)
+from neon_hpc.arch import known as known_architectures
 from neon_hpc.hfmap import Rule as NameRule
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
 
@@ -65,11 +66,12 @@ class Slab:
 
 def canonical_arch(arch: str | None, model_type: str | None = None) -> str:
     """The architecture of ``arch`` (``--arch``, a config ``model.arch``) or else of an HF
-    ``model_type``, as a mapping name (``kimi_k2`` -> ``deepseek_v3``); MappingError naming both."""
+    ``model_type``, as a mapping name (an alias -> its architecture, :mod:`neon_hpc.arch`); MappingError
+    naming both."""
     resolved = MODEL_TYPES.get(arch or model_type or "")
     if resolved not in ARCHES:
         raise MappingError(f"unknown architecture {arch or model_type!r} (config model_type={model_type!r}); "
-                           f"supported: {', '.join(ARCHES)} (and kimi_k2 as deepseek_v3)")
+                           f"supported: {known_architectures()}")
     return resolved
 
 

@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neon_hpc.arch import ARCHES, ARCHITECTURES
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.bounded import short_repr
 from neon_hpc.hfmap import hf_config_dict
 from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
@@ -32,8 +34,6 @@ from neon_hpc.protocol.rundir import RUN_YAML as RUN_CONFIG  # noqa: E402  (the 
 # What the shapes of a checkpoint cannot tell (beyond what derive_hf_config lists itself).
 _ALWAYS_GUESSED = ["vocab_size (real, unpadded)", "rope_theta", "rms_norm_eps", "num_experts_per_tok",
                    "max_position_embeddings"]
-_EXTRA_GUESSED = {"qwen3_moe": ["intermediate_size", "norm_topk_prob"],
-                  "deepseek_v3": ["norm_topk_prob", "rope_interleave"]}
 # Megatron pads the vocab to a multiple of make_vocab_size_divisible_by (128) x TP; more
 # padding than this means the config's vocab_size belongs to another model.
 MAX_VOCAB_PADDING = 128 * 8
@@ -52,7 +52,7 @@ def ways_to_supply(ckpt_path: Path) -> str:
             f"(2) a {CONFIG_FILE} inside the checkpoint ({ckpt_path / CONFIG_FILE}: neon-hpc's trainer writes one "
             f"into every checkpoint it saves); (3) the run's {RUN_CONFIG} two levels up ({_run_yaml(ckpt_path)}, "
             f"when the checkpoint lives in RUN/checkpoints/step_N). For a foreign checkpoint only, "
-            f"--allow-guessed-config --arch qwen3_moe|deepseek_v3 writes the shape-derived fields and records "
+            f"--allow-guessed-config --arch {'|'.join(ARCHES)} writes the shape-derived fields and records "
             f"the guesses in the output's README.md.")
 
 
@@ -126,7 +126,7 @@ def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None,
                            f"give {', '.join(guessed)}. A config with those guessed would load and serve different "
                            f"logits without any error, so reshard will not write one. " + ways_to_supply(ckpt.path))
     if derived is None:
-        raise MappingError(f"{ckpt.path}: --allow-guessed-config needs --arch qwen3_moe|deepseek_v3 to derive "
+        raise MappingError(f"{ckpt.path}: --allow-guessed-config needs --arch {'|'.join(ARCHES)} to derive "
                            f"the shape fields. " + ways_to_supply(ckpt.path))
     return ConfigSource(derived, f"derived from the checkpoint's shapes (--allow-guessed-config, --arch {arch})",
                         None, guessed)
@@ -137,7 +137,7 @@ def _derive(ckpt: Checkpoint, arch: str | None) -> tuple[dict | None, list[str]]
     if arch is None:
         return None, list(_ALWAYS_GUESSED)
     cfg, guessed = derive_hf_config(ckpt, arch)
-    guessed = list(dict.fromkeys(guessed + _ALWAYS_GUESSED[1:] + _EXTRA_GUESSED.get(arch, [])))
+    guessed = list(dict.fromkeys(guessed + _ALWAYS_GUESSED[1:] + list(get_architecture(arch).guessed_fields)))
     guessed = [g for g in guessed if not g.startswith("vocab_size")] + ["vocab_size (padded rows kept)"]
     return cfg, guessed
 
@@ -145,14 +145,8 @@ def _derive(ckpt: Checkpoint, arch: str | None) -> tuple[dict | None, list[str]]
 # ---------------------------------------------------------------------------------------
 # config vs checkpoint shapes
 
-# HF field -> the same fact under another name in other architectures' configs
-_SHAPE_FIELDS = {
-    "qwen3_moe": ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "num_experts", "moe_intermediate_size"],
-    "deepseek_v3": ["hidden_size", "num_hidden_layers", "num_attention_heads", "n_routed_experts",
-                    "moe_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-                    "v_head_dim", "first_k_dense_replace", "n_shared_experts"],
-}
+# the config.json fields a checkpoint's shapes decide, per architecture: its ``shape_fields``
+_SHAPE_FIELDS = {name: list(a.shape_fields) for name, a in ARCHITECTURES.items()}
 
 
 def check_config_shapes(cfg: dict, ckpt: Checkpoint, arch: str | None = None) -> None:

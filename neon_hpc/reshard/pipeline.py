@@ -41,7 +41,7 @@ def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
 
 def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
                      allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
-    arch = canonical_arch(arch) if arch else None     # --arch kimi_k2 is deepseek_v3
+    arch = canonical_arch(arch) if arch else None     # an alias (--arch) is its architecture
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
     check_config_shapes(source.cfg, ckpt, arch)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.netutil import free_port
 
 
@@ -43,13 +45,19 @@ class SynthSpec:
         return 2 * (self.layers * per_layer + 2 * self.padded_vocab * h + h)
 
     def hf_config(self) -> dict:
-        return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": self.vocab,
-                "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-                "num_key_value_heads": self.groups, "head_dim": self.head_dim, "num_experts": self.experts,
-                "num_experts_per_tok": min(2, self.experts), "moe_intermediate_size": self.moe_ffn,
-                "intermediate_size": self.moe_ffn * 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+        """The synthetic checkpoint is of the registry's default architecture (GQA, every layer MoE)."""
+        facts = get_architecture(ARCH_DEFAULT)
+        if facts.attention != "gqa" or facts.default_dense_layers:
+            raise ValueError(f"reshard/synthetic.py writes GQA all-MoE checkpoints; {facts.name} is not one")
+        out = facts.hf_fields({"vocab_size": self.vocab, "hidden_size": self.hidden, "num_layers": self.layers,
+                               "num_attention_heads": self.heads, "num_query_groups": self.groups,
+                               "head_dim": self.head_dim, "num_experts": self.experts,
+                               "moe_router_topk": min(2, self.experts), "moe_ffn_hidden_size": self.moe_ffn,
+                               "ffn_hidden_size": self.moe_ffn * 2, "norm_epsilon": 1e-6,
+                               "max_position_embeddings": 2048})
+        out.update({"decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "torch_dtype": "bfloat16"})
+        return out
 
 
 def _sharded_pieces(spec: SynthSpec):

@@ -36,21 +36,22 @@ from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout.sections import WorkerSections
+from neon_hpc.store import StoreConfig, open_store
 
 # default of the beater's period; the run's is protocol.worker_heartbeat_s
 HEARTBEAT_S = ProtocolConfig.worker_heartbeat_s
 
 
-def ready_trajectories(run: RunDir) -> int:
-    """Trajectories published in ready/ (from shard names: no file is opened)."""
-    from neon_hpc.store import ready_count
-    return ready_count(run.root)[1]
+def ready_trajectories(run: RunDir, store: StoreConfig = StoreConfig()) -> int:
+    """Trajectories published and not yet claimed (the filesystem store: from shard names, no file is opened)."""
+    return open_store(run, store).ready_count()[1]
 
 
-def pending_trajectories(run: RunDir, expiry_s: float = ProtocolConfig.heartbeat_expiry_s) -> tuple[int, int]:
-    """(trajectories ready in ready/, trajectories in flight across live workers)."""
+def pending_trajectories(run: RunDir, expiry_s: float = ProtocolConfig.heartbeat_expiry_s,
+                         store: StoreConfig = StoreConfig()) -> tuple[int, int]:
+    """(trajectories ready in the store, trajectories in flight across live workers)."""
     # the workers' beats only, not the trainer ranks' or nodes' (hundreds at scale)
-    return ready_trajectories(run), rule.in_flight(WorkerBeat.read_all(run), time.time(), expiry_s)
+    return ready_trajectories(run, store), rule.in_flight(WorkerBeat.read_all(run), time.time(), expiry_s)
 
 
 def _node(node: int | None) -> int:
@@ -72,7 +73,7 @@ def admission(run: RunDir, sec: WorkerSections, group: int, lag: int = 0) -> tup
     """(verdict, staleness estimate) for starting one more group now: the protocol's rule
     (:func:`neon_hpc.protocol.admission.admit`) over ready/, the workers' beats and ``lag``,
     the :func:`version_gap` between the trainer's next claim and the engines."""
-    ready, inflight = pending_trajectories(run, sec.protocol.heartbeat_expiry_s)
+    ready, inflight = pending_trajectories(run, sec.protocol.heartbeat_expiry_s, sec.store)
     return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.rollout.backpressure_steps,
                       sec.rollout.max_staleness, lag)
 
@@ -137,7 +138,6 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.rollout.agent import run_group
     from neon_hpc.rollout.engines.client import EngineClient
-    from neon_hpc.store import ShardWriter
     from neon_hpc.xrd.tasks import load_tasks
 
     run = RunDir(run_dir)
@@ -159,7 +159,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
              len(tasks), sec.xrd.preset, sec.xrd.split, writer_id)
     poll = sec.protocol
     beater = _Beater(run, worker, poll.worker_heartbeat_s)
-    with ShardWriter(run.root, writer_id, sec.store) as writer:
+    with open_store(run, sec.store).writer(writer_id) as writer:
         while not stop.requested and not Finished.present(run):
             lag = version_gap(run)
             verdict, ahead = admission(run, sec, sec.rollout.group_size, lag)
@@ -203,7 +203,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
                             version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1))
             # a hungry trainer gets what we hold now rather than at the next full shard:
             # trajectories in a writer's buffer are invisible to the trainer and to admission
-            if ready_trajectories(run) < sec.train_trajectories_per_step:
+            if ready_trajectories(run, sec.store) < sec.train_trajectories_per_step:
                 writer.flush()
             episodes += len(trajs)
             groups += 1

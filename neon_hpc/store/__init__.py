@@ -9,7 +9,11 @@ from neon_hpc.store.reader import ShardError, read_shard, shard_summary
 from neon_hpc.store.writer import ShardInfo, ShardWriter, write_shard
 from neon_hpc.store.claim import (ClaimConflict, ClaimResult, ClaimTimeout, claim_step, claimed_steps,
                                   quarantine, ready_count, ready_shards, staleness_stats)
+from neon_hpc.store.base import StoreCounts, TrajectoryStore, TrajectoryWriter
+from neon_hpc.store.filesystem import FilesystemStore
+from neon_hpc.store.registry import STORES, open_store, run_store
 
 __all__ = ["StoreConfig", "Trajectory", "ShardError", "read_shard", "shard_summary", "ShardInfo", "ShardWriter",
            "write_shard", "ClaimConflict", "ClaimResult", "ClaimTimeout", "claim_step", "claimed_steps",
-           "quarantine", "ready_count", "ready_shards", "staleness_stats"]
+           "quarantine", "ready_count", "ready_shards", "staleness_stats",
+           "StoreCounts", "TrajectoryStore", "TrajectoryWriter", "FilesystemStore", "STORES", "open_store", "run_store"]

@@ -4,9 +4,13 @@ from typing import Literal
 
 from neon_hpc.constraints import above, at_least
 
+# the trajectory stores (neon_hpc/store/registry.py STORES maps each to its implementation)
+StoreKind = Literal["filesystem"]
+
 
 @dataclass
 class StoreConfig:
+    kind: StoreKind = "filesystem"     # where trajectories pass through (README, "Stores")
     flush_trajectories: int = 8        # flush a shard after this many trajectories ...
     flush_seconds: float = 30.0        # ... or this many seconds after the first buffered one ...
     flush_bytes: int = 1 << 30         # ... or once the buffer holds this many payload bytes

@@ -52,6 +52,7 @@ ROUTE_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
 CHECKSUM_ALGO = "xxh3_64"
 DIGESTS_ATTR = "digests"
 
+SHARD_SUFFIX = ".h5"                # a published shard's file name ends so (ShardName below)
 _NAME_RE = re.compile(r"^(?P<ms>\d{13})\.(?P<writer>[A-Za-z0-9_-]+)\.(?P<session>[0-9a-f]{8})"
                       r"\.(?P<seq>\d{6,})\.n(?P<n>\d+)\.h5$")
 _WRITER_BAD = re.compile(r"[^A-Za-z0-9_-]+")
@@ -67,7 +68,7 @@ class ShardName:
 
     def __str__(self) -> str:
         return (f"{self.created_ms:013d}.{self.writer}.{self.session}.{self.seq:06d}"
-                f".n{self.num_trajectories}.h5")
+                f".n{self.num_trajectories}{SHARD_SUFFIX}")
 
 
 def safe_writer(writer_id: str) -> str:

@@ -40,6 +40,7 @@ from typing import Any, get_args, get_type_hints
 import numpy as np
 import torch
 
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.balance.pipeline import microbatch_group_size
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.train.batch import MicroBatch, replay_tensors
@@ -155,10 +156,7 @@ class Backend:
 
     def moe_layer_ids(self) -> list[int]:
         """Global indices of the decoder layers that route (rows of a trajectory's routes)."""
-        if self.model_cfg.arch == "qwen3_moe":
-            return list(range(self.model_cfg.num_layers))      # every layer is MoE
-        from neon_hpc.models.adapters import get_adapter       # dense first layers do not route
-        return list(get_adapter(self.model_cfg.arch).moe_layers(self.model_cfg))
+        return get_architecture(self.model_cfg.arch).moe_layers(self.model_cfg)   # dense layers do not route
 
     def route_rows(self, chunk: int | None = None) -> list[int]:
         """Which rows of the ``[S, moe_layers, k]`` routes this pipeline stage's routers replay.

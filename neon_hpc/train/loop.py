@@ -158,12 +158,12 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
     and preemption signals stay live on every rank while rollouts catch up.
     """
-    from neon_hpc.store import ClaimTimeout, claim_step
+    from neon_hpc.store import ClaimTimeout, open_store
 
+    store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   trainer_version=step - 1, max_staleness=cfg.rollout_max_staleness,
-                  quarantine_invalid=cfg.store.quarantine_invalid, stale_policy=cfg.rollout_stale_policy,
-                  poll_s=cfg.protocol.claim_poll_s, uid_window_steps=cfg.store.uid_window_steps)
+                  stale_policy=cfg.rollout_stale_policy, poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -172,7 +172,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
             t_slice = time.monotonic()
             try:
-                res = claim_step(run.root, step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
+                res = store.claim(step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
                 waited += res.waited_s
                 status = {"state": "claimed"}
             except ClaimTimeout as e:
@@ -192,7 +192,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
     if status["state"] == "claimed":
-        status["result"] = claim_step(run.root, step, timeout_s=0.0, **kwargs)
+        status["result"] = store.claim(step, timeout_s=0.0, **kwargs)
     return status
 
 

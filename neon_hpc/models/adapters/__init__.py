@@ -1,31 +1,34 @@
-"""One adapter per architecture: the HF config it implies, the megatron config and layer spec,
-the Megatron <-> HF name and slicing rules, and the route layout.
+"""The models' side of each architecture: the HF config it implies, the megatron config and
+layer spec, the Megatron <-> HF name and slicing rules, and the route layout.
 
-Adding an architecture = one module here defining an :class:`~.base.Adapter` subclass, plus
-its line in ``_ADAPTERS``, its name and config tables in :mod:`neon_hpc.hfmap`, and its config
-rules in ``ARCH_RULES`` of :mod:`neon_hpc.models.config` (the adapter's ``validate``).
-Importing this package imports no torch, transformers or megatron; the methods that need them
-import them.
+Each architecture's adapter is ``ADAPTER`` in its folder's ``megatron.py``
+(``neon_hpc/arch/<name>/megatron.py``, an :class:`~.base.Adapter` subclass); this package finds
+them through the architecture registry (:mod:`neon_hpc.arch`), so adding an architecture touches
+its folder and the registry's line only (its config rules: ``ARCH_RULES`` of
+:mod:`neon_hpc.models.config`, the adapter's ``validate``).  Importing this package imports no
+torch, transformers or megatron; the methods that need them import them.
 """
 
 from __future__ import annotations
 
-from neon_hpc import hfmap
+import importlib
+
+from neon_hpc import arch, hfmap
 from neon_hpc.models.adapters.base import (EXPERT_RULES, TOP_RULES, Adapter, QKVShape, RouteLayout,
                                            RouteLayoutError, Rule)
-from neon_hpc.models.adapters.deepseek_v3 import DeepseekV3Adapter
-from neon_hpc.models.adapters.qwen3_moe import Qwen3MoeAdapter
 
-_ADAPTERS: dict[str, Adapter] = {a.name: a for a in (Qwen3MoeAdapter(), DeepseekV3Adapter())}
+# the adapter modules are named by the registry, not spelled here: the folder of each architecture
+_ADAPTERS: dict[str, Adapter] = {
+    a.name: importlib.import_module(f"{type(a).__module__}.megatron").ADAPTER for a in arch.ARCHITECTURES.values()}
 ARCHES = tuple(_ADAPTERS)
 # names (config ``model.arch`` and HF ``model_type``) -> architecture: the mapping's (neon_hpc.hfmap)
 MODEL_TYPES = hfmap.MODEL_TYPES
 
 
-def get_adapter(arch: str) -> Adapter:
-    """The adapter of ``arch`` (a config ``model.arch`` or an HF ``model_type``); ValueError naming
-    the supported ones otherwise (:func:`neon_hpc.hfmap.table`)."""
-    return _ADAPTERS[hfmap.table(arch).NAME]
+def get_adapter(name: str) -> Adapter:
+    """The adapter of ``name`` (a config ``model.arch`` or an HF ``model_type``); ValueError naming
+    the supported ones otherwise (:func:`neon_hpc.arch.get`)."""
+    return _ADAPTERS[arch.get(name).name]
 
 
 def adapter_for_hf_config(cfg: dict) -> Adapter:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from neon_hpc.hfmap.rules import (COMMON_LAYER_RULES, EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES,  # noqa: F401
                                   QKVShape, Rule, qkv_join, qkv_part, qkv_rows, tp_join, tp_shard)
+from neon_hpc.arch import get as get_architecture
 from neon_hpc.models.config import ModelConfig, arch_errors, arch_experiment_errors
 
 
@@ -85,7 +86,7 @@ class Adapter:
         return arch_errors(cfg, self.name)
 
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
-        return list(range(cfg.num_layers))
+        return get_architecture(self.name).moe_layers(cfg)
 
     def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
         """``[(key path, message)]``: what this architecture refuses in the rest of an experiment
@@ -155,3 +156,10 @@ class Adapter:
     def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):
         """The local layer spec; ``vp_stage``: the model chunk (interleaved PP) a block spec is cut for."""
         raise NotImplementedError
+
+
+def _getter(hf_cfg: Any):
+    """``g(name)`` for a config dict or a transformers config object."""
+    if isinstance(hf_cfg, dict):
+        return hf_cfg.get
+    return lambda k, d=None: getattr(hf_cfg, k, d)

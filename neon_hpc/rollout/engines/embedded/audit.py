@@ -107,17 +107,13 @@ def audit_run(run_dir: str | Path, steps: int | None = None) -> dict[str, dict[s
     """Gaps by kind over the trajectories of the first ``steps`` claimed steps (all: None):
     ``{kind: {"tokens", "mean", "max"}}``."""
     from neon_hpc.protocol.rundir import RunDir
-    from neon_hpc.store import read_shard
+    from neon_hpc.store import run_store
 
-    run = RunDir(run_dir)
-    dirs = sorted(run.traj_claimed.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    weights = _Weights(run.weights)
+    weights = _Weights(RunDir(run_dir).weights)
     gaps: dict[str, list[np.ndarray]] = defaultdict(list)
-    for d in dirs[:steps]:
-        for shard in sorted(d.glob("*.h5")):
-            for t in read_shard(shard):
-                for kind, g in audit_trajectory(t, weights).items():
-                    gaps[kind].append(g)
+    for _step, t in run_store(RunDir(run_dir)).iter_trained(steps):
+        for kind, g in audit_trajectory(t, weights).items():
+            gaps[kind].append(g)
     out = {}
     for kind in KINDS:
         g = np.concatenate(gaps[kind]) if gaps[kind] else np.zeros(0)

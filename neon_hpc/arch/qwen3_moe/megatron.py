@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.hfmap import qwen3_moe as _map
-from neon_hpc.models.adapters.base import Adapter, QKVShape
+from neon_hpc.arch.qwen3_moe import hfmap as _map
+from neon_hpc.models.adapters.base import Adapter, QKVShape, _getter
 from neon_hpc.models.config import ModelConfig
 
-LAYER_RULES = _map.LAYER_RULES        # the rules live in neon_hpc.hfmap (reshard reads them too)
+LAYER_RULES = _map.LAYER_RULES        # the rules live in hfmap.py beside this file (reshard reads them too)
 _MOE_LAYER = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
               "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
               "self_attention.k_layernorm.weight", "mlp.router.weight")
@@ -35,7 +35,7 @@ class Qwen3MoeAdapter(Adapter):
         g = _getter(hf_cfg)
         rope = g("rope_parameters") or {}
         return ModelConfig(
-            arch="qwen3_moe", vocab_size=g("vocab_size"), hidden_size=g("hidden_size"),
+            arch=self.name, vocab_size=g("vocab_size"), hidden_size=g("hidden_size"),
             num_layers=g("num_hidden_layers"), num_attention_heads=g("num_attention_heads"),
             num_query_groups=g("num_key_value_heads"), head_dim=g("head_dim"),
             ffn_hidden_size=g("intermediate_size"), moe_ffn_hidden_size=g("moe_intermediate_size"),
@@ -59,8 +59,4 @@ class Qwen3MoeAdapter(Adapter):
                                         qk_layernorm=True, normalization="RMSNorm")
 
 
-def _getter(hf_cfg: Any):
-    """``g(name)`` for a config dict or a transformers config object."""
-    if isinstance(hf_cfg, dict):
-        return hf_cfg.get
-    return lambda k, d=None: getattr(hf_cfg, k, d)
+ADAPTER = Qwen3MoeAdapter()

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.hfmap import deepseek_v3 as _map
-from neon_hpc.models.adapters.base import Adapter
-from neon_hpc.models.adapters.qwen3_moe import _getter
+from neon_hpc.arch.deepseek_v3 import hfmap as _map
+from neon_hpc.models.adapters.base import Adapter, _getter
 from neon_hpc.models.config import ModelConfig
 
-LAYER_RULES = _map.LAYER_RULES        # the rules live in neon_hpc.hfmap (reshard reads them too)
+LAYER_RULES = _map.LAYER_RULES        # the rules live in hfmap.py beside this file (reshard reads them too)
 
 
 class DeepseekV3Adapter(Adapter):
@@ -36,9 +35,6 @@ class DeepseekV3Adapter(Adapter):
     layer_rules = LAYER_RULES
 
     # --- pure (validate / experiment_errors: the model section's ARCH_RULES, via Adapter) ----------
-    def moe_layers(self, cfg: ModelConfig) -> list[int]:
-        return list(range(cfg.first_dense_layers, cfg.num_layers))
-
     def layer_suffixes(self, cfg: ModelConfig, layer: int) -> list[str]:
         att = ["self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight",
                "self_attention.kv_layernorm.weight", "self_attention.linear_proj.weight"]
@@ -127,3 +123,6 @@ class DeepseekV3Adapter(Adapter):
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         return spec
+
+
+ADAPTER = DeepseekV3Adapter()

@@ -1,0 +1,76 @@
+"""The filesystem trajectory store: HDF5 shards under ``RUN/trajectories/`` (README.md beside
+this file has the layout and the claim protocol). The first ``TrajectoryStore``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+from neon_hpc.protocol.rundir import RunDir, remove_stale_tmp
+from neon_hpc.store import schema as S
+from neon_hpc.store.base import StoreCounts, TrajectoryStore
+from neon_hpc.store.claim import ClaimResult, claim_step, claimed_steps, ready_count
+from neon_hpc.store.config import StoreConfig
+from neon_hpc.store.reader import read_shard
+from neon_hpc.store.trajectory import Trajectory
+from neon_hpc.store.writer import TMP_SUFFIX, ShardWriter
+
+
+def _count(d: Path, suffix: str) -> int:
+    try:
+        return sum(1 for n in os.listdir(d) if n.endswith(suffix) and not n.startswith("."))
+    except FileNotFoundError:
+        return 0
+
+
+def _step_of(d: Path) -> int | None:
+    tail = d.name[len("step_"):]
+    return int(tail) if d.name.startswith("step_") and tail.isdigit() and d.is_dir() else None
+
+
+class FilesystemStore(TrajectoryStore):
+    kind = "filesystem"
+
+    def __init__(self, run_dir, cfg: StoreConfig = StoreConfig()):
+        self.run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self.cfg = cfg
+
+    def writer(self, writer_id: str, job_id: str | None = None) -> ShardWriter:
+        return ShardWriter(self.run, writer_id, self.cfg, job_id=job_id)
+
+    def ready_count(self) -> tuple[int, int]:
+        return ready_count(self.run)
+
+    def claim(self, step: int, want: int, consumer: str, **kwargs) -> ClaimResult:
+        kwargs.setdefault("quarantine_invalid", self.cfg.quarantine_invalid)
+        kwargs.setdefault("uid_window_steps", self.cfg.uid_window_steps)
+        return claim_step(self.run, step, want, consumer, **kwargs)
+
+    def claimed_steps(self) -> list[int]:
+        return claimed_steps(self.run)
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """Every claim directory, committed or being filled (a claim's shards are the step's)."""
+        if not self.run.traj_claimed.is_dir():
+            return []
+        found = ((_step_of(d), d) for d in self.run.traj_claimed.iterdir())
+        return sorted((s, d) for s, d in found if s is not None)
+
+    def iter_trained(self, steps: int | None = None) -> Iterator[tuple[int, Trajectory]]:
+        for step, d in self._step_dirs()[:steps]:
+            for shard in sorted(d.glob(f"*{S.SHARD_SUFFIX}")):
+                for t in read_shard(shard):
+                    yield step, t
+
+    def counts(self) -> StoreCounts:
+        claimed = sum(_count(d, S.SHARD_SUFFIX) for _, d in self._step_dirs())
+        try:   # shards being written are hidden temporaries (".<name>.tmp.part")
+            writing = sum(1 for n in os.listdir(self.run.traj_tmp) if n.endswith(TMP_SUFFIX))
+        except FileNotFoundError:
+            writing = 0
+        return StoreCounts(ready=self.ready_count()[0], claimed=claimed,
+                           quarantined=_count(self.run.traj_quarantine, S.SHARD_SUFFIX), writing=writing)
+
+    def sweep_staging(self) -> int:
+        return remove_stale_tmp(self.run.traj_tmp)
