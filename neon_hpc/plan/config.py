@@ -7,9 +7,10 @@ parameter came from).  Units are SI: seconds, bytes, FLOP/s.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, between
+from neon_hpc.constraints import above, at_least, between, section
 
 
+@section
 @dataclass
 class PlanConfig:
     total_gpus: int = 0                 # 0 = rollout + train groups of the launch section

@@ -2,9 +2,10 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least
+from neon_hpc.constraints import above, at_least, section
 
 
+@section
 @dataclass
 class StoreConfig:
     flush_trajectories: int = 8        # flush a shard after this many trajectories ...
