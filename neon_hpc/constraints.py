@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import math
 import types
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
 import annotated_types as at
+import typing_extensions
 from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, TypeAdapter, \
     ValidationError, model_validator
 from pydantic.types import AllowInfNan
@@ -187,23 +189,32 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp) and hasattr(tp, "__neon_hints__")
 
 
-def _pydantic_type(tp: Any, rng: Range | None) -> Any:
-    """``tp`` as pydantic should validate it: strict scalars, default ranges, YAML floats."""
+def _pydantic_type(tp: Any, rng: Range | None, ranges: bool = True) -> Any:
+    """``tp`` as pydantic should validate it: strict scalars, YAML floats, and (``ranges``) the
+    declared range or the default one."""
     origin = typing.get_origin(tp)
     if origin is Annotated:        # already declared for pydantic (e.g. a discriminated union)
         return tp
     if tp is bool or tp is str:
         return Annotated[tp, Strict()]
     if tp is int:
-        return Annotated[int, Strict(), *(rng or DEFAULT).metadata("int")]
+        return Annotated[int, Strict(), *((rng or DEFAULT).metadata("int") if ranges else ())]
     if tp is float:
-        return Annotated[float, Strict(), *(rng or DEFAULT).metadata("float"), BeforeValidator(_yaml_float)]
+        return Annotated[float, Strict(), *((rng or DEFAULT).metadata("float") if ranges else ()),
+                         BeforeValidator(_yaml_float)]
     if origin in (typing.Union, types.UnionType):
-        return typing.Union[tuple(a if a is type(None) else _pydantic_type(a, rng) for a in typing.get_args(tp))]
+        return typing.Union[tuple(a if a is type(None) else _pydantic_type(a, rng, ranges)
+                                  for a in typing.get_args(tp))]
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
-        return list[_pydantic_type(item, rng)]
+        return list[_pydantic_type(item, rng, ranges)]
     return tp
+
+
+def strict(tp: Any) -> Any:
+    """``tp`` with strict scalars and no ranges (what a record of the run directory holds:
+    an ``int`` is not ``true``, a ``float`` may be written as ``3``)."""
+    return _pydantic_type(tp, None, ranges=False)
 
 
 def _run_rules(obj: Any) -> Any:
@@ -310,6 +321,12 @@ def type_name(tp: Any) -> str:
         return type_name(typing.get_args(tp)[0])
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    if tp is type(None):
+        return "null"
+    if typing_extensions.is_typeddict(tp):
+        return "{" + ", ".join(f"{k!r}: {type_name(v)}" for k, v in typing.get_type_hints(tp).items()) + "}"
     if origin in (list, tuple):
         args = typing.get_args(tp)
         return f"a list of {type_name(args[0]) if args else 'values'}"
