@@ -29,6 +29,9 @@ annotation              what pydantic enforces
 A name in ``CHECKS`` or a ``Rule`` that is not a field is a programming error and raises
 ``TypeError`` when the class is defined.  Unknown keys are refused (``extra="forbid"``).
 
+The same blocks check the run directory's records (:func:`strict`, ``protocol/records.py``)
+and the planner's ``SimParams`` (a section too, ``plan/params.py``).
+
 A section built in code (``TrainConfig(lr=...)``) is not validated until :func:`validate`
 (or the loader) sees it, as with any dataclass; the loader (:mod:`neon_hpc.config`) turns
 pydantic's errors into lines that name the file, the key, the bad value and what is allowed
@@ -193,8 +196,10 @@ def _pydantic_type(tp: Any, rng: Range | None, ranges: bool = True) -> Any:
     """``tp`` as pydantic should validate it: strict scalars, YAML floats, and (``ranges``) the
     declared range or the default one."""
     origin = typing.get_origin(tp)
-    if origin is Annotated:        # already declared for pydantic (e.g. a discriminated union)
-        return tp
+    if origin is Annotated:
+        if union_members(tp) is not None:     # a discriminated union of sections: declared for pydantic
+            return tp
+        return Annotated[_pydantic_type(typing.get_args(tp)[0], rng, ranges), *tp.__metadata__]
     if tp is bool or tp is str:
         return Annotated[tp, Strict()]
     if tp is int:
@@ -340,6 +345,8 @@ def type_name(tp: Any) -> str:
 
 
 def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) is Annotated and union_members(tp) is None:
+        tp = typing.get_args(tp)[0]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and union_members(tp) is None:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:

@@ -3,7 +3,7 @@ parallel layout rules (plain arithmetic on the config: no torch, no processes).
 
 The layout rules are written once, here, beside the section: the trainer checks them before it
 builds anything (:func:`neon_hpc.train.loop.check_config`) and the config loader runs the same
-list with its cross-section rules (``neon_hpc.config._cross_checks``), so ``neon-hpc config
+list with its cross-section rules (``neon_hpc.config.cross_errors``), so ``neon-hpc config
 check`` refuses a layout the trainer cannot honour before any process starts, with the key to
 change.  :mod:`neon_hpc.train.layout` re-exports them beside the model-chunk assignment.
 
