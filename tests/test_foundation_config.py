@@ -107,3 +107,19 @@ def test_model_section_is_the_architectures_own():
         config.load(None, ["model.arch=qwen3"])
     with pytest.raises(config.ConfigError, match=r"model: expected a mapping"):
         config.load(None, ["model=3"])
+
+
+def test_a_run_yaml_written_before_the_split_still_loads(tmp_path):
+    """Old run.yaml files list every DeepSeek-V3 field under qwen3_moe, at its neutral value:
+    a resumed run loads them; a real value is still refused by name."""
+    import yaml
+    old = yaml.safe_load(config.dump(config.load(REPO / "configs" / "tiny_cpu.yaml")))
+    old["model"].update(q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+                        first_dense_layers=0, num_shared_experts=0, router_groups=1, router_group_topk=1,
+                        routed_scaling_factor=1.0, yarn_factor=0.0, yarn_original_max_position_embeddings=4096,
+                        yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(old))
+    assert config.load(p) == config.load(REPO / "configs" / "tiny_cpu.yaml")
+    with pytest.raises(config.ConfigError, match=r"model.kv_lora_rank: a field of arch deepseek_v3"):
+        config.load(p, ["model.kv_lora_rank=512"])

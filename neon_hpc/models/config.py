@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from pydantic import model_validator
+
 from neon_hpc import hfmap
 from neon_hpc.constraints import Rule, above, at_least, section, union_of
 
@@ -80,6 +82,20 @@ class Qwen3MoeConfig(ModelConfig):
 
     arch: Literal["qwen3_moe"] = "qwen3_moe"
 
+    # run.yaml files written before the model section was split per architecture list every
+    # DeepSeek-V3 field; at its neutral value (its default: no MLA, no dense layer, no shared
+    # expert, no YaRN) one says nothing about a Qwen3 model and is dropped, so a resumed run
+    # loads; any other value is refused by name (a field of arch deepseek_v3)
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_deepseek_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        neutral = {f.name: f.default for f in dataclasses.fields(DeepSeekV3Config)
+                   if f.name not in _COMMON and f.name != "arch"}
+        return {k: v for k, v in data.items()
+                if not (k in neutral and type(v) is type(neutral[k]) and v == neutral[k])}
+
 
 @section
 @dataclass
@@ -106,6 +122,8 @@ class DeepSeekV3Config(ModelConfig):
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
 
+
+_COMMON = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 # model.arch -> its section (kimi_k2 ships DeepSeek-V3 weights: the same section)
 SECTIONS: dict[str, type] = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepSeekV3Config}
