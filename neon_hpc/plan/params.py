@@ -81,7 +81,8 @@ class SimParams:
     consume_per_step: float = 0.0       # > 0: the trainer takes this many on average (measured runs)
     dp: Annotated[int, From("train.data_parallel")] = 1
     pp: Annotated[int, From("train.pipeline_parallel")] = 1
-    vpp: Annotated[int, From("train.virtual_pipeline_stages")] = 1                        # virtual pipeline stages (interleaved 1F1B) when pp > 1
+    # virtual pipeline stages (interleaved 1F1B) when pp > 1
+    vpp: Annotated[int, From("train.virtual_pipeline_stages")] = 1
     cp: Annotated[int, From("train.context_parallel")] = 1
     token_cap: Annotated[int, From("balance.tokens_per_microbatch")] = 4096
     planner: Annotated[Literal["cost", "tokenkk", "flopkk", "sequential"], From("balance.planner")] = "cost"
@@ -104,7 +105,8 @@ class SimParams:
     tp: Annotated[int, From("train.tensor_parallel")] = 1
     ep: Annotated[int, From("train.expert_parallel")] = 1
     num_experts: Annotated[int, From("model.num_experts")] = 0
-    num_layers: Annotated[int, From("model.num_layers")] = 0                 # > 0: the layout search may deepen the pipeline (plan.memory)
+    # > 0: the layout search may deepen the pipeline (plan.memory)
+    num_layers: Annotated[int, From("model.num_layers")] = 0
     dense_params: float = 0.0
     expert_params: float = 0.0
     gpu_memory_bytes: Annotated[float, From("plan.gpu_memory_bytes")] = 141e9
@@ -129,7 +131,8 @@ class SimParams:
     # worker's rule before it counted the gap (steps of data ahead only), for comparison.
     version_gap: bool = True
     slot_mode: Annotated[Literal["worker", "episode"], From("plan.slot_mode")] = "worker"
-    abort_stale: Annotated[bool, From("plan.abort_stale")] = False           # stop in-flight groups once they are beyond the bound
+    # stop in-flight groups once they are beyond the bound
+    abort_stale: Annotated[bool, From("plan.abort_stale")] = False
     max_staleness: Annotated[int, From("rollout.max_staleness")] = 2
     backpressure_steps: Annotated[int, From("rollout.backpressure_steps")] = 4
     # polling latencies of the real processes (they poll the shared filesystem, no inotify):
