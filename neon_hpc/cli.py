@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "xrd": ("neon_hpc.xrd.cli", "the XRD environment: library, tasks, baseline solver, evaluation"),
     "balance": ("neon_hpc.balance.cli", "cost model calibration and planner dry runs"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
-    "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config"),
+    "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
 }
 
 

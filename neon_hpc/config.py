@@ -1,55 +1,58 @@
-"""The experiment config: one typed schema, composed of one small dataclass per component.
+"""The experiment config: one pydantic v2 model, composed of one small section per component.
 
-Each component owns its section (``neon_hpc/<component>/config.py``); this module composes
-them, loads YAML, applies ``--set key.path=value`` overrides and validates.  Every error
-names the file, the key path, what was expected, and (for a misspelt key) the closest
-valid one::
+Each component owns its section (``neon_hpc/<component>/config.py``, a dataclass marked
+:func:`neon_hpc.constraints.section`); this module composes them, loads YAML, applies ``--set
+key.path=value`` overrides and validates with pydantic.  Types, ranges (``CHECKS``), enums
+(``Literal``) and cross-field rules (``RULES``) are declared beside the fields; the rules across
+sections are :attr:`ExperimentConfig.CROSS`, each written once.  Every error names the file, the
+key path, what was expected, and (for a misspelt key) the closest valid one::
 
     configs/x.yaml: train.lrr: unknown key; did you mean 'train.lr'?
 
-Value ranges are declared beside the fields (each section's ``CHECKS`` and ``RULES``) and
-checked by one checker, :mod:`neon_hpc.constraints`; a field that declares nothing still
-gets its annotation's default (floats finite and ``>= 0``, ints ``>= 0`` and below
-``2**63``).  Every violation is reported, each with the file, the key, the bad value and
-what is allowed::
+Every violation is reported at once, each with the file, the key, the bad value and what is
+allowed::
 
     configs/x.yaml (with --set train.lr=nan): train.lr: got nan; allowed: a finite number in (0, 1]
 
-Cross-section rules live in :func:`_cross_checks`.
+``neon-hpc config schema`` prints the JSON schema (:func:`json_schema`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import ValidationError
 
 from neon_hpc import constraints
+from neon_hpc.constraints import section
 from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
 from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
 from neon_hpc.logsinks import LoggingConfig
-from neon_hpc.models.config import ModelConfig, arch_experiment_errors
+from neon_hpc.models.config import ModelSection, Qwen3MoeConfig, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig
 from neon_hpc.store.config import StoreConfig
-from neon_hpc.train.config import TrainConfig, launch_world_errors, layout_errors
+from neon_hpc.train.config import TrainConfig, correction_errors, launch_world_errors, layout_errors
 from neon_hpc.xrd.config import XRDConfig
 
 
+def _cross_checks(cfg: "ExperimentConfig") -> list[tuple[str, str]]:
+    return cross_errors(cfg)
+
+
+@section
 @dataclass
 class ExperimentConfig:
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
     mode: Literal["async", "sync"] = "async"
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSection = field(default_factory=Qwen3MoeConfig)   # one section per architecture (model.arch)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -63,12 +66,15 @@ class ExperimentConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    CROSS = (_cross_checks,)     # the rules across sections (cross_errors below), after every section passes
+
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message says where and how to fix it."""
 
 
-def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+def cross_errors(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+    """``[(key path, message)]``: what the rules across sections refuse (empty = fine)."""
     errs = []
     if cfg.rollout.max_total_tokens > cfg.model.max_position_embeddings:
         # the engines refuse prompt + generation beyond the context (embedded: engines.embedded.admit)
@@ -76,12 +82,7 @@ def _cross_checks(cfg: ExperimentConfig) -> list[tuple[str, str]]:
                      f"{cfg.rollout.max_total_tokens} is over model.max_position_embeddings "
                      f"({cfg.model.max_position_embeddings}): episodes would grow past the context the "
                      f"engines serve; lower it to at most {cfg.model.max_position_embeddings}"))
-    if cfg.mode == "async" and cfg.train.off_policy_correction == "none":
-        errs.append(("train.off_policy_correction",
-                     "an async run trains on tokens from older weight versions; with no off-policy "
-                     "correction the update is silently biased. Set it to 'tis' (or mode: sync)"))
-    if cfg.model.moe_router_topk > cfg.model.num_experts:
-        pass  # reported by the model section
+    errs += correction_errors(cfg)
     if cfg.train.expert_parallel > 1 and cfg.model.num_experts % cfg.train.expert_parallel:
         errs.append(("train.expert_parallel",
                      f"must divide model.num_experts ({cfg.model.num_experts})"))
@@ -117,103 +118,6 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-# --------------------------------------------------------------------------------------
-# generic dataclass <- dict conversion with precise errors
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (list, tuple):
-        args = typing.get_args(tp)
-        return f"a list of {_type_name(args[0]) if args else 'values'}"
-    if origin is dict:
-        return "a mapping"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping (section {tp.__name__})"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(tp: Any, value: Any, key: str, where: str) -> Any:
-    def bad(extra: str = "") -> ConfigError:
-        return ConfigError(f"{where}: {key}: expected {_type_name(tp)}, got {short_repr(value)}"
-                           f" ({type(value).__name__}){extra}")
-
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise bad()
-        return _from_dict(tp, value, key, where)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
-            raise bad(f"; did you mean {close[0]!r}?" if close else "")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(a, value, key, where)
-            except ConfigError:
-                pass
-        raise bad()
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad()
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_convert(item_tp, v, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad()
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad("; write true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad()
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads 1e-4 (no dot) as a string; accept what float() accepts
-            try:
-                return float(value)
-            except ValueError:
-                raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad()
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad("; quote it in YAML")
-        return value
-    raise bad()
-
-
-def _from_dict(cls: type, data: dict, prefix: str, where: str) -> Any:
-    hints = constraints.type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in data.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else \
-                f"; valid keys here: {', '.join(names)}"
-            raise ConfigError(f"{where}: {clip_text(path, REPR_CAP)}: unknown key{hint}")
-        kwargs[k] = _convert(hints[k], v, path, where)
-    return cls(**kwargs)
-
-
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {short_repr(item)}: expected key.path=value, e.g. --set train.lr=1e-4")
@@ -235,21 +139,30 @@ def _apply_override(data: dict, keys: list[str], value: Any) -> None:
     d[keys[-1]] = value
 
 
+def _error(exc: ValidationError, where: str) -> ConfigError:
+    return ConfigError("\n".join(f"{where}: {line}" for line in constraints.explain(ExperimentConfig, exc)))
+
+
 def from_dict(data: dict, where: str = "<config>") -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
-    cfg = _from_dict(ExperimentConfig, data, "", where)
-    check(cfg, where)
-    return cfg
+    try:
+        return constraints.adapter(ExperimentConfig).validate_python(data)
+    except ValidationError as e:
+        raise _error(e, where) from None
 
 
 def check(cfg: ExperimentConfig, where: str = "<config>") -> None:
-    """Raise one :class:`ConfigError` listing every out-of-range value, then cross-section rules."""
-    bad = constraints.check(cfg)
-    if bad:
-        raise ConfigError("\n".join(f"{where}: {v}" for v in bad))
-    for key, msg in _cross_checks(cfg):
-        raise ConfigError(f"{where}: {key}: {msg}")
+    """Raise one :class:`ConfigError` listing every error of a config built in code."""
+    try:
+        constraints.validate(cfg)
+    except ValidationError as e:
+        raise _error(e, where) from None
+
+
+def json_schema() -> dict:
+    """The experiment config's JSON schema (``neon-hpc config schema``)."""
+    return constraints.json_schema(ExperimentConfig)
 
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

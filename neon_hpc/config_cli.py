@@ -1,6 +1,9 @@
-"""``neon-hpc config check CONFIG [--set k=v ...]``: validate and print the resolved config.
+"""``neon-hpc config check CONFIG [--set k=v ...]``: validate and print the resolved config;
+``neon-hpc config schema``: print the experiment config's JSON schema (editors complete configs
+from it: e.g. a ``# yaml-language-server: $schema=neon-hpc.schema.json`` line atop a config).
 
-Beyond the schema (types, declared ranges, cross-field rules: :mod:`neon_hpc.constraints`),
+Beyond the schema (types, declared ranges, cross-field rules: the pydantic model of
+:mod:`neon_hpc.config`, built from :mod:`neon_hpc.constraints`),
 it runs what every role checks when it starts, so a config that a role would refuse later
 (minutes into a Slurm job) is refused here:
 
@@ -14,6 +17,7 @@ it runs what every role checks when it starts, so a config that a role would ref
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from pathlib import Path
@@ -120,7 +124,11 @@ def main(argv: list[str]) -> int:
     c = sub.add_parser("check", help="validate a config (schema and every role's start-up checks) and print it resolved")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser("schema", help="print the experiment config's JSON schema (types, ranges, enums, defaults)")
     a = p.parse_args(argv)
+    if a.cmd == "schema":
+        print(json.dumps(config.json_schema(), indent=2, sort_keys=True))
+        return 0
     cfg = check(a.config, a.set)
     print(config.dump(cfg), end="")
     return 0

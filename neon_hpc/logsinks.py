@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from neon_hpc.constraints import Rule
+from neon_hpc.constraints import Rule, section
 
 
 def _wandb_credentials() -> bool:
@@ -43,6 +43,7 @@ def _wandb_credentials() -> bool:
         return False
 
 
+@section
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False                               # RUN/logs/tb/<role>.<rank>/ event files

@@ -28,8 +28,6 @@ KNOWN: dict[str, str] = {
     # the model section declares the names (Literal) and each architecture's config rules; the
     # config engineer turns it into a discriminated union per architecture (issue 32 items 2 and 4)
     "neon_hpc/models/config.py": "issue 32 item 4 (config model): model section per architecture",
-    # a constraint's note names the architecture whose first layer is dense
-    "neon_hpc/plan/config.py": "issue 32 item 4 (config model): plan.dense_layers note",
 }
 
 

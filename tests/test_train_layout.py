@@ -142,8 +142,10 @@ def _dataset(root: Path, arch: str):
     rng = np.random.default_rng(7)
     shards = []
     w = ShardWriter(scratch.root, "fixture", StoreConfig(flush_trajectories=10 * PER_STEP))
+    from neon_hpc.models.adapters import get_adapter
+    dense_rows = mcfg.num_layers - len(get_adapter(mcfg.arch).moe_layers(mcfg))   # the architecture says which
     for step in range(1, STEPS + 1):
-        for t in _trajectories(step, rng, dense_rows=mcfg.first_dense_layers):
+        for t in _trajectories(step, rng, dense_rows=dense_rows):
             w.add(t)
         shards.append(w.flush())
         time.sleep(0.002)

@@ -2,9 +2,10 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import Rule, at_least
+from neon_hpc.constraints import Rule, at_least, section
 
 
+@section
 @dataclass
 class BalanceConfig:
     planner: Literal["cost", "tokenkk", "flopkk", "sequential"] = "cost"

@@ -2,9 +2,10 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, between
+from neon_hpc.constraints import above, at_least, between, section
 
 
+@section
 @dataclass
 class GroupConfig:
     """One heterogeneous-job group (rollout or train)."""
@@ -23,6 +24,7 @@ class GroupConfig:
     }
 
 
+@section
 @dataclass
 class LaunchConfig:
     backend: Literal["local", "slurm"] = "local"
@@ -38,6 +40,7 @@ class LaunchConfig:
     CHECKS = {"signal_before_s": at_least(0, "seconds before the time limit")}
 
 
+@section
 @dataclass
 class WarmStartConfig:
     """``neon-hpc run``'s warm start (``launch/warm.py``): demonstrations, then SFT, then RL from it.

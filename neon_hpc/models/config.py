@@ -1,31 +1,45 @@
-"""Model section of the experiment config (owned by ``neon_hpc/models``).
+"""Model section of the experiment config (owned by ``neon_hpc/models``): one section per
+architecture, chosen by ``model.arch`` (a discriminated union, :data:`ModelSection`).
 
-The architectures' own config rules are here too, beside the section they check (pure
+:class:`ModelConfig` holds what every MoE architecture has; :class:`Qwen3MoeConfig` (GQA, every
+layer MoE) and :class:`DeepSeekV3Config` (multi-latent attention, dense first layers, shared
+experts, grouped sigmoid router, YaRN; ``arch: kimi_k2`` is the same section) add their own
+fields, so a DeepSeek-only key under ``arch: qwen3_moe`` is refused with the fix.  Code that
+builds one writes ``ModelConfig(arch=..., ...)`` and gets the architecture's class.
+
+The architectures' own config rules are here too, beside the sections they check (pure
 arithmetic on the config: no torch, nothing of the adapters): :data:`ARCH_RULES` holds, per
-architecture, its rules on the ``model:`` section (the ``arch`` rule runs them) and on the rest
-of an experiment (``neon_hpc.config`` runs those with the cross-section rules).  The adapters
-(:mod:`neon_hpc.models.adapters`) answer ``validate`` / ``experiment_errors`` from this table.
+architecture, its rules on the ``model:`` section (each section's ``arch`` rule runs them) and on
+the rest of an experiment (``neon_hpc.config`` runs those with the cross-section rules).  The
+adapters (:mod:`neon_hpc.models.adapters`) answer ``validate`` / ``experiment_errors`` from this
+table.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from pydantic import model_validator
+
 from neon_hpc import hfmap
-from neon_hpc.constraints import Rule, above, at_least
+from neon_hpc.constraints import Rule, above, at_least, section, union_of
 
 Errors = list[tuple[str, str]]
+
+DEFAULT_ARCH = "qwen3_moe"
 
 
 @dataclass
 class ModelConfig:
-    """One MoE architecture, from which both the HF and the megatron-core models are built."""
+    """What every MoE architecture has, from which both the HF and the megatron-core models are
+    built.  ``ModelConfig(arch=A, ...)`` builds the section of architecture ``A``."""
 
-    arch: Literal["qwen3_moe", "deepseek_v3", "kimi_k2"] = "qwen3_moe"   # kimi_k2 = deepseek_v3
+    arch: str = DEFAULT_ARCH
     vocab_size: int = 256
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 4
     num_query_groups: int = 2           # qwen3_moe: KV heads (GQA); deepseek_v3 (MLA): must equal the heads
-    head_dim: int = 16                  # qwen3_moe only (MLA uses the qk_*/v_head_dim fields)
+    head_dim: int = 16                  # qwen3_moe's attention (MLA uses the qk_*/v_head_dim fields)
     ffn_hidden_size: int = 128          # dense layers (DeepSeek-style first layers)
     moe_ffn_hidden_size: int = 64
     num_experts: int = 4
@@ -33,8 +47,63 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     norm_epsilon: float = 1e-6
-    # --- deepseek_v3 / kimi_k2 (multi-latent attention, dense first layers, shared experts,
-    # sigmoid router with expert-score bias and grouped top-k); ignored by qwen3_moe
+    init_checkpoint: str = ""           # HF or torch_dist path to start from; "" = random init from seed
+    # the rollout's tokenizer: "xrd-tiny" (built in, 256 ids), a directory or file with
+    # neon_tokenizer.json, a local HF tokenizer directory, or "" = the one saved in init_checkpoint
+    tokenizer: str = "xrd-tiny"
+    seed: int = 1234
+
+    TAG_FIELD = "arch"
+    CHECKS = {
+        **{k: at_least(1) for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                    "num_query_groups", "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size",
+                                    "num_experts", "moe_router_topk", "max_position_embeddings")},
+        "rope_theta": above(0),
+        "norm_epsilon": above(0, le=1.0),
+    }
+    RULES = (
+        Rule("num_attention_heads", lambda c: c.num_attention_heads % c.num_query_groups == 0,
+             "a multiple of num_query_groups ({num_query_groups})"),
+        Rule("moe_router_topk", lambda c: c.moe_router_topk <= c.num_experts, "in 1..num_experts ({num_experts})"),
+        # the architecture's own rules (MLA dims, dense layers, router groups, ...): ARCH_RULES below
+        Rule("arch", lambda c: not arch_errors(c), lambda c: "; ".join(f"model.{k}: {m}" for k, m in arch_errors(c))),
+    )
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is ModelConfig:           # the architecture's own section
+            cls = section_of(kwargs.get("arch", DEFAULT_ARCH))
+        return object.__new__(cls)
+
+
+@section
+@dataclass
+class Qwen3MoeConfig(ModelConfig):
+    """Qwen3-MoE: GQA attention with per-head QK norm, every layer MoE, softmax top-k router."""
+
+    arch: Literal["qwen3_moe"] = "qwen3_moe"
+
+    # run.yaml files written before the model section was split per architecture list every
+    # DeepSeek-V3 field; at its neutral value (its default: no MLA, no dense layer, no shared
+    # expert, no YaRN) one says nothing about a Qwen3 model and is dropped, so a resumed run
+    # loads; any other value is refused by name (a field of arch deepseek_v3)
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_deepseek_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        neutral = {f.name: f.default for f in dataclasses.fields(DeepSeekV3Config)
+                   if f.name not in _COMMON and f.name != "arch"}
+        return {k: v for k, v in data.items()
+                if not (k in neutral and type(v) is type(neutral[k]) and v == neutral[k])}
+
+
+@section
+@dataclass
+class DeepSeekV3Config(ModelConfig):
+    """DeepSeek-V3 / Kimi-K2: multi-latent attention, dense first layers, shared experts, sigmoid
+    router with expert-score bias and grouped top-k, optional YaRN RoPE scaling."""
+
+    arch: Literal["deepseek_v3", "kimi_k2"] = "deepseek_v3"   # kimi_k2 = deepseek_v3
     q_lora_rank: int = 0                # 0 = no query compression (one linear_q_proj)
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -52,26 +121,29 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
-    init_checkpoint: str = ""           # HF or torch_dist path to start from; "" = random init from seed
-    # the rollout's tokenizer: "xrd-tiny" (built in, 256 ids), a directory or file with
-    # neon_tokenizer.json, a local HF tokenizer directory, or "" = the one saved in init_checkpoint
-    tokenizer: str = "xrd-tiny"
-    seed: int = 1234
 
-    CHECKS = {
-        **{k: at_least(1) for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                                    "num_query_groups", "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size",
-                                    "num_experts", "moe_router_topk", "max_position_embeddings")},
-        "rope_theta": above(0),
-        "norm_epsilon": above(0, le=1.0),
-    }
-    RULES = (
-        Rule("num_attention_heads", lambda c: c.num_attention_heads % c.num_query_groups == 0,
-             "a multiple of num_query_groups ({num_query_groups})"),
-        Rule("moe_router_topk", lambda c: c.moe_router_topk <= c.num_experts, "in 1..num_experts ({num_experts})"),
-        # the architecture's own rules (MLA dims, dense layers, router groups, ...): ARCH_RULES below
-        Rule("arch", lambda c: not arch_errors(c), lambda c: "; ".join(f"model.{k}: {m}" for k, m in arch_errors(c))),
-    )
+
+_COMMON = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+# model.arch -> its section (kimi_k2 ships DeepSeek-V3 weights: the same section)
+SECTIONS: dict[str, type] = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepSeekV3Config}
+ARCH_ALIASES = {"kimi_k2": "deepseek_v3"}
+# the ``model:`` section's type: the architecture's section, chosen by its ``arch`` key
+ModelSection = union_of(SECTIONS, "arch", DEFAULT_ARCH, ARCH_ALIASES)
+
+
+def section_of(arch: str) -> type:
+    """The section class of architecture ``arch`` (``ValueError`` naming the supported ones)."""
+    try:
+        return SECTIONS[ARCH_ALIASES.get(arch, arch)]
+    except KeyError:
+        raise ValueError(f"unknown model.arch {arch!r}; supported: {', '.join([*SECTIONS, *ARCH_ALIASES])}") from None
+
+
+def as_arch(cfg: ModelConfig, arch: str, **changes: Any) -> ModelConfig:
+    """``cfg``'s common fields (and ``changes``) in the section of architecture ``arch``."""
+    common = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{**common, "arch": arch, **changes})
 
 
 # --------------------------------------------------------------------------------------
@@ -83,13 +155,7 @@ def _qwen3_moe_errors(cfg: ModelConfig) -> Errors:
         errs.append(("num_attention_heads", f"must be a multiple of num_query_groups ({cfg.num_query_groups})"))
     if cfg.head_dim <= 0:
         errs.append(("head_dim", "must be positive"))
-    for k in ("first_dense_layers", "num_shared_experts", "q_lora_rank", "kv_lora_rank"):
-        if getattr(cfg, k):
-            errs.append((k, f"is a deepseek_v3 field; arch qwen3_moe has every layer MoE, no shared "
-                            f"experts and GQA attention: set it to 0 or use arch: deepseek_v3"))
-    if cfg.yarn_factor:
-        errs.append(("yarn_factor", "YaRN is wired for deepseek_v3 only; set it to 0"))
-    return errs
+    return errs   # the deepseek_v3 fields are not fields of this section: the loader refuses them by name
 
 
 def _deepseek_v3_errors(cfg: ModelConfig) -> Errors:

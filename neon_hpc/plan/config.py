@@ -7,9 +7,10 @@ parameter came from).  Units are SI: seconds, bytes, FLOP/s.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, between
+from neon_hpc.constraints import above, at_least, between, section
 
 
+@section
 @dataclass
 class PlanConfig:
     total_gpus: int = 0                 # 0 = rollout + train groups of the launch section
@@ -83,6 +84,6 @@ class PlanConfig:
         "tail_fraction": between(0, 1),
         "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),
         "gpu_memory_bytes": above(0),
-        "dense_layers": at_least(-1, "-1 = 1 for deepseek_v3 (first layer dense), 0 otherwise"),
+        "dense_layers": at_least(-1, "-1 = the architecture's own count of dense first layers"),
         **{k: at_least(1) for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every")},
     }

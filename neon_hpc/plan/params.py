@@ -5,19 +5,39 @@ sweep is ``dataclasses.replace(params, ...)``.  ``Sourced`` pairs it with a sour
 ``default`` (a PlanConfig default), ``config <file>: <key>`` (the experiment config),
 ``derived (<formula>)``, or ``RESULT <file>:<line> <key>`` (a benchmark measurement, see
 ``calibrate.py``).  Every table the planner prints carries these sources.
+
+A field the experiment config gives as is declares its key beside it (``Annotated[int,
+From("rollout.group_size")]``): :func:`from_experiment` copies every such field in one loop;
+the functions below derive the rest.  ``SimParams`` is a config section
+(:func:`neon_hpc.constraints.section`): pydantic holds the parameters :func:`from_experiment`
+builds to their types, enums and ranges (numbers finite and ``>= 0``).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import ValidationError
+
+from neon_hpc import constraints
 from neon_hpc.arch import get as get_architecture
+from neon_hpc.constraints import section
 from neon_hpc.plan.config import PlanConfig
 
 ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
 
 
+@dataclass(frozen=True)
+class From:
+    """Where a :class:`SimParams` field comes from when the experiment config gives it as is:
+    the config key (:func:`from_experiment` copies every such field, the source reads
+    ``config FILE: key`` or ``default key``).  Fields without it are derived below."""
+
+    key: str
+
+
+@section
 @dataclass
 class SimParams:
     # groups of the allocation
@@ -35,42 +55,43 @@ class SimParams:
     # decode_tokens_per_s is the rate at a full batch. 0 = the rate does not depend on the batch.
     decode_kv_ratio: float = 0.0
     # episodes
-    group_size: int = 1
-    max_turns: int = 8
-    max_new_tokens: int = 1024
-    max_total_tokens: int = 32768
+    group_size: Annotated[int, From("rollout.group_size")] = 1
+    max_turns: Annotated[int, From("rollout.max_turns")] = 8
+    max_new_tokens: Annotated[int, From("rollout.max_new_tokens")] = 1024
+    max_total_tokens: Annotated[int, From("rollout.max_total_tokens")] = 32768
     turns_median: float = 2.0
-    turns_sigma: float = 0.7
+    turns_sigma: Annotated[float, From("plan.turns_sigma")] = 0.7
     gen_tokens_median: float = 256.0
-    gen_tokens_sigma: float = 0.7
-    tail_fraction: float = 0.0
+    gen_tokens_sigma: Annotated[float, From("plan.gen_tokens_sigma")] = 0.7
+    tail_fraction: Annotated[float, From("plan.tail_fraction")] = 0.0
     tail_gen_tokens_median: float = 512.0
-    prompt_tokens: int = 512
-    tool_tokens_per_turn: int = 128
-    decode_tokens_per_s: float = 25.0
-    prefill_tokens_per_s: float = 0.0
-    tool_latency_s: float = 2.0
+    prompt_tokens: Annotated[int, From("plan.prompt_tokens")] = 512
+    tool_tokens_per_turn: Annotated[int, From("plan.tool_tokens_per_turn")] = 128
+    decode_tokens_per_s: Annotated[float, From("plan.decode_tokens_per_s")] = 25.0
+    prefill_tokens_per_s: Annotated[float, From("plan.prefill_tokens_per_s")] = 0.0
+    tool_latency_s: Annotated[float, From("plan.tool_latency_s")] = 2.0
     # empirical episode durations (seconds) to resample instead of the parametric shape
     episode_seconds: tuple = ()
     episode_tokens: tuple = ()
     # router-data export
-    replay_mode: str = "delta"          # delta | full | off
+    replay_mode: Annotated[Literal["delta", "full", "off"], From("rollout.replay_mode")] = "delta"
     route_bytes_per_token: float = 0.0
-    export_bytes_per_s: float = 2.0e9
+    export_bytes_per_s: Annotated[float, From("plan.export_bytes_per_s")] = 2.0e9
     # trainer
-    trajectories_per_step: int = 16
+    trajectories_per_step: Annotated[int, From("train.trajectories_per_step")] = 16
     consume_per_step: float = 0.0       # > 0: the trainer takes this many on average (measured runs)
-    dp: int = 1
-    pp: int = 1
-    vpp: int = 1                        # virtual pipeline stages (interleaved 1F1B) when pp > 1
-    cp: int = 1
-    token_cap: int = 4096
-    planner: str = "cost"               # cost | tokenkk | sequential
+    dp: Annotated[int, From("train.data_parallel")] = 1
+    pp: Annotated[int, From("train.pipeline_parallel")] = 1
+    # virtual pipeline stages (interleaved 1F1B) when pp > 1
+    vpp: Annotated[int, From("train.virtual_pipeline_stages")] = 1
+    cp: Annotated[int, From("train.context_parallel")] = 1
+    token_cap: Annotated[int, From("balance.tokens_per_microbatch")] = 4096
+    planner: Annotated[Literal["cost", "tokenkk", "flopkk", "sequential"], From("balance.planner")] = "cost"
     cost_a: float = 0.0                 # FLOPs per token
     cost_b: float = 0.0                 # FLOPs per token pair
-    gpu_flops: float = 989e12
-    mfu: float = 0.3
-    step_overhead_s: float = 0.0
+    gpu_flops: Annotated[float, From("plan.gpu_flops")] = 989e12
+    mfu: Annotated[float, From("plan.mfu")] = 0.3
+    step_overhead_s: Annotated[float, From("plan.step_overhead_s")] = 0.0
     fixed_step_s: float = 0.0           # > 0: every step takes exactly this (measured runs, tests)
     # measured runs: step k computes step_seconds[k] then publishes, then blocks for
     # after_publish_seconds[k] (the checkpoint the real trainer writes after its publish); cycled
@@ -78,41 +99,43 @@ class SimParams:
     after_publish_seconds: tuple = ()
     model_bytes: float = 0.0
     publish_bytes_per_s: float = 1e9
-    publish_blocks_trainer: bool = True
-    planner_every: int = 1
+    publish_blocks_trainer: Annotated[bool, From("plan.publish_blocks_trainer")] = True
+    planner_every: Annotated[int, From("plan.planner_every")] = 1
     # policy and run
     # trainer memory (plan.memory): config TP/PP/CP/EP, parameters split dense vs routed experts
-    tp: int = 1
-    ep: int = 1
-    num_experts: int = 0
-    num_layers: int = 0                 # > 0: the layout search may deepen the pipeline (plan.memory)
+    tp: Annotated[int, From("train.tensor_parallel")] = 1
+    ep: Annotated[int, From("train.expert_parallel")] = 1
+    num_experts: Annotated[int, From("model.num_experts")] = 0
+    # > 0: the layout search may deepen the pipeline (plan.memory)
+    num_layers: Annotated[int, From("model.num_layers")] = 0
     dense_params: float = 0.0
     expert_params: float = 0.0
-    gpu_memory_bytes: float = 141e9
-    train_memory_fraction: float = 0.8
+    gpu_memory_bytes: Annotated[float, From("plan.gpu_memory_bytes")] = 141e9
+    train_memory_fraction: Annotated[float, From("plan.train_memory_fraction")] = 0.8
     # activations (plan.memory.ActivationTerm): hidden_size 0 = not counted; the per-unit
     # coefficients are measured (plan.activation_file) or plan.memory.FORMULA
-    hidden_size: int = 0
-    num_attention_heads: int = 0
-    vocab_size: int = 0
-    recompute: str = "none"             # none | selective | full (train.recompute)
+    hidden_size: Annotated[int, From("model.hidden_size")] = 0
+    num_attention_heads: Annotated[int, From("model.num_attention_heads")] = 0
+    vocab_size: Annotated[int, From("model.vocab_size")] = 0
+    recompute: Annotated[Literal["none", "selective", "full"], From("train.recompute")] = "none"
     act_per_hidden: float = 0.0         # bytes per token per layer per hidden unit
     act_per_head: float = 0.0           # bytes per (query, key) pair per layer per attention head
     act_per_vocab: float = 0.0          # bytes per token per vocabulary entry (logits, loss)
     act_element_bytes: int = 2          # bytes of one activation element (what full recompute keeps per layer)
     # staleness and weight updates (rollout.stale_policy, engine.weight_update)
-    stale_policy: str = "mask"          # mask | drop
-    weight_update: str = "in_place"     # in_place | between_requests
-    policy: str = "async"               # async | one_step_off | sync
-    admission: str = "steps_ahead"      # steps_ahead | oldest
+    stale_policy: Annotated[Literal["mask", "drop"], From("rollout.stale_policy")] = "mask"
+    weight_update: Annotated[Literal["in_place", "between_requests"], From("engine.weight_update")] = "in_place"
+    policy: Annotated[Literal["async", "one_step_off", "sync"], From("plan.policy")] = "async"
+    admission: Annotated[Literal["steps_ahead", "oldest"], From("plan.admission")] = "steps_ahead"
     # steps_ahead admission adds the version gap (neon_hpc.rollout.worker.version_gap): the
     # version the trainer's next claim trains minus the engines' loaded version. False = the
     # worker's rule before it counted the gap (steps of data ahead only), for comparison.
     version_gap: bool = True
-    slot_mode: str = "worker"           # worker | episode
-    abort_stale: bool = False           # stop in-flight groups once they are beyond the bound
-    max_staleness: int = 2
-    backpressure_steps: int = 4
+    slot_mode: Annotated[Literal["worker", "episode"], From("plan.slot_mode")] = "worker"
+    # stop in-flight groups once they are beyond the bound
+    abort_stale: Annotated[bool, From("plan.abort_stale")] = False
+    max_staleness: Annotated[int, From("rollout.max_staleness")] = 2
+    backpressure_steps: Annotated[int, From("rollout.backpressure_steps")] = 4
     # polling latencies of the real processes (they poll the shared filesystem, no inotify):
     # a refused worker re-checks admission every admission_poll_s, a waiting trainer looks at
     # ready/ every claim_poll_s. Negligible at cluster scale (minute-long steps), not on a laptop.
@@ -131,10 +154,10 @@ class SimParams:
     # holds flush_trajectories, when its oldest is flush_seconds old (checked when a group is
     # added), after any group while ready/ holds less than one step, or when admission refuses
     # the worker. 0 = every group is published the moment it ends.
-    flush_trajectories: int = 0
-    flush_seconds: float = 0.0
-    steps: int = 1000
-    seed: int = 0
+    flush_trajectories: Annotated[int, From("store.flush_trajectories")] = 0
+    flush_seconds: Annotated[float, From("store.flush_seconds")] = 0.0
+    steps: Annotated[int, From("plan.simulated_steps")] = 1000
+    seed: Annotated[int, From("plan.seed")] = 0
 
     @property
     def queued(self) -> bool:
@@ -296,10 +319,10 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     """Build the simulator's parameters from a resolved ``ExperimentConfig``."""
     s = Sourced(SimParams())
     c = _source_namer(cfg, where)
+    for name, key in config_keys().items():      # the fields the config gives as is (From beside each)
+        s.set(name, _lookup(cfg, key), c(key))
     _layout(s, cfg, c)
     _rollout(s, cfg, c)
-    s.set("flush_trajectories", cfg.store.flush_trajectories, c("store.flush_trajectories"))
-    s.set("flush_seconds", cfg.store.flush_seconds, c("store.flush_seconds"))
     for name, what in (("admission_poll_s", "the worker's admission poll"), ("claim_poll_s", "the claim's poll"),
                        ("weight_poll_s", "the rollout node's weight check")):
         s.set(name, 0.0, f"planner: 0 ({what} is under a second; python -m neon_hpc.plan.validate sets it)")
@@ -308,15 +331,26 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     _trainer(s, cfg, c)
     _weight_load(s, cfg, c)
     _decode_kv_ratio(s, cfg, c)
-    pc: PlanConfig = cfg.plan
-    for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "tool_latency_s", "export_bytes_per_s",
-                 "gpu_flops", "mfu", "step_overhead_s", "publish_blocks_trainer", "planner_every",
-                 "policy", "admission", "slot_mode", "abort_stale", "seed"):
-        s.set(name, getattr(pc, name), c(f"plan.{name}"))
-    s.set("steps", pc.simulated_steps, c("plan.simulated_steps"))
-    if cfg.mode == "sync" and pc.policy == "async":
+    if cfg.mode == "sync" and cfg.plan.policy == "async":
         s.set("policy", "sync", c("mode"))
+    try:
+        constraints.validate(s.params)
+    except ValidationError as e:
+        raise ValueError(f"{where}: the simulator's parameters derived from it are out of range: "
+                         + "; ".join(constraints.explain(SimParams, e))) from None
     return s
+
+
+def config_keys() -> dict[str, str]:
+    """``{SimParams field: experiment config key}`` of the fields the config gives as is."""
+    return {name: m.key for name, tp in constraints.hints(SimParams).items()
+            for m in getattr(tp, "__metadata__", ()) if isinstance(m, From)}
+
+
+def _lookup(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _layout(s: Sourced, cfg: Any, c) -> None:
@@ -350,10 +384,6 @@ def _layout(s: Sourced, cfg: Any, c) -> None:
 
 def _rollout(s: Sourced, cfg: Any, c) -> None:
     R, M, pc = cfg.rollout, cfg.model, cfg.plan
-    for key in ("group_size", "max_turns", "max_new_tokens", "max_total_tokens", "max_staleness",
-                "backpressure_steps", "replay_mode", "stale_policy"):
-        s.set(key, getattr(R, key), c(f"rollout.{key}"))
-    s.set("weight_update", cfg.engine.weight_update, c("engine.weight_update"))
     _episode_shape(s, pc, R, c)
     n_moe = moe_layers(M, pc.dense_layers)
     s.set("route_bytes_per_token", n_moe * M.moe_router_topk * ROUTE_BYTES_PER_ID,
@@ -362,29 +392,16 @@ def _rollout(s: Sourced, cfg: Any, c) -> None:
 
 def _trainer(s: Sourced, cfg: Any, c) -> None:
     T, pc = cfg.train, cfg.plan
-    s.set("trajectories_per_step", T.trajectories_per_step, c("train.trajectories_per_step"))
-    s.set("dp", T.data_parallel, c("train.data_parallel"))
-    s.set("pp", T.pipeline_parallel, c("train.pipeline_parallel"))
-    s.set("vpp", T.virtual_pipeline_stages, c("train.virtual_pipeline_stages"))
-    s.set("cp", T.context_parallel, c("train.context_parallel"))
-    s.set("token_cap", cfg.balance.tokens_per_microbatch, c("balance.tokens_per_microbatch"))
-    s.set("planner", cfg.balance.planner, c("balance.planner"))
     a, b, src = cost_coefficients(cfg, pc.dense_layers)
-    a, b, src = recompute_cost(a, b, src, getattr(T, "recompute", "none"))
+    a, b, src = recompute_cost(a, b, src, T.recompute)
     s.set("cost_a", a, src)
     s.set("cost_b", b, src)
     s.set("model_bytes", 2.0 * model_param_count(cfg.model, pc.dense_layers),
           "derived (bf16 x parameter count of model)")
-    s.set("tp", T.tensor_parallel, c("train.tensor_parallel"))
-    s.set("ep", T.expert_parallel, c("train.expert_parallel"))
-    s.set("num_experts", cfg.model.num_experts, c("model.num_experts"))
-    s.set("num_layers", cfg.model.num_layers, c("model.num_layers"))
     experts = expert_param_count(cfg.model, pc.dense_layers)
     s.set("expert_params", experts, "derived (MoE layers x experts x 3 x hidden x moe_ffn)")
     s.set("dense_params", model_param_count(cfg.model, pc.dense_layers) - experts,
           "derived (parameter count - routed experts)")
-    s.set("gpu_memory_bytes", pc.gpu_memory_bytes, c("plan.gpu_memory_bytes"))
-    s.set("train_memory_fraction", pc.train_memory_fraction, c("plan.train_memory_fraction"))
     _activations(s, cfg, c)
     if pc.publish_bytes_per_s:
         s.set("publish_bytes_per_s", pc.publish_bytes_per_s, c("plan.publish_bytes_per_s"))
@@ -397,11 +414,7 @@ def _activations(s: Sourced, cfg: Any, c) -> None:
     ``plan.activation_file`` is set (the memory block of a ``neon-hpc balance calibrate`` cost
     file), else the documented formula."""
     from neon_hpc.plan.memory import FORMULA
-    M, pc = cfg.model, cfg.plan
-    for name in ("hidden_size", "num_attention_heads", "vocab_size"):
-        s.set(name, getattr(M, name), c(f"model.{name}"))
-    recompute = getattr(cfg.train, "recompute", "none")
-    s.set("recompute", recompute, c("train.recompute"))
+    pc, recompute = cfg.plan, cfg.train.recompute
     if pc.activation_file:
         from neon_hpc.balance.memory import load_memory
         m = load_memory(pc.activation_file)
@@ -447,8 +460,6 @@ def _episode_shape(s: Sourced, pc: PlanConfig, R: Any, c) -> None:
             s.set(name, float(given), c(f"plan.{name}"))
         else:
             s.set(name, float(fallback), f"derived (rollout.{formula})")
-    for name in ("turns_sigma", "gen_tokens_sigma", "tail_fraction", "prompt_tokens", "tool_tokens_per_turn"):
-        s.set(name, getattr(pc, name), c(f"plan.{name}"))
 
 
 def kv_bytes_per_token_per_gpu(model: Any, attn_tp: int) -> float:

@@ -6,7 +6,7 @@
 * :mod:`neon_hpc.protocol.config`: the ``protocol`` config section (poll intervals);
 * ``python -m neon_hpc.protocol``: the same for shell scripts (the sbatch body).
 
-Imports nothing of the roles; only the standard library and :mod:`neon_hpc.constraints`.
+Imports nothing of the roles; only the standard library, pydantic and :mod:`neon_hpc.constraints`.
 """
 
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401

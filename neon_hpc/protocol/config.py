@@ -7,9 +7,10 @@ protocol; the roles read them from here, and the simulator's validation
 """
 from dataclasses import dataclass
 
-from neon_hpc.constraints import Rule, above
+from neon_hpc.constraints import Rule, above, section
 
 
+@section
 @dataclass
 class ProtocolConfig:
     # a refused rollout worker re-checks admission this often, watching only the trainer's beat

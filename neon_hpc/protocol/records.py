@@ -21,12 +21,17 @@ import functools
 import os
 import socket
 import time
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
+from typing_extensions import NotRequired, Required, TypedDict   # pydantic needs these on Python < 3.12
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+
+from neon_hpc import constraints
+from neon_hpc.bounded import short_repr
 from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
 from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
 from neon_hpc.protocol.rundir import OWNER as OWNER_NAME
@@ -51,24 +56,7 @@ class Phase(str, enum.Enum):
 
 
 # --------------------------------------------------------------------------------------
-# the generic part: dataclass <-> JSON with a check of every field
-
-_SIMPLE = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,), dict: (dict,)}
-
-
-def _check(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_check(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, str) and value in tp._value2member_map_
-    base = origin or tp
-    if base in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, _SIMPLE.get(base, (base,)))
-
+# the generic part: dataclass <-> JSON, every field checked by pydantic (neon_hpc.constraints)
 
 @dataclass
 class Record:
@@ -94,22 +82,12 @@ class Record:
         if not isinstance(obj, dict):
             raise RunDirError(f"{path}: not a {cls.KIND} record (a JSON {type(obj).__name__}, not an object); "
                               f"it was not written by neon-hpc. Move it aside and restart")
-        hints = _type_hints(cls)
-        kw: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "extra":
-                continue
-            if f.name not in obj:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise RunDirError(f"{path}: not a {cls.KIND} record (no {f.name!r} field); it was not "
-                                      f"written by neon-hpc. Move it aside and restart")
-                continue
-            v, tp = obj[f.name], hints[f.name]
-            if not _check(v, tp):
-                raise RunDirError(f"{path}: not a {cls.KIND} record (field {f.name!r} is {v!r}, expected "
-                                  f"{_type_name(tp)}); it was not written by neon-hpc. Move it aside and restart")
-            kw[f.name] = _coerce(v, tp)
-        names = {f.name for f in dataclasses.fields(cls)}
+        schema, names = _schema(cls)
+        try:
+            kw = schema.validate_python({k: v for k, v in obj.items() if k in names})
+        except ValidationError as e:
+            raise RunDirError(f"{path}: not a {cls.KIND} record ({_what(cls, e, obj)}); it was not written by "
+                              f"neon-hpc. Move it aside and restart") from None
         return cls(extra={k: v for k, v in obj.items() if k not in names}, **kw)
 
     # ---- files ------------------------------------------------------------------------
@@ -124,30 +102,31 @@ class Record:
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """A record class's field types, evaluated once (``get_type_hints`` compiles every string
-    annotation on each call: most of the cost of reading a record)."""
-    return typing.get_type_hints(cls)
+def _schema(cls: type) -> tuple[TypeAdapter, frozenset[str]]:
+    """A record class's fields as one pydantic schema (a TypedDict: only the keys present come
+    back, so an absent optional field keeps the dataclass default), built once per class."""
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.name != "extra"]
+    keys = {f.name: constraints.strict(hints[f.name]) if f.default is not dataclasses.MISSING
+            or f.default_factory is not dataclasses.MISSING else Required[constraints.strict(hints[f.name])]
+            for f in fields}
+    td = TypedDict(f"{cls.__name__}Fields", {k: v if typing.get_origin(v) is Required else NotRequired[v]
+                                              for k, v in keys.items()})
+    return TypeAdapter(td), frozenset(keys) | {"extra"}
 
 
-def _coerce(v: Any, tp: Any) -> Any:
-    for a in (typing.get_args(tp) or (tp,)):
-        if isinstance(a, type) and issubclass(a, enum.Enum) and isinstance(v, str):
-            return a(v)
-        if a is float and isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-    return v
-
-
-def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if args and typing.get_origin(tp) is not list and typing.get_origin(tp) is not dict:
-        return " or ".join(_type_name(a) for a in args)
-    if tp is type(None):
-        return "null"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of " + ", ".join(repr(m.value) for m in tp)
-    return getattr(typing.get_origin(tp) or tp, "__name__", str(tp))
+def _what(cls: type, exc: ValidationError, obj: dict) -> str:
+    """The first wrong field of a record (an item of a list field by its index), as the reader
+    reports it."""
+    e = exc.errors(include_url=False)[0]
+    name, loc = str(e["loc"][0]), e["loc"][1:]
+    if e["type"] == "missing" and not loc:
+        return f"no {name!r} field"
+    tp, key, value = typing.get_type_hints(cls)[name], name, obj.get(name)
+    index = next((p for p in loc if isinstance(p, int)), None)
+    if index is not None and typing.get_origin(tp) is list and isinstance(value, list):
+        tp, key, value = typing.get_args(tp)[0], f"{name}[{index}]", value[index]
+    return f"field {key!r} is {short_repr(value)}, expected {constraints.type_name(tp)}"
 
 
 def _host() -> str:
@@ -421,6 +400,13 @@ def mark_finished(run: RunDir, by: str | None = None) -> bool:
 # --------------------------------------------------------------------------------------
 # a claim: trajectories/claimed/step_N/{OWNER.json, dropped_stale.json, CLAIM.json}
 
+@with_config(ConfigDict(extra="allow"))      # keys a newer writer adds are kept
+class ShardKept(TypedDict):
+    """One shard of a claim: its file name and the indices of the trajectories kept from it."""
+
+    name: str
+    kept: list[int]
+
 @dataclass
 class ClaimOwner(Record):
     """Who is claiming step N (written first: it names the consumer a half-done claim belongs to)."""
@@ -466,7 +452,7 @@ class ClaimRecord(Record):
 
     KIND: ClassVar[str] = "claim record"
     step: int = 0
-    shards: list = field(default_factory=list)        # [{"name": shard file, "kept": [index, ...]}]
+    shards: list[ShardKept] = field(default_factory=list)   # [{"name": shard file, "kept": [index, ...]}]
     consumer: str | None = None
     time: float | None = None
     want: int | None = None
@@ -484,15 +470,6 @@ class ClaimRecord(Record):
     dropped_stale_tokens: int = 0
     uids: list = field(default_factory=list)          # trajectory uids this claim consumed (kept or stale-dropped)
     duplicates: list = field(default_factory=list)    # [{"shard", "index", "uid", "step"}]: skipped, uid seen before
-
-    @classmethod
-    def from_json(cls, obj: Any, path: str | os.PathLike = "<record>"):
-        rec = super().from_json(obj, path)
-        for i, s in enumerate(rec.shards):
-            if not (isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("kept"), list)):
-                raise RunDirError(f"{path}: not a {cls.KIND} record (shards[{i}] is {s!r}, expected "
-                                  f"{{'name': str, 'kept': [int]}}); move the step's directory aside to claim afresh")
-        return rec
 
     @classmethod
     def read_in(cls, claim_dir: Path) -> "ClaimRecord | None":

@@ -3,9 +3,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import Rule, above, at_least, between
+from neon_hpc.constraints import Rule, above, at_least, between, section
 
 
+@section
 @dataclass
 class EngineConfig:
     kind: Literal["embedded", "sglang"] = "embedded"
@@ -63,6 +64,7 @@ class EngineConfig:
     )
 
 
+@section
 @dataclass
 class RolloutConfig:
     num_workers: int = 2
@@ -104,6 +106,7 @@ class RolloutConfig:
     }
 
 
+@section
 @dataclass
 class EvalConfig:
     """A fixed eval set of held-out tasks, run greedily on published weights (``rollout/agent/evalset.py``).

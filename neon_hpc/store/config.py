@@ -2,12 +2,13 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least
+from neon_hpc.constraints import above, at_least, section
 
 # the trajectory stores (neon_hpc/store/registry.py STORES maps each to its implementation)
 StoreKind = Literal["filesystem"]
 
 
+@section
 @dataclass
 class StoreConfig:
     kind: StoreKind = "filesystem"     # where trajectories pass through (README, "Stores")

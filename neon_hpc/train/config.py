@@ -3,7 +3,7 @@ parallel layout rules (plain arithmetic on the config: no torch, no processes).
 
 The layout rules are written once, here, beside the section: the trainer checks them before it
 builds anything (:func:`neon_hpc.train.loop.check_config`) and the config loader runs the same
-list with its cross-section rules (``neon_hpc.config._cross_checks``), so ``neon-hpc config
+list with its cross-section rules (``neon_hpc.config.cross_errors``), so ``neon-hpc config
 check`` refuses a layout the trainer cannot honour before any process starts, with the key to
 change.  :mod:`neon_hpc.train.layout` re-exports them beside the model-chunk assignment.
 
@@ -19,9 +19,10 @@ stages included).
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from neon_hpc.constraints import Range, Rule, above, at_least, between
+from neon_hpc.constraints import Range, Rule, above, at_least, between, section
 
 
+@section
 @dataclass
 class TrainConfig:
     mode: Literal["rl", "sft"] = "rl"   # sft: cross-entropy on the loss-masked tokens of train.sft_data (train/sft.py)
@@ -84,6 +85,15 @@ class TrainConfig:
 # the trainer's layout rules
 
 Errors = list[tuple[str, str]]
+
+
+def correction_errors(cfg: Any) -> Errors:
+    """An async run needs an off-policy correction (the config loader and the trainer's start ask here)."""
+    if cfg.mode == "async" and cfg.train.off_policy_correction == "none":
+        return [("train.off_policy_correction",
+                 "'none' in an async run trains on tokens of older weight versions without correction "
+                 "(a silent bias); set it to 'tis' or mode: sync")]
+    return []
 
 
 def world_size(cfg: Any) -> int:

@@ -112,12 +112,9 @@ def _any_rank(flag: bool, world: int) -> bool:
 # checks
 
 def check_config(cfg: TrainerSections) -> None:
-    t = cfg.train
-    if cfg.mode == "async" and t.off_policy_correction == "none":
-        raise TrainerError("train.off_policy_correction: 'none' in an async run trains on tokens of older "
-                           "weight versions without correction (a silent bias); set it to 'tis' or mode: sync")
+    from neon_hpc.train.config import correction_errors
     from neon_hpc.train.layout import layout_errors
-    for key, msg in layout_errors(cfg):
+    for key, msg in correction_errors(cfg) + layout_errors(cfg):
         raise TrainerError(f"{key}: {msg}")
 
 

@@ -2,9 +2,10 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import at_least
+from neon_hpc.constraints import at_least, section
 
 
+@section
 @dataclass
 class XRDConfig:
     preset: Literal["tiny", "easy", "medium", "realistic"] = "tiny"
