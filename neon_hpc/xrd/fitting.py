@@ -68,7 +68,6 @@ TEXTURE_BOUNDS = (0.5, 1.8)                   # March-Dollase r
 TEXTURE_AXES = ((0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
 TEXTURE_MIN_GAIN = 0.005                      # relative chi^2 drop a trial texture must bring to be refined
 TEXTURE_TRIAL_R = (0.75, 1.35)                # trial March-Dollase r per axis
-AXIS_SAME_D = 1e-6                            # relative tolerance of "same d-spacing / same intensity" (texture axes)
 TEXTURE_SEARCH_R = (0.65, 0.8, 0.9, 1.15, 1.4)   # the trial's r grid with ``refine(texture_r_search=True)``
 WINDOW_FWHM = Instrument.window_fwhm          # peaks rendered over +- this many FWHM (as simulate.py renders)
 RENDER_CLASSES = 4                            # width classes, each with its own window
@@ -364,28 +363,6 @@ def _render(x: np.ndarray, c: np.ndarray, H: np.ndarray, A: np.ndarray, eta: flo
         peak_of = np.broadcast_to(chunk[:, None], idx.shape)[inside]
         parts.append((flat, peak_of, kern))
     return y, (parts if derivs else None)
-
-
-def _distinct_axes(m: PhaseModel) -> list:
-    """``TEXTURE_AXES`` less those equivalent by the crystal's symmetry to an earlier one: an axis whose
-    March-Dollase-weighted intensity at every d-spacing equals an earlier axis's (at both trial r) gives
-    the same profile, so its trial cannot win, and the cell's allowed changes keep those d-spacings
-    together (cubic 3 of 7 axes, hexagonal and trigonal 3, tetragonal 5)."""
-    out = getattr(m, "_distinct_axes", None)
-    if out is None:
-        q2 = np.einsum("ij,jk,ik->i", m.hkl, m.G, m.hkl)          # 1 / d^2 of each group
-        order = np.argsort(q2)
-        new = np.concatenate([[True], np.diff(q2[order]) > AXIS_SAME_D * q2[order][1:]])
-        at_d = np.empty(len(q2), dtype=np.int64)
-        at_d[order] = np.cumsum(new) - 1
-        seen, out = [], []
-        for axis in TEXTURE_AXES:
-            sig = np.concatenate([np.bincount(at_d, weights=m.texture(axis, r)[0]) for r in TEXTURE_TRIAL_R])
-            if not any(np.allclose(sig, q, rtol=AXIS_SAME_D, atol=1e-12 * float(np.max(np.abs(q)))) for q in seen):
-                seen.append(sig)
-                out.append(axis)
-        m._distinct_axes = out
-    return out
 
 
 def _bincols(parts, n: int, weights_per_peak, key: str) -> np.ndarray:
@@ -788,7 +765,7 @@ class Fitter:
             others = [c for k, c in enumerate(cols) if k != i]
             base = self.linear(others + [cols[i]])[0]
             best, best_rwp = None, base * math.sqrt(1.0 - TEXTURE_MIN_GAIN)
-            for axis in _distinct_axes(m):
+            for axis in TEXTURE_AXES:
                 def trial(r, axis=axis):
                     c, H, A, _ = self._phase_peaks(m, eps, Y, e, axis, r, p[g["zero"]], p[g["disp"]], p[g["W"]], False)
                     prof, _ = _render(self.x, c, H, A, p[g["eta"]], False)
