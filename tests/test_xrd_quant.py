@@ -193,9 +193,9 @@ def test_bench_result_line_keeps_its_keys_and_adds_the_strict_ones():
 
 
 class _QuantTrace:
-    """A trace whose fractions depend on the Brindley radius: right at ``best_R``, off by 0.2 per um away from it."""
-    def __init__(self, task, best_R):
-        self.task, self.best_R = task, best_R
+    """A trace whose fractions depend on the Brindley radius: right at ``best_R``, off by ``slope`` per um away."""
+    def __init__(self, task, best_R, slope=0.2):
+        self.task, self.best_R, self.slope = task, best_R, slope
 
     def final_fit(self, th=None):
         return "fit", 1
@@ -208,7 +208,7 @@ class _QuantTrace:
 
     def quantify(self, res, q):
         (p1, _, w1), (p2, _, w2) = self.task.truth
-        d = 0.2 * (q.radius_um - self.best_R)
+        d = self.slope * (q.radius_um - self.best_R)
         return [quant.PhaseQuant(p1, w1 + d, w1, d, 1.0, 1.0, 0.001, 0.01),
                 quant.PhaseQuant(p2, w2 - d, w2, -d, 1.0, 1.0, 0.001, 0.01)]
 
@@ -235,6 +235,27 @@ def test_loo_never_chooses_the_radius_or_the_se_on_the_held_out_mixture(monkeypa
     assert all(folds[f"mix{i}"]["quant"]["radius_um"] > 0.0 for i in (1, 2, 3))    # they do see mix0
     # its s.e. were calibrated on mix1-3, whose errors are 0: the held-out 0.2 is far outside +-2 s.e.
     assert folds["mix0"]["quant"]["se_sys"] == 0.0 and rep.rows[0]["within_2se"] == [False, False]
+
+
+def test_se_sys_is_calibrated_on_errors_at_radii_chosen_without_each_mixture():
+    # two mixtures that want 0 and 2 um: on both, R = 1 leaves each 0.02 off; but a radius chosen
+    # without a mixture (what the held-out one gets) is the other's, 0.5 or 2 um, and leaves it
+    # 0.03-0.04 off.  se_sys must cover those, not the in-sample 0.02.
+    from neon_hpc.xrd import evaluate as ev
+    from neon_hpc.xrd.tasks import load_tasks
+    tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
+             and all(0.2 < w < 0.8 for _, _, w in t.truth)][:2]
+    for i, t in enumerate(tasks):
+        t.id = f"mix{i}--8min"
+    fits = {0: (_QuantTrace(tasks[0], 0.0, 0.02), "fit"), 1: (_QuantTrace(tasks[1], 2.0, 0.02), "fit")}
+    model, info = ev.choose_quant(tasks, fits, [0, 1])
+    assert info["radius_um"] == 1.0 and info["inner_radii"] == [0.5, 2.0]
+    # (true, predicted, se_stat): the first phase of mix0 goes up with R (its best is 0), mix1's down
+    in_sample = [(w, w + sgn * 0.02, 0.001) for t, m in zip(tasks, (1, -1)) for (_, _, w), sgn in zip(t.truth, (m, -m))]
+    nested = [(w, w + sgn * e, 0.001) for t, e, m in zip(tasks, (0.04, 0.03), (1, -1))
+              for (_, _, w), sgn in zip(t.truth, (m, -m))]
+    assert model.se_sys > quant.calibrate_se(in_sample)
+    assert model.se_sys == quant.calibrate_se(nested) and quant.coverage(nested, model.se_sys) >= 0.95
 
 
 def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line():

@@ -198,8 +198,10 @@ class Trace:
 
     def quant_fit(self, res):
         """The fit the fractions come from: for a real measurement (``Instrument.measured``) the found
-        phases refined again with anomalous scattering (f', f'' at the anode line), started from ``res``;
-        otherwise ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
+        phases refined again with anomalous scattering (f', f'' at the anode line), started from ``res``,
+        each texture axis scored at its best r on ``fitting.TEXTURE_SEARCH_R`` (with the two trial r of
+        the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high: README); otherwise
+        ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
         (see the module docstring); cached per phase set."""
         if res is None or not self.ctx.instrument.measured:
             return res
@@ -207,7 +209,8 @@ class Trace:
         if key not in self._fits:
             self._fits[key] = self.ctx.fitter().refine([p.phase_id for p in res.phases],
                                                        [p.strain for p in res.phases],
-                                                       [p.size_nm for p in res.phases], res.zero_shift)
+                                                       [p.size_nm for p in res.phases], res.zero_shift,
+                                                       texture_r_search=True)
         return self._fits[key]
 
     def quantify(self, res, quant: QuantModel) -> list:
