@@ -48,6 +48,12 @@ def finished_run(tmp_path_factory):
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
                   "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
                   "--set", "warm_start.demos=16", "--set", "warm_start.steps=2", "--set", "eval.num_tasks=4"]
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = None
+    if len(cpus) >= 2:     # the two groups on disjoint CPUs, as on separate allocations
+        pinned = {"train": {cpus[0]}, "rollout": set(cpus[1:])}
+        cmd += ["--set", f"launch.train.local_cpus='{cpus[0]}'",
+                "--set", f"launch.rollout.local_cpus='{','.join(map(str, cpus[1:]))}'"]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None
@@ -65,6 +71,12 @@ def finished_run(tmp_path_factory):
             if killed is None and read_metrics(root, "trainer"):
                 hb = read_json(run.heartbeat_file("rollout", 0))
                 if hb and hb.get("pid") and not hb.get("stopped"):
+                    try:
+                        live["worker_cpus"] = set(psutil.Process(int(hb["pid"])).cpu_affinity())
+                        live["trainer_cpus"] = [set(p.cpu_affinity()) for p in _procs_of(root)
+                                                if "trainer" in " ".join(p.cmdline())]
+                    except psutil.Error:
+                        pass
                     os.kill(int(hb["pid"]), signal.SIGKILL)
                     killed = int(hb["pid"])
             time.sleep(0.5)
@@ -75,7 +87,7 @@ def finished_run(tmp_path_factory):
     finally:
         if proc.poll() is None:
             proc.kill()
-    return {"root": root, "rc": proc.returncode, "killed": killed, "live": live,
+    return {"root": root, "rc": proc.returncode, "killed": killed, "live": live, "pinned": pinned,
             "out": (root.parent / "launcher.out").read_text()}
 
 
@@ -197,3 +209,13 @@ def test_status_and_tail_on_finished_run(finished_run):
     assert f"step={STEPS}" in r.stdout and "heartbeats" in r.stdout
     r = subprocess.run(NEON + ["tail", root, "--role", "trainer", "-n", "3"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "job=local trainer[0]" in r.stdout
+
+
+def test_the_groups_run_on_their_local_cpus(finished_run):
+    """launch.<group>.local_cpus: a rollout worker (a grandchild of the rollout node) and the
+    trainer run on their group's CPUs only."""
+    pinned, live = finished_run["pinned"], finished_run["live"]
+    if pinned is None:
+        pytest.skip("one CPU: nothing to pin the two groups apart on")
+    assert live.get("worker_cpus") == pinned["rollout"], live
+    assert live.get("trainer_cpus") and all(c == pinned["train"] for c in live["trainer_cpus"]), live

@@ -1,8 +1,24 @@
 """Launch section of the experiment config (owned by ``neon_hpc/launch``)."""
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, between, section
+from neon_hpc.constraints import Rule, above, at_least, between, section
+
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """A Linux CPU list (``"1"``, ``"0-3"``, ``"0,2-3"``) as a set; ``""`` = no restriction (empty set)."""
+    if not text:
+        return set()
+    if not _CPU_LIST.match(text):
+        raise ValueError(f"not a CPU list: {text!r} (e.g. '1', '0-3', '0,2-3')")
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 @section
@@ -16,12 +32,21 @@ class GroupConfig:
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     mem: str = ""                       # e.g. "0" for all, "8G"; "" = partition default
+    # local backend only: the CPUs this group's processes run on (a Linux CPU list, "0", "1-3");
+    # "" = any. Disjoint lists for rollout and train stand in for separate allocations on one
+    # machine (tools/bench_learning.py: async overlaps what sync serialises only when the two
+    # groups do not share cores). Slurm allocates its own.
+    local_cpus: str = ""
 
     CHECKS = {
         "nodes": at_least(1),
         "tasks_per_node": at_least(1),
         "cpus_per_task": at_least(1),
     }
+    RULES = (
+        Rule("local_cpus", lambda c: not c.local_cpus or bool(_CPU_LIST.match(c.local_cpus)),
+             "a Linux CPU list such as '1', '0-3' or '0,2-3' (or '' for any CPU)"),
+    )
 
 
 @section

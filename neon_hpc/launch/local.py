@@ -28,6 +28,7 @@ from typing import Callable
 from neon_hpc import config
 from neon_hpc.launch import lease
 from neon_hpc.launch.common import prepare_run, render_summary, resolve_run_dir, summarize, trainer_steps
+from neon_hpc.launch.config import parse_cpus
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag, stop_tree
@@ -71,9 +72,26 @@ class LocalRun:
         env = dict(os.environ, PYTHONUNBUFFERED="1", NEON_LAUNCHER_PID=str(os.getpid()), **extra_env)
         if self.lease_token:
             env["NEON_LEASE_TOKEN"] = self.lease_token
-        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
+        cpus = self._cpus(role)
+        # the affinity is set in the child before it execs, so every thread and process it starts
+        # (torch's, the engine's, the workers') inherits it; a plain syscall, safe before exec
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=pin)
+
+    def _cpus(self, role: str) -> set[int]:
+        """``launch.<group>.local_cpus`` of the role's group, checked against this machine's CPUs."""
+        group = "train" if role == "trainer" else "rollout"
+        text = getattr(self.cfg.launch, group).local_cpus
+        cpus = parse_cpus(text)
+        have = os.sched_getaffinity(0)
+        if cpus and not cpus <= have:
+            raise SystemExit(f"launch.{group}.local_cpus: {text!r} names CPUs this launcher cannot use "
+                             f"(it may run on {sorted(have)}); pick a list within them, or '' for any")
+        return cpus
 
     def start(self) -> None:
+        for role in ("trainer", "rollout-node"):
+            self._cpus(role)                 # refuse an unusable CPU list before starting anything
         world = trainer_world_size(self.cfg)
         port = str(free_port())
         for r in range(world):
