@@ -54,7 +54,7 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     write_demos(tmp_path / "demos", load_tasks("tiny", "train", 0, 8), load_tokenizer("xrd-tiny"), cfg.rollout,
                 imperfect=0.0, seed=0)
     sft = tmp_path / "sft"
-    common = [f"train.sft_data={tmp_path / 'demos'}", "train.trajectories_per_step=8", "train.lr=0.01",
+    common = [f"train.sft_data={tmp_path / 'demos'}", "train.trajectories_per_step=8", "train.lr=0.005",
               "train.checkpoint_every=2", "train.publish_every=2"]
     r = _trainer(sft, "train.steps=4", *common, mode="sft")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -67,7 +67,7 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     assert "resumed from" in r.stderr and "step_4" in r.stderr
     recs = read_metrics(sft, "trainer")
     assert [m["step"] for m in recs] == [1, 2, 3, 4, 5, 6] and all(m["mode"] == "sft" for m in recs)
-    assert recs[-1]["loss"] < first[4]
+    assert recs[4]["loss"] < first[4] and recs[-1]["loss"] < first[4], [(m["step"], m["loss"]) for m in recs]
 
     rl = tmp_path / "rl"    # RL from the SFT checkpoint: its v_0 is the SFT's weights; no rollouts, so it stops
     r = _trainer(rl, f"model.init_checkpoint={sft / 'checkpoints' / 'step_6'}", "train.steps=1",
