@@ -3,7 +3,7 @@
 ``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` (``neon_hpc/launch/demos_cli.py``) writes HDF5 shards of the
 trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``xrd.preset``,
 ``split=train``, ``xrd.seed``): one conversation per task, rendered with the same chat template
-(:mod:`~neon_hpc.rollout.agent.template`), tool texts (:class:`~neon_hpc.rollout.agent.xrd_env.XRDEnv`:
+(:mod:`~neon_hpc.rollout.agent.template`), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
 the tools really run, their results clipped as in an episode) and answer format the agent
 loop uses, so a demonstration is token for token what :class:`~neon_hpc.rollout.agent.episode.Episode`
 records when the model emits the same actions (``tests/test_demos.py``). ``loss_mask`` is 1 on
@@ -35,7 +35,7 @@ import numpy as np
 from neon_hpc.rollout.agent.episode import Ledger
 from neon_hpc.rollout.agent.parse import Answer, ToolCall, parse_action
 from neon_hpc.rollout.agent.template import TAGS, make_template
-from neon_hpc.rollout.agent.xrd_env import XRDEnv
+from neon_hpc.envs.xrd.env import XRDEnv
 
 KINDS = ("solver", "wrong_minor", "rough_fraction")
 DEMO_VERSION = 0          # generated tokens carry a version like an engine's (the trainer's SFT ignores it)
