@@ -108,3 +108,21 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
     assert right.rewards == {"success": 1.0, "dense": 1.0}
     assert near.rewards["success"] == 0.0 and near.rewards["dense"] == pytest.approx(1 - 1 / 18)
     assert TOK.decode(right.tokens.tolist()).startswith(f"<|system|>digits<|end|><|user|>add {task.a} {task.b}")
+
+
+def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answer():
+    import numpy as np
+    from neon_hpc.envs.digits import make_demos
+    from neon_hpc.rollout.agent import run_episode
+    cfg = config.load(TINY).rollout
+    tasks = envs.get("digits").tasks(None).demo(10)
+    demos = make_demos(tasks, TOK, cfg, imperfect=0.3, seed=0)
+    assert [d.metadata["demo"] for d in demos].count("wrong_sum") == 3
+    for task, d in zip(tasks, demos):
+        assert d.rewards["success"] == float(d.metadata["demo"] == "solver")
+        t = run_episode(ScriptedClient([f"<answer>{d.metadata['answer']}</answer>"]), task, TOK, cfg,
+                        env=envs.get("digits"))
+        assert np.array_equal(t.tokens, d.tokens) and np.array_equal(t.loss_mask, d.loss_mask)
+        assert list(t.turn_offsets) == list(d.turn_offsets) and t.rewards == d.rewards
+    with pytest.raises(ValueError, match="train tasks only"):
+        make_demos(envs.get("digits").tasks(None).held_out("test_id", 1, 0), TOK, cfg, 0.0, 0)

@@ -10,7 +10,11 @@ back (there are none).
 Tasks: the 100 ordered pairs of digits, split for good: a pair whose ``(10a + b) % 4 == 0`` is
 held out (25 pairs, the eval set's), the other 75 are train (RL and nothing else); a list of
 ``n`` is a seeded shuffle of its pool, cycled when ``n`` is larger.  No settings (``env.kind:
-digits`` alone); no demonstrations, so the main job skips its warm start.
+digits`` alone).
+
+Demonstrations (the main job's warm start): the answer in the first turn, ``<answer>7</answer>``;
+a share ``warm_start.imperfect`` of them (a seeded draw of exactly that many) states a wrong sum
+(``metadata["demo"]``: ``solver`` or ``wrong_sum``), so RL has room above SFT.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from neon_hpc.envs.base import EnvPlugin
+from neon_hpc.rollout.agent.demos import Demo, render_demo, write_demo_shards
+from neon_hpc.rollout.agent.template import TAGS
 
 MAX_SUM = 18
 
@@ -98,5 +104,26 @@ class DigitsEnv:
         return float(predicted == truth), dense, {"truth": truth, "predicted": predicted}
 
 
+def make_demos(tasks: list, tokenizer: Any, rollout_cfg: Any, imperfect: float, seed: int) -> list:
+    """One demonstration per train task: the right sum, or (``imperfect`` of them) a wrong one."""
+    held = [t.id for t in tasks if t.split != "train"]
+    if held:
+        raise ValueError(f"demonstrations are for train tasks only; got {held[0]}")
+    rng = random.Random(f"digits-demos-{seed}")
+    wrong = set(rng.sample(range(len(tasks)), int(round(imperfect * len(tasks)))))
+    out = []
+    for i, task in enumerate(tasks):
+        total = task.a + task.b
+        answer = (total + 1 + rng.randrange(MAX_SUM)) % (MAX_SUM + 1) if i in wrong else total
+        demo = Demo([f"{TAGS.answer}{answer}{TAGS.answer_end}"], "wrong_sum" if i in wrong else "solver", forced=False)
+        out.append(render_demo(DigitsEnv(task), tokenizer, rollout_cfg, demo))
+    return out
+
+
+def write_demos(out_dir: Any, tasks: list, tokenizer: Any, rollout_cfg: Any, imperfect: float, seed: int) -> dict:
+    return write_demo_shards(out_dir, make_demos(tasks, tokenizer, rollout_cfg, imperfect, seed))
+
+
 PLUGIN = EnvPlugin(name="digits", about="add two digits, no tools",
-                   tasks=lambda _settings: DigitsTasks(), environment=lambda task, _cfg: DigitsEnv(task))
+                   tasks=lambda _settings: DigitsTasks(), environment=lambda task, _cfg: DigitsEnv(task),
+                   write_demos=write_demos)
