@@ -21,26 +21,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reshard": ("neon_hpc.reshard.cli", "Megatron torch_dist checkpoint -> HF safetensors (same as tools/reshard.py)"),
     "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
-    "xrd": ("neon_hpc.xrd.cli", "the XRD environment: library, tasks, baseline solver, evaluation"),
+    "xrd": ("neon_hpc.envs.xrd.cli", "the XRD environment: library, tasks, baseline solver, agent evaluation"),
+    "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
     "balance": ("neon_hpc.balance.cli", "cost model calibration and planner dry runs"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
     "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
 }
-
-
-# (command, subcommand, flag) -> module: a subcommand whose handler lives in a higher layer than the
-# command's own module (the xrd environment must not import the rollout that drives it)
-ROUTES: dict[tuple[str, str, str], str] = {
-    ("xrd", "eval", "--endpoint"): "neon_hpc.rollout.agent.eval_cli",   # LLM agent evaluation
-}
-
-
-def _route(name: str, rest: list[str]) -> tuple[str, list[str]] | None:
-    """(module, argv) when ``rest`` is a routed subcommand with its flag, e.g. ``xrd eval --endpoint URL``."""
-    for (cmd, sub, flag), module in ROUTES.items():
-        if name == cmd and rest[:1] == [sub] and any(a == flag or a.startswith(flag + "=") for a in rest[1:]):
-            return module, rest[1:]
-    return None
 
 
 def _plot_run(run_dir: str):
@@ -85,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     module_name = COMMANDS[name][0]
-    routed = _route(name, rest)
-    if routed:
-        module_name, rest = routed
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

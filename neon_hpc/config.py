@@ -31,6 +31,7 @@ from neon_hpc import constraints
 from neon_hpc.constraints import section
 from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
+from neon_hpc.envs.config import EnvConfig
 from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
 from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import ModelSection, Qwen3MoeConfig, arch_experiment_errors
@@ -59,6 +60,7 @@ class ExperimentConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     xrd: XRDConfig = field(default_factory=XRDConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

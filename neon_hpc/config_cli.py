@@ -11,7 +11,8 @@ it runs what every role checks when it starts, so a config that a role would ref
   trainer runs), ``model.init_checkpoint`` (an HF folder, or a torch_dist checkpoint whose
   pickles pass ``train.checkpoint.refuse_untrusted``), ``balance`` cost model (the
   ``cost_file`` it would read);
-- rollout workers: the XRD task set (preset and split give tasks), the tokenizer;
+- rollout workers: the environment's task set (``env.kind``'s plugin: for XRD, preset and split
+  give tasks), the tokenizer;
 - rollout node: ``engine.python`` for ``engine.kind: sglang``.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from neon_hpc import config
+from neon_hpc import config, envs
 from neon_hpc.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.config import ConfigError, ExperimentConfig
 
@@ -61,13 +62,15 @@ def _cost_model(cfg: ExperimentConfig) -> list[Problem]:
 
 
 def _tasks(cfg: ExperimentConfig) -> list[Problem]:
-    from neon_hpc.xrd.tasks import load_tasks
+    plugin = envs.get(cfg.env.kind)
+    key = plugin.section or "env"
     try:
-        tasks = load_tasks(cfg.xrd.preset, cfg.xrd.split, seed=cfg.xrd.seed, n=min(cfg.xrd.num_tasks, 2))
+        source = plugin.tasks(envs.settings(plugin, cfg))
+        tasks = source.train(2)
     except (ValueError, RuntimeError) as e:
-        return [("rollout worker", f"xrd: {e}")]
+        return [("rollout worker", f"{key}: {e}")]
     if not tasks:
-        return [("rollout worker", f"xrd: no tasks for preset={cfg.xrd.preset} split={cfg.xrd.split}")]
+        return [("rollout worker", f"{key}: no tasks for {cfg.env.kind} {source.describe()}")]
     return []
 
 

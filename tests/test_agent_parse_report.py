@@ -54,7 +54,7 @@ def test_summary_and_markdown():
 
 
 def test_phase_answers_in_text_json_and_labels():
-    from neon_hpc.rollout.agent.answer import parse_phase_answer as p
+    from neon_hpc.envs.xrd.answer import parse_phase_answer as p
     assert p("TiO2 P4_2/mnm 60%, ZnO 40") == [("TiO2 P4_2/mnm", 60.0), ("ZnO", 40.0)]
     assert p("ZnO; NiO") == [("ZnO", 0.5), ("NiO", 0.5)]
     assert p("ZnO 0.7, NiO") == [("ZnO", 0.7), ("NiO", pytest.approx(0.3))]

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from neon_hpc.rollout.agent.chat import STOP, ChatClient, ChatEpisode, ChatError
-from neon_hpc.rollout.agent.xrd_env import XRDEnv
+from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.xrd.tasks import load_tasks
 

@@ -1,4 +1,4 @@
-"""Demonstrations (``neon_hpc/rollout/agent/demos.py``): the agent loop's tokens for the solver's actions.
+"""Demonstrations (``neon_hpc/envs/xrd/demos.py``): the agent loop's tokens for the solver's actions.
 
 Each demonstration is replayed through the real agent loop (:class:`Episode`) with a client that
 emits exactly the demonstration's assistant tokens: the books (tokens, loss mask, turn offsets,
@@ -15,9 +15,9 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.models.tokenizer import load_tokenizer
-from neon_hpc.rollout.agent.demos import demo_kinds, make_demos, write_demos
+from neon_hpc.envs.xrd.demos import demo_kinds, make_demos, write_demos
 from neon_hpc.rollout.agent.episode import Episode
-from neon_hpc.rollout.agent.xrd_env import XRDEnv
+from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.xrd.grader import TOL
 from neon_hpc.xrd.tasks import load_tasks
 

@@ -7,7 +7,7 @@ the waste.
 
 from __future__ import annotations
 
-from neon_hpc import config
+from neon_hpc import config, envs
 from neon_hpc.launch.warm import write_summary
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import RunDir, read_json
@@ -19,13 +19,14 @@ CFG = config.load(str(__import__("pathlib").Path(__file__).resolve().parents[1] 
 
 def test_eval_is_greedy_on_fixed_held_out_tasks_and_lands_in_the_summary(tmp_path):
     from test_agent_episode import tiny_weights
-    tasks = eval_tasks(CFG.eval, CFG.xrd)
-    assert [t.id for t in tasks] == [t.id for t in eval_tasks(CFG.eval, CFG.xrd)]
+    xrd = envs.get(CFG.env.kind)
+    tasks = eval_tasks(CFG.eval, xrd.tasks(CFG.xrd))
+    assert [t.id for t in tasks] == [t.id for t in eval_tasks(CFG.eval, xrd.tasks(CFG.xrd))]
     assert len(tasks) == 4 and all(t.split == "test_id" for t in tasks)
     assert greedy(CFG.rollout).temperature == 0.0 and CFG.rollout.temperature == 1.0
     tok = load_tokenizer("xrd-tiny")
-    a = evaluate_weights(tiny_weights(3), tasks, tok, CFG.rollout, CFG.model)
-    b = evaluate_weights(tiny_weights(3), tasks, tok, CFG.rollout, CFG.model)
+    a = evaluate_weights(tiny_weights(3), tasks, tok, CFG.rollout, CFG.model, env=xrd)
+    b = evaluate_weights(tiny_weights(3), tasks, tok, CFG.rollout, CFG.model, env=xrd)
     assert a["n"] == 4 and a["temperature"] == 0.0
     assert [t["task_id"] for t in a["tasks"]] == [t.id for t in tasks]
     assert a["tasks"] == b["tasks"] and a["success"] == b["success"]       # greedy: the same answers

@@ -9,6 +9,10 @@ import each other (the foundation excepted: small shared helpers).  On top of th
 * ``reshard`` is a post-run tool and imports nothing of the trainer, the models or the rollout;
 * ``hfmap`` (the megatron <-> HF mapping both the models and reshard read) imports nothing of neon_hpc
   but the architecture registry (``arch``: one folder per architecture, its facts and tables);
+* an environment's folder (``neon_hpc/envs/<name>/``: its episode adapter, task source,
+  demonstrations, evaluation) is a plugin (part ``env_plugins``) above the agent loop it plugs
+  into; the registry and interfaces (``neon_hpc/envs/*.py``, part ``envs``) are foundation, and
+  the registry reaches the plugins by the module names of its table only (checked below);
 * an architecture's ``megatron.py`` (``neon_hpc/arch/<name>/megatron.py``: megatron config and
   layer spec) is models code kept in its architecture's folder: it counts as ``models``;
 * library code imports nothing from ``tests/`` or ``tools/``.
@@ -38,10 +42,11 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("entry points", {"cli", "config_cli"}),            # neon-hpc subcommands; config check
     ("operator tools", {"ops", "plan"}),                # status, tail, plots; capacity planning (simulates the roles)
     ("launch", {"launch"}),                             # Slurm / local launcher, role entry
+    ("environments", {"env_plugins"}),                  # neon_hpc/envs/<name>/: one folder per environment
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "xrd", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # architecture adapters, megatron and HF builders
-    ("foundation", {"protocol", "config", "hfmap", "arch", "constraints", "bounded", "logs", "logsinks",
+    ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "constraints", "bounded", "logs", "logsinks",
                     "netutil", "procutil", "progress", "httpretry", "rankenv", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
@@ -76,10 +81,13 @@ def module_name(path: Path) -> str:
 
 def part_of(module: str) -> str:
     """``neon_hpc.rollout.engines.client`` -> ``rollout``; a section ``neon_hpc.train.config`` -> ``config``;
-    an architecture's ``neon_hpc.arch.<name>.megatron`` -> ``models``."""
+    an architecture's ``neon_hpc.arch.<name>.megatron`` -> ``models``; an environment's
+    ``neon_hpc.envs.<name>[...]`` -> ``env_plugins``."""
     parts = module.split(".")
     if len(parts) == 1:
         return "neon_hpc"
+    if len(parts) >= 3 and parts[1] == "envs" and (LIB / "envs" / parts[2]).is_dir():
+        return "env_plugins"
     if len(parts) == 4 and parts[1] == "arch" and parts[3] == "megatron":
         return "models"
     if len(parts) == 3 and parts[2] == "config" and (LIB / parts[1]).is_dir():
@@ -175,6 +183,8 @@ def test_the_scanner_sees_every_kind_of_import(tmp_path):
     assert {"neon_hpc.train.loop", "neon_hpc.reshard.plan", "neon_hpc.models.hf"} <= set(got), got
     assert part_of("neon_hpc.train.config") == "config" and part_of("neon_hpc.train.loop") == "train"
     assert part_of("neon_hpc.arch.some_arch.megatron") == "models" and part_of("neon_hpc.arch.some_arch") == "arch"
+    assert part_of("neon_hpc.envs.xrd.env") == "env_plugins" and part_of("neon_hpc.envs.xrd") == "env_plugins"
+    assert part_of("neon_hpc.envs.base") == "envs" and part_of("neon_hpc.envs.config") == "config"
 
 
 def test_imports_point_down_the_layers():
@@ -208,3 +218,12 @@ def test_one_mapping_object_for_the_models_and_reshard():
     for a in hfmap.ARCHES:
         assert get_adapter(a).layer_rules is hfmap.LAYER_RULES[a] is arch.LAYER_RULES[a]
     assert TOP_RULES is hfmap.TOP_RULES and EXPERT_RULES is hfmap.EXPERT_RULES and MODEL_TYPES is hfmap.MODEL_TYPES
+
+
+def test_the_env_registry_names_only_environment_folders():
+    """The registry (foundation) imports its plugins by the module names of its table: each must be an
+    environment's folder (part ``env_plugins``), defining ``PLUGIN`` under its registered name."""
+    from neon_hpc import envs
+    for r in envs._REGISTERED:
+        assert part_of(r.module) == "env_plugins" and r.module == f"neon_hpc.envs.{r.name}", r
+        assert envs.get(r.name).name == r.name

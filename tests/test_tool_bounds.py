@@ -16,7 +16,7 @@ import pytest
 from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.agent.chat import ChatEpisode
 from neon_hpc.rollout.agent.parse import MAX_TOOL_CALL_CHARS, Malformed, ToolCall, parse_action, parse_tool_call
-from neon_hpc.rollout.agent.xrd_env import XRDEnv
+from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.xrd.tasks import build_store, load_tasks, make_context
 from neon_hpc.xrd.tools import MAX_ARGUMENTS, call_tool
 

@@ -47,7 +47,7 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     from neon_hpc import config
     from neon_hpc.models.hf import read_hf_state_dict
     from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.rollout.agent.demos import write_demos
+    from neon_hpc.envs.xrd.demos import write_demos
     from neon_hpc.xrd.tasks import load_tasks
 
     cfg = config.load(CONFIG)

@@ -31,10 +31,10 @@ def test_unknown_solver_is_an_error(capsys):
     assert "unknown solver" in capsys.readouterr().err
 
 
-AGENT_EVAL_MODULE = "neon_hpc.rollout.agent.eval_cli"
+AGENT_EVAL_MODULE = "neon_hpc.envs.xrd.eval_cli"
 
 
-def test_endpoint_is_routed_to_the_agent_evaluator_by_the_top_cli(monkeypatch):
+def test_endpoint_is_routed_to_the_agent_evaluator_by_the_xrd_plugin(monkeypatch):
     seen = {}
     fake = types.ModuleType(AGENT_EVAL_MODULE)
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
@@ -46,10 +46,10 @@ def test_endpoint_is_routed_to_the_agent_evaluator_by_the_top_cli(monkeypatch):
     assert seen["argv"] == ["--split", "real", "--endpoint=http://127.0.0.1:9"]
 
 
-def test_endpoint_without_the_agent_module_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, AGENT_EVAL_MODULE, None)      # import fails like a missing module
-    rc = neon_main(["xrd", "eval", "--endpoint", "http://127.0.0.1:9/v1"])
-    assert rc == 3 and AGENT_EVAL_MODULE in capsys.readouterr().err
+def test_neon_hpc_xrd_is_the_plugins_command_and_the_top_cli_routes_nothing():
+    from neon_hpc import cli, envs
+    assert cli.COMMANDS["xrd"][0] == envs.get("xrd").cli == "neon_hpc.envs.xrd.cli"
+    assert not hasattr(cli, "ROUTES")
 
 
 def test_the_xrd_cli_alone_refuses_endpoint_and_names_the_command(capsys):

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                    "CPU (default: disjoint CPUs, launch.<group>.local_cpus, as on separate allocations)")
     a = p.parse_args(argv)
 
-    from neon_hpc import config
+    from neon_hpc import config, envs
     from neon_hpc.logs import read_metrics
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.protocol.rundir import read_json
@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (ckpt / "trainer_state.json").is_file():
         raise SystemExit(f"bench_learning: no SFT checkpoint at {ckpt}; see {out / 'sft.log'}")
 
-    tasks = eval_tasks(config.load(a.config, sets + [f"eval.num_tasks={n_eval}"]).eval, cfg.xrd)
+    plugin = envs.get(cfg.env.kind)
+    tasks = eval_tasks(config.load(a.config, sets + [f"eval.num_tasks={n_eval}"]).eval,
+                       plugin.tasks(envs.settings(plugin, cfg)))
     tok = load_tokenizer(cfg.model.tokenizer or "xrd-tiny")
     points = _points(steps, a.points)
     per_step = cfg.train.trajectories_per_step
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 if k == 0 and start_eval is not None:
                     e = start_eval                       # every run starts from the same SFT weights
                 else:
-                    e = evaluate_weights(rd / "weights" / f"v_{k}", tasks, tok, cfg.rollout, cfg.model)
+                    e = evaluate_weights(rd / "weights" / f"v_{k}", tasks, tok, cfg.rollout, cfg.model, env=plugin)
                     if k == 0:
                         start_eval = e
                 t_k = 0.0 if k == 0 else recs[k]["time"] - launch

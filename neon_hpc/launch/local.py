@@ -213,7 +213,9 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
     t0 = time.monotonic()
     warm = None
     try:
-        if cfg.warm_start.enabled:
+        if cfg.warm_start.enabled and not W.has_warm_start(cfg):
+            lr.say(W.no_warm_start_note(cfg))
+        elif cfg.warm_start.enabled:
             try:
                 warm = W.run_warm_start(cfg, run.root, lr.say)
             except W.WarmStartError as e:

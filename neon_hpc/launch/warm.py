@@ -2,8 +2,10 @@
 
 ``neon-hpc run`` with ``warm_start.enabled`` (``configs/tiny_cpu.yaml``):
 
-1. ``RUN/warm_start/demos/``: demonstrations of ``warm_start.demos`` train-split tasks
-   (``neon_hpc.rollout.agent.demos``; ``demos.json`` records their summary and marks them done);
+1. ``RUN/warm_start/demos/``: demonstrations of ``warm_start.demos`` train-split tasks, written by
+   the environment's plugin (``env.kind``; XRD's: ``neon_hpc.envs.xrd.demos``; ``demos.json``
+   records their summary and marks them done).  An environment without demonstrations has no
+   warm start: the main job says so and RL starts from ``model.init_checkpoint`` (or from scratch);
 2. ``RUN/warm_start/``: an SFT run of the same trainer (``train.mode: sft``, its own
    ``run.yaml``: the run's config with ``warm_start.steps / trajectories_per_step / lr``), as
    ``world_size`` local trainer processes; it checkpoints and publishes at its last step;
@@ -13,7 +15,7 @@
 A run directory whose warm start is complete reuses it (nothing is recomputed); a half-done SFT
 resumes from its newest checkpoint like any trainer run.
 
-After RL, :func:`evaluate_run` plays ``eval.num_tasks`` held-out tasks greedily on the weights
+After RL, :func:`evaluate_run` plays ``eval.num_tasks`` held-out tasks (the plugin's task source) greedily on the weights
 RL started from (``weights/v_0``: the SFT weights when there is a warm start) and on the last
 published ones (``RUN/eval/start.json``, ``RUN/eval/end.json``; the same tasks, temperature 0),
 and :func:`write_summary` writes ``RUN/summary.json``.
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from neon_hpc import config
+from neon_hpc import config, envs
 from neon_hpc.logs import read_metrics
 from neon_hpc.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
@@ -55,9 +57,20 @@ def sft_checkpoint(cfg: config.ExperimentConfig, run_root: str | os.PathLike) ->
     return warm_dir(run_root) / "checkpoints" / f"step_{cfg.warm_start.steps}"
 
 
+def has_warm_start(cfg: config.ExperimentConfig) -> bool:
+    """``warm_start.enabled`` and the environment (``env.kind``) provides demonstrations."""
+    return cfg.warm_start.enabled and envs.get(cfg.env.kind).write_demos is not None
+
+
+def no_warm_start_note(cfg: config.ExperimentConfig) -> str:
+    return (f"warm start: skipped, environment {cfg.env.kind!r} provides no demonstrations; RL starts from "
+            f"{cfg.model.init_checkpoint or 'freshly initialised weights'}")
+
+
 def apply_warm_start(cfg: config.ExperimentConfig, run_root: str | os.PathLike) -> config.ExperimentConfig:
-    """With ``warm_start.enabled`` and no ``model.init_checkpoint`` of its own: RL starts from the SFT checkpoint."""
-    if cfg.warm_start.enabled and not cfg.model.init_checkpoint:
+    """With a warm start (:func:`has_warm_start`) and no ``model.init_checkpoint`` of its own: RL starts from
+    the SFT checkpoint."""
+    if has_warm_start(cfg) and not cfg.model.init_checkpoint:
         cfg.model.init_checkpoint = str(sft_checkpoint(cfg, Path(run_root).absolute()))
     return cfg
 
@@ -88,12 +101,14 @@ def ensure_demos(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], 
     if done.is_file():
         return {**read_json(done), "reused": True}
     from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.rollout.agent.demos import write_demos
-    from neon_hpc.xrd.tasks import load_tasks
+    plugin = envs.get(cfg.env.kind)
+    if plugin.write_demos is None:
+        raise WarmStartError(f"environment {cfg.env.kind!r} provides no demonstrations: set warm_start.enabled: false")
     t0 = time.monotonic()
-    tasks = load_tasks(cfg.xrd.preset, "train", seed=cfg.xrd.seed, n=cfg.warm_start.demos)
+    source = plugin.tasks(envs.settings(plugin, cfg))
+    tasks = source.demo(cfg.warm_start.demos)
     tok = load_tokenizer(cfg.model.tokenizer or "xrd-tiny")
-    s = write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, cfg.xrd.seed)
+    s = plugin.write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, source.seed)
     s["wall_s"] = time.monotonic() - t0
     atomic_write_json(done, s)
     say(f"warm start: {s['demos']} demonstrations of train tasks ({s['count_by_kind']}), grader success "
@@ -167,7 +182,9 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
         return {}
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights
-    tasks = eval_tasks(cfg.eval, cfg.xrd)
+    plugin = envs.get(cfg.env.kind)
+    source = plugin.tasks(envs.settings(plugin, cfg))
+    tasks = eval_tasks(cfg.eval, source)
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
     out = {}
     for which, v in (("start", versions[0]), ("end", versions[-1])):
@@ -176,12 +193,12 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
         if prev and prev.get("version") == v and prev.get("n") == len(tasks):
             out[which] = prev
             continue
-        res = evaluate_weights(run.weights_version(v), tasks, tok, cfg.rollout, cfg.model)
-        res.update(version=v, split=cfg.eval.split, seed=cfg.eval.seed, preset=cfg.xrd.preset)
+        res = evaluate_weights(run.weights_version(v), tasks, tok, cfg.rollout, cfg.model, env=plugin)
+        res.update(version=v, split=cfg.eval.split, seed=cfg.eval.seed, preset=source.label)
         atomic_write_json(path, res)
         out[which] = res
         say(f"eval ({which} of RL, weights v_{v}): success {res['success']:.3f} (dense {res['dense']:.3f}) on "
-            f"{res['n']} held-out {cfg.xrd.preset}/{cfg.eval.split} tasks, greedy, {res['wall_s']:.0f}s")
+            f"{res['n']} held-out {source.label}/{cfg.eval.split} tasks, greedy, {res['wall_s']:.0f}s")
     return out
 
 

@@ -20,13 +20,14 @@ The config file's format is unchanged: these are views, not sections.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from neon_hpc import envs
+from neon_hpc.envs.config import EnvConfig
 from neon_hpc.launch.config import LaunchConfig
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.rollout.config import EngineConfig, RolloutConfig
 from neon_hpc.store.config import StoreConfig
-from neon_hpc.xrd.config import XRDConfig
 
 if TYPE_CHECKING:
     from neon_hpc.config import ExperimentConfig
@@ -39,7 +40,9 @@ class WorkerSections:
     rollout: RolloutConfig              # episodes, groups, the admission bounds
     protocol: ProtocolConfig            # heartbeat and admission poll intervals
     store: StoreConfig                  # the shard writer
-    xrd: XRDConfig                      # the task set
+    env: EnvConfig                      # which environment (env.kind: its plugin gives tasks and episodes)
+    # the environment's own section (``xrd`` for env.kind xrd; None when it has none): the task set
+    env_settings: Any
     # borrowed from train: the admission rule's "trajectories per step" (how fast the trainer
     # consumes), and when a hungry trainer gets a partial shard
     train_trajectories_per_step: int
@@ -51,7 +54,8 @@ class WorkerSections:
 
     @classmethod
     def of(cls, cfg: "ExperimentConfig") -> "WorkerSections":
-        return cls(rollout=cfg.rollout, protocol=cfg.protocol, store=cfg.store, xrd=cfg.xrd,
+        return cls(rollout=cfg.rollout, protocol=cfg.protocol, store=cfg.store, env=cfg.env,
+                   env_settings=envs.settings(envs.get(cfg.env.kind), cfg),
                    train_trajectories_per_step=cfg.train.trajectories_per_step,
                    model_tokenizer=cfg.model.tokenizer or cfg.model.init_checkpoint,
                    model_num_layers=cfg.model.num_layers, model_moe_router_topk=cfg.model.moe_router_topk)

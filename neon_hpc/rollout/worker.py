@@ -29,6 +29,7 @@ import os
 import random
 import time
 
+from neon_hpc import envs
 from neon_hpc.logs import RoleLogger, job_id
 from neon_hpc.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
@@ -138,25 +139,27 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.rollout.agent import run_group
     from neon_hpc.rollout.engines.client import EngineClient
-    from neon_hpc.xrd.tasks import load_tasks
 
     run = RunDir(run_dir)
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 
     tokenizer = load_tokenizer(sec.model_tokenizer)
-    tasks = load_tasks(sec.xrd.preset, sec.xrd.split, seed=sec.xrd.seed, n=sec.xrd.num_tasks)
+    plugin = envs.get(sec.env.kind)
+    source = plugin.tasks(sec.env_settings)
+    tasks = source.train()
     if not tasks:
-        log.error("no tasks for preset=%s split=%s; check the xrd section of the config", sec.xrd.preset, sec.xrd.split)
+        log.error("no tasks for %s %s; check the %s section of the config", sec.env.kind, source.describe(),
+                  plugin.section or "env")
         return 2
     # the route shape is ours to state: SGLang's model info does not report it
     client = EngineClient(engine_url, num_moe_layers=sec.model_num_layers, top_k=sec.model_moe_router_topk)
     # a new writer id per incarnation: a restarted worker never reuses a dead one's file names
     writer_id = f"w{worker}-{job_id()}-{os.getpid()}"
-    rng = random.Random(f"{sec.xrd.seed}-{worker}-{os.getpid()}")
+    rng = random.Random(f"{source.seed}-{worker}-{os.getpid()}")
     order = list(range(len(tasks)))
     groups = episodes = tokens = 0
-    log.info("rollout worker %d up: engine %s, %d tasks (%s/%s), writer %s", worker, engine_url,
-             len(tasks), sec.xrd.preset, sec.xrd.split, writer_id)
+    log.info("rollout worker %d up: engine %s, %d tasks (%s), writer %s", worker, engine_url,
+             len(tasks), source.describe(), writer_id)
     poll = sec.protocol
     beater = _Beater(run, worker, poll.worker_heartbeat_s)
     with open_store(run, sec.store).writer(writer_id) as writer:
@@ -188,7 +191,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             beater.beat(in_flight=sec.rollout.group_size + writer.pending, groups=groups,
                         episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
-            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size)
+            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=plugin)
             dt = time.monotonic() - t0
             for i, tr in enumerate(trajs):
                 # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory

@@ -4,9 +4,9 @@
     neon-hpc xrd tasks --preset easy --split train [--seed 0] [--n 50] --out DIR [--db postgresql://...]
     neon-hpc xrd eval --solver baseline --preset easy --split test_id [--n 20] [--json OUT]
     neon-hpc xrd eval --solver baseline --data ../shared/data/xrd-real [--scan 8min] [--protocol loo]
-    neon-hpc xrd eval --endpoint URL ...      (LLM agent: routed by neon_hpc/cli.py to
-                                               neon_hpc.rollout.agent.eval_cli; this package never
-                                               imports the rollout that drives it)
+    neon-hpc xrd eval --endpoint URL ...      (LLM agent: the XRD plugin's neon_hpc.envs.xrd.eval_cli;
+                                               `neon-hpc xrd` is neon_hpc/envs/xrd/cli.py, which hands
+                                               the rest here: this package never imports the rollout)
 """
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ def _cmd_tasks(args) -> int:
 
 
 def _refuse_endpoint() -> int:
-    """--endpoint reached this module directly (not through ``neon-hpc``): the agent evaluator is a layer up."""
-    print("neon-hpc xrd eval --endpoint: the LLM agent evaluation lives in the rollout layer; run it as "
-          "`neon-hpc xrd eval --endpoint URL ...` (neon_hpc/cli.py routes it) or "
-          "`python -m neon_hpc.rollout.agent.eval_cli --endpoint URL ...`", file=sys.stderr)
+    """--endpoint reached this module directly (not through ``neon-hpc``): the agent evaluator is the plugin's."""
+    print("neon-hpc xrd eval --endpoint: the LLM agent evaluation is the XRD plugin's (neon_hpc/envs/xrd/); run it as "
+          "`neon-hpc xrd eval --endpoint URL ...` or "
+          "`python -m neon_hpc.envs.xrd.eval_cli --endpoint URL ...`", file=sys.stderr)
     return 2
 
 
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Instrument.measured; --no-measured: the earlier fits, see the xrd README)")
     ev.add_argument("--json", help="write the summary and per-task rows here")
     ev.add_argument("--endpoint", help="evaluate an LLM agent at this URL (`neon-hpc xrd eval --endpoint URL "
-                                       "--help` for its options: neon_hpc.rollout.agent.eval_cli)")
+                                       "--help` for its options: neon_hpc.envs.xrd.eval_cli)")
     ev.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval" and any(a == "--endpoint" or a.startswith("--endpoint=") for a in argv[1:]):
-        return _refuse_endpoint()       # neon_hpc/cli.py routes `xrd eval --endpoint` before reaching here
+        return _refuse_endpoint()       # neon_hpc/envs/xrd/cli.py sends `xrd eval --endpoint` to the plugin
     args = build_parser().parse_args(argv)
     if args.cmd == "library":
         return _cmd_library(args)

@@ -1,4 +1,5 @@
-"""XRD task section of the experiment config (owned by ``neon_hpc/xrd``)."""
+"""XRD task section of the experiment config (owned by ``neon_hpc/xrd``): the settings of the XRD
+environment (``env.kind: xrd``, ``neon_hpc/envs/xrd/``).  Its tools are ``rollout.tools``."""
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,9 +13,5 @@ class XRDConfig:
     split: Literal["train", "test_id", "test_ood", "test_temporal"] = "train"
     num_tasks: int = 64
     seed: int = 0
-    db: str = ""                        # SQLite path; "" = inside the run directory
-    toolset: Literal["full", "minimal"] = "full"   # minimal = raw pattern + simulation only
-    strict_grading: bool = False        # +-5 wt% instead of +-10 (see neon_hpc/xrd/grader.py)
-    real_data: str = ""                 # xrd-real folder; "" = $NEON_XRD_REAL_DATA or ../shared/data/xrd-real
 
     CHECKS = {"num_tasks": at_least(1)}

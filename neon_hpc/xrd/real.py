@@ -34,7 +34,7 @@ REAL_PHASE_IDS = {
 
 
 def real_data_dir(override: str | Path | None = None) -> Path | None:
-    """The xrd-real folder: ``override`` (e.g. ``XRDConfig.real_data``), ``$NEON_XRD_REAL_DATA``, or beside the repo."""
+    """The xrd-real folder: ``override`` (e.g. ``--data``), ``$NEON_XRD_REAL_DATA``, or beside the repo."""
     env = str(override) if override else os.environ.get(ENV_VAR)
     repo_root = Path(__file__).resolve().parents[2]        # == Path(neon_hpc.__file__).parents[1]
     path = Path(env) if env else repo_root.parent / "shared" / "data" / "xrd-real"

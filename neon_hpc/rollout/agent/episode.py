@@ -1,8 +1,8 @@
 """One episode, token by token: model output -> tool calls -> results -> next turn -> answer.
 
 The environment (what the task says, which tools exist, how an answer is graded) is an
-:class:`Environment`; the XRD one is :class:`neon_hpc.rollout.agent.xrd_env.XRDEnv`.  This
-module only keeps the books a trainer needs:
+:class:`~neon_hpc.envs.base.Environment` of a registered plugin (``neon_hpc/envs/``; XRD's is
+:class:`neon_hpc.envs.xrd.env.XRDEnv`).  This module only keeps the books a trainer needs:
 
 - ``tokens``: the whole conversation, exactly the concatenation of every turn's prompt
   additions and model outputs (never re-tokenized);
@@ -24,26 +24,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
+from neon_hpc.envs.base import Environment
 from neon_hpc.replay import ReplayConversation
 from neon_hpc.rollout.agent.parse import Answer, Malformed, Nothing, ToolCall, parse_action
 from neon_hpc.rollout.agent.template import ChatTemplate, make_template
-
-
-class Environment(Protocol):
-    """What an episode needs from a task."""
-
-    task_id: str
-
-    def system_text(self) -> str: ...
-    def task_text(self) -> str: ...
-    def run_tool(self, call: ToolCall) -> dict: ...          # never raises; {"error": ...} on failure
-    def parse_answer(self, text: str) -> Any: ...             # None when no answer can be read
-    def grade(self, predicted: Any) -> tuple[float, float, dict]: ...  # success, dense, details
-    def format_result(self, result: dict) -> str: ...
 
 
 @dataclass

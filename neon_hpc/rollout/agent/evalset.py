@@ -1,12 +1,13 @@
 """A fixed eval set on published weights: greedy episodes of held-out tasks, graded.
 
-``evaluate_weights(weights_dir, tasks, tokenizer, rollout_cfg, model_cfg)`` serves the folder
+``evaluate_weights(weights_dir, tasks, tokenizer, rollout_cfg, model_cfg, env=plugin)`` serves the folder
 (``weights/v_N``, HF safetensors as the trainer publishes them) on an embedded engine in this
 process and plays one episode per task through the agent loop (:func:`run_episode`: the same
 template, tools, limits and forced answer as the RL rollouts) at temperature 0, so the same
 weights on the same tasks give the same answers. Routes are not requested (nothing trains on
-these episodes). The tasks are ``eval.num_tasks`` of ``xrd.preset`` on ``eval.split`` (a test
-split: never the train tasks RL samples) with ``eval.seed`` (:func:`eval_tasks`).
+these episodes). The tasks come from the environment's task source (``env.kind``'s plugin,
+``neon_hpc/envs/``): ``eval.num_tasks`` held-out tasks of ``eval.split`` (a test split: never the
+train tasks RL samples) with ``eval.seed`` (:func:`eval_tasks`; XRD: of ``xrd.preset``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from neon_hpc.envs.base import EnvPlugin, TaskSource
 
-def eval_tasks(eval_cfg: Any, xrd_cfg: Any) -> list:
-    from neon_hpc.xrd.tasks import load_tasks
-    return load_tasks(xrd_cfg.preset, eval_cfg.split, seed=eval_cfg.seed, n=eval_cfg.num_tasks)
+
+def eval_tasks(eval_cfg: Any, source: TaskSource) -> list:
+    """The eval set: ``eval.num_tasks`` held-out tasks of ``eval.split`` and ``eval.seed`` from ``source``."""
+    return source.held_out(eval_cfg.split, eval_cfg.num_tasks, eval_cfg.seed)
 
 
 def greedy(rollout_cfg: Any) -> Any:
@@ -31,8 +34,9 @@ def greedy(rollout_cfg: Any) -> Any:
 
 
 def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollout_cfg: Any, model_cfg: Any,
-                     concurrency: int = 16) -> dict:
-    """Success and dense reward of greedy episodes of ``tasks`` on the weights in ``weights_dir``."""
+                     *, env: EnvPlugin, concurrency: int = 16) -> dict:
+    """Success and dense reward of greedy episodes of ``tasks`` (environments by ``env``) on the weights in
+    ``weights_dir``."""
     from neon_hpc.rollout.agent.group import run_episode
     from neon_hpc.rollout.engines.client import EngineClient
     from neon_hpc.rollout.engines.embedded import start_server
@@ -44,7 +48,7 @@ def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollo
     with start_server(weights_dir, in_process=True, max_batch_size=max(1, min(concurrency, len(tasks)))) as h:
         client = EngineClient(h.url, num_moe_layers=model_cfg.num_layers, top_k=model_cfg.moe_router_topk)
         with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(tasks)))) as pool:
-            trajs = list(pool.map(lambda t: run_episode(client, t, tokenizer, cfg), tasks))
+            trajs = list(pool.map(lambda t: run_episode(client, t, tokenizer, cfg, env=env), tasks))
     per_task = [{"task_id": t.task_id, "success": t.rewards["success"], "dense": t.rewards["dense"],
                  "answer": t.metadata.get("answer"), "finish": t.metadata.get("finish"),
                  "tool_calls": t.metadata.get("tool_calls")} for t in trajs]

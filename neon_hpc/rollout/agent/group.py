@@ -6,27 +6,32 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from neon_hpc.envs.base import EnvPlugin
 from neon_hpc.rollout.agent.episode import Episode
 
 
-def as_environment(task: Any, cfg: Any):
-    """An XRD task becomes an :class:`XRDEnv`; an object that already is an environment passes."""
+def as_environment(task: Any, cfg: Any, env: EnvPlugin | None = None):
+    """The episode's environment: an object that already is one passes; a task becomes one through
+    its plugin ``env`` (:func:`neon_hpc.envs.get` of the config's ``env.kind``)."""
     if hasattr(task, "run_tool") and hasattr(task, "grade"):
         return task
-    from neon_hpc.rollout.agent.xrd_env import XRDEnv
-    return XRDEnv(task, tools=cfg.tools, style=getattr(cfg, "prompt_style", "auto"),
-                  max_tool_chars=getattr(cfg, "max_tool_chars", 2000))
+    if env is None:
+        raise TypeError(f"{type(task).__name__} {getattr(task, 'id', '')!s} is a task, not an environment: "
+                        f"pass env=neon_hpc.envs.get(KIND) (the config's env.kind) to build its environment")
+    return env.environment(task, cfg)
 
 
 def run_episode(client: Any, task: Any, tokenizer: Any, cfg: Any,
-                version_of: Callable[[str], int] = int, group_id: str = "", seed: int | None = None):
+                version_of: Callable[[str], int] = int, group_id: str = "", seed: int | None = None,
+                env: EnvPlugin | None = None):
     """Run one episode against an SGLang-compatible engine client; returns a ``Trajectory``."""
-    ep = Episode(client, as_environment(task, cfg), tokenizer, cfg, version_of=version_of, seed=seed).run()
+    ep = Episode(client, as_environment(task, cfg, env), tokenizer, cfg, version_of=version_of, seed=seed).run()
     return ep.trajectory(group_id=group_id, reward_key=getattr(cfg, "reward", "dense"))
 
 
 def run_group(client: Any, task: Any, tokenizer: Any, cfg: Any, group_size: int | None = None,
-              version_of: Callable[[str], int] = int, seed: int | None = None) -> list:
+              version_of: Callable[[str], int] = int, seed: int | None = None,
+              env: EnvPlugin | None = None) -> list:
     """``group_size`` episodes of one task, concurrently (the engine batches them), one group id."""
     g = cfg.group_size if group_size is None else group_size
     if g < 1:
@@ -34,5 +39,5 @@ def run_group(client: Any, task: Any, tokenizer: Any, cfg: Any, group_size: int 
     group_id = uuid.uuid4().hex[:16]
     seeds = [None if seed is None else seed + 1000 * i for i in range(g)]
     with ThreadPoolExecutor(max_workers=g) as pool:
-        futs = [pool.submit(run_episode, client, task, tokenizer, cfg, version_of, group_id, s) for s in seeds]
+        futs = [pool.submit(run_episode, client, task, tokenizer, cfg, version_of, group_id, s, env) for s in seeds]
         return [f.result() for f in futs]

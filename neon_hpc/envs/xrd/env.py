@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from neon_hpc.bounded import clip_text, short_repr
-from neon_hpc.rollout.agent.answer import parse_phase_answer
+from neon_hpc.envs.xrd.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
 
 ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "

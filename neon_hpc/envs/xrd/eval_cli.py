@@ -1,5 +1,6 @@
 """``neon-hpc xrd eval --endpoint URL --model NAME --split ...``: evaluate any compatible endpoint.
 
+The XRD plugin's LLM agent evaluation (``neon-hpc xrd eval --endpoint``: ``neon_hpc/envs/xrd/cli.py``).
 Runs XRD episodes against our embedded engine or SGLang (``--api generate``: token ids in,
 token ids out, our chat template) or an OpenAI-style chat API (``--api chat``), with
 concurrency, retries on transient HTTP errors and a progress bar, and writes a report per
@@ -171,8 +172,8 @@ def protocol_thresholds(args, tasks: list, cache: dict) -> tuple[list[dict | Non
 
 def environment(task, cfg, threshold: dict | None):
     """The task's XRDEnv, its fit_phases at the protocol's threshold (None: the a-priori one)."""
-    from neon_hpc.rollout.agent.group import as_environment
-    env = as_environment(task, cfg)
+    from neon_hpc.envs.xrd import PLUGIN
+    env = PLUGIN.environment(task, cfg)
     if threshold is not None:
         env.ctx.detection_z_min = threshold["z_min"]
     return env
@@ -193,7 +194,7 @@ def episode_generate(client, task, tokenizer, cfg) -> dict:
 def episode_chat(client, task, cfg) -> dict:
     from neon_hpc.rollout.agent.chat import ChatEpisode
     from neon_hpc.rollout.agent.group import as_environment
-    env = as_environment(task, cfg)      # a task or an XRDEnv (see environment())
+    env = as_environment(task, cfg)      # an XRDEnv (see environment())
     t0 = time.monotonic()
     ep = ChatEpisode(client, env, cfg).run()
     predicted = env.parse_answer(ep.answer_text) if ep.answer_text is not None else None

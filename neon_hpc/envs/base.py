@@ -1,0 +1,64 @@
+"""The interfaces an environment plugin implements: the environment of one episode, the task
+source, and the plugin that ties them to a config section (and may provide demonstrations).
+
+The agent loop (``neon_hpc/rollout/agent/``) runs an :class:`Environment`; the rollout worker,
+the eval set and the warm start ask the plugin (:func:`neon_hpc.envs.get`) for tasks and for
+the environment of a task.  This module imports nothing of neon_hpc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+
+class Environment(Protocol):
+    """What an episode needs from a task (one instance per episode)."""
+
+    task_id: str
+
+    def system_text(self) -> str: ...
+    def task_text(self) -> str: ...
+    def run_tool(self, call: Any) -> dict: ...               # a parsed ToolCall; never raises: {"error": ...}
+    def parse_answer(self, text: str) -> Any: ...             # None (or empty) when no answer can be read
+    def grade(self, predicted: Any) -> tuple[float, float, dict]: ...  # success, dense, details
+    def format_result(self, result: dict) -> str: ...
+
+
+class TaskSource(Protocol):
+    """The tasks of one environment, as the environment's config section sets them.
+
+    A task is any object with an ``id``; :attr:`EnvPlugin.environment` turns it into an
+    :class:`Environment`.  The lists are deterministic functions of the section and arguments.
+    """
+
+    seed: int          # seeds the worker's task order
+    label: str         # names the task set in eval records, e.g. "tiny" (XRD's preset)
+
+    def describe(self) -> str: ...                                         # the train set in logs: "tiny/train"
+
+    def train(self, n: int | None = None) -> list: ...                     # what RL samples (n: at most)
+    def demo(self, n: int) -> list: ...                                    # train tasks to demonstrate
+    def held_out(self, split: str, n: int, seed: int) -> list: ...         # the eval set (never train)
+
+
+@dataclass(frozen=True)
+class EnvPlugin:
+    """One environment: where its settings live, its task source, its episode environment.
+
+    ``section``: the experiment config section with its settings (``xrd``), or None when it has
+    none; ``tasks(settings)`` builds the :class:`TaskSource` from that section (None when
+    ``section`` is None); ``environment(task, rollout_cfg)`` builds one episode's
+    :class:`Environment` (the rollout section gives tools, prompt style, tool text clip);
+    ``write_demos(out_dir, tasks, tokenizer, rollout_cfg, imperfect, seed) -> summary`` writes
+    demonstration shards for the warm start (``None``: the environment has none, and the main
+    job skips its warm start); ``cli``: the module of ``neon-hpc <name> ...`` ("" = none).
+    """
+
+    name: str
+    about: str
+    tasks: Callable[[Any], TaskSource]
+    environment: Callable[[Any, Any], Environment]
+    section: str | None = None
+    write_demos: Callable[..., dict] | None = None
+    cli: str = ""

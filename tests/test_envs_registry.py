@@ -1,0 +1,128 @@
+"""Environments as plugins (issue 32 item 1, ``neon_hpc/envs/``): a throwaway environment from a test
+folder (``tests/throwaway_env``) is registered at run time, chosen by ``env.kind``, and runs an
+episode through the real agent loop (a scripted engine: exact token books); the config refuses an
+unknown kind naming the registered ones; ``neon-hpc env list`` prints them, name first; the
+rollout worker's view carries the chosen plugin's section; the second environment (``digits``)
+grades what the loop reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neon_hpc import config, envs
+from neon_hpc.rollout.agent import run_group
+from neon_hpc.rollout.agent.evalset import eval_tasks
+from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.rollout.sections import WorkerSections
+from test_agent_episode import TOK, ScriptedClient, check_books
+from throwaway_env import PLUGIN as ECHO
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_cpu.yaml")
+
+
+@pytest.fixture
+def echo():
+    envs.register(ECHO)
+    yield envs.get("echo")
+    envs.unregister("echo")
+
+
+def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo):
+    cfg = config.load(TINY, ["env.kind=echo", "eval.seed=2"])
+    sec = WorkerSections.of(cfg)
+    assert sec.env.kind == "echo" and sec.env_settings is cfg.eval      # the plugin's own section
+    source = echo.tasks(sec.env_settings)
+    task = source.train()[0]
+    assert source.seed == 2 and task.word == "gamma"
+    rollout = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512, replay_mode="delta",
+                            max_tool_chars=32)
+    client = ScriptedClient(["<tool_call>peek</tool_call>", "<answer>gamma</answer>"] * 2)
+    trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo)
+    assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1
+    for t in trajs:
+        check_books(t)
+        assert t.task_id == task.id and t.metadata["finish"] == "answer" and t.metadata["turns"] == 2
+        assert t.rewards == {"success": 1.0, "dense": 1.0} and t.metadata["grade"] == {"truth": "gamma", "peeks": 1}
+        text = TOK.decode(t.tokens.tolist())
+        assert text.startswith("<|system|>echo<|end|><|user|>peek then answer") and "word gamma" in text
+    # a wrong answer grades 0 through the same loop
+    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo)[0]
+    assert bad.rewards["success"] == 0.0 and bad.metadata["tool_calls"] == 0
+    # the eval set comes from the plugin's task source
+    held = eval_tasks(cfg.eval, source)
+    assert [t.id for t in held] == [f"echo-{cfg.eval.split}-2-{i}" for i in range(cfg.eval.num_tasks)]
+
+
+def test_a_task_without_its_plugin_is_refused_by_the_agent_loop(echo):
+    task = echo.tasks(config.load(TINY).eval).train()[0]
+    with pytest.raises(TypeError, match=r"env=neon_hpc.envs.get\(KIND\)"):
+        run_group(ScriptedClient(["<answer>x</answer>"]), task, TOK, RolloutConfig(), group_size=1)
+
+
+def test_an_unknown_kind_is_refused_naming_the_registered_ones(echo):
+    with pytest.raises(config.ConfigError, match=r"env.kind: got 'nope'; allowed: a registered environment: "
+                                                 r"xrd, digits, echo \(neon-hpc env list\)"):
+        config.load(TINY, ["env.kind=nope"])
+    with pytest.raises(ValueError, match="already registered"):
+        envs.register(ECHO)
+    with pytest.raises(ValueError, match="unknown environment 'nope'; registered: xrd, digits, echo"):
+        envs.get("nope")
+
+
+def test_unregistered_the_throwaway_is_refused_again():
+    assert "echo" not in envs.kinds()
+    with pytest.raises(config.ConfigError, match=r"env.kind: got 'echo'; allowed: a registered environment: xrd, digits"):
+        config.load(TINY, ["env.kind=echo"])
+    with pytest.raises(ValueError, match="in the registry table"):
+        envs.unregister("xrd")
+
+
+def test_env_list_prints_the_registered_kinds_name_first():
+    out = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "env", "list"], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.splitlines()
+    assert [line.split()[0] for line in out] == list(envs.kinds()) == ["xrd", "digits"]
+    assert all(line.split(maxsplit=1)[1] == envs.REGISTRY[line.split()[0]].about for line in out)
+
+
+def test_the_default_is_xrd_and_its_worker_view_carries_the_xrd_section():
+    cfg = config.load(TINY)
+    assert cfg.env.kind == "xrd" == envs.DEFAULT and WorkerSections.of(cfg).env_settings is cfg.xrd
+    assert "kind: xrd" in config.dump(cfg)
+
+
+def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
+    digits = envs.get("digits")
+    source = digits.tasks(None)
+    train = {(t.a, t.b) for t in source.train()}
+    held = {(t.a, t.b) for t in source.held_out("test_id", 64, 0)}
+    assert train and held and not train & held                       # never eval on what RL trains on
+    task = source.train()[0]
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=3, max_total_tokens=256)
+    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits)[0]
+                   for s in (task.a + task.b, task.a + task.b + 1))
+    assert right.rewards == {"success": 1.0, "dense": 1.0}
+    assert near.rewards["success"] == 0.0 and near.rewards["dense"] == pytest.approx(1 - 1 / 18)
+    assert TOK.decode(right.tokens.tolist()).startswith(f"<|system|>digits<|end|><|user|>add {task.a} {task.b}")
+
+
+def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answer():
+    import numpy as np
+    from neon_hpc.envs.digits import make_demos
+    from neon_hpc.rollout.agent import run_episode
+    cfg = config.load(TINY).rollout
+    tasks = envs.get("digits").tasks(None).demo(10)
+    demos = make_demos(tasks, TOK, cfg, imperfect=0.3, seed=0)
+    assert [d.metadata["demo"] for d in demos].count("wrong_sum") == 3
+    for task, d in zip(tasks, demos):
+        assert d.rewards["success"] == float(d.metadata["demo"] == "solver")
+        t = run_episode(ScriptedClient([f"<answer>{d.metadata['answer']}</answer>"]), task, TOK, cfg,
+                        env=envs.get("digits"))
+        assert np.array_equal(t.tokens, d.tokens) and np.array_equal(t.loss_mask, d.loss_mask)
+        assert list(t.turn_offsets) == list(d.turn_offsets) and t.rewards == d.rewards
+    with pytest.raises(ValueError, match="train tasks only"):
+        make_demos(envs.get("digits").tasks(None).held_out("test_id", 1, 0), TOK, cfg, 0.0, 0)
