@@ -6,9 +6,10 @@ own section (``xrd:`` for ``kind: xrd``).
 from dataclasses import dataclass
 
 from neon_hpc import envs
-from neon_hpc.constraints import Rule
+from neon_hpc.constraints import Rule, section
 
 
+@section
 @dataclass
 class EnvConfig:
     kind: str = envs.DEFAULT
