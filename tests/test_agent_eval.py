@@ -8,7 +8,6 @@ embedded engine (real tools, real grader) keep exact books.
 import json
 import re
 import threading
-from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np

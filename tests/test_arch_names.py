@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from neon_hpc import arch
+from pyscan import docstring_ids
 
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
@@ -46,21 +47,11 @@ def _patterns() -> tuple[re.Pattern, re.Pattern]:
             re.compile(rf"(?<![A-Za-z0-9])(?:{alt})(?![A-Za-z0-9])", re.I))
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                ids.add(id(first.value))
-    return ids
-
-
 def spelled(path: Path) -> list[str]:
     """``file:line: what`` for every spelling of an architecture's name in ``path``'s code."""
     text_re, ident_re = _patterns()
     tree = ast.parse(path.read_text(), str(path))
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     rel = path.relative_to(REPO) if REPO in path.parents else path.name
     out = []
     for node in ast.walk(tree):

@@ -8,7 +8,6 @@ running, and status/tail on the finished run.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

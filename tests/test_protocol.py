@@ -18,6 +18,7 @@ from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, E
                                        LeaseRecord, NodeBeat, Phase, Preempted, TrainerBeat, WorkerBeat,
                                        iter_records, mark_finished)
 from neon_hpc.protocol.rundir import FILE_NAMES, LATEST, RUN_YAML, RunDir, RunDirError
+from pyscan import docstring_ids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,23 +208,13 @@ def _spells(s: str) -> bool:
         any(n in s for n in FILE_NAMES if n not in NAMED_IN_PROSE)
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                out.add(id(first.value))
-    return out
-
-
 def _label(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
 
 
 def _python_offences(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     out = []
     for node in ast.walk(tree):
         where = f"{_label(path)}:{getattr(node, 'lineno', '?')}"

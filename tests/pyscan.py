@@ -1,0 +1,16 @@
+"""Helpers for the tests that scan the library's source (test_protocol, test_arch_names)."""
+
+from __future__ import annotations
+
+import ast
+
+
+def docstring_ids(tree: ast.AST) -> set[int]:
+    """``id()`` of every docstring constant in ``tree`` (module, class and function docstrings)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
