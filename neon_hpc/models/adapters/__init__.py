@@ -17,10 +17,18 @@ from neon_hpc import arch, hfmap
 from neon_hpc.models.adapters.base import (EXPERT_RULES, TOP_RULES, Adapter, QKVShape, RouteLayout,
                                            RouteLayoutError, Rule)
 
-# the adapter modules are named by the registry, not spelled here: the folder of each architecture
-_ADAPTERS: dict[str, Adapter] = {
-    a.name: importlib.import_module(f"{type(a).__module__}.megatron").ADAPTER for a in arch.ARCHITECTURES.values()}
-ARCHES = tuple(_ADAPTERS)
+ARCHES = arch.ARCHES
+# the adapter modules are named by the registry, not spelled here: the folder of each architecture.
+# Loaded on first use: an adapter module imports this package's base, so importing them all here
+# would be circular for whoever imports an adapter module first
+_ADAPTERS: dict[str, Adapter] = {}
+
+
+def _adapter(name: str) -> Adapter:
+    if name not in _ADAPTERS:
+        module = f"{type(arch.ARCHITECTURES[name]).__module__}.megatron"
+        _ADAPTERS[name] = importlib.import_module(module).ADAPTER
+    return _ADAPTERS[name]
 # names (config ``model.arch`` and HF ``model_type``) -> architecture: the mapping's (neon_hpc.hfmap)
 MODEL_TYPES = hfmap.MODEL_TYPES
 
@@ -28,7 +36,7 @@ MODEL_TYPES = hfmap.MODEL_TYPES
 def get_adapter(name: str) -> Adapter:
     """The adapter of ``name`` (a config ``model.arch`` or an HF ``model_type``); ValueError naming
     the supported ones otherwise (:func:`neon_hpc.arch.get`)."""
-    return _ADAPTERS[arch.get(name).name]
+    return _adapter(arch.get(name).name)
 
 
 def adapter_for_hf_config(cfg: dict) -> Adapter:
