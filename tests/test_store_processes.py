@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ def writer_main(run, prefix, log_path, count, flush_every):
     from neon_hpc.store import ShardWriter
     from neon_hpc.store.config import StoreConfig
     from neon_hpc.store.synthetic import make_trajectory
-    rng = np.random.default_rng(abs(hash(prefix)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(prefix.encode()))   # the same in every process (str hash() is salted)
     w = ShardWriter(run, "rollout-0" if prefix.startswith("r") else prefix,
                     StoreConfig(flush_trajectories=flush_every, flush_seconds=3600))
     _log(log_path, event="ready")

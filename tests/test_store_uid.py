@@ -11,6 +11,7 @@ cache) skips the same ones.
 
 import json
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ CFG = StoreConfig(fsync=False)
 
 
 def _publish(run, tag: str, uids: list[str | None]):
-    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(tag.encode()))   # the same in every process (str hash() is salted)
     with ShardWriter(run, f"w-{tag}", CFG) as w:
         for i, uid in enumerate(uids):
             t = make_trajectory(rng, 20, task_id=f"{tag}-{i}")
