@@ -27,7 +27,8 @@ from typing import Callable
 
 from neon_hpc import config
 from neon_hpc.launch import lease
-from neon_hpc.launch.common import prepare_run, render_summary, resolve_run_dir, summarize, trainer_steps
+from neon_hpc.launch.common import prepare_run, resolve_run_dir
+from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
 from neon_hpc.launch.config import parse_cpus
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port

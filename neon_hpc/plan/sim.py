@@ -81,7 +81,7 @@ import simpy
 from neon_hpc.plan.accounting import Accounts, Occupancy, SimResult
 from neon_hpc.plan.params import SimParams
 from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, _Group
-from neon_hpc.plan.trainer import StepTimeModel
+from neon_hpc.plan.steptime import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
 from neon_hpc.protocol import admission as rule
 

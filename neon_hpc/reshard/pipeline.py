@@ -21,7 +21,7 @@ from neon_hpc.reshard.configsource import resolve as resolve_config
 from neon_hpc.reshard.hfconfig import write_hf_side
 from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
-from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
+from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, make_plan
 
 
 class ReshardError(RuntimeError):
@@ -29,7 +29,7 @@ class ReshardError(RuntimeError):
 
 
 def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
-               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[Plan, dict, list[str]]:
+               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionPlan, dict, list[str]]:
     """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields).
 
     The config comes from :func:`neon_hpc.reshard.configsource.resolve` (``--hf-config-dir``,
@@ -40,7 +40,7 @@ def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
 
 
 def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
-                     allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
+                     allow_guessed_config: bool = False) -> tuple[ConversionPlan, ConfigSource]:
     arch = canonical_arch(arch) if arch else None     # an alias (--arch) is its architecture
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
@@ -143,7 +143,7 @@ def _guarded(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
+def _execute(plan: ConversionPlan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
              verify_digests: bool) -> dict:
     if mode == "serial":
         return _execute_serial(plan, staging, shard_cap, verify_digests)
@@ -152,7 +152,7 @@ def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bo
     return {"ranks": per_rank, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
+def _execute_serial(plan: ConversionPlan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
     from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
     t = time.monotonic()
     hf = convert_all(plan, materialize(plan, verify_digests))
@@ -192,7 +192,7 @@ def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[s
         raise
 
 
-def _write_guess_readme(staging: Path, plan: Plan, source: ConfigSource) -> None:
+def _write_guess_readme(staging: Path, plan: ConversionPlan, source: ConfigSource) -> None:
     lines = [f"# HF weights converted from {plan.ckpt.path}", "",
              f"config.json was {source.origin}. These fields could not be read from the checkpoint and were",
              "guessed: a loader fills those absent from config.json with its own defaults, which are very",
@@ -201,7 +201,7 @@ def _write_guess_readme(staging: Path, plan: Plan, source: ConfigSource) -> None
     (staging / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def verify_output(plan: Plan, out_dir: Path, index: dict, sample: int) -> dict:
+def verify_output(plan: ConversionPlan, out_dir: Path, index: dict, sample: int) -> dict:
     """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
     from safetensors import safe_open
     from neon_hpc.reshard.serial import convert_all, materialize
@@ -231,7 +231,7 @@ def _same_bytes(a, b) -> bool:
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def _subplan(plan: Plan, names: set[str]) -> Plan:
+def _subplan(plan: ConversionPlan, names: set[str]) -> ConversionPlan:
     """The plan restricted to tasks that produce one of ``names`` (for sampled verification)."""
     import copy
     sub = copy.copy(plan)
@@ -239,7 +239,7 @@ def _subplan(plan: Plan, names: set[str]) -> Plan:
     return sub
 
 
-def _stats(plan: Plan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
+def _stats(plan: ConversionPlan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
     per_rank = [r for res in results for r in res.get("ranks", [])]
     return {
         "mode": mode, "ranks": plan.ranks, "processes": len(results), "tasks": len(plan.tasks),

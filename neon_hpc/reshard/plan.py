@@ -93,7 +93,7 @@ class ShardFile:
 
 
 @dataclass
-class Plan:
+class ConversionPlan:
     ckpt: Checkpoint
     spec: ModelSpec
     ranks: int
@@ -264,7 +264,7 @@ def safetensors_header(entries: list[tuple[OutTensor, int, int]]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> Plan:
+def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionPlan:
     """Build the whole plan from metadata; raises before anything is written on any problem
     (unknown key, shape mismatch, missing or truncated ``.distcp``)."""
     if ranks < 1:
@@ -274,4 +274,4 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int 
     tasks = assign_ranks(group_tasks(ckpt, slabs), ranks)
     shards = layout_shards(tasks, ranks, shard_cap)
     location = {o.name: (s.name, len(s.header) + b) for s in shards for o, b, _ in s.entries}
-    return Plan(ckpt, spec, ranks, tasks, shards, location)
+    return ConversionPlan(ckpt, spec, ranks, tasks, shards, location)

@@ -48,7 +48,9 @@ from neon_hpc.train.config import TrainConfig
 
 
 @dataclass
-class Layout:
+class RankLayout:
+    """The trainer's parallel layout as one rank sees it: the group sizes and its coordinates in them."""
+
     tp: int
     ep: int
     pp: int
@@ -104,7 +106,7 @@ class Backend:
     built for chunk ``c``'s MoE layers.
     """
 
-    def __init__(self, model_cfg: ModelConfig, layout: Layout, model: Any = None, ddp: Any = None,
+    def __init__(self, model_cfg: ModelConfig, layout: RankLayout, model: Any = None, ddp: Any = None,
                  optimizer: Any = None, replay: bool = True, models: list | None = None,
                  ddps: list | None = None, replay_spans: list[tuple[int, int]] | None = None,
                  precision: str = "fp32", recompute: str = "none") -> None:
@@ -303,7 +305,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     optimizer = get_megatron_optimizer(opt_cfg, ddps)
     fuse_torch_adam(optimizer)
     (offset, n_local) = built[0]
-    layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
+    layout = RankLayout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
                     dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, cp=cp,
                     cp_rank=coords["dp_rank"] % cp, layer_offset=offset,
@@ -495,7 +497,7 @@ def _renumber_layer(key: str, shift: int) -> str:
     return key if m is None else f"decoder.layers.{int(m.group(1)) + shift}.{key[m.end():]}"
 
 
-def stage_state_dict(full: dict[str, torch.Tensor], lay: Layout, chunk: int = 0) -> dict[str, torch.Tensor]:
+def stage_state_dict(full: dict[str, torch.Tensor], lay: RankLayout, chunk: int = 0) -> dict[str, torch.Tensor]:
     """The part of a full (all-layer) state dict model chunk ``chunk`` of this pipeline stage
     holds (the stage itself without virtual stages), in its local numbering."""
     out = {}

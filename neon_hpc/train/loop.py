@@ -144,7 +144,7 @@ class StepData:
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
-    balance: dict = field(default_factory=dict)   # Plan.summary(): predicted makespan, shadow planners
+    balance: dict = field(default_factory=dict)   # StepPlan.summary(): predicted makespan, shadow planners
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
@@ -198,7 +198,7 @@ def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
 
     ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
     ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
-    group (``Plan.cp_shards``).  A planner error stops the step: it is raised as a
+    group (``StepPlan.cp_shards``).  A planner error stops the step: it is raised as a
     :class:`TrainerError` naming the planner, never replaced by another packing.
     """
     from neon_hpc.balance.configured import plan_for_config
@@ -217,7 +217,7 @@ def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
     """``pieces[data_rank][microbatch]``: what each of the ``dp * cp`` data ranks runs.
 
     Data rank ``g`` is CP rank ``g % cp`` of DP rank ``g // cp`` (megatron's data-parallel
-    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``Plan.cp_shards``.
+    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepPlan.cp_shards``.
     """
     out = []
     for r, mbs in enumerate(plan.ranks):
