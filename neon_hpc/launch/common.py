@@ -10,6 +10,8 @@ from typing import Any
 
 from neon_hpc import config
 from neon_hpc.config import ConfigError, ExperimentConfig
+from neon_hpc.launch import lease
+from neon_hpc.launch.lease import LeaseHeld
 from neon_hpc.protocol.records import Finished, JobRecord, Preempted
 from neon_hpc.protocol.rundir import RunDir, atomic_write_text, remove_stale_tmp
 from neon_hpc.store import open_store
@@ -52,7 +54,6 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
                 restart: int = 0) -> tuple[RunDir, ExperimentConfig]:
     """Take the run directory's lease (``launch.lease``; raises ``LeaseHeld`` while another launch
     lives), create (or resume) it; returns it and the config in force (run.yaml)."""
-    from neon_hpc.launch import lease
     lease.acquire(RunDir(resolve_run_dir(cfg, run_dir)), backend, job_id, restart, lease_token)
     run, cfg, diffs = write_run_yaml(cfg, run_dir)
     if diffs:
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="slurm")
     p.add_argument("--job-id", default="local")
     a = p.parse_args(argv)
-    from neon_hpc.launch.lease import LeaseHeld
     try:
         run, _cfg = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id,
                                 lease_token=os.environ.get("NEON_LEASE_TOKEN") or None,

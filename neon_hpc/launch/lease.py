@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from neon_hpc.launch.slurmjob import in_queue
 from neon_hpc.protocol.records import LeaseRecord
 from neon_hpc.protocol.rundir import RunDir, create_json
 
@@ -124,7 +125,6 @@ def owner_dead(run: RunDir, rec: LeaseRecord, job_id: str = "local", restart: in
 
 def _slurm_job_gone(job_id: str) -> str | None:
     """Slurm's word that the job no longer runs (squeue lists nothing), else None (or no Slurm)."""
-    from neon_hpc.launch.slurmjob import in_queue
     seen = in_queue(job_id)
     if seen == "gone":
         return f"Slurm job {job_id} is no longer in the queue"

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neon_hpc.progress import bar
 from neon_hpc.reshard.arch import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
 from neon_hpc.reshard.plan import ConversionPlan, Task, intersects
@@ -126,6 +127,7 @@ class ChunkReader:
         return self._fds[name]
 
     def read(self, key: str, c: Chunk, dtype: str):
+        # torch is imported where used: importing this module (the reshard CLI does) does not load it
         import torch
         fd = self._fd(c.file)
         if os.fstat(fd).st_size < c.offset + c.length:
@@ -224,7 +226,6 @@ class Progress:
     """Rank 0's progress bar over the bytes of its share (``neon_hpc.progress``: terminals only)."""
 
     def __init__(self, total_bytes: int, enabled: bool, label: str = "reshard"):
-        from neon_hpc.progress import bar
         self._bar = bar(total=max(total_bytes, 1), desc=label, unit="B", unit_scale=True, show=enabled)
 
     def add(self, n: int) -> None:

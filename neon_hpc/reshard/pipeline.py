@@ -13,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
 from neon_hpc.reshard.arch import MappingError, ModelSpec, canonical_arch
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
@@ -22,6 +23,7 @@ from neon_hpc.reshard.hfconfig import write_hf_side
 from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, make_plan
+from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
 
 
 class ReshardError(RuntimeError):
@@ -126,7 +128,6 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
 
 
 def _make_staging(dst: Path) -> Path:
-    from neon_hpc.protocol.rundir import staging_dir_for
     staging = staging_dir_for(dst)
     staging.chmod(0o755)  # mkdtemp makes it 0700; the published folder is read by engines
     return staging
@@ -153,7 +154,6 @@ def _execute(plan: ConversionPlan, mode: str, my_ranks: list[int], staging: Path
 
 
 def _execute_serial(plan: ConversionPlan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
-    from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
     t = time.monotonic()
     hf = convert_all(plan, materialize(plan, verify_digests))
     index = reshard_write(hf, staging, shard_cap)
@@ -167,7 +167,6 @@ def _execute_serial(plan: ConversionPlan, staging: Path, shard_cap: int, verify_
 def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode,
             integrity: str) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
-    from neon_hpc.protocol.rundir import publish_dir
     try:
         if errors:
             raise ReshardError("; ".join(errors))
@@ -203,8 +202,8 @@ def _write_guess_readme(staging: Path, plan: ConversionPlan, source: ConfigSourc
 
 def verify_output(plan: ConversionPlan, out_dir: Path, index: dict, sample: int) -> dict:
     """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
+    # safetensors and torch are imported where used: importing this module does not load them
     from safetensors import safe_open
-    from neon_hpc.reshard.serial import convert_all, materialize
     names = sorted(index["weight_map"])
     if sample:
         names = sorted(random.Random(0).sample(names, min(sample, len(names))))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from neon_hpc.reshard.arch import ModelSpec, OutTensor, Slab, plan_slabs
-from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, Chunk, check_chunks_present
+from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, CheckpointError, Chunk, check_chunks_present
 
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -205,7 +205,6 @@ def _cover(c: Chunk, n_lead: int) -> list[tuple[int, ...]]:
 
 def _check_coverage(ckpt: Checkpoint, tasks: list[Task]) -> None:
     """Every slab must be fully covered by its chunks (else the metadata is incomplete)."""
-    from neon_hpc.reshard.metadata import CheckpointError
     for t in tasks:
         for s in t.slabs:
             n_lead = len(s.index)

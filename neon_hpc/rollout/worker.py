@@ -31,11 +31,14 @@ import time
 
 from neon_hpc import envs
 from neon_hpc.logs import RoleLogger, job_id
+from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.agent import run_group
+from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.sections import WorkerSections
 from neon_hpc.store import StoreConfig, open_store
 
@@ -136,10 +139,6 @@ def run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str) 
 
 
 def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
-    from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.rollout.agent import run_group
-    from neon_hpc.rollout.engines.client import EngineClient
-
     run = RunDir(run_dir)
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 

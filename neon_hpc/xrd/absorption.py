@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from neon_hpc.xrd.library import load_library
+
 TABLE_PATH = Path(__file__).parent / "data" / "mass_attenuation.json"
 # K-alpha1 lines (A) the table holds; a pattern's wavelength must be within LINE_TOL of one of them
 LINES = {"CrKa1": 2.289760, "FeKa1": 1.936042, "CoKa1": 1.788965, "CuKa1": 1.540598, "MoKa1": 0.709300,
@@ -237,7 +239,6 @@ def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="rebuild data/mass_attenuation.json from an XrayDB sqlite file")
     ap.add_argument("--build", required=True, help="path of xraydb.sqlite (pip download xraydb; it is in the wheel)")
     args = ap.parse_args(argv)
-    from neon_hpc.xrd.library import load_library
     elements = sorted({e for p in load_library().phases for e in p.elements})
     t = build_table(args.build, elements)
     print(f"wrote {TABLE_PATH}: {len(t['mu_rho'])} elements x {len(LINES)} lines")
