@@ -3,6 +3,7 @@ summary is in :mod:`neon_hpc.launch.summary`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -78,8 +79,6 @@ def sweep_staging(run: RunDir, cfg: ExperimentConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.launch.common``: prepare the run directory (used by the sbatch script)."""
-    import argparse
-    import sys
     p = argparse.ArgumentParser(prog="python -m neon_hpc.launch.common")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", default=None)

@@ -5,6 +5,7 @@ the folder into place.  The output directory is complete or absent.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -232,7 +233,6 @@ def _same_bytes(a, b) -> bool:
 
 def _subplan(plan: ConversionPlan, names: set[str]) -> ConversionPlan:
     """The plan restricted to tasks that produce one of ``names`` (for sampled verification)."""
-    import copy
     sub = copy.copy(plan)
     sub.tasks = [t for t in plan.tasks if any(o.name in names for s in t.slabs for o in s.outputs)]
     return sub

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 from neon_hpc import envs
@@ -103,7 +104,6 @@ class _Beater:
     which drops beats older than ``protocol.heartbeat_expiry_s``)."""
 
     def __init__(self, run: RunDir, worker: int, every_s: float | None = None):
-        import threading
         self.run, self.worker, self.fields = run, worker, {}
         self.every = HEARTBEAT_S if every_s is None else every_s
         self.lock = threading.Lock()

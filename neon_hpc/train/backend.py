@@ -42,9 +42,17 @@ import torch
 
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.balance.pipeline import microbatch_group_size
+from neon_hpc.models import megatron as mm
+from neon_hpc.models.adapters import get_adapter
+from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
+from neon_hpc.models.hf import read_hf_state_dict
+from neon_hpc.train import cpu_optimizer
 from neon_hpc.train.batch import MicroBatch, replay_tensors
 from neon_hpc.train.config import TrainConfig
+from neon_hpc.train.layout import chunk_layers, stage_layers
+from neon_hpc.train.loss import add_terms
 
 
 @dataclass
@@ -250,9 +258,6 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     Adam state; no loss scaling for bf16).  ``recompute``: :func:`recompute_overrides`.
     ``experts``: :func:`neon_hpc.models.megatron.build_gpt_model`'s.
     """
-    from neon_hpc.models import megatron as mm
-    from neon_hpc.train import cpu_optimizer
-    from neon_hpc.train.layout import chunk_layers, stage_layers
 
     per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
     if vpp > 1 and pp == 1:
@@ -369,7 +374,6 @@ def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
 def teardown() -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from neon_hpc.models import megatron as mm
     RouterReplay.clear_global_router_replay_instances()
     mm.destroy_parallel()
 
@@ -434,7 +438,6 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from neon_hpc.train.loss import add_terms
 
     n = len(microbatches)
     if n == 0:
@@ -533,8 +536,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     their partition dim (the fused QKV is split by query groups, so concatenation restores
     it; expert weights are not TP-split: expert TP is 1), local experts get global indices.
     """
-    from neon_hpc.models.adapters import get_adapter
-    from neon_hpc.models.adapters.base import tp_join
     import torch.distributed as dist
 
     lay = be.layout
@@ -578,7 +579,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
 
 def load_full_state_dict(be: Backend, full: dict[str, torch.Tensor]) -> None:
     """Load an unsharded megatron state dict into this rank's shard (every rank calls it)."""
-    from neon_hpc.models.convert import load_into_megatron, shard_for_rank
     for c, model in enumerate(be.models):
         load_into_megatron(model, shard_for_rank(stage_state_dict(full, be.layout, c), be.model_cfg,
                                                  tp_rank=be.layout.tp_rank, tp=be.layout.tp,
@@ -602,8 +602,6 @@ def init_checkpoint_kind(path: str | Path) -> str:
 
 def load_initial_weights(be: Backend, path: str) -> None:
     """Start from an HF folder (``config.json`` + safetensors) or a torch_dist checkpoint (model only)."""
-    from neon_hpc.models.convert import hf_to_megatron
-    from neon_hpc.models.hf import read_hf_state_dict
 
     p = Path(path)
     kind = init_checkpoint_kind(p)

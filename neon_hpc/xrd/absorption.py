@@ -27,9 +27,11 @@ chosen on other mixtures (:mod:`neon_hpc.xrd.evaluate`).
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +58,6 @@ class AbsorptionError(ValueError):
 
 def build_table(xraydb_sqlite: str, elements: list[str], out: Path = TABLE_PATH) -> dict:
     """Evaluate Elam's cubic splines (log mu vs log E) at ``LINES`` for ``elements``; write ``out``."""
-    import sqlite3
     con = sqlite3.connect(xraydb_sqlite)
 
     def spline(xs, ys, y2, t):
@@ -235,7 +236,6 @@ def brindley_correct(w, mu, rho, radius_um: float) -> Microabsorption:
 
 
 def _main(argv=None) -> int:
-    import argparse
     ap = argparse.ArgumentParser(description="rebuild data/mass_attenuation.json from an XrayDB sqlite file")
     ap.add_argument("--build", required=True, help="path of xraydb.sqlite (pip download xraydb; it is in the wheel)")
     args = ap.parse_args(argv)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -356,7 +358,6 @@ def _decide(tr, th, task: Task, strict: bool, quant=None):
 
 def detection_limits_by_scan(folds: dict) -> dict[str, dict]:
     """Median and max detection limit (weight fraction) of the refined phases, per scan length."""
-    import statistics
     by: dict[str, list[float]] = {}
     for f in folds.values():
         for scan, row in f.get("scans", {}).items():
@@ -392,7 +393,6 @@ def choose_thresholds(answers: list, grid) -> int:
 def thresholds_fitted_on_train(preset: str, n: int, seed: int = 0, workers: int = 2, grid=None,
                                progress: Callable[[str], None] | None = None) -> tuple[object, dict]:
     """The baseline's thresholds fitted on ``n`` train tasks of ``preset`` (nothing of another split is seen)."""
-    from concurrent.futures import ProcessPoolExecutor
     grid = tuple(grid or THRESHOLD_GRID)
     train = load_tasks(preset, "train", seed, n)
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(train)))) as pool:
@@ -408,7 +408,6 @@ def thresholds_fitted_on_train(preset: str, n: int, seed: int = 0, workers: int 
 def evaluate_fit_on_train(preset: str, split: str, n: int, seed: int = 0, workers: int = 2, grid=None,
                           progress: Callable[[str], None] | None = None) -> tuple[EvalReport, dict]:
     """Synthetic presets: the baseline's thresholds fitted on ``n`` train tasks, scored on ``split``."""
-    from concurrent.futures import ProcessPoolExecutor
     if split == "train":
         raise ValueError("fit-on-train scores a split other than train (the thresholds are fitted there)")
     grid = tuple(grid or THRESHOLD_GRID)

@@ -14,8 +14,11 @@ Toolsets: ``full`` (every text tool), ``minimal`` (raw pattern access + simulati
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import jsonschema
@@ -428,8 +431,6 @@ def tool_compare_hypotheses(args: dict, ctx: TaskContext) -> dict:
 
 def tool_plot_fit(args: dict, ctx: TaskContext) -> dict:
     """Observed, calculated and difference curves of a fit as a PNG in ``ctx.plot_dir``."""
-    import re
-    from pathlib import Path
     if not ctx.plot_dir:
         raise ToolError("plotting is off for this task (no plot directory configured)")
     if args.get("phases"):
@@ -518,7 +519,6 @@ def _error(message: str) -> dict:
 
 def _argument_chars(args: dict) -> int:
     """Characters of ``args`` as JSON (a walk that stops once past the limit)."""
-    import json
     try:
         return len(json.dumps(args, default=str, separators=(",", ":")))
     except (ValueError, RecursionError):   # circular or absurdly deep: over any limit

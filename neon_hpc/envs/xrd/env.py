@@ -23,6 +23,7 @@ Tools are ``neon_hpc.xrd.tools`` (``--tools full|minimal``); their errors come b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -163,7 +164,6 @@ class XRDEnv:
 
 def sample_label(task_id: str) -> str:
     """An opaque name for the prompt: real task ids are file names that spell out the answer."""
-    import hashlib
     return "S" + hashlib.sha256(task_id.encode()).hexdigest()[:10]
 
 
