@@ -25,13 +25,16 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc import config, envs
+from neon_hpc.balance.configured import cost_model_for_config
 from neon_hpc.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.config import ConfigError, ExperimentConfig
+from neon_hpc.reshard.metadata import CheckpointError
 
 Problem = tuple[str, str]   # (role: key, message)
 
 
 def _trainer(cfg: ExperimentConfig) -> list[Problem]:
+    # torch is imported where used (the trainer's checks): `neon-hpc config check` stays light
     from neon_hpc.train.loop import TrainerError, check_config
     try:
         check_config(cfg)
@@ -43,7 +46,6 @@ def _trainer(cfg: ExperimentConfig) -> list[Problem]:
 def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
     if not cfg.model.init_checkpoint:
         return []
-    from neon_hpc.reshard.metadata import CheckpointError
     from neon_hpc.train.checkpoint import check_init_checkpoint   # the trainer's own start-up check
     try:
         check_init_checkpoint(cfg.model.init_checkpoint)
@@ -53,7 +55,6 @@ def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
 
 
 def _cost_model(cfg: ExperimentConfig) -> list[Problem]:
-    from neon_hpc.balance.configured import cost_model_for_config
     try:
         cost_model_for_config(cfg)
     except ValueError as e:

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from neon_hpc import config
-from neon_hpc.launch.common import prepare_run, summarize, write_run_yaml
+from neon_hpc.launch.common import prepare_run, write_run_yaml
+from neon_hpc.launch.summary import summarize
 from neon_hpc.protocol.rundir import staging_dir_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -123,7 +123,7 @@ def test_virtual_pipeline_stages_reach_the_step_time_model():
     bubble shortens the planned step (balance.pipeline's model), V = 1 is the 1F1B one."""
     import dataclasses
     import numpy as np
-    from neon_hpc.plan.trainer import StepTimeModel
+    from neon_hpc.plan.steptime import StepTimeModel
     cfg = config.load(TINY, overrides=["train.pipeline_parallel=2", "train.virtual_pipeline_stages=2",
                                        "model.num_layers=4"])
     s = from_experiment(cfg, TINY)

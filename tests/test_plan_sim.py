@@ -152,11 +152,11 @@ def test_engines_load_weights_only_at_the_nodes_checks():
     """Groups start on the engines' version: a check every 10 s plus a 0.5 s load against 1 s
     steps, the engines lag the trainer by 0.5 s (the load) plus on average half the 10.5 s
     cycle: the data is about 0.5 + 10.5 / 2 versions staler than with instant pickup."""
-    from neon_hpc.plan.sim import _Sim
+    from neon_hpc.plan.sim import Sim
     base = constant(slot_mode="worker", rollout_slots=8, group_size=2, trajectories_per_step=4, fixed_step_s=1.0,
                     decode_tokens_per_s=1000.0, steps=200, max_staleness=1000, backpressure_steps=4)
     instant = simulate(base)
-    sim = _Sim(dataclasses.replace(base, weight_poll_s=10.0, weight_load_s=0.5))
+    sim = Sim(dataclasses.replace(base, weight_poll_s=10.0, weight_load_s=0.5))
     lagged = sim.run()
     assert lagged.staleness_mean - instant.staleness_mean == pytest.approx(0.5 + 10.5 / 2, abs=0.5)
     assert lagged.consumed == instant.consumed == 200 * 4

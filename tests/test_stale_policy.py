@@ -112,7 +112,7 @@ def test_version_span_histogram_counts_distinct_versions_of_generated_tokens():
 
 
 def test_summary_and_status_show_version_spans_and_waste():
-    from neon_hpc.launch.common import render_summary, trained_versions_and_waste
+    from neon_hpc.launch.summary import render_summary, trained_versions_and_waste
     from neon_hpc.ops.status import render
     steps = [{"version_spans": {"1": 10, "2": 6}, "claimed_gen_tokens": 100, "masked_stale_tokens": 3,
               "dropped_stale_tokens": 2},

@@ -247,14 +247,14 @@ def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path
 
 def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
     from neon_hpc.models.config import ModelConfig
-    from neon_hpc.train.backend import Backend, Layout
+    from neon_hpc.train.backend import Backend, RankLayout
     from neon_hpc.train.layout import stage_layers
 
     per_stage = stage_layers(5, 2, 0, 2)
     assert per_stage == [3, 2]
     rows = []
     for pp_rank, n in enumerate(per_stage):
-        lay = Layout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
+        lay = RankLayout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
                      pp_rank=pp_rank, layer_offset=sum(per_stage[:pp_rank]), num_local_layers=n)
         be = Backend(model_cfg=ModelConfig(num_layers=5), layout=lay, model=None, ddp=None, optimizer=None,
                      replay=True)
@@ -265,12 +265,12 @@ def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
 def test_a_stage_with_a_dense_layer_replays_only_its_moe_layers():
     # Kimi-K2 / DeepSeek-V3: the first layer is dense; routes carry the MoE layers' rows only
     from model_fixtures import tiny_dsv3
-    from neon_hpc.train.backend import Backend, Layout
+    from neon_hpc.train.backend import Backend, RankLayout
 
     mcfg = tiny_dsv3()                      # 3 layers: 0 dense, 1 and 2 MoE
     rows = []
     for pp_rank, (offset, n) in enumerate([(0, 2), (2, 1)]):
-        lay = Layout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
+        lay = RankLayout(tp=1, ep=1, pp=2, dp=1, rank=pp_rank, world=2, tp_rank=0, ep_rank=0, dp_rank=0,
                      pp_rank=pp_rank, layer_offset=offset, num_local_layers=n)
         rows.append(Backend(model_cfg=mcfg, layout=lay, model=None, ddp=None, optimizer=None,
                             replay=True).route_rows())

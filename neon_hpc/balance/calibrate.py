@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from neon_hpc.balance.cost import CostModel, flops_breakdown
+from neon_hpc.progress import bar
 
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # packed micro-batches of short documents, fitted with the single sequences so that the
@@ -41,6 +42,7 @@ def fit_microbatches(mbs: Sequence[Sequence[tuple[int, int]]], times: Sequence[f
     """Non-negative least squares of ``t = c0 + d*pieces + a*tokens + b*sum(e^2 - s^2)`` over
     measured micro-batches, rows scaled by ``1/t`` (relative error).  ``per_piece=False``
     drops ``d`` (single-sequence data cannot tell it from ``c0``)."""
+    # scipy is imported where used: importing this module does not load it
     from scipy.optimize import nnls
     t = np.asarray(times, dtype=np.float64)
     X = np.array([_features(mb) for mb in mbs], dtype=np.float64)
@@ -81,7 +83,6 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     runner.best_of([(0, min(lengths))], 1)                # warm-up: allocator, kernels, optimizer state
     mbs = [[(0, int(n))] for n in lengths] + [[(0, n)] * k for n, k in PACKED]
     times = []
-    from neon_hpc.progress import bar
     for i, mb in enumerate(bar(mbs, desc="calibrate", unit="mb")):
         t = runner.best_of(mb, repeats)
         times.append(t)

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
+from neon_hpc.balance.configured import load_cost_file, plan_for_config
+from neon_hpc.balance.memory import fit_activation_memory, memory_block
+
 
 def main(argv: list[str], trainer_step=None) -> int:
     """``trainer_step()`` -> the module that runs the trainer's own step
@@ -83,7 +87,6 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _calibrate(a, trainer_step=None) -> int:
-    from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
     from neon_hpc.protocol.rundir import atomic_write_json
     cfg = _load_cfg(a)
     if a.lengths:
@@ -137,7 +140,6 @@ def _calibrate(a, trainer_step=None) -> int:
 def _memory(a, cfg, lengths, step) -> dict:
     """The cost file's memory block (balance/memory.py) from the trainer's steps at two depths,
     measured in a fresh process (an allocator this process's timing steps have not shaped)."""
-    from neon_hpc.balance.memory import fit_activation_memory, memory_block
     points, d = step.measure_memory_process(a.config, a.set, step.memory_lengths(lengths))
     return memory_block(fit_activation_memory(points), cfg.model, element_bytes=d["element_bytes"],
                         recompute=d["recompute"], method=d["memory_method"], device=d["device"],
@@ -180,7 +182,6 @@ def synthetic_lengths(spec: str, seed: int = 0) -> np.ndarray:
 
 
 def _dry_run(a) -> int:
-    from neon_hpc.balance.configured import load_cost_file, plan_for_config
     cfg = _load_cfg(a)
     if a.lengths:
         lengths = _int_list(a.lengths, "--lengths")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from neon_hpc.balance.cost import CostModel
-from neon_hpc.balance.plan import Plan
+from neon_hpc.balance.plan import StepPlan
 from neon_hpc.balance.planners import plan_step
 
 
@@ -41,7 +41,7 @@ def cost_model_for_config(cfg) -> CostModel:
     return CostModel.from_model_config(cfg.model)
 
 
-def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, **overrides) -> Plan:
+def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, **overrides) -> StepPlan:
     t, b = cfg.train, cfg.balance
     kw = dict(dp=t.data_parallel, pp_microbatches=max(1, b.min_microbatches or t.pipeline_parallel),
               pp_stages=t.pipeline_parallel, cp=t.context_parallel,

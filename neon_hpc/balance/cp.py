@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from neon_hpc.balance.cost import CostModel
+from neon_hpc.balance.plan import Piece
 
 # beyond this spread between CP ranks, long-enough pieces below the threshold are zigzagged too
 CP_TOLERANCE = 0.02
@@ -43,7 +44,6 @@ def auto_threshold(token_cap: int, cp: int) -> int:
 def cp_shards(pieces: Sequence, cost: CostModel, cp: int, threshold: int = 0,
               images: Sequence[int] | None = None):
     """Per CP rank, the pieces (``Piece(seq, start, end)``) it computes."""
-    from neon_hpc.balance.plan import Piece
     shards, _ = _assign(pieces, cost, cp, threshold, images)
     return [[Piece(*x) for x in shard] for shard in shards]
 

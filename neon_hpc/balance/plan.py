@@ -49,7 +49,7 @@ Microbatch = list  # list[Piece]
 
 
 @dataclass
-class Plan:
+class StepPlan:
     planner: str
     lengths: tuple[int, ...]
     cost: CostModel
@@ -137,7 +137,7 @@ def microbatch_cost(pieces: Sequence[Piece], cost: CostModel, cp: int = 1,
     return sum(piece_cost(cost, p[0], p[1], p[2], images) for p in pieces) + cost.mb_overhead
 
 
-def score(plan: Plan) -> Plan:
+def score(plan: StepPlan) -> StepPlan:
     """Fill in ``rank_time``, ``makespan`` and ``imbalance`` from the plan's assignment."""
     times = []
     for r, mbs in enumerate(plan.ranks):
@@ -150,7 +150,7 @@ def score(plan: Plan) -> Plan:
     return plan
 
 
-def check_plan(plan: Plan) -> None:
+def check_plan(plan: StepPlan) -> None:
     """Raise ``ValueError`` unless every token of every sequence is assigned exactly once,
     the pieces of a split sequence sit in one micro-batch slot, and all ranks have the
     same number of micro-batches.  (Two pieces of one sequence may share a rank: they then

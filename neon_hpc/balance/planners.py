@@ -1,4 +1,4 @@
-"""``plan_step``: one step's sequences -> a :class:`~neon_hpc.balance.plan.Plan`.
+"""``plan_step``: one step's sequences -> a :class:`~neon_hpc.balance.plan.StepPlan`.
 
 Planners (all deterministic, metadata only):
 
@@ -35,7 +35,7 @@ from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
 from neon_hpc.balance.kk import karmarkar_karp
 from neon_hpc.balance.pipeline import combine
-from neon_hpc.balance.plan import Piece, Plan, check_plan, score
+from neon_hpc.balance.plan import Piece, StepPlan, check_plan, score
 
 PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
 # the cost planner also scores the KK plans as candidates when len(lengths) * dp is at most this
@@ -52,7 +52,7 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
               token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
               planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
               images: Sequence[int] | None = None, cp_split_threshold: int = 0,
-              split: bool = True, check: bool = True, vpp: int = 1) -> Plan:
+              split: bool = True, check: bool = True, vpp: int = 1) -> StepPlan:
     """Plan one training step.
 
     ``lengths``: tokens per sequence (zero-length ones are ignored).  ``dp``: data-parallel
@@ -81,7 +81,7 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr,
                imgs, split, int(vpp))
 
-    plans: dict[str, Plan] = {}
+    plans: dict[str, StepPlan] = {}
     names = [planner] + [n for n in PLANNERS if n != planner and shadow]
     want_candidates = "cost" in names and len(lens) * dp <= CANDIDATE_LIMIT
     if want_candidates:
@@ -114,8 +114,8 @@ class _Ctx:
         self.cost, self.thr, self.images = cost, thr, images
         self.active = [i for i in range(len(lens)) if lens[i] > 0]
 
-    def make_plan(self, name: str, ranks, oversize=()) -> Plan:
-        plan = Plan(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
+    def make_plan(self, name: str, ranks, oversize=()) -> StepPlan:
+        plan = StepPlan(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
                     dp=self.dp, pp_stages=self.p, cp=self.cp, token_cap=self.cap,
                     cp_split_threshold=self.thr, ranks=ranks, oversize=sorted(oversize),
                     chosen_from=name, images=self.images, vpp=self.vpp)
@@ -176,7 +176,7 @@ def _pack_rank(ctx: _Ctx, items: list[int], weights: np.ndarray, method: str):
     return [[i] for i in big] + groups + [[] for _ in range(ctx.m_min - len(big) - len(groups))], big
 
 
-def _plan_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, method: str) -> Plan:
+def _plan_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, method: str) -> StepPlan:
     rank_mbs, oversize = [], []
     for items in rank_items:
         mbs, big = _pack_rank(ctx, items, weights, method)
@@ -185,41 +185,41 @@ def _plan_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, m
     return ctx.make_plan(name, _whole_ranks(ctx, rank_mbs), oversize)
 
 
-def _sequential(ctx: _Ctx) -> Plan:
+def _sequential(ctx: _Ctx) -> StepPlan:
     blocks = [list(map(int, b)) for b in np.array_split(np.asarray(ctx.active, dtype=np.int64), ctx.dp)]
     return _plan_baseline(ctx, "sequential", blocks, ctx.lens, "sequential")
 
 
-def _kk(ctx: _Ctx, name: str, weights: np.ndarray) -> Plan:
+def _kk(ctx: _Ctx, name: str, weights: np.ndarray) -> StepPlan:
     act = ctx.active
     parts = karmarkar_karp(weights[act], ctx.dp)
     rank_items = [[act[x] for x in part] for part in parts]
     return _plan_baseline(ctx, name, rank_items, weights, "kk")
 
 
-def _tokenkk(ctx: _Ctx) -> Plan:
+def _tokenkk(ctx: _Ctx) -> StepPlan:
     return _kk(ctx, "tokenkk", ctx.lens.astype(np.float64))
 
 
-def _flopkk(ctx: _Ctx) -> Plan:
+def _flopkk(ctx: _Ctx) -> StepPlan:
     return _kk(ctx, "flopkk", ctx.costs)
 
 
-def _best_candidate(ours: Plan, others: list[Plan]) -> Plan:
+def _best_candidate(ours: StepPlan, others: list[StepPlan]) -> StepPlan:
     """Keep ours unless a candidate is strictly faster and respects the cap at least as well."""
     best = ours
     for q in others:
         if len(q.oversize) <= len(ours.oversize) and q.makespan < best.makespan * (1 - 1e-12):
             best = q
     if best is not ours:
-        best = Plan(**{**best.__dict__, "chosen_from": best.planner})
+        best = StepPlan(**{**best.__dict__, "chosen_from": best.planner})
     return best
 
 
 # ---------------------------------------------------------------------------------------------
 # ours
 
-def _cost(ctx: _Ctx) -> Plan:
+def _cost(ctx: _Ctx) -> StepPlan:
     lens = ctx.lens
     total_tokens = int(lens.sum())
     # cost-balanced ranks hold unequal tokens (short-sequence ranks need more), so start

@@ -1,17 +1,18 @@
-"""What every launcher does the same way: prepare (or resume) the run directory, and
-summarise a run from its metrics."""
+"""What every launcher does the same way: prepare (or resume) the run directory (the run
+summary is in :mod:`neon_hpc.launch.summary`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from neon_hpc import config
 from neon_hpc.config import ConfigError, ExperimentConfig
-from neon_hpc.logs import read_metrics
+from neon_hpc.launch import lease
+from neon_hpc.launch.lease import LeaseHeld
 from neon_hpc.protocol.records import Finished, JobRecord, Preempted
 from neon_hpc.protocol.rundir import RunDir, atomic_write_text, remove_stale_tmp
 from neon_hpc.store import open_store
@@ -54,7 +55,6 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
                 restart: int = 0) -> tuple[RunDir, ExperimentConfig]:
     """Take the run directory's lease (``launch.lease``; raises ``LeaseHeld`` while another launch
     lives), create (or resume) it; returns it and the config in force (run.yaml)."""
-    from neon_hpc.launch import lease
     lease.acquire(RunDir(resolve_run_dir(cfg, run_dir)), backend, job_id, restart, lease_token)
     run, cfg, diffs = write_run_yaml(cfg, run_dir)
     if diffs:
@@ -68,24 +68,6 @@ def prepare_run(cfg: ExperimentConfig, run_dir: str | None, backend: str,
     return run, cfg
 
 
-def trained_versions_and_waste(trainer: list[dict]) -> dict[str, Any]:
-    """From trainer step records: how many versions the trained trajectories span (histogram),
-    the share spanning >= 2, and the rollout tokens wasted to staleness (dropped + masked over
-    generated, as the claims counted them)."""
-    spans: Counter = Counter()
-    for r in trainer:
-        for k, v in (r.get("version_spans") or {}).items():
-            spans[int(k)] += int(v)
-    gen = sum(int(r.get("claimed_gen_tokens", 0)) for r in trainer)
-    masked = sum(int(r.get("masked_stale_tokens", 0)) for r in trainer)
-    dropped = sum(int(r.get("dropped_stale_tokens", 0)) for r in trainer)
-    n = sum(spans.values())
-    return {"trained_versions_spanned": dict(sorted(spans.items())),
-            "trained_multi_version_fraction": sum(v for k, v in spans.items() if k >= 2) / n if n else None,
-            "masked_stale_tokens": masked, "dropped_stale_tokens": dropped,
-            "wasted_rollout_tokens": (masked + dropped) / gen if gen else None}
-
-
 def sweep_staging(run: RunDir, cfg: ExperimentConfig) -> int:
     """Remove what writers killed mid-write left: the trajectory store's staging (the filesystem
     store: hidden ``.*.tmp.*`` siblings of shards), checkpoints (``checkpoints/.step_N.tmp.*``)
@@ -95,104 +77,14 @@ def sweep_staging(run: RunDir, cfg: ExperimentConfig) -> int:
             + sum(remove_stale_tmp(d) for d in (run.checkpoints, run.weights)))
 
 
-def trainer_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One metrics record per step, the last one written: a step that was trained again after a
-    resume (its checkpoint was older) appears twice in metrics.jsonl but counts once."""
-    by_step: dict[Any, dict[str, Any]] = {}
-    for r in records:
-        by_step[r.get("step")] = r
-    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
-
-
-def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
-    run = RunDir(run_dir)
-    trainer = trainer_steps(read_metrics(run.root, "trainer"))
-    events = read_metrics(run.root, "rollout")
-    rollout = [r for r in events if "event" not in r]
-    spans = Counter(int(r["version_max"]) - int(r["version_min"]) + 1 for r in rollout
-                    if r.get("version_min", -1) >= 0)
-    job = JobRecord.read(run)
-    started = job and (job.first_started if job.first_started is not None else job.started)
-    times = [r["time"] for r in trainer + rollout]
-    wall = (max(times) - min([started] + times if started else times)) if times else 0.0
-    wait = sum(r.get("wait_s", 0.0) for r in trainer)
-    busy = sum(r.get("step_time_s", 0.0) for r in trainer)
-    workers = {r.get("worker") for r in rollout} or {0}
-    rollout_wait = sum(r.get("seconds", 0.0) for r in events if r.get("event") in ("admission_wait", "backpressure"))
-
-    def mean(xs):
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else None
-
-    k = max(1, min(3, len(trainer) // 3))
-    return {
-        "steps": len(trainer),
-        "trajectories_written": len(rollout),
-        "trajectories_trained": sum(int(r.get("trajectories", 0)) for r in trainer),
-        "tokens_written": sum(int(r.get("tokens", 0)) for r in rollout),
-        "tokens_trained": sum(int(r.get("tokens", 0)) for r in trainer),
-        "versions_spanned": dict(sorted(spans.items())),
-        "reward_first": mean([r.get("reward_mean") for r in trainer[:k]]),
-        "reward_last": mean([r.get("reward_mean") for r in trainer[-k:]]),
-        "reward_steps": k,                      # steps averaged at each end
-        "staleness_max": max((r.get("staleness_max", 0) for r in trainer), default=None),
-        "trainer_idle_fraction": wait / (wait + busy) if wait + busy > 0 else None,
-        "rollout_idle_fraction": rollout_wait / (wall * len(workers)) if wall > 0 else None,
-        "wall_s": wall,
-        **trained_versions_and_waste(trainer),
-    }
-
-
-def render_summary(s: dict[str, Any]) -> str:
-    def f(v):
-        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
-    spans = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}" for k, v in s["versions_spanned"].items()) or "-"
-    trained = ", ".join(f"{k} version{'s' if k > 1 else ''}: {v}"
-                        for k, v in s.get("trained_versions_spanned", {}).items()) or "-"
-    ends = f" (mean of {s['reward_steps']} steps at each end)" if s.get("reward_steps") else ""
-    return "\n".join([
-        f"steps {s['steps']}   wall {s['wall_s']:.0f}s",
-        f"trajectories written {s['trajectories_written']}, trained {s['trajectories_trained']}; "
-        f"tokens written {s['tokens_written']}, trained {s['tokens_trained']}",
-        f"versions spanned per trajectory (newest - oldest + 1, as written): {spans}",
-        f"versions spanned per trained trajectory (token by token): {trained}   "
-        f"(>= 2 versions: {f(s.get('trained_multi_version_fraction'))})",
-        f"wasted rollout tokens {f(s.get('wasted_rollout_tokens'))} (stale: {s.get('masked_stale_tokens', 0)} "
-        f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
-        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   max staleness {f(s['staleness_max'])}",
-        f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
-    ] + _eval_lines(s, f))
-
-
-def _eval_lines(s: dict[str, Any], f) -> list[str]:
-    """The warm start and the greedy eval before/after RL (``launch/warm.py``), when the run has them."""
-    out = []
-    w = s.get("warm_start") or {}
-    if w:
-        out.append(f"warm start: {(w.get('demos') or {}).get('demos', '-')} demonstrations, SFT loss "
-                   f"{f(w.get('sft_loss_first'))} -> {f(w.get('sft_loss_last'))}"
-                   f"{' (reused)' if w.get('reused') else ''}; RL from {w.get('checkpoint')}")
-    if s.get("eval_success_end") is not None:
-        out.append(f"eval success (greedy, {s.get('eval_tasks')} held-out tasks): start of RL "
-                   f"{f(s.get('eval_success_start'))} (v_{s.get('eval_version_start')}) -> end "
-                   f"{f(s.get('eval_success_end'))} (v_{s.get('eval_version_end')}); dense "
-                   f"{f(s.get('eval_dense_start'))} -> {f(s.get('eval_dense_end'))}")
-    if s.get("cpu_s_children") is not None:
-        out.append(f"CPU time: launcher {s['cpu_s_launcher']:.0f}s, its processes {s['cpu_s_children']:.0f}s")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.launch.common``: prepare the run directory (used by the sbatch script)."""
-    import argparse
-    import sys
     p = argparse.ArgumentParser(prog="python -m neon_hpc.launch.common")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--backend", default="slurm")
     p.add_argument("--job-id", default="local")
     a = p.parse_args(argv)
-    from neon_hpc.launch.lease import LeaseHeld
     try:
         run, _cfg = prepare_run(config.load(a.config), a.run_dir, a.backend, a.job_id,
                                 lease_token=os.environ.get("NEON_LEASE_TOKEN") or None,

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from neon_hpc.models.tokenizer import load_tokenizer
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="neon-hpc demos", description="write demonstration conversations (the "
@@ -24,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: warm_start.imperfect)")
     a = p.parse_args(argv)
     from neon_hpc import config, envs
-    from neon_hpc.models.tokenizer import load_tokenizer
     cfg = config.load(a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"), a.set)
     n = cfg.warm_start.demos if a.n is None else a.n
     imperfect = cfg.warm_start.imperfect if a.imperfect is None else a.imperfect

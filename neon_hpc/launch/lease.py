@@ -36,13 +36,17 @@ renewal (it then sees the new token and stops itself, at most :data:`RENEW_S` la
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 
+from neon_hpc.launch.slurmjob import in_queue
 from neon_hpc.protocol.records import LeaseRecord
 from neon_hpc.protocol.rundir import RunDir, create_json
 
@@ -124,7 +128,6 @@ def owner_dead(run: RunDir, rec: LeaseRecord, job_id: str = "local", restart: in
 
 def _slurm_job_gone(job_id: str) -> str | None:
     """Slurm's word that the job no longer runs (squeue lists nothing), else None (or no Slurm)."""
-    from neon_hpc.launch.slurmjob import in_queue
     seen = in_queue(job_id)
     if seen == "gone":
         return f"Slurm job {job_id} is no longer in the queue"
@@ -185,7 +188,6 @@ def check_free(run: RunDir) -> None:
 
 
 def _sweep(run: RunDir, dead: LeaseRecord, gen: int) -> None:
-    import shutil
     shutil.rmtree(run.lease_members_dir(dead.token), ignore_errors=True)
     for g, p in run.lease_takeover_files():
         if g < gen:
@@ -207,7 +209,6 @@ def release(run: RunDir, token: str) -> bool:
     if cur is None or cur.token != token:
         return False
     LeaseRecord.clear(run)
-    import shutil
     shutil.rmtree(run.lease_members_dir(token), ignore_errors=True)
     return True
 
@@ -250,14 +251,12 @@ def join_launch(run_dir: str, who: str) -> Renewer | None:
 
 
 def _stop_self(msg: str) -> None:
-    import sys
     print(f"neon-hpc: {msg}; stopping", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.launch.lease release RUN_DIR``: the sbatch script's release at the end."""
-    import argparse
     p = argparse.ArgumentParser(prog="python -m neon_hpc.launch.lease")
     p.add_argument("action", choices=["release", "show"])
     p.add_argument("run_dir")

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc import config
-from neon_hpc.launch import lease
-from neon_hpc.launch.common import prepare_run, render_summary, resolve_run_dir, summarize, trainer_steps
+from neon_hpc.launch import lease, warm as W
+from neon_hpc.launch.common import prepare_run, resolve_run_dir
+from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
 from neon_hpc.launch.config import parse_cpus
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
@@ -198,7 +199,6 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
     a = p.parse_args(argv)
     cfg_path = a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
     cfg = config.load(cfg_path, a.set)
-    from neon_hpc.launch import warm as W
     W.apply_warm_start(cfg, resolve_run_dir(cfg, a.run_dir))   # RL starts from the SFT checkpoint
     token = lease.new_token()
     try:

@@ -32,9 +32,15 @@ import sys
 import threading
 import time
 
-from neon_hpc import config
+from neon_hpc import config, logsinks
 from neon_hpc.procutil import forked_children_die_with_me
+from neon_hpc.protocol import RunDir, mark_finished as mark
+from neon_hpc.protocol.rundir import StorageError
 from neon_hpc.rankenv import node_rank, trainer_rank_from_slurm
+from neon_hpc.rollout.sections import WorkerSections
+from neon_hpc.rollout.worker import run_worker
+from neon_hpc.train.sections import TrainerSections
+from neon_hpc.train.writers import CheckpointWriterError
 
 LAUNCHER_POLL_S = 1.0    # how often a role checks its launcher is still its parent
 
@@ -58,15 +64,12 @@ def watch_launcher(role: str) -> threading.Thread | None:
 
 def mark_finished(run_dir: str) -> None:
     """The finished marker: every trainer step is done; the rollout side stops on it."""
-    from neon_hpc.protocol import RunDir, mark_finished as mark
     mark(RunDir(run_dir), by="trainer")
 
 
 def _trainer(cfg, run_dir: str) -> int:
+    # the trainer (torch, megatron) is imported where used: the rollout roles never load it
     from neon_hpc.train.loop import run_trainer
-    from neon_hpc.train.sections import TrainerSections
-    from neon_hpc.protocol.rundir import StorageError
-    from neon_hpc.train.writers import CheckpointWriterError
     try:
         rc = run_trainer(TrainerSections.of(cfg), run_dir)     # the trainer's view of the config
     except (CheckpointWriterError, StorageError) as e:
@@ -98,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-url", default=None)
     a = p.parse_args(argv)
     cfg = config.load(a.config)
-    from neon_hpc import logsinks
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     if a.role in ("trainer", "rollout-node"):
         from neon_hpc.launch.lease import join_launch
@@ -114,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         from neon_hpc.rollout.node import RolloutNode
         from neon_hpc.rollout.sections import NodeSections
         return RolloutNode(NodeSections.of(cfg), a.run_dir).run_forever()
-    from neon_hpc.rollout.sections import WorkerSections
-    from neon_hpc.rollout.worker import run_worker
     rank = a.rank if a.rank is not None else int(os.environ.get("SLURM_PROCID", 0))
     return run_worker(WorkerSections.of(cfg), a.run_dir, rank, a.engine_url)
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import resolve_run_dir, write_run_yaml
+from neon_hpc.launch.lease import LeaseHeld, check_free
 from neon_hpc.launch.slurm import quote, render_sbatch, sbatch_command
 from neon_hpc.launch.slurmjob import query
-from neon_hpc.protocol.rundir import atomic_write_text
+from neon_hpc.protocol.rundir import RunDir, atomic_write_text
 
 
 def submit(cfg: config.ExperimentConfig, config_path: str, run_dir: Path) -> tuple[str, Path]:
@@ -60,8 +61,6 @@ def main(argv: list[str]) -> int:
         print(render_sbatch(cfg, a.config), end="")
         return 0
     run_dir = resolve_run_dir(cfg, a.run_dir)
-    from neon_hpc.launch.lease import LeaseHeld, check_free
-    from neon_hpc.protocol.rundir import RunDir
     try:
         check_free(RunDir(run_dir))   # the job takes the lease itself when it starts
     except LeaseHeld as e:

@@ -37,9 +37,13 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc import config, envs
+from neon_hpc.launch.common import resolve_run_dir
 from neon_hpc.logs import read_metrics
+from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights
+from neon_hpc.train.config import world_size
 
 WARM = "warm_start"
 SUMMARY = "summary.json"
@@ -100,7 +104,6 @@ def ensure_demos(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], 
     done = wdir / "demos" / "demos.json"
     if done.is_file():
         return {**read_json(done), "reused": True}
-    from neon_hpc.models.tokenizer import load_tokenizer
     plugin = envs.get(cfg.env.kind)
     if plugin.write_demos is None:
         raise WarmStartError(f"environment {cfg.env.kind!r} provides no demonstrations: set warm_start.enabled: false")
@@ -120,7 +123,6 @@ def ensure_sft(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], No
     ckpt = sft_checkpoint(cfg, wdir.parent)
     if _complete(ckpt):
         return {"checkpoint": str(ckpt), "reused": True, **_sft_losses(wdir)}
-    from neon_hpc.train.config import world_size
     scfg = sft_config(cfg, wdir)
     run = RunDir(wdir).create()
     atomic_write_text(run.run_yaml, config.dump(scfg))
@@ -180,8 +182,6 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
     if not versions:
         say("eval: no published weights; skipped")
         return {}
-    from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights
     plugin = envs.get(cfg.env.kind)
     source = plugin.tasks(envs.settings(plugin, cfg))
     tasks = eval_tasks(cfg.eval, source)
@@ -229,7 +229,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    from neon_hpc.launch.common import resolve_run_dir
     cfg = config.load(a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"), a.set)
     root = resolve_run_dir(cfg, a.run_dir)
     try:

@@ -68,6 +68,7 @@ Without CUDA (``NO_CUDA``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 import threading
@@ -265,8 +266,6 @@ def _patch_rng_tracker() -> None:
 
 
 def _patch_causal_mask() -> None:
-    import functools
-
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from neon_hpc.netutil import free_port
+
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, tp: int, ep: int, ids: np.ndarray, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,7 +71,6 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
     """
     import torch.multiprocessing as mp
 
-    from neon_hpc.netutil import free_port
 
     world = max(tp, ep)
     if world % tp or world % ep:

@@ -9,12 +9,11 @@ import argparse
 from pathlib import Path
 
 from neon_hpc.logs import read_metrics
-from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.protocol.rundir import RunDir, read_json
 
 
 def _eval_points(run: RunDir, steps: list) -> list[tuple[float, float, int]]:
     """(trainer step, eval success, tasks) at the start and the end of RL, from ``RUN/eval/{start,end}.json``."""
-    from neon_hpc.protocol.rundir import read_json
     out = []
     for which in ("start", "end"):
         e = read_json(run.root / "eval" / f"{which}.json")
@@ -24,6 +23,7 @@ def _eval_points(run: RunDir, steps: list) -> list[tuple[float, float, int]]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:
+    # matplotlib is imported where used: the light CLI imports this module
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

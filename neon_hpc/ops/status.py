@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from neon_hpc.launch.common import trained_versions_and_waste, trainer_steps
+from neon_hpc.launch.summary import trained_versions_and_waste, trainer_steps
 from neon_hpc.launch.slurmjob import SlurmUnavailable, query
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord

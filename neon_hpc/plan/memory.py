@@ -82,7 +82,9 @@ class ActivationTerm:
 
 
 @dataclass
-class Layout:
+class CandidateLayout:
+    """One parallel split the planner considers for the trainer (TP/PP/CP/EP/DP) and its memory per GPU."""
+
     train_gpus: int
     tp: int
     pp: int
@@ -117,7 +119,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 def layout_search(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_params: float, expert_params: float,
                   gpu_memory_bytes: float, fraction: float, num_experts: int = 0, num_layers: int = 0,
-                  activations: ActivationTerm | None = None) -> Layout:
+                  activations: ActivationTerm | None = None) -> CandidateLayout:
     """:func:`layout_for` with the config's ``pp``; when that does not divide ``train_gpus`` or
     does not fit, the smallest deeper pipeline that does (``pp' > pp`` dividing
     ``train_gpus / tp``, at least 2 layers per stage; ``train.pipeline_parallel`` is the
@@ -138,14 +140,14 @@ def layout_search(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_par
 
 def layout_for(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_params: float, expert_params: float,
                gpu_memory_bytes: float, fraction: float, num_experts: int = 0,
-               activations: ActivationTerm | None = None) -> Layout:
+               activations: ActivationTerm | None = None) -> CandidateLayout:
     """The layout ``train_gpus`` gives with the config's ``tp`` and ``pp``: CP the largest divisor
     of the model replica count up to the config's, EP the largest divisor of both
     ``train_gpus / pp`` and ``num_experts`` up to the config's, DP the rest; and whether its
     states plus ``activations`` (none counted without) fit."""
     limit = gpu_memory_bytes * fraction
     if train_gpus < tp * pp or train_gpus % (tp * pp):
-        return Layout(train_gpus, tp, pp, cp, ep, 0, math.inf, limit,
+        return CandidateLayout(train_gpus, tp, pp, cp, ep, 0, math.inf, limit,
                       f"{train_gpus} GPUs are not a whole number of tp x pp = {tp * pp} model replicas")
     width = train_gpus // (tp * pp)               # DP x CP
     cp2 = _largest_divisor_at_most(width, cp)
@@ -160,4 +162,4 @@ def layout_for(train_gpus: int, tp: int, pp: int, cp: int, ep: int, dense_params
         if activations is not None:
             what += f" + {act / 2**30:.0f} GiB activations (recompute {activations.recompute})"
         problem = f"needs {b / 2**30:.0f} GiB/GPU ({what}; > {fraction:.0%} of {gpu_memory_bytes / 2**30:.0f} GiB)"
-    return Layout(train_gpus, tp, pp, cp2, ep2, dp, b, limit, problem, act)
+    return CandidateLayout(train_gpus, tp, pp, cp2, ep2, dp, b, limit, problem, act)

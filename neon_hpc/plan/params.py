@@ -24,6 +24,8 @@ from neon_hpc import constraints
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.constraints import section
 from neon_hpc.plan.config import PlanConfig
+from neon_hpc.plan.memory import FORMULA
+from neon_hpc.rollout.engines.sglang_launch import engine_roles
 
 ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
 
@@ -367,7 +369,6 @@ def _layout(s: Sourced, cfg: Any, c) -> None:
         s.set("rollout_gpus", r, c("plan.total_gpus split like launch"))
         s.set("train_gpus", pc.total_gpus - r, c("plan.total_gpus split like launch"))
     # the engines that decode: under PD disaggregation the prefill engines hold no running request
-    from neon_hpc.rollout.engines.sglang_launch import engine_roles
     decoding = sum(1 for r in engine_roles(cfg) if r != "prefill")
     what = ("engine.num_engines - prefill engines (engine_roles)" if decoding != E.num_engines
             else "engine.num_engines")
@@ -413,7 +414,6 @@ def _activations(s: Sourced, cfg: Any, c) -> None:
     """The activation term's shape and coefficients (plan/memory.py): measured when
     ``plan.activation_file`` is set (the memory block of a ``neon-hpc balance calibrate`` cost
     file), else the documented formula."""
-    from neon_hpc.plan.memory import FORMULA
     pc, recompute = cfg.plan, cfg.train.recompute
     if pc.activation_file:
         from neon_hpc.balance.memory import load_memory

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 from typing import Callable
 
-from neon_hpc.plan.memory import ActivationTerm, Layout, layout_search
+from neon_hpc.plan.memory import ActivationTerm, CandidateLayout, layout_search
 from neon_hpc.plan.params import Sourced
 from neon_hpc.plan.sim import SimResult, simulate
-from neon_hpc.plan.trainer import RATIO_BATCH, StepTimeModel
+from neon_hpc.plan.steptime import RATIO_BATCH, StepTimeModel
 from neon_hpc.plan.workload import sample_episodes
 
 Progress = Callable[[str], None]
@@ -70,7 +70,7 @@ class SplitPoint:
     result: SimResult | None               # None: the trainer layout does not fit (see layout.problem)
     max_staleness: int = 0
     trajectories_per_step: int = 0
-    layout: Layout | None = None
+    layout: CandidateLayout | None = None
     concurrency: float = 0.0               # searched: episodes in flight / request slots (0 = the config's)
     num_workers: int = 0                   # rollout.num_workers this gives at this split
 
@@ -109,7 +109,7 @@ def split_changes(sourced: Sourced, rollout_nodes: int, train_nodes: int, concur
                 num_engines=max(1, int(round(p.num_engines * scale))), engine_slots=engine_slots)
 
 
-def trainer_layout(p, train_nodes: int) -> Layout:
+def trainer_layout(p, train_nodes: int) -> CandidateLayout:
     """The config's TP/PP on ``train_nodes`` (CP, EP, DP re-derived; a deeper pipeline when the
     config's does not divide or fit, see :func:`neon_hpc.plan.memory.layout_search`) and its
     memory verdict."""

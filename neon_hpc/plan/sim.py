@@ -81,7 +81,7 @@ import simpy
 from neon_hpc.plan.accounting import Accounts, Occupancy, SimResult
 from neon_hpc.plan.params import SimParams
 from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, _Group
-from neon_hpc.plan.trainer import StepTimeModel
+from neon_hpc.plan.steptime import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
 from neon_hpc.protocol import admission as rule
 
@@ -90,7 +90,17 @@ __all__ = ["POLICIES", "SimResult", "simulate"]
 POLICIES = ("sync", "one_step_off", "async")
 
 
-class _Sim:
+class Sim:
+    """The system of one simulated run.
+
+    Its interface to the slot policies (:mod:`neon_hpc.plan.slots`), the only methods they
+    call: :meth:`admit_new_group`, :meth:`open_group`, :meth:`version_at`,
+    :meth:`group_done`, :meth:`publish_shard`, :meth:`is_stale`, :meth:`discard` and
+    :meth:`fill`; they also read its state (``p``, ``env``, ``rng``, ``stall``, ``G``,
+    ``version``, ``in_place``, ``occ``, ``acc``, ``open``, ``pause_begun`` ...). The rest is
+    internal (underscored).
+    """
+
     def __init__(self, p: SimParams, step_model: StepTimeModel | None = None):
         if p.policy not in POLICIES:
             raise ValueError(f"policy {p.policy!r}: expected one of {', '.join(POLICIES)}")
@@ -116,7 +126,7 @@ class _Sim:
         self.step = 0                       # completed trainer steps = trainer's weight version
         self.published = 0                  # newest version the trainer has published
         self.version = 0                    # version the engines have loaded (new groups start on it)
-        self.trains = 0                     # version the trainer's next claim trains (see _admit_new_group)
+        self.trains = 0                     # version the trainer's next claim trains (see admit_new_group)
         self.use_gap = p.version_gap and p.admission == "steps_ahead"
         self.load_times: list[float] = []   # when the engines loaded ...
         self.load_versions: list[int] = []  # ... which version
@@ -156,7 +166,8 @@ class _Sim:
                       else WorkerSlots(self))
 
     # ---- admission and groups ---------------------------------------------------------
-    def _admit_new_group(self) -> bool:
+    def admit_new_group(self) -> bool:
+        """May a new group start now (the admission rule of ``SimParams.admission``)?"""
         p = self.p
         if self.batch_mode:
             return self.quota > 0
@@ -179,10 +190,12 @@ class _Sim:
             heapq.heappop(h)
         return h[0] if h else None
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Let the slot policy start what admission allows now."""
         self.slots.fill()
 
-    def _open_group(self) -> _Group:
+    def open_group(self) -> _Group:
+        """Open a new group on the engines' version (counted for admission and the batch)."""
         v = self.version
         self.open = g = _Group(self.G, v, self.batch_index, self.env._now)
         self.open_left = self.G
@@ -196,23 +209,24 @@ class _Sim:
             self._vmin_count[v] += 1
         return g
 
-    def _version_at(self, t: float) -> int:
+    def version_at(self, t: float) -> int:
+        """The version the engines had loaded at time ``t``."""
         i = bisect.bisect_right(self.load_times, t)
         return self.load_versions[i - 1] if i else 0
 
-    def _group_done(self, g: _Group) -> None:
+    def group_done(self, g: _Group) -> None:
         """A group has ended (its slots are free): count it for the batch controller, drop it
         at once if stale (``abort_stale``), else hand it to its slot policy's writer."""
         if self.batch_mode:
             self.batch_done += 1
             if self.batch_done == self.need and self._batch_event is not None:
                 self._batch_event.succeed()
-        if self.eager_drop and self._stale(g):
-            self._discard(g)
+        if self.eager_drop and self.is_stale(g):
+            self.discard(g)
             return
         self.slots.group_done(g)
 
-    def _publish(self, groups: list[_Group]) -> None:
+    def publish_shard(self, groups: list[_Group]) -> None:
         """A shard of these groups appears in ready/ (visible to the trainer and to admission)."""
         self.ready.append(groups)
         self.ready_n += len(groups)
@@ -220,7 +234,7 @@ class _Sim:
             self._waiter.succeed()
             self._waiter = None
 
-    def _stale(self, g: _Group) -> bool:
+    def is_stale(self, g: _Group) -> bool:
         """Nothing of ``g`` can train: its oldest (drop) or newest (mask) version is over the bound."""
         return not self.batch_mode and self.step - (g.vmax if self.mask else g.vmin) > self.p.max_staleness
 
@@ -228,7 +242,8 @@ class _Sim:
         if self.track_oldest:
             self._vmin_count[g.vmin] -= 1
 
-    def _discard(self, g: _Group) -> None:
+    def discard(self, g: _Group) -> None:
+        """Drop ``g`` (stale): its tokens are counted as discarded."""
         self._release(g)
         self.acc.discard(g.lengths)
 
@@ -241,8 +256,8 @@ class _Sim:
         for shard in self.ready:
             live = []
             for g in shard:
-                if self._stale(g):
-                    self._discard(g)
+                if self.is_stale(g):
+                    self.discard(g)
                 else:
                     live.append(g)
             if live:
@@ -267,8 +282,8 @@ class _Sim:
             shard = self.ready.popleft()
             self.ready_n -= len(shard)
             for g in shard:
-                if self._stale(g):
-                    self._discard(g)
+                if self.is_stale(g):
+                    self.discard(g)
                 else:
                     self._release(g)
                     batch.append(g)
@@ -281,7 +296,7 @@ class _Sim:
         self._take(batch, need)
         while len(batch) < need:
             self._starved = True
-            self._fill()                # a starved trainer lifts the 'oldest' admission rule
+            self.fill()                # a starved trainer lifts the 'oldest' admission rule
             if poll > 0:                # the claim looks at ready/ again after a poll
                 yield self.env.timeout(poll)
             else:
@@ -301,7 +316,7 @@ class _Sim:
             # the trainer has its data (heartbeat phase 'training'): its next claim trains this
             # step's version, one more than the one it trains now
             self.trains = self.step + 1
-            self._fill()                # consuming frees backpressure (polling workers see it themselves)
+            self.fill()                # consuming frees backpressure (polling workers see it themselves)
             acc.account(batch, self.step, self.step - p.max_staleness, self.mask and not self.batch_mode)
             k = len(acc.step_end)
             if p.step_seconds:          # a measured run's own step times, in order
@@ -327,7 +342,7 @@ class _Sim:
             acc.step_busy.append(self.occ.busy_until(env.now))
             self.slots.abort_stale_inflight()
             self._purge_stale_ready()
-            self._fill()
+            self.fill()
 
     # ---- weight pickup (the rollout node) -------------------------------------------------
     def _published(self, version: int) -> None:
@@ -374,7 +389,7 @@ class _Sim:
         if self._version_event is not None:
             ev, self._version_event = self._version_event, None
             ev.succeed()
-        self._fill()
+        self.fill()
 
     # ---- batch controller (sync, one_step_off) ----------------------------------------
     def _batches(self):
@@ -389,7 +404,7 @@ class _Sim:
             self.batch_index, self.batch_done = k, 0
             self._batch_event = env.event()
             self.quota += self.need * self.G
-            self._fill()
+            self.fill()
             yield self._batch_event
             self.acc.rollout_phase_s += env.now - t0
             k += 1
@@ -417,4 +432,4 @@ def simulate(p: SimParams, step_model: StepTimeModel | None = None) -> SimResult
     """Simulate ``p.steps`` trainer steps of one configuration and policy."""
     if p.rollout_slots < 1:
         raise ValueError("rollout_slots must be >= 1 (concurrent episodes over all engines)")
-    return _Sim(p, step_model).run()
+    return Sim(p, step_model).run()

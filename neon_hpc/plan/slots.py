@@ -28,7 +28,7 @@ event's end is not known in advance, so it is lazy: when a group (episode) is du
 seconds begun since its start, times its decode share (a tool call runs through a pause),
 push its end back, until no new pause began meanwhile.
 
-Both ask the simulation (:class:`neon_hpc.plan.sim._Sim`) whether a new group may start
+Both ask the simulation (:class:`neon_hpc.plan.sim.Sim`) whether a new group may start
 (admission), open groups there, and hand finished groups back to it; the books are kept in
 :mod:`neon_hpc.plan.accounting`.
 """
@@ -43,7 +43,7 @@ import simpy
 from neon_hpc.plan.workload import EngineStall, sample_episodes
 
 if TYPE_CHECKING:
-    from neon_hpc.plan.sim import _Sim
+    from neon_hpc.plan.sim import Sim
 
 CHUNK = 8192        # episodes sampled at a time
 
@@ -77,7 +77,7 @@ class _Worker:
 
 
 class _Slots:
-    def __init__(self, sim: "_Sim"):
+    def __init__(self, sim: "Sim"):
         self.sim = sim
         self.in_flight = 0              # episodes running
         self._stall_table = sim.stall.table_list
@@ -118,7 +118,7 @@ class _Slots:
         sim.occ.vacate(1, t0, sim.env._now)
         g.lengths.append(seq)
         if not sim.batch_mode and sim.load_times:
-            v_last = sim.version if sim.in_place else sim._version_at(sim.env._now - dur * last_frac)
+            v_last = sim.version if sim.in_place else sim.version_at(sim.env._now - dur * last_frac)
             if v_last > g.vmax:
                 g.vmax = v_last
         g.remaining -= 1
@@ -144,7 +144,7 @@ def decode_speed_table(p) -> list[float]:
 
 
 class WorkerSlots(_Slots):
-    def __init__(self, sim: "_Sim"):
+    def __init__(self, sim: "Sim"):
         super().__init__(sim)
         p, G = sim.p, sim.G
         if p.rollout_slots < G:
@@ -175,7 +175,7 @@ class WorkerSlots(_Slots):
         if self.poll > 0:   # refused workers re-check on their own polls
             return
         sim = self.sim
-        while self.waiting and sim._admit_new_group():
+        while self.waiting and sim.admit_new_group():
             self._start_worker(self.waiting.popleft())
 
     def _start_worker(self, w: _Worker) -> None:
@@ -184,7 +184,7 @@ class WorkerSlots(_Slots):
         hb = sim.G * (1 + len(w.buf))
         self.hb_total += hb - w.hb
         w.hb = hb
-        g = sim._open_group()
+        g = sim.open_group()
         if sim.abort_stale:
             self.inflight_groups[id(g)] = g
         g.worker = w
@@ -193,7 +193,7 @@ class WorkerSlots(_Slots):
     def _worker_check(self, w: _Worker) -> None:
         """The worker's admission check (its loop top, or a poll while refused)."""
         sim = self.sim
-        if sim._admit_new_group():
+        if sim.admit_new_group():
             self._start_worker(w)
             return
         self._flush(w)                 # refused: let the trainer have what it holds ...
@@ -207,7 +207,7 @@ class WorkerSlots(_Slots):
     def _flush(self, w: _Worker) -> None:
         if not w.buf:
             return
-        self.sim._publish(w.buf)
+        self.sim.publish_shard(w.buf)
         w.buf = []
 
     def group_done(self, g: _Group) -> None:
@@ -291,7 +291,7 @@ class WorkerSlots(_Slots):
             del self.inflight_groups[id(g)]
         self.in_flight -= sim.G
         if not sim.batch_mode and sim.load_times:   # in place: the last token saw the newest version
-            g.vmax = max(g.vmax, sim.version if sim.in_place else sim._version_at(t_last_turn))
+            g.vmax = max(g.vmax, sim.version if sim.in_place else sim.version_at(t_last_turn))
         g.remaining = 0
         sim.occ.vacate(sim.G, g.t_start, sim.env._now)
         self._group_end(g)
@@ -299,9 +299,9 @@ class WorkerSlots(_Slots):
     def _group_end(self, g: _Group) -> None:
         sim = self.sim
         sim.groups_open -= 1
-        sim._group_done(g)
+        sim.group_done(g)
         self._worker_check(g.worker)
-        sim._fill()
+        sim.fill()
 
     def abort_stale_inflight(self) -> None:
         """``abort_stale``: a group already beyond the bound can never be trained on; stop it
@@ -310,13 +310,13 @@ class WorkerSlots(_Slots):
         if not sim.abort_stale or sim.mask:   # masked: a running group's next tokens are fresh
             return
         for key, g in list(self.inflight_groups.items()):
-            if sim._stale(g):
+            if sim.is_stale(g):
                 del self.inflight_groups[key]
                 g.aborted = True
                 self.in_flight -= sim.G
                 sim.groups_open -= 1
                 sim.occ.vacate(sim.G, g.t_start, sim.env._now)
-                sim._discard(g)
+                sim.discard(g)
                 self.aborted_groups += 1
                 self._worker_check(g.worker)
 
@@ -326,7 +326,7 @@ class QueuedWorkerSlots(WorkerSlots):
     engines' FIFO queue. Workers, heartbeats, admission and the shard writer as in
     :class:`WorkerSlots`; a request slot is held per episode."""
 
-    def __init__(self, sim: "_Sim"):
+    def __init__(self, sim: "Sim"):
         super().__init__(sim)
         if sim.abort_stale:
             raise ValueError("abort_stale is not modelled when the workers' episodes (rollout_slots) exceed the "
@@ -388,7 +388,7 @@ class QueuedWorkerSlots(WorkerSlots):
 
 
 class EpisodeSlots(_Slots):
-    def __init__(self, sim: "_Sim"):
+    def __init__(self, sim: "Sim"):
         super().__init__(sim)
         if sim.abort_stale:
             raise ValueError("abort_stale is modelled for slot_mode 'worker' only (one event per group)")
@@ -404,14 +404,14 @@ class EpisodeSlots(_Slots):
         sim, occ = self.sim, self.sim.occ
         while occ.idle > 0:
             if sim.open_left == 0:
-                if not sim._admit_new_group():
+                if not sim.admit_new_group():
                     return
-                sim._open_group()
+                sim.open_group()
             occ.occupy(1, sim.env._now)
             self._start_episode()
 
     def group_done(self, g: _Group) -> None:
-        self.sim._publish([g])
+        self.sim.publish_shard([g])
 
     def _start_episode(self) -> None:
         # the hot path (one call per simulated episode): locals, no helper calls
@@ -448,5 +448,5 @@ class EpisodeSlots(_Slots):
             return
         if g.remaining == 0:
             self.sim.groups_open -= 1
-            self.sim._group_done(g)
-        self.sim._fill()
+            self.sim.group_done(g)
+        self.sim.fill()

@@ -25,6 +25,7 @@ staleness mean is estimated in the simulation from each group's version span (se
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import statistics
@@ -280,7 +281,6 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.plan.validate RUN [--seeds N]``: print the comparison; exit 1 if outside."""
-    import argparse
     ap = argparse.ArgumentParser(prog="python -m neon_hpc.plan.validate", description=main.__doc__)
     ap.add_argument("run_dir")
     ap.add_argument("--seeds", type=int, default=8)

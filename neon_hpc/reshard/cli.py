@@ -10,6 +10,9 @@ import json
 import sys
 
 from neon_hpc.hfmap import MODEL_TYPES
+from neon_hpc.reshard.comm import get_comm, launched_under_mpi
+from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
+from neon_hpc.reshard.metadata import CheckpointError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,9 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # the pipeline (pydantic, torch when converting) is imported where used: `--help` stays light; mpi4py only under MPI
     from neon_hpc.reshard.configsource import check_dst_outside_src
-    from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
-    from neon_hpc.reshard.metadata import CheckpointError
     from neon_hpc.reshard.pipeline import ReshardError, convert, plan_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:
@@ -78,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         _abort_world_if_mpi()
         raise
-    from neon_hpc.reshard.comm import get_comm
     if get_comm().rank == 0:
         _report(stats, args)
     return 0
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _abort_world_if_mpi() -> None:
     """An unexpected error on one rank must not leave the others waiting in a collective."""
-    from neon_hpc.reshard.comm import launched_under_mpi
     if launched_under_mpi():
         import traceback
         traceback.print_exc()

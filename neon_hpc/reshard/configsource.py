@@ -27,6 +27,7 @@ from neon_hpc.arch import get as get_architecture
 from neon_hpc.bounded import short_repr
 from neon_hpc.hfmap import hf_config_dict
 from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
+from neon_hpc.reshard.hfconfig import _num_layers, _shape, derive_hf_config
 from neon_hpc.reshard.metadata import Checkpoint, read_json_object
 
 CONFIG_FILE = "config.json"
@@ -133,7 +134,6 @@ def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None,
 
 
 def _derive(ckpt: Checkpoint, arch: str | None) -> tuple[dict | None, list[str]]:
-    from neon_hpc.reshard.hfconfig import derive_hf_config
     if arch is None:
         return None, list(_ALWAYS_GUESSED)
     cfg, guessed = derive_hf_config(ckpt, arch)
@@ -152,7 +152,6 @@ _SHAPE_FIELDS = {name: list(a.shape_fields) for name, a in ARCHITECTURES.items()
 def check_config_shapes(cfg: dict, ckpt: Checkpoint, arch: str | None = None) -> None:
     """Refuse a config whose shape fields disagree with the checkpoint's tensors (hidden size,
     layers, heads, experts, MLA ranks, vocab after padding), naming every mismatch."""
-    from neon_hpc.reshard.hfconfig import _num_layers, _shape, derive_hf_config
     resolved = arch or MODEL_TYPES.get(cfg.get("model_type") or "")
     derived: dict = {}
     if resolved in _SHAPE_FIELDS:

@@ -1,4 +1,4 @@
-"""Run one rank's share of a :class:`~neon_hpc.reshard.plan.Plan`.
+"""Run one rank's share of a :class:`~neon_hpc.reshard.plan.ConversionPlan`.
 
 Per task: ``pread`` each chunk's byte range, ``torch.load(weights_only=True)`` the blob,
 assemble the slab (usually the chunk itself, no copy), apply the ops, and ``pwrite`` each HF
@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neon_hpc.progress import bar
 from neon_hpc.reshard.arch import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
-from neon_hpc.reshard.plan import Plan, Task, intersects
+from neon_hpc.reshard.plan import ConversionPlan, Task, intersects
 
 
 @dataclass
@@ -126,6 +127,7 @@ class ChunkReader:
         return self._fds[name]
 
     def read(self, key: str, c: Chunk, dtype: str):
+        # torch is imported where used: importing this module (the reshard CLI does) does not load it
         import torch
         fd = self._fd(c.file)
         if os.fstat(fd).st_size < c.offset + c.length:
@@ -224,7 +226,6 @@ class Progress:
     """Rank 0's progress bar over the bytes of its share (``neon_hpc.progress``: terminals only)."""
 
     def __init__(self, total_bytes: int, enabled: bool, label: str = "reshard"):
-        from neon_hpc.progress import bar
         self._bar = bar(total=max(total_bytes, 1), desc=label, unit="B", unit_scale=True, show=enabled)
 
     def add(self, n: int) -> None:
@@ -234,7 +235,7 @@ class Progress:
         self._bar.close()
 
 
-def run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
+def run_rank(plan: ConversionPlan, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
     """Write this rank's safetensors files into ``staging``; returns its stats.  ``verify_digests``:
     check every chunk read against the checkpoint's digests (when it has them)."""
     with one_thread():
@@ -255,7 +256,7 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool, verify_digests: bool) -> RankStats:
+def _run_rank(plan: ConversionPlan, rank: int, staging: Path, show_progress: bool, verify_digests: bool) -> RankStats:
     t0 = time.monotonic()
     stats = RankStats(rank)
     fds = _open_shards(plan, rank, staging)
@@ -286,7 +287,7 @@ def _run_rank(plan: Plan, rank: int, staging: Path, show_progress: bool, verify_
     return stats
 
 
-def _open_shards(plan: Plan, rank: int, staging: Path) -> dict[str, int]:
+def _open_shards(plan: ConversionPlan, rank: int, staging: Path) -> dict[str, int]:
     fds = {}
     for s in plan.shards_of(rank):
         fd = os.open(staging / s.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -296,7 +297,7 @@ def _open_shards(plan: Plan, rank: int, staging: Path) -> dict[str, int]:
     return fds
 
 
-def _run_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
+def _run_task(plan: ConversionPlan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
     dtypes = {s.key: s.dtype for s in task.slabs}
     if task.streamable:
         return _stream_task(plan, task, reader, fds, dtypes)
@@ -316,7 +317,7 @@ def _row_range(op, rows: int) -> tuple[int, int]:
     return op.args if op.kind == "rows" else (0, rows)
 
 
-def _stream_task(plan: Plan, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
+def _stream_task(plan: ConversionPlan, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
     """Read one chunk at a time and write its rows straight into every output they belong to."""
     written = 0
     for key, c in task.chunks:

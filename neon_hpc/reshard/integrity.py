@@ -27,7 +27,7 @@ from pathlib import Path
 import xxhash
 
 from neon_hpc.bounded import short_repr
-from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
 
 DIGEST_FILE = "integrity.json"
 ALGORITHM = "xxh3_64"
@@ -87,7 +87,6 @@ def digest_file(path: Path, items: list[tuple[int, int]]) -> dict:
 def storage_items(ckpt_dir: Path) -> dict[str, list[tuple[int, int]]]:
     """Per ``.distcp`` file, the ``(offset, length)`` of each storage item, from ``.metadata``
     (read with reshard's allowlist unpickler, never ``pickle.load``)."""
-    from neon_hpc.reshard.metadata import load_dcp_metadata
     meta = load_dcp_metadata(Path(ckpt_dir) / ".metadata")
     storage = getattr(meta, "storage_data", None)
     if not isinstance(storage, dict):
@@ -173,7 +172,6 @@ def load(ckpt_dir: str | os.PathLike) -> Digests | None:
 
     The whole file is checked here, before any tensor byte is read: a damaged ``integrity.json``
     (not UTF-8, not JSON, or not the shape written by :func:`write`) raises naming it."""
-    from neon_hpc.reshard.metadata import read_json_object
     path = Path(ckpt_dir) / DIGEST_FILE
     body = read_json_object(path, "the checkpoint's digest file", IntegrityError)
     if body is None:

@@ -5,6 +5,7 @@ the folder into place.  The output directory is complete or absent.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -13,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
 from neon_hpc.reshard.arch import MappingError, ModelSpec, canonical_arch
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
@@ -21,7 +23,8 @@ from neon_hpc.reshard.configsource import resolve as resolve_config
 from neon_hpc.reshard.hfconfig import write_hf_side
 from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
-from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, make_plan
+from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, make_plan
+from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
 
 
 class ReshardError(RuntimeError):
@@ -29,7 +32,7 @@ class ReshardError(RuntimeError):
 
 
 def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
-               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[Plan, dict, list[str]]:
+               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionPlan, dict, list[str]]:
     """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields).
 
     The config comes from :func:`neon_hpc.reshard.configsource.resolve` (``--hf-config-dir``,
@@ -40,7 +43,7 @@ def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
 
 
 def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
-                     allow_guessed_config: bool = False) -> tuple[Plan, ConfigSource]:
+                     allow_guessed_config: bool = False) -> tuple[ConversionPlan, ConfigSource]:
     arch = canonical_arch(arch) if arch else None     # an alias (--arch) is its architecture
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
@@ -126,7 +129,6 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
 
 
 def _make_staging(dst: Path) -> Path:
-    from neon_hpc.protocol.rundir import staging_dir_for
     staging = staging_dir_for(dst)
     staging.chmod(0o755)  # mkdtemp makes it 0700; the published folder is read by engines
     return staging
@@ -143,7 +145,7 @@ def _guarded(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
+def _execute(plan: ConversionPlan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
              verify_digests: bool) -> dict:
     if mode == "serial":
         return _execute_serial(plan, staging, shard_cap, verify_digests)
@@ -152,8 +154,7 @@ def _execute(plan: Plan, mode: str, my_ranks: list[int], staging: Path, show: bo
     return {"ranks": per_rank, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
-    from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
+def _execute_serial(plan: ConversionPlan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
     t = time.monotonic()
     hf = convert_all(plan, materialize(plan, verify_digests))
     index = reshard_write(hf, staging, shard_cap)
@@ -167,7 +168,6 @@ def _execute_serial(plan: Plan, staging: Path, shard_cap: int, verify_digests: b
 def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode,
             integrity: str) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
-    from neon_hpc.protocol.rundir import publish_dir
     try:
         if errors:
             raise ReshardError("; ".join(errors))
@@ -192,7 +192,7 @@ def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[s
         raise
 
 
-def _write_guess_readme(staging: Path, plan: Plan, source: ConfigSource) -> None:
+def _write_guess_readme(staging: Path, plan: ConversionPlan, source: ConfigSource) -> None:
     lines = [f"# HF weights converted from {plan.ckpt.path}", "",
              f"config.json was {source.origin}. These fields could not be read from the checkpoint and were",
              "guessed: a loader fills those absent from config.json with its own defaults, which are very",
@@ -201,10 +201,10 @@ def _write_guess_readme(staging: Path, plan: Plan, source: ConfigSource) -> None
     (staging / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def verify_output(plan: Plan, out_dir: Path, index: dict, sample: int) -> dict:
+def verify_output(plan: ConversionPlan, out_dir: Path, index: dict, sample: int) -> dict:
     """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
+    # safetensors and torch are imported where used: importing this module does not load them
     from safetensors import safe_open
-    from neon_hpc.reshard.serial import convert_all, materialize
     names = sorted(index["weight_map"])
     if sample:
         names = sorted(random.Random(0).sample(names, min(sample, len(names))))
@@ -231,15 +231,14 @@ def _same_bytes(a, b) -> bool:
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def _subplan(plan: Plan, names: set[str]) -> Plan:
+def _subplan(plan: ConversionPlan, names: set[str]) -> ConversionPlan:
     """The plan restricted to tasks that produce one of ``names`` (for sampled verification)."""
-    import copy
     sub = copy.copy(plan)
     sub.tasks = [t for t in plan.tasks if any(o.name in names for s in t.slabs for o in s.outputs)]
     return sub
 
 
-def _stats(plan: Plan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
+def _stats(plan: ConversionPlan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
     per_rank = [r for res in results for r in res.get("ranks", [])]
     return {
         "mode": mode, "ranks": plan.ranks, "processes": len(results), "tasks": len(plan.tasks),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from neon_hpc.reshard.arch import ModelSpec, OutTensor, Slab, plan_slabs
-from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, Chunk, check_chunks_present
+from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, CheckpointError, Chunk, check_chunks_present
 
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -93,7 +93,7 @@ class ShardFile:
 
 
 @dataclass
-class Plan:
+class ConversionPlan:
     ckpt: Checkpoint
     spec: ModelSpec
     ranks: int
@@ -205,7 +205,6 @@ def _cover(c: Chunk, n_lead: int) -> list[tuple[int, ...]]:
 
 def _check_coverage(ckpt: Checkpoint, tasks: list[Task]) -> None:
     """Every slab must be fully covered by its chunks (else the metadata is incomplete)."""
-    from neon_hpc.reshard.metadata import CheckpointError
     for t in tasks:
         for s in t.slabs:
             n_lead = len(s.index)
@@ -264,7 +263,7 @@ def safetensors_header(entries: list[tuple[OutTensor, int, int]]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> Plan:
+def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionPlan:
     """Build the whole plan from metadata; raises before anything is written on any problem
     (unknown key, shape mismatch, missing or truncated ``.distcp``)."""
     if ranks < 1:
@@ -274,4 +273,4 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int 
     tasks = assign_ranks(group_tasks(ckpt, slabs), ranks)
     shards = layout_shards(tasks, ranks, shard_cap)
     location = {o.name: (s.name, len(s.header) + b) for s in shards for o, b, _ in s.entries}
-    return Plan(ckpt, spec, ranks, tasks, shards, location)
+    return ConversionPlan(ckpt, spec, ranks, tasks, shards, location)

@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from neon_hpc.reshard.arch import apply_op
-from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, Plan, out_nbytes
+from neon_hpc.reshard.execute import one_thread
+from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, out_nbytes
 
 
-def materialize(plan: Plan, verify_digests: bool = True) -> dict:
+def materialize(plan: ConversionPlan, verify_digests: bool = True) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
+    # torch is imported where used: this module is imported by the light reshard CLI
     import torch
     import torch.distributed.checkpoint as dcp
     keys = sorted({s.key for t in plan.tasks for s in t.slabs})
@@ -23,7 +25,6 @@ def materialize(plan: Plan, verify_digests: bool = True) -> dict:
              for k in keys}
     # .metadata was already read by our restricted unpickler in make_plan, so DCP's own
     # (unrestricted) read of it happens only for a file we have checked.
-    from neon_hpc.reshard.execute import one_thread
     reader = dcp.FileSystemReader(str(plan.ckpt.path))
     if plan.ckpt.digests is not None and verify_digests:      # the same digest check as the fast path, on DCP's reads
         from neon_hpc.reshard.integrity import guard_reader
@@ -33,7 +34,7 @@ def materialize(plan: Plan, verify_digests: bool = True) -> dict:
     return state
 
 
-def convert_all(plan: Plan, full: dict) -> dict:
+def convert_all(plan: ConversionPlan, full: dict) -> dict:
     """HF name -> tensor for the whole model (held in memory at once, as the serial tools do)."""
     out = {}
     for t in plan.tasks:
@@ -65,5 +66,5 @@ def reshard_write(hf: dict, dst: Path, shard_cap: int = DEFAULT_SHARD_CAP) -> di
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
-def expected_bytes(plan: Plan) -> int:
+def expected_bytes(plan: ConversionPlan) -> int:
     return sum(out_nbytes(o) for t in plan.tasks for s in t.slabs for o in s.outputs)

@@ -131,7 +131,7 @@ DEFAULT_GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
-class Layout:
+class EngineLayout:
     """Where the engines of a run go on the nodes of the rollout group.
 
     An engine of ``gpus_per_engine`` GPUs either spans ``nodes_per_engine`` whole nodes
@@ -172,10 +172,10 @@ class Layout:
         return sorted({self.first_node(i) for i in range(self.num_engines)})
 
 
-def layout(cfg) -> Layout:
+def layout(cfg) -> EngineLayout:
     e = cfg.engine
     gpus = e.tp_size * e.dp_size
     per_node = getattr(getattr(cfg.launch, "rollout", None), "gpus_per_node", 0) or DEFAULT_GPUS_PER_NODE
     if gpus <= per_node:
-        return Layout(e.num_engines, gpus, per_node, 1, per_node // gpus)
-    return Layout(e.num_engines, gpus, per_node, math.ceil(gpus / per_node), 1)
+        return EngineLayout(e.num_engines, gpus, per_node, 1, per_node // gpus)
+    return EngineLayout(e.num_engines, gpus, per_node, math.ceil(gpus / per_node), 1)

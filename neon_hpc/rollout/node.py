@@ -36,6 +36,7 @@ from pathlib import Path
 from neon_hpc.logs import RoleLogger
 from neon_hpc.procutil import StopFlag, child_setup, stop_tree
 from neon_hpc.rankenv import node_count, node_rank
+from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
 from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
 from neon_hpc.protocol.rundir import RunDir
@@ -95,7 +96,6 @@ class RolloutNode:
 
     def start_engines(self, version: int, path: Path) -> bool:
         """Start and health-check this node's engines; False if stopped (or failed) meanwhile."""
-        from neon_hpc.rollout.engines.client import EngineClient
         try:
             if not self.engines.start(version, path, lambda: self.stopping):
                 return False

@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 from neon_hpc import envs
 from neon_hpc.logs import RoleLogger, job_id
+from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.agent import run_group
+from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.sections import WorkerSections
 from neon_hpc.store import StoreConfig, open_store
 
@@ -100,7 +104,6 @@ class _Beater:
     which drops beats older than ``protocol.heartbeat_expiry_s``)."""
 
     def __init__(self, run: RunDir, worker: int, every_s: float | None = None):
-        import threading
         self.run, self.worker, self.fields = run, worker, {}
         self.every = HEARTBEAT_S if every_s is None else every_s
         self.lock = threading.Lock()
@@ -136,10 +139,6 @@ def run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str) 
 
 
 def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
-    from neon_hpc.models.tokenizer import load_tokenizer
-    from neon_hpc.rollout.agent import run_group
-    from neon_hpc.rollout.engines.client import EngineClient
-
     run = RunDir(run_dir)
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 

@@ -42,13 +42,23 @@ import torch
 
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.balance.pipeline import microbatch_group_size
+from neon_hpc.models import megatron as mm
+from neon_hpc.models.adapters import get_adapter
+from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
+from neon_hpc.models.hf import read_hf_state_dict
+from neon_hpc.train import cpu_optimizer
 from neon_hpc.train.batch import MicroBatch, replay_tensors
 from neon_hpc.train.config import TrainConfig
+from neon_hpc.train.layout import chunk_layers, stage_layers
+from neon_hpc.train.loss import add_terms
 
 
 @dataclass
-class Layout:
+class RankLayout:
+    """The trainer's parallel layout as one rank sees it: the group sizes and its coordinates in them."""
+
     tp: int
     ep: int
     pp: int
@@ -104,7 +114,7 @@ class Backend:
     built for chunk ``c``'s MoE layers.
     """
 
-    def __init__(self, model_cfg: ModelConfig, layout: Layout, model: Any = None, ddp: Any = None,
+    def __init__(self, model_cfg: ModelConfig, layout: RankLayout, model: Any = None, ddp: Any = None,
                  optimizer: Any = None, replay: bool = True, models: list | None = None,
                  ddps: list | None = None, replay_spans: list[tuple[int, int]] | None = None,
                  precision: str = "fp32", recompute: str = "none") -> None:
@@ -248,9 +258,6 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     Adam state; no loss scaling for bf16).  ``recompute``: :func:`recompute_overrides`.
     ``experts``: :func:`neon_hpc.models.megatron.build_gpt_model`'s.
     """
-    from neon_hpc.models import megatron as mm
-    from neon_hpc.train import cpu_optimizer
-    from neon_hpc.train.layout import chunk_layers, stage_layers
 
     per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
     if vpp > 1 and pp == 1:
@@ -303,7 +310,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     optimizer = get_megatron_optimizer(opt_cfg, ddps)
     fuse_torch_adam(optimizer)
     (offset, n_local) = built[0]
-    layout = Layout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
+    layout = RankLayout(tp=tp, ep=ep, pp=pp, dp=ps.get_data_parallel_world_size(), rank=coords["rank"],
                     world=coords["world_size"], tp_rank=coords["tp_rank"], ep_rank=coords["ep_rank"],
                     dp_rank=coords["dp_rank"], pp_rank=pp_rank, vpp=vpp, cp=cp,
                     cp_rank=coords["dp_rank"] % cp, layer_offset=offset,
@@ -367,7 +374,6 @@ def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
 def teardown() -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from neon_hpc.models import megatron as mm
     RouterReplay.clear_global_router_replay_instances()
     mm.destroy_parallel()
 
@@ -432,7 +438,6 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from neon_hpc.train.loss import add_terms
 
     n = len(microbatches)
     if n == 0:
@@ -495,7 +500,7 @@ def _renumber_layer(key: str, shift: int) -> str:
     return key if m is None else f"decoder.layers.{int(m.group(1)) + shift}.{key[m.end():]}"
 
 
-def stage_state_dict(full: dict[str, torch.Tensor], lay: Layout, chunk: int = 0) -> dict[str, torch.Tensor]:
+def stage_state_dict(full: dict[str, torch.Tensor], lay: RankLayout, chunk: int = 0) -> dict[str, torch.Tensor]:
     """The part of a full (all-layer) state dict model chunk ``chunk`` of this pipeline stage
     holds (the stage itself without virtual stages), in its local numbering."""
     out = {}
@@ -531,8 +536,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     their partition dim (the fused QKV is split by query groups, so concatenation restores
     it; expert weights are not TP-split: expert TP is 1), local experts get global indices.
     """
-    from neon_hpc.models.adapters import get_adapter
-    from neon_hpc.models.adapters.base import tp_join
     import torch.distributed as dist
 
     lay = be.layout
@@ -576,7 +579,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
 
 def load_full_state_dict(be: Backend, full: dict[str, torch.Tensor]) -> None:
     """Load an unsharded megatron state dict into this rank's shard (every rank calls it)."""
-    from neon_hpc.models.convert import load_into_megatron, shard_for_rank
     for c, model in enumerate(be.models):
         load_into_megatron(model, shard_for_rank(stage_state_dict(full, be.layout, c), be.model_cfg,
                                                  tp_rank=be.layout.tp_rank, tp=be.layout.tp,
@@ -600,8 +602,6 @@ def init_checkpoint_kind(path: str | Path) -> str:
 
 def load_initial_weights(be: Backend, path: str) -> None:
     """Start from an HF folder (``config.json`` + safetensors) or a torch_dist checkpoint (model only)."""
-    from neon_hpc.models.convert import hf_to_megatron
-    from neon_hpc.models.hf import read_hf_state_dict
 
     p = Path(path)
     kind = init_checkpoint_kind(p)

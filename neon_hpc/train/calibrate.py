@@ -34,11 +34,18 @@ The trainer's ``train.precision`` and ``train.recompute`` are passed to ``backen
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import gc
+import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Sequence
 
 import numpy as np
@@ -206,7 +213,6 @@ class TrainerStepRunner:
     def close(self) -> None:
         """Tear the process group down and free the model, its grads and optimizer state (on CUDA
         back to the device too: the memory measurement's process runs after this one's)."""
-        import gc
 
         import torch
         from neon_hpc.train import backend as B
@@ -218,7 +224,6 @@ class TrainerStepRunner:
 
 
 def _version(dist_name: str) -> str | None:
-    from importlib import metadata
     try:
         return metadata.version(dist_name)
     except metadata.PackageNotFoundError:
@@ -272,7 +277,6 @@ def measure_memory(cfg: Any, lengths: Sequence[int], repeats: int = 2,
     behind would be reused and counted.  Returns ``([(layers, tokens, peak_bytes)], describe()
     of the config's depth with its ``element_bytes``)``.
     """
-    import dataclasses
 
     import torch
     say = progress or (lambda s: None)
@@ -299,10 +303,6 @@ def measure_memory_process(config_path: str | None, sets: Sequence[str], lengths
                            repeats: int = 2) -> tuple[list[tuple[int, int, float]], dict]:
     """:func:`measure_memory` in a fresh Python process (the config file and ``--set`` overrides
     as the CLI got them); its progress goes to this process's stderr."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
     with tempfile.TemporaryDirectory(prefix="neon_memory_") as tmp:
         out = os.path.join(tmp, "memory.json")
         cmd = [sys.executable, "-m", "neon_hpc.train.calibrate", "--out", out, "--repeats", str(repeats),
@@ -321,7 +321,6 @@ def measure_memory_process(config_path: str | None, sets: Sequence[str], lengths
 def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.train.calibrate --out F --lengths ... [--config C] [--set k=v]``: the
     memory measurement of :func:`measure_memory_process` (a fresh process)."""
-    import argparse
 
     from neon_hpc import config
     from neon_hpc.protocol.rundir import atomic_write_json

@@ -38,15 +38,19 @@ import shutil
 import sys
 import signal
 import time
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from neon_hpc.bounded import REPR_CAP, clip_text
+from neon_hpc.procutil import die_with_parent
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for
-from neon_hpc.train.backend import Backend, load_model_state, model_sharded_state_dict, param_digest
+from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
+from neon_hpc.train.backend import Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
 
 STATE_FILE = "trainer_state.json"
@@ -120,9 +124,7 @@ def shield_writer_processes() -> None:
     if not hasattr(fa, "_get_write_results_queue") or getattr(fa, "_results_queue", None) is not None:
         return
     import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
 
-    from neon_hpc.procutil import die_with_parent
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
     try:
         # what megatron's _get_write_results_queue builds (a spawn-context Manager's Queue),
@@ -173,7 +175,6 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    from neon_hpc.reshard.metadata import CheckpointError, read_json_object
     path = Path(ckpt_dir) / STATE_FILE
     st = read_json_object(path, "the trainer's state record")
     if st is None:
@@ -193,7 +194,6 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
     through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` (one line) naming
     the file, the global it refused, and what to do; returns the (stand-in) DCP metadata.
     """
-    from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata
 
     ckpt = Path(ckpt_dir)
     meta = load_dcp_metadata(ckpt / ".metadata")
@@ -211,7 +211,6 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
 def _why_not_weights_only(path: Path, error: Exception) -> str:
     """One line on why ``torch.load(weights_only=True)`` refused ``path``: the globals it names
     that are not allowed (read from the pickle, never run), else the error's first line."""
-    from neon_hpc.bounded import REPR_CAP, clip_text
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:  # noqa: BLE001 - not a readable torch.save archive: say what torch said
@@ -228,8 +227,6 @@ def check_init_checkpoint(path: str | Path) -> None:
     """Refuse ``model.init_checkpoint`` before the model is built: a folder that is neither an
     HF folder nor a torch_dist checkpoint, or a torch_dist one that :func:`refuse_untrusted`
     refuses.  Raises ``CheckpointError``, one line, prefixed with the config key."""
-    from neon_hpc.reshard.metadata import CheckpointError
-    from neon_hpc.train.backend import init_checkpoint_kind
     try:
         if init_checkpoint_kind(path) == "hf":
             return

@@ -37,14 +37,23 @@ from typing import Any
 
 import numpy as np
 
+from neon_hpc.balance.configured import plan_for_config
 from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag
 from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.train import checkpoint as ckpt
+from neon_hpc.replay.layout import to_trainer_rows
+from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.store import ClaimTimeout, open_store
+from neon_hpc.train import backend as B, checkpoint as ckpt, writers
+from neon_hpc.train.backend import forward_backward, reduce_step_sums
 from neon_hpc.train.batch import build_microbatch, input_lengths
+from neon_hpc.train.config import correction_errors, world_fix, world_size
+from neon_hpc.train.layout import layout_errors
+from neon_hpc.train.memory import StepMemory
+from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
@@ -112,15 +121,12 @@ def _any_rank(flag: bool, world: int) -> bool:
 # checks
 
 def check_config(cfg: TrainerSections) -> None:
-    from neon_hpc.train.config import correction_errors
-    from neon_hpc.train.layout import layout_errors
     for key, msg in correction_errors(cfg) + layout_errors(cfg):
         raise TrainerError(f"{key}: {msg}")
 
 
 def check_world(cfg: TrainerSections, world: int) -> None:
     """The processes started must be exactly the layout's ``tp * pp * cp * dp`` ranks."""
-    from neon_hpc.train.config import world_fix, world_size
     t = cfg.train
     want = world_size(cfg)
     if world != want:
@@ -144,7 +150,7 @@ class StepData:
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
-    balance: dict = field(default_factory=dict)   # Plan.summary(): predicted makespan, shadow planners
+    balance: dict = field(default_factory=dict)   # StepPlan.summary(): predicted makespan, shadow planners
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
@@ -155,7 +161,6 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
     and preemption signals stay live on every rank while rollouts catch up.
     """
-    from neon_hpc.store import ClaimTimeout, open_store
 
     store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
@@ -198,10 +203,9 @@ def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
 
     ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
     ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
-    group (``Plan.cp_shards``).  A planner error stops the step: it is raised as a
+    group (``StepPlan.cp_shards``).  A planner error stops the step: it is raised as a
     :class:`TrainerError` naming the planner, never replaced by another packing.
     """
-    from neon_hpc.balance.configured import plan_for_config
     cp = cfg.train.context_parallel
     if dp % cp:
         raise TrainerError(f"train.context_parallel={cp} does not divide the {dp} data ranks the world gives "
@@ -217,7 +221,7 @@ def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
     """``pieces[data_rank][microbatch]``: what each of the ``dp * cp`` data ranks runs.
 
     Data rank ``g`` is CP rank ``g % cp`` of DP rank ``g // cp`` (megatron's data-parallel
-    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``Plan.cp_shards``.
+    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepPlan.cp_shards``.
     """
     out = []
     for r, mbs in enumerate(plan.ranks):
@@ -231,7 +235,6 @@ def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
 
 
 def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | None = None) -> StepData:
-    from neon_hpc.replay.layout import to_trainer_rows
     to_trainer_rows(trajs, cfg.model)          # engine rows (decoder layers) -> the trainer's MoE layers
     groups = [t.group_id or t.task_id for t in trajs]
     adv = group_advantages([t.reward for t in trajs], groups, norm=cfg.train.advantage_norm)
@@ -254,7 +257,6 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
     from neon_hpc.models.cp_attention import attention_layout, build_layout
-    from neon_hpc.train.backend import forward_backward, reduce_step_sums
 
     lay = be.layout
     mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
@@ -339,7 +341,6 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
 def setup_backend(cfg: TrainerSections, replay: bool, log: RoleLogger):
     """This rank's Backend from the train section (RL and SFT build it alike); rank 0 logs the
     optional kernels it found."""
-    from neon_hpc.train import backend as B
     t = cfg.train
     be = B.setup(cfg.model, tp=t.tensor_parallel, ep=t.expert_parallel, pp=t.pipeline_parallel, lr=t.lr,
                  weight_decay=t.weight_decay, grad_clip=t.grad_clip, replay=replay, seed=t.seed,
@@ -395,7 +396,6 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     run = RunDir(run_dir).create()
     log = RoleLogger.open(run.root, ROLE, rank, echo=True)
     pre = Preemption().install()
-    from neon_hpc.reshard.metadata import CheckpointError
     try:
         if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
             ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
@@ -417,10 +417,7 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
 
 
 def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
-    from neon_hpc.train.publish import publish_weights
-
     t = cfg.train
-    from neon_hpc.train import writers
     writers.configure(t.checkpoint_write_timeout_s)   # the deadline of a save's megatron writers
     TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
     be = setup_backend(cfg, replay=t.router_replay == "replay", log=log)
@@ -440,7 +437,6 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     step = last
     saved_at = last
     preempted = False
-    from neon_hpc.train.memory import StepMemory
     memory = StepMemory.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     while step < t.steps:
         step += 1
@@ -492,7 +488,6 @@ def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int
            pre: Preemption, state: dict | None = None, what: str = "done") -> int:
     """The end of a trainer run (RL or SFT): a preempted one checkpoints what it has not saved and
     records the preemption (exit 0, for requeue); either way the last heartbeat, then teardown."""
-    from neon_hpc.train import backend as B
     if preempted:
         if saved_at != step:
             ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1}, **(state or {})})

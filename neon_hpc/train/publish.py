@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from neon_hpc.models.config import ModelConfig
+from neon_hpc.models.convert import megatron_to_hf
+from neon_hpc.models.hf import save_hf
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train.backend import Backend, full_state_dict
 
@@ -54,9 +56,6 @@ def publish_weights(run: RunDir, be: Backend, model_cfg: ModelConfig, version: i
 
 
 def _direct(run: RunDir, be: Backend, model_cfg: ModelConfig, final: Path) -> bool:
-    from neon_hpc.models.convert import megatron_to_hf
-    from neon_hpc.models.hf import save_hf
-
     full = full_state_dict(be)          # every rank takes part; rank 0 gets the result
     if be.layout.rank != 0 or final.exists():
         return False

@@ -24,6 +24,7 @@ grad_norm, publish_s, checkpoint_s``.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -32,15 +33,16 @@ import numpy as np
 from neon_hpc.logs import RoleLogger
 from neon_hpc.protocol.records import Phase, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.train import checkpoint as ckpt
+from neon_hpc.store import read_shard
+from neon_hpc.train import checkpoint as ckpt, writers
+from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
 from neon_hpc.train.loss import LossConfig, sft_loss, sft_term_means
+from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 
 
 def load_sft_set(folder: str) -> list:
     """Every trajectory of every ``*.h5`` shard in ``folder`` (sorted by file name)."""
-    from neon_hpc.store import read_shard
-    from neon_hpc.train.loop import TrainerError
     if not folder:
         raise TrainerError("train.sft_data is empty: train.mode: sft needs a folder of trajectory shards "
                            "(write demonstrations with `neon-hpc demos --out DIR`)")
@@ -75,11 +77,7 @@ def _loss(logp, mb, denom):
 
 def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre) -> int:
     """The SFT step loop (``train.mode: sft``); called by :func:`neon_hpc.train.loop.run_trainer`."""
-    import copy
 
-    from neon_hpc.train import writers
-    from neon_hpc.train.loop import _any_rank, _startup, finish, prepare_step, setup_backend, train_step
-    from neon_hpc.train.publish import publish_weights
 
     t = cfg.train
     writers.configure(t.checkpoint_write_timeout_s)

@@ -39,6 +39,7 @@ import gc
 import logging
 import multiprocessing as mp
 import queue
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -131,7 +132,6 @@ def _call_bounded(fn, *args) -> str | None:
     """Call ``fn`` (a round trip to megatron's results Manager) with a deadline. A Manager that
     does not answer in time (stopped, or blocked) is killed, which ends the call with an
     error; returns what happened then, else None. Other errors are raised as they are."""
-    import threading
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     err: list[BaseException] = []
     done = threading.Event()

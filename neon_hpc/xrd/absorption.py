@@ -27,13 +27,17 @@ chosen on other mixtures (:mod:`neon_hpc.xrd.evaluate`).
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from neon_hpc.xrd.library import load_library
 
 TABLE_PATH = Path(__file__).parent / "data" / "mass_attenuation.json"
 # K-alpha1 lines (A) the table holds; a pattern's wavelength must be within LINE_TOL of one of them
@@ -54,7 +58,6 @@ class AbsorptionError(ValueError):
 
 def build_table(xraydb_sqlite: str, elements: list[str], out: Path = TABLE_PATH) -> dict:
     """Evaluate Elam's cubic splines (log mu vs log E) at ``LINES`` for ``elements``; write ``out``."""
-    import sqlite3
     con = sqlite3.connect(xraydb_sqlite)
 
     def spline(xs, ys, y2, t):
@@ -233,11 +236,9 @@ def brindley_correct(w, mu, rho, radius_um: float) -> Microabsorption:
 
 
 def _main(argv=None) -> int:
-    import argparse
     ap = argparse.ArgumentParser(description="rebuild data/mass_attenuation.json from an XrayDB sqlite file")
     ap.add_argument("--build", required=True, help="path of xraydb.sqlite (pip download xraydb; it is in the wheel)")
     args = ap.parse_args(argv)
-    from neon_hpc.xrd.library import load_library
     elements = sorted({e for p in load_library().phases for e in p.elements})
     t = build_table(args.build, elements)
     print(f"wrote {TABLE_PATH}: {len(t['mu_rho'])} elements x {len(LINES)} lines")

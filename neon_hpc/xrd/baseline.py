@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from neon_hpc.xrd.fitting import DETECTION_Z_MIN
-from neon_hpc.xrd.quant import QuantModel
+from neon_hpc.xrd.fitting import DETECTION_Z_MIN, Fitter
+from neon_hpc.xrd.library import normalize_formula
+from neon_hpc.xrd.quant import QuantModel, default_model, quantify, report
 from neon_hpc.xrd.tools import TaskContext, _sticks, observed_peaks
 
 SCREEN_STRAINS = np.linspace(-0.01, 0.01, 21)
@@ -216,12 +217,10 @@ class Trace:
     def quantify(self, res, quant: QuantModel) -> list:
         """Weight fractions of a fit with microabsorption correction and standard errors (:mod:`quant`);
         ``res`` is an identification fit (:meth:`final_fit`), refined for quantification by :meth:`quant_fit`."""
-        from neon_hpc.xrd.quant import quantify
         return quantify(self.quant_fit(res), self.ctx.library, self.ctx.instrument.wavelength, quant)
 
     def decide(self, th: Thresholds = Thresholds(), quant: QuantModel | None = None) -> Solution:
         """The answer under ``th``; fractions by ``quant`` (None: :func:`quant.default_model` of the pattern)."""
-        from neon_hpc.xrd.quant import default_model, report
         quant = quant or default_model(self.ctx.instrument)
         res, k = self.final_fit(th)
         if res is None:
@@ -247,7 +246,6 @@ def expected_phases(ctx: TaskContext, candidates: list[str]) -> dict[str, str]:
 
     Every candidate when the task states no precursors (then there is no prior).
     """
-    from neon_hpc.xrd.library import normalize_formula
     forms = {pid: normalize_formula(ctx.library.get(pid).formula) for pid in candidates}
     if not ctx.precursors:
         return forms
@@ -261,7 +259,6 @@ def expected_phases(ctx: TaskContext, candidates: list[str]) -> dict[str, str]:
 
 
 def _precursor_counts(ctx: TaskContext) -> dict[str, int]:
-    from neon_hpc.xrd.library import normalize_formula
     out: dict[str, int] = {}
     for f in ctx.precursors:
         try:
@@ -278,7 +275,6 @@ def _identification_fitter(ctx: TaskContext):
     fold picked thresholds that let bcc Li in, README "Anomalous scattering")."""
     if not ctx.instrument.measured:
         return ctx.fitter()
-    from neon_hpc.xrd.fitting import Fitter
     f = ctx.cache.get("_identification_fitter")
     if f is None:
         f = ctx.cache["_identification_fitter"] = Fitter(ctx.two_theta, ctx.intensity,

@@ -16,10 +16,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from neon_hpc.xrd.store import StoreError
+
 SPLIT_CHOICES = ("train", "test_id", "test_ood", "test_temporal", "all")
 
 
 def _cmd_library(args) -> int:
+    # the numpy-backed xrd modules are imported where used: `--help` stays light
     from neon_hpc.xrd.library import load_library
     lib = load_library()
     phases = lib.phases
@@ -40,7 +43,6 @@ def _cmd_library(args) -> int:
 
 
 def _cmd_tasks(args) -> int:
-    from neon_hpc.xrd.store import StoreError
     from neon_hpc.xrd.tasks import load_tasks, write_tasks
     splits = [s for s in SPLIT_CHOICES if s != "all"] if args.split == "all" else [args.split]
     for split in splits:

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from neon_hpc.xrd.grader import MAJOR, STRICT_TOL, grade
+from neon_hpc.progress import bar
+from neon_hpc.xrd.baseline import THRESHOLD_GRID, solve
+from neon_hpc.xrd.grader import MAJOR, STRICT_TOL, grade, phase_key
+from neon_hpc.xrd.library import load_library
+from neon_hpc.xrd.quant import SE_K, QuantModel, calibrate_se, choose_radius, coverage
 from neon_hpc.xrd.store import Store
-from neon_hpc.xrd.tasks import Task, build_store, make_context
+from neon_hpc.xrd.tasks import Task, build_store, load_tasks, make_context
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -109,7 +115,6 @@ def strict_lines(summary: dict, indent: str = "  ") -> list[str]:
 
 
 def baseline_solver(ctx) -> list[tuple[str, float]]:
-    from neon_hpc.xrd.baseline import solve
     return solve(ctx).phases
 
 
@@ -120,7 +125,6 @@ def evaluate(tasks: list[Task], solver: Callable = baseline_solver, name: str = 
              store: Store | None = None, progress: Callable[[str], None] | None = None) -> EvalReport:
     store = store or build_store(tasks, ":memory:", include_real=True)
     report = EvalReport(name or (tasks[0].split if tasks else "empty"))
-    from neon_hpc.progress import bar
     for i, task in enumerate(bar(tasks, desc=f"eval {report.name}", unit="task")):
         t0, c0 = time.perf_counter(), time.process_time()
         ctx = make_context(task, store)
@@ -215,8 +219,6 @@ def loo_folds(tasks: list[Task], traces, grid, strict: bool = False, outcome: di
 
 def true_fractions(task: Task) -> dict[str, float]:
     """The task's true fractions by the grader's labels (library id, or the formula of a formula-only truth)."""
-    from neon_hpc.xrd.grader import phase_key
-    from neon_hpc.xrd.library import load_library
     lib = load_library()
     total = sum(float(w) for _, _, w in task.truth) or 1.0
     out: dict[str, float] = {}
@@ -252,7 +254,6 @@ def choose_quant(tasks: list[Task], fits: dict, indices: list[int], cache: dict 
     it covers the error of a radius chosen without the mixture, as the held-out one's is.  (Calibrated
     on the scans the radius was chosen on, +-2 s.e. held 0.83 of the held-out fractions, not 0.95.)
     """
-    from neon_hpc.xrd.quant import QuantModel, calibrate_se, choose_radius, coverage
     cache = {} if cache is None else cache
 
     def quants_at(i: int, R: float):
@@ -294,8 +295,6 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
     held-out scan (rows carry the uncorrected fractions and each phase's s.e.) and per-fold
     details (chosen thresholds, radius, se_sys, detection limits, held-out coverage of +-2 s.e.).
     """
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.quant import SE_K
     grid = tuple(grid or THRESHOLD_GRID)
     traces, seconds, cpu = traced or trace_all(tasks, store, progress)
     outcome: dict = {}
@@ -359,7 +358,6 @@ def _decide(tr, th, task: Task, strict: bool, quant=None):
 
 def detection_limits_by_scan(folds: dict) -> dict[str, dict]:
     """Median and max detection limit (weight fraction) of the refined phases, per scan length."""
-    import statistics
     by: dict[str, list[float]] = {}
     for f in folds.values():
         for scan, row in f.get("scans", {}).items():
@@ -395,9 +393,6 @@ def choose_thresholds(answers: list, grid) -> int:
 def thresholds_fitted_on_train(preset: str, n: int, seed: int = 0, workers: int = 2, grid=None,
                                progress: Callable[[str], None] | None = None) -> tuple[object, dict]:
     """The baseline's thresholds fitted on ``n`` train tasks of ``preset`` (nothing of another split is seen)."""
-    from concurrent.futures import ProcessPoolExecutor
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.tasks import load_tasks
     grid = tuple(grid or THRESHOLD_GRID)
     train = load_tasks(preset, "train", seed, n)
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(train)))) as pool:
@@ -413,9 +408,6 @@ def thresholds_fitted_on_train(preset: str, n: int, seed: int = 0, workers: int 
 def evaluate_fit_on_train(preset: str, split: str, n: int, seed: int = 0, workers: int = 2, grid=None,
                           progress: Callable[[str], None] | None = None) -> tuple[EvalReport, dict]:
     """Synthetic presets: the baseline's thresholds fitted on ``n`` train tasks, scored on ``split``."""
-    from concurrent.futures import ProcessPoolExecutor
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.tasks import load_tasks
     if split == "train":
         raise ValueError("fit-on-train scores a split other than train (the thresholds are fitted there)")
     grid = tuple(grid or THRESHOLD_GRID)

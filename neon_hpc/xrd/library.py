@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,7 +382,6 @@ def _sg_of(pid: str, base) -> int:
 
 def build_library(verbose: bool = False) -> tuple[list[Phase], list[tuple[str, str]]]:
     """All sources -> filtered, de-duplicated phases; also the (id, reason) of what was dropped."""
-    import warnings
     warnings.filterwarnings("ignore")
     from neon_hpc.xrd.simulate import form_factor_table
     known_ff = set(form_factor_table())

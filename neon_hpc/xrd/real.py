@@ -22,6 +22,7 @@ from pathlib import Path
 
 from neon_hpc.xrd.library import parse_formula
 from neon_hpc.xrd.readers import read_xrdml
+from neon_hpc.xrd.tasks import Pattern, Task
 
 ENV_VAR = "NEON_XRD_REAL_DATA"
 
@@ -126,7 +127,6 @@ def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, da
     argument stays off by default here because the agent's ``fit_phases`` would identify with f', f''
     too, which no leave-one-mixture-out run has tested (README, "Anomalous scattering").
     """
-    from neon_hpc.xrd.tasks import Pattern, Task
     root = Path(data_dir) if data_dir else real_data_dir()
     if root is None or not root.is_dir():
         raise FileNotFoundError(f"real XRD data not found; set {ENV_VAR} or place shared/ beside the repository")

@@ -29,6 +29,7 @@ import sqlite3
 import threading
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import urlsplit, urlunsplit
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS experiments (
@@ -93,7 +94,6 @@ def is_postgres(target: str | Path) -> bool:
 
 def redact_dsn(dsn: str) -> str:
     """A DSN fit for logs and task folders: the password (if any) removed."""
-    from urllib.parse import urlsplit, urlunsplit
     parts = urlsplit(dsn)
     if parts.password is None:
         return dsn

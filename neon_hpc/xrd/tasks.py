@@ -34,10 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+from neon_hpc.progress import bar
 from neon_hpc.xrd.library import Library, load_library
 from neon_hpc.xrd.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
                                    poisson_counts)
-from neon_hpc.xrd.store import Store, chemical_system
+from neon_hpc.xrd.store import Store, chemical_system, is_postgres, redact_dsn
+from neon_hpc.xrd.tools import TaskContext
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
 TRAIN_DATES = ("2016-01-01", "2023-12-31")
@@ -294,7 +296,6 @@ def load_tasks(preset: str, split: str, seed: int = 0, n: int | None = None) -> 
     if count is None:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     lib = load_library()
-    from neon_hpc.progress import bar
     return [make_task(preset, split, seed, i, lib)
             for i in bar(range(int(count)), desc=f"tasks {preset}/{split}", unit="task")]
 
@@ -314,7 +315,6 @@ def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = Tru
     folder's pointer to the store last.
     """
     from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
-    from neon_hpc.xrd.store import is_postgres, redact_dsn
     if db is not None and not is_postgres(db):
         raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the store is "
                          f"experiments.sqlite inside the task folder)")
@@ -390,7 +390,6 @@ def shared_store() -> Store:
 
 def make_context(task: Task, store: Store | None = None):
     """The :class:`~neon_hpc.xrd.tools.TaskContext` of a task (its records are added to the store)."""
-    from neon_hpc.xrd.tools import TaskContext
     if store is None:
         store = shared_store()
         with _shared_lock:

@@ -14,16 +14,22 @@ Toolsets: ``full`` (every text tool), ``minimal`` (raw pattern access + simulati
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import jsonschema
 import numpy as np
 
 from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
+from neon_hpc.xrd.fitting import DETECTION_Z_MIN, Fitter, detection_stats
 from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
-from neon_hpc.xrd.simulate import Instrument, phase_reflections, two_theta_of
+from neon_hpc.xrd.plot import plot_fit
+from neon_hpc.xrd.quant import default_model, quantify, report
+from neon_hpc.xrd.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
 from neon_hpc.xrd.store import DatedView, Store
 
 MAX_FIT_PHASES = 6
@@ -71,7 +77,6 @@ class TaskContext:
                    instrument=inst, task_id=task.id)
 
     def fitter(self):
-        from neon_hpc.xrd.fitting import Fitter
         f = self.cache.get("_fitter")
         if f is None:
             f = self.cache["_fitter"] = Fitter(self.two_theta, self.intensity, self.instrument, self.library)
@@ -226,7 +231,6 @@ def _sticks(pid: str, ctx: TaskContext, strain: float = 0.0, lo: float | None = 
     lo = float(ctx.two_theta[0]) if lo is None else lo
     hi = float(ctx.two_theta[-1]) if hi is None else hi
     ok = np.isfinite(tt) & (tt >= lo) & (tt <= hi)
-    from neon_hpc.xrd.simulate import lorentz_polarization
     inten = f2[ok] * lorentz_polarization(tt[ok])
     tt, dd = tt[ok], d[ok] * (1 + strain)
     if len(inten) == 0:
@@ -242,6 +246,7 @@ def _top_peaks(pid: str, ctx: TaskContext, n: int = 5, strain: float = 0.0) -> l
 
 def observed_peaks(x: np.ndarray, y: np.ndarray, min_rel: float = 0.02, max_peaks: int = 50):
     """Peaks of a measured pattern above a rolling-minimum background: (2theta, rel. height %, fwhm)."""
+    # scipy is imported where used: importing the tools does not load it
     from scipy.ndimage import minimum_filter1d, uniform_filter1d
     from scipy.signal import find_peaks, peak_widths
     step = float(np.median(np.diff(x)))
@@ -374,8 +379,6 @@ def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
 
 def _fit_report(res, ctx: TaskContext, z_min: float) -> dict:
     """The fit as the agent reads it: quality, refined parameters, what is (not) detectable, fractions +- s.e."""
-    from neon_hpc.xrd.fitting import detection_stats
-    from neon_hpc.xrd.quant import default_model, quantify, report
     detection_stats(ctx.fitter(), res, z_min)
     out = res.summary()
     detected = [p for p in res.phases if p.significance >= z_min] if res.refined else list(res.phases)
@@ -401,7 +404,6 @@ def _fit_report(res, ctx: TaskContext, z_min: float) -> dict:
 
 
 def tool_fit_phases(args: dict, ctx: TaskContext) -> dict:
-    from neon_hpc.xrd.fitting import DETECTION_Z_MIN
     ids = [_resolve_phase(p, ctx) for p in args["phases"]]
     res = _fit(ids, ctx, bool(args.get("refine", True)))
     resid = ctx.intensity - res.calc
@@ -429,9 +431,6 @@ def tool_compare_hypotheses(args: dict, ctx: TaskContext) -> dict:
 
 def tool_plot_fit(args: dict, ctx: TaskContext) -> dict:
     """Observed, calculated and difference curves of a fit as a PNG in ``ctx.plot_dir``."""
-    import re
-    from pathlib import Path
-    from neon_hpc.xrd.plot import plot_fit
     if not ctx.plot_dir:
         raise ToolError("plotting is off for this task (no plot directory configured)")
     if args.get("phases"):
@@ -520,7 +519,6 @@ def _error(message: str) -> dict:
 
 def _argument_chars(args: dict) -> int:
     """Characters of ``args`` as JSON (a walk that stops once past the limit)."""
-    import json
     try:
         return len(json.dumps(args, default=str, separators=(",", ":")))
     except (ValueError, RecursionError):   # circular or absurdly deep: over any limit

@@ -32,6 +32,7 @@ from typing import Any
 from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.rollout.agent.demos import Demo, render_demo, write_demo_shards
 from neon_hpc.rollout.agent.template import TAGS
+from neon_hpc.xrd import baseline
 
 KINDS = ("solver", "wrong_minor", "rough_fraction")
 
@@ -78,7 +79,6 @@ def demo_kinds(n: int, imperfect: float, seed: int) -> list[str]:
 
 def make_demos(tasks: list, tokenizer: Any, cfg: Any, imperfect: float = 0.0, seed: int = 0) -> list:
     """One demonstration per task (train split only: a test task is refused)."""
-    from neon_hpc.xrd import baseline
     held = [t.id for t in tasks if t.split != "train"]
     if held:
         raise ValueError(f"demonstrations are for train-split tasks only; got {held[0]} (split of a test set)")

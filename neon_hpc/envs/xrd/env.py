@@ -23,6 +23,7 @@ Tools are ``neon_hpc.xrd.tools`` (``--tools full|minimal``); their errors come b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -32,6 +33,9 @@ import numpy as np
 from neon_hpc.bounded import clip_text, short_repr
 from neon_hpc.envs.xrd.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
+from neon_hpc.xrd.grader import grade
+from neon_hpc.xrd.tasks import make_context
+from neon_hpc.xrd.tools import call_tool, observed_peaks, toolset
 
 ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "
                  "library id (from search_phases) or as 'formula spacegroup', with weight fractions "
@@ -43,8 +47,6 @@ class XRDEnv:
     """One XRD task (``neon_hpc.xrd.tasks.Task``) for one episode."""
 
     def __init__(self, task: Any, tools: str = "full", style: str = "auto", max_tool_chars: int = 2000):
-        from neon_hpc.xrd.tasks import make_context
-        from neon_hpc.xrd.tools import toolset
         self.task = task
         self.task_id = str(task.id)
         self.tools = toolset(tools)
@@ -67,7 +69,6 @@ class XRDEnv:
         return self._compact_task() if self.style == "compact" else self._full_task()
 
     def _observed_peaks(self, n: int) -> list[tuple[float, float]]:
-        from neon_hpc.xrd.tools import observed_peaks
         x, h, _ = observed_peaks(self.ctx.two_theta, self.ctx.intensity)
         top = np.argsort(-h)[:n]
         return sorted((float(x[i]), float(h[i])) for i in top)
@@ -106,7 +107,6 @@ class XRDEnv:
 
     # --- tools -------------------------------------------------------------------------
     def run_tool(self, call: ToolCall) -> dict:
-        from neon_hpc.xrd.tools import call_tool
         spec = self.tools.get(call.name)
         args = dict(call.arguments)
         if call.positional:
@@ -155,7 +155,6 @@ class XRDEnv:
         return [(pid, 1.0 / len(chosen)) for pid in chosen]
 
     def grade(self, predicted: list[tuple[str, float]]) -> tuple[float, float, dict]:
-        from neon_hpc.xrd.grader import grade
         g = grade(predicted or [], self.task.truth)
         details = dict(g.details)
         details["phase_f1"] = details.get("f1_major")
@@ -165,7 +164,6 @@ class XRDEnv:
 
 def sample_label(task_id: str) -> str:
     """An opaque name for the prompt: real task ids are file names that spell out the answer."""
-    import hashlib
     return "S" + hashlib.sha256(task_id.encode()).hexdigest()[:10]
 
 

@@ -32,8 +32,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from neon_hpc.constraints import errors
+from neon_hpc.envs.xrd import PLUGIN
+from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
+from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
+from neon_hpc.rollout.agent.group import as_environment, run_episode
 from neon_hpc.rollout.agent.report import markdown_table, summarize
 from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.xrd import evaluate
+from neon_hpc.xrd.baseline import THRESHOLD_GRID
+from neon_hpc.xrd.tasks import load_tasks
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
 PROTOCOLS = ("fixed", "loo", "fit-on-train")
@@ -82,7 +90,6 @@ def rollout_config(args) -> RolloutConfig:
                          ("max_total_tokens", args.max_total_tokens), ("prompt_style", args.prompt_style)):
         if value is not None and value != "auto":
             cfg = replace(cfg, **{field: value})
-    from neon_hpc.constraints import errors
     errs = errors(cfg)
     if errs:
         raise SystemExit(f"neon-hpc xrd eval: {errs[0][0]}: {errs[0][1]}")
@@ -112,7 +119,6 @@ def reachable(endpoint: str, api: str) -> str | None:
 
 
 def load_split_tasks(args, split: str) -> list:
-    from neon_hpc.xrd.tasks import load_tasks
     if split == "real":    # the labelled real development set (precursor mixtures)
         from neon_hpc.xrd.real import load_real_tasks
         return load_real_tasks("precursor_mixture", data_dir=args.data or None)[:args.n]
@@ -148,14 +154,12 @@ def protocol_thresholds(args, tasks: list, cache: dict) -> tuple[list[dict | Non
     """
     if args.protocol == "fixed":
         return [None] * len(tasks), {"protocol": "fixed"}
-    from neon_hpc.xrd import evaluate
     if args.protocol == "fit-on-train":
         if "train" not in cache:
             cache["train"] = evaluate.thresholds_fitted_on_train(args.preset, args.n, args.seed)
         th, info = cache["train"]
         row = {"z_min": th.z_min, "min_gain": th.min_gain, "fitted_on": info["train_tasks"]}
         return [row] * len(tasks), {"protocol": "fit-on-train", **info}
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
     traces, _, _ = evaluate.trace_all(tasks)
     folds = evaluate.loo_folds(tasks, traces, THRESHOLD_GRID)
     rows: list[dict | None] = [None] * len(tasks)
@@ -172,7 +176,6 @@ def protocol_thresholds(args, tasks: list, cache: dict) -> tuple[list[dict | Non
 
 def environment(task, cfg, threshold: dict | None):
     """The task's XRDEnv, its fit_phases at the protocol's threshold (None: the a-priori one)."""
-    from neon_hpc.envs.xrd import PLUGIN
     env = PLUGIN.environment(task, cfg)
     if threshold is not None:
         env.ctx.detection_z_min = threshold["z_min"]
@@ -180,7 +183,6 @@ def environment(task, cfg, threshold: dict | None):
 
 
 def episode_generate(client, task, tokenizer, cfg) -> dict:
-    from neon_hpc.rollout.agent.group import run_episode
     t = run_episode(client, task, tokenizer, cfg)
     f1, mae = _grade_numbers(t.metadata.get("grade"))
     return {"task_id": t.task_id, "success": t.rewards["success"], "dense": t.rewards["dense"],
@@ -192,8 +194,6 @@ def episode_generate(client, task, tokenizer, cfg) -> dict:
 
 
 def episode_chat(client, task, cfg) -> dict:
-    from neon_hpc.rollout.agent.chat import ChatEpisode
-    from neon_hpc.rollout.agent.group import as_environment
     env = as_environment(task, cfg)      # an XRDEnv (see environment())
     t0 = time.monotonic()
     ep = ChatEpisode(client, env, cfg).run()
@@ -208,7 +208,6 @@ def episode_chat(client, task, cfg) -> dict:
 
 def judge_panel(judges: list[str], record: dict, truth_text: str, api_key: str | None) -> int | None:
     """Majority vote of LLM judges on one answer; None when no judge could answer."""
-    from neon_hpc.rollout.agent.chat import ChatClient
     prompt = ("You grade powder XRD phase analysis. Ground truth (phases and weight fractions): "
               f"{truth_text}\nPredicted answer: {record.get('answer')!r}\nSuccess means every true "
               "phase of at least 5 wt% is named, no phase of at least 5 wt% is spurious, and every "
@@ -306,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         records += recs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
     meta = {"endpoint": args.endpoint, "model": args.model, "api": api, "preset": args.preset,
             "tools": args.tools, "seed": args.seed, "n": args.n, "temperature": args.temperature,
             "protocol": args.protocol}

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from neon_hpc.envs.base import EnvPlugin, TaskSource
+from neon_hpc.rollout.agent.group import run_episode
+from neon_hpc.rollout.engines.client import EngineClient
 
 
 def eval_tasks(eval_cfg: Any, source: TaskSource) -> list:
@@ -37,8 +39,7 @@ def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollo
                      *, env: EnvPlugin, concurrency: int = 16) -> dict:
     """Success and dense reward of greedy episodes of ``tasks`` (environments by ``env``) on the weights in
     ``weights_dir``."""
-    from neon_hpc.rollout.agent.group import run_episode
-    from neon_hpc.rollout.engines.client import EngineClient
+    # the embedded engine (torch) is imported where used: importing this module does not load torch
     from neon_hpc.rollout.engines.embedded import start_server
 
     if not tasks:

@@ -52,6 +52,7 @@ from typing import Callable
 from neon_hpc.config import is_loopback
 from neon_hpc.logs import last_lines
 from neon_hpc.procutil import child_setup, stop_tree
+from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.groups import EngineStartError
 from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands, layout, render_commands
 
@@ -148,7 +149,6 @@ class Proc:
 
 
 def _healthy(url: str, timeout: float = 5.0) -> bool:
-    from neon_hpc.rollout.engines.client import EngineClient
     return EngineClient(url, timeout=timeout).health(timeout=timeout)
 
 

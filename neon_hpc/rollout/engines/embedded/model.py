@@ -8,6 +8,7 @@ first layers); a shared expert is not a routed choice and has no column.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from pathlib import Path
@@ -25,7 +26,6 @@ def version_from_path(path: str | os.PathLike) -> str:
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword an HF model's forward takes its KV cache by: transformers >= 5.2x renamed
     ``past_key_values`` to ``cache`` (the old name warns)."""
-    import inspect
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
