@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from neon_hpc.launch.config import parse_cpus, split_cpus
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
 
@@ -47,12 +48,11 @@ def finished_run(tmp_path_factory):
     cmd = NEON + ["run", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
                   "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
                   "--set", "warm_start.demos=16", "--set", "warm_start.steps=2", "--set", "eval.num_tasks=4"]
-    cpus = sorted(os.sched_getaffinity(0))
+    lists = split_cpus(sorted(os.sched_getaffinity(0)))     # the two groups on disjoint CPUs
     pinned = None
-    if len(cpus) >= 2:     # the two groups on disjoint CPUs, as on separate allocations
-        pinned = {"train": {cpus[0]}, "rollout": set(cpus[1:])}
-        cmd += ["--set", f"launch.train.local_cpus='{cpus[0]}'",
-                "--set", f"launch.rollout.local_cpus='{','.join(map(str, cpus[1:]))}'"]
+    if lists:
+        pinned = {g: parse_cpus(c) for g, c in lists.items()}
+        cmd += [x for g, c in lists.items() for x in ("--set", f"launch.{g}.local_cpus='{c}'")]
     log = open(root.parent / "launcher.out", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed = None

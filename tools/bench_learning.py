@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from neon_hpc import config, envs
+    from neon_hpc.launch.config import split_cpus
     from neon_hpc.logs import read_metrics
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.protocol.rundir import read_json
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         a.eval_tasks = a.eval_tasks or 8
         sets += ["warm_start.demos=32", "warm_start.steps=6"]
     cpus = sorted(os.sched_getaffinity(0))
-    split = not a.shared_cpus and len(cpus) >= 2
-    if split:     # the trainer on the first CPU, the rollout on the rest: neither can borrow the other's
-        sets += [f"launch.train.local_cpus='{cpus[0]}'", f"launch.rollout.local_cpus='{','.join(map(str, cpus[1:]))}'"]
+    lists = None if a.shared_cpus else split_cpus(cpus)
+    split = lists is not None
+    if split:     # neither group can borrow the other's CPUs
+        sets += [f"launch.{g}.local_cpus='{c}'" for g, c in lists.items()]
     print(f"bench_learning: trainer and rollout on {'disjoint CPUs' if split else 'shared CPUs'} {cpus}", flush=True)
     cfg = config.load(a.config, sets)
     steps = a.steps or cfg.train.steps

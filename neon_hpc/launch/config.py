@@ -21,6 +21,14 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def split_cpus(cpus: list[int]) -> dict[str, str] | None:
+    """``local_cpus`` lists for the two groups on disjoint CPUs (as on separate allocations): the
+    trainer on the first of ``cpus``, the rollout on the rest; None with fewer than two."""
+    if len(cpus) < 2:
+        return None
+    return {"train": str(cpus[0]), "rollout": ",".join(map(str, cpus[1:]))}
+
+
 @section
 @dataclass
 class GroupConfig:

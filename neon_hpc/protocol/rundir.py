@@ -338,6 +338,12 @@ class RunDir:
     def checkpoint_steps(self) -> list[int]:
         return sorted(int(m.group(1)) for p in _listdir(self.checkpoints) if (m := _STEP_RE.match(p)))
 
+    def claim_dirs(self) -> list[tuple[int, Path]]:
+        """``(N, trajectories/claimed/step_N)`` for every claim directory, committed or being
+        filled, ascending."""
+        found = ((m, self.traj_claimed / p) for p in _listdir(self.traj_claimed) if (m := _STEP_RE.match(p)))
+        return sorted((int(m.group(1)), d) for m, d in found if d.is_dir())
+
     def latest_checkpoint(self) -> int | None:
         steps = self.checkpoint_steps()
         return steps[-1] if steps else None

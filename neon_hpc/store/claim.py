@@ -41,7 +41,6 @@ back from those records, so it survives a restart with nothing else to persist.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -138,12 +137,7 @@ def ready_count(run_dir) -> tuple[int, int]:
 
 def claimed_steps(run_dir) -> list[int]:
     """Steps whose claim is committed (CLAIM.json present), ascending."""
-    rd = _rundir(run_dir)
-    steps = []
-    for p in rd.traj_claimed.glob("step_*"):
-        if ClaimRecord.committed(p) and p.name[5:].isdigit():
-            steps.append(int(p.name[5:]))
-    return sorted(steps)
+    return [s for s, d in _rundir(run_dir).claim_dirs() if ClaimRecord.committed(d)]
 
 
 def quarantine(run_dir, path: Path, reason: str) -> Path:

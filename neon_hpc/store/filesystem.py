@@ -24,11 +24,6 @@ def _count(d: Path, suffix: str) -> int:
         return 0
 
 
-def _step_of(d: Path) -> int | None:
-    tail = d.name[len("step_"):]
-    return int(tail) if d.name.startswith("step_") and tail.isdigit() and d.is_dir() else None
-
-
 class FilesystemStore(TrajectoryStore):
     kind = "filesystem"
 
@@ -52,10 +47,7 @@ class FilesystemStore(TrajectoryStore):
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
         """Every claim directory, committed or being filled (a claim's shards are the step's)."""
-        if not self.run.traj_claimed.is_dir():
-            return []
-        found = ((_step_of(d), d) for d in self.run.traj_claimed.iterdir())
-        return sorted((s, d) for s, d in found if s is not None)
+        return self.run.claim_dirs()
 
     def iter_trained(self, steps: int | None = None) -> Iterator[tuple[int, Trajectory]]:
         for step, d in self._step_dirs()[:steps]:
