@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.launch.config import parse_cpus, split_cpus
+from neon_hpc.launch.config import parse_cpus, split_cpus, trainer_threads
 from neon_hpc.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
 
@@ -72,8 +72,9 @@ def finished_run(tmp_path_factory):
                 if hb and hb.get("pid") and not hb.get("stopped"):
                     try:
                         live["worker_cpus"] = set(psutil.Process(int(hb["pid"])).cpu_affinity())
-                        live["trainer_cpus"] = [set(p.cpu_affinity()) for p in _procs_of(root)
-                                                if "trainer" in " ".join(p.cmdline())]
+                        trainers = [p for p in _procs_of(root) if "trainer" in " ".join(p.cmdline())]
+                        live["trainer_cpus"] = [set(p.cpu_affinity()) for p in trainers]
+                        live["trainer_threads"] = [p.environ().get("OMP_NUM_THREADS") for p in trainers]
                     except psutil.Error:
                         pass
                     os.kill(int(hb["pid"]), signal.SIGKILL)
@@ -218,3 +219,6 @@ def test_the_groups_run_on_their_local_cpus(finished_run):
         pytest.skip("one CPU: nothing to pin the two groups apart on")
     assert live.get("worker_cpus") == pinned["rollout"], live
     assert live.get("trainer_cpus") and all(c == pinned["train"] for c in live["trainer_cpus"]), live
+    # one torch thread per CPU of its own (launch.config.trainer_threads), unless the operator set it
+    want = os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(len(pinned["train"]), 1, beside_rollout=False))
+    assert live.get("trainer_threads") and all(t == want for t in live["trainer_threads"]), live

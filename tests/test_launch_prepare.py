@@ -6,6 +6,7 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, write_run_yaml
+from neon_hpc.launch.config import thread_env, trainer_threads
 from neon_hpc.protocol.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,3 +32,19 @@ def test_prepare_clears_flags_of_the_previous_start(tmp_path):
     prepare_run(config.load(TINY), str(tmp_path / "r"), "local")
     assert not (run.state / "finished.json").exists() and not (run.state / "trainer_preempted.json").exists()
     assert list(run.traj_tmp.iterdir()) == []
+
+
+def test_trainer_threads_leave_the_engine_its_cpu_and_split_the_rest_over_ranks():
+    """launch.config.trainer_threads: torch would start one thread per CPU in every process."""
+    assert trainer_threads(2, 1, beside_rollout=True) == 1      # the 2-core machine: engine 1, trainer 1
+    assert trainer_threads(1, 1, beside_rollout=False) == 1     # pinned to one CPU
+    assert trainer_threads(16, 2, beside_rollout=True) == 7     # (16 - 1) // 2
+    assert trainer_threads(16, 4, beside_rollout=False) == 4
+    assert trainer_threads(1, 4, beside_rollout=True) == 1      # never 0
+
+
+def test_thread_env_leaves_an_operators_setting_alone(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert thread_env(3) == {"OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert thread_env(3) == {}

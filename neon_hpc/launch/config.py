@@ -1,4 +1,5 @@
 """Launch section of the experiment config (owned by ``neon_hpc/launch``)."""
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,24 @@ def split_cpus(cpus: list[int]) -> dict[str, str] | None:
     if len(cpus) < 2:
         return None
     return {"train": str(cpus[0]), "rollout": ",".join(map(str, cpus[1:]))}
+
+
+def trainer_threads(cpus: int, ranks: int, beside_rollout: bool) -> int:
+    """Torch intra-op threads for each of ``ranks`` trainer processes launched locally on ``cpus``
+    CPUs; ``beside_rollout``: the rollout node shares those CPUs (its engine computes on one).
+
+    Torch otherwise starts one thread per CPU in every process: on the 2-core machine the
+    trainer's two threads and the engine's one oversubscribe the cores, and under other load
+    a trainer step's forward-backward took 1.01 s instead of 0.13 s (docs/main_job.md); with
+    one thread, 0.11 s under the same load. At least 1.
+    """
+    return max(1, (cpus - (1 if beside_rollout else 0)) // max(1, ranks))
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that gives a child process ``threads`` OpenMP/torch threads, unless the
+    operator's environment already sets ``OMP_NUM_THREADS`` (theirs wins)."""
+    return {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads)}
 
 
 @section

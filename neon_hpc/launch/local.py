@@ -29,7 +29,7 @@ from neon_hpc import config
 from neon_hpc.launch import lease, warm as W
 from neon_hpc.launch.common import prepare_run, resolve_run_dir
 from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
-from neon_hpc.launch.config import parse_cpus
+from neon_hpc.launch.config import parse_cpus, thread_env, trainer_threads
 from neon_hpc.logs import MetricsTail, RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag, stop_tree
@@ -90,15 +90,23 @@ class LocalRun:
                              f"(it may run on {sorted(have)}); pick a list within them, or '' for any")
         return cpus
 
+    def _trainer_threads(self, world: int) -> int:
+        """:func:`~neon_hpc.launch.config.trainer_threads` for the trainer's CPUs: its own list, or
+        the machine's, shared with the rollout node unless that has a disjoint list."""
+        mine, theirs = self._cpus("trainer"), self._cpus("rollout-node")
+        cpus = mine or os.sched_getaffinity(0)
+        return trainer_threads(len(cpus), world, beside_rollout=not theirs or bool(cpus & theirs))
+
     def start(self) -> None:
         for role in ("trainer", "rollout-node"):
             self._cpus(role)                 # refuse an unusable CPU list before starting anything
         world = trainer_world_size(self.cfg)
         port = str(free_port())
+        threads = self._trainer_threads(world)
         for r in range(world):
             self.trainers.append(self._popen("trainer", r, {
                 "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **thread_env(threads)}))
         self.node = self._popen("rollout-node", 0, {"NEON_NODE_RANK": "0", "NEON_NODE_COUNT": "1"})
         self.say(f"run dir {self.run.root}: {world} trainer rank(s), 1 rollout node with "
                  f"{self.cfg.rollout.num_workers} workers; logs: neon-hpc tail {self.run.root} --role trainer")

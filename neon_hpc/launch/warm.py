@@ -38,6 +38,7 @@ from typing import Callable
 
 from neon_hpc import config, envs
 from neon_hpc.launch.common import resolve_run_dir
+from neon_hpc.launch.config import thread_env, trainer_threads
 from neon_hpc.logs import read_metrics
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.netutil import free_port
@@ -133,7 +134,8 @@ def ensure_sft(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], No
     procs = []
     for r in range(world):
         env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   **thread_env(trainer_threads(len(os.sched_getaffinity(0)), world, beside_rollout=False)))
         out = open(log_dir / f"{r}.stderr", "ab")
         procs.append(subprocess.Popen([sys.executable, "-m", "neon_hpc.train", "--config", str(run.run_yaml),
                                        "--run-dir", str(wdir)], stdout=out, stderr=out, env=env))
