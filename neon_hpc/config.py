@@ -34,7 +34,7 @@ from neon_hpc.balance.config import BalanceConfig
 from neon_hpc.envs.config import EnvConfig
 from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
 from neon_hpc.logsinks import LoggingConfig
-from neon_hpc.models.config import ModelSection, Qwen3MoeConfig, arch_experiment_errors
+from neon_hpc.models.config import DefaultModelConfig, ModelSection, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig
@@ -53,7 +53,7 @@ class ExperimentConfig:
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
     mode: Literal["async", "sync"] = "async"
-    model: ModelSection = field(default_factory=Qwen3MoeConfig)   # one section per architecture (model.arch)
+    model: ModelSection = field(default_factory=DefaultModelConfig)   # one section per architecture (model.arch)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     store: StoreConfig = field(default_factory=StoreConfig)

@@ -25,11 +25,7 @@ LIB = REPO / "neon_hpc"
 ARCH_DIR = LIB / "arch"
 
 # file -> why it may still spell an architecture's name
-KNOWN: dict[str, str] = {
-    # the model section declares the names (Literal) and each architecture's config rules; the
-    # config engineer turns it into a discriminated union per architecture (issue 32 items 2 and 4)
-    "neon_hpc/models/config.py": "issue 32 item 4 (config model): model section per architecture",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _names() -> list[str]:

@@ -59,7 +59,7 @@ SELF_CONTAINED: dict[str, set[str]] = {"hfmap": {"arch"}}
 
 # (importing file, imported module) -> "issue item, owner: what" for violations that exist now
 # (none left: the architectures' and the trainer's pure config rules are their sections'
-# (models/config.py ARCH_RULES, train/config.py layout rules); `neon-hpc run` hands the plot in).
+# (arch/<name>/config.py, train/config.py layout rules); `neon-hpc run` hands the plot in).
 KNOWN: dict[tuple[str, str], str] = {}
 
 

@@ -48,6 +48,7 @@ class Architecture:
     name: ClassVar[str]                      # the config's ``model.arch``, the mapping's name
     aliases: ClassVar[tuple[str, ...]] = ()  # other ``model.arch`` / HF ``model_type`` values with these weights
     mapping: ClassVar[ModuleType]            # ``<name>/hfmap.py``: weight-name rules and config.json fields
+    config: ClassVar[type]                   # ``<name>/config.py``: its ``model:`` section (a ModelConfig subclass)
     attention: ClassVar[Literal["gqa", "mla"]]
     # when a config does not say: dense first layers, and shared experts per MoE layer
     default_dense_layers: ClassVar[int] = 0
@@ -58,6 +59,15 @@ class Architecture:
     guessed_fields: ClassVar[tuple[str, ...]] = ()
     # guessed too, named by the shape derivation itself (before the generic ones)
     derive_guessed: ClassVar[tuple[str, ...]] = ()
+
+    # --- the config section's rules (config.py) ------------------------------------------------
+    def model_errors(self, cfg: Any) -> list[tuple[str, str]]:
+        """``[(field, message)]``: what this architecture refuses in a ``model:`` section."""
+        return []
+
+    def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
+        """``[(key path, message)]``: what it refuses in the rest of an experiment (trainer layout)."""
+        return []
 
     # --- the mapping (hfmap.py) ---------------------------------------------------------------
     @property

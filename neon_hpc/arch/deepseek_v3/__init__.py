@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from neon_hpc.arch.base import Architecture, AttentionParams, Shapes, ShapeError
-from neon_hpc.arch.deepseek_v3 import hfmap
+from neon_hpc.arch.deepseek_v3 import config as section, hfmap
 
 
 class DeepseekV3(Architecture):
     name = hfmap.NAME
     aliases = ("kimi_k2",)
     mapping = hfmap
+    config = section.DeepSeekV3Config
     attention = "mla"
     default_dense_layers = 1      # DeepSeek-V3's first layer is dense (first_k_dense_replace)
     default_shared_experts = 1
@@ -24,6 +25,12 @@ class DeepseekV3(Architecture):
                     "v_head_dim", "first_k_dense_replace", "n_shared_experts")
     guessed_fields = ("norm_topk_prob", "rope_interleave")
     derive_guessed = ("routed_scaling_factor", "n_group", "topk_group")
+
+    def model_errors(self, cfg: Any) -> list[tuple[str, str]]:
+        return section.model_errors(cfg)
+
+    def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
+        return section.experiment_errors(exp)
 
     def dense_layers(self, cfg: Any) -> int:
         return cfg.first_dense_layers

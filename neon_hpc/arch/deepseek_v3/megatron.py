@@ -34,7 +34,7 @@ class DeepseekV3Adapter(Adapter):
     hf_architecture = _map.HF_ARCHITECTURE
     layer_rules = LAYER_RULES
 
-    # --- pure (validate / experiment_errors: the model section's ARCH_RULES, via Adapter) ----------
+    # --- pure (validate / experiment_errors: this folder's config.py, via Adapter) ----------------
     def layer_suffixes(self, cfg: ModelConfig, layer: int) -> list[str]:
         att = ["self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight",
                "self_attention.kv_layernorm.weight", "self_attention.linear_proj.weight"]

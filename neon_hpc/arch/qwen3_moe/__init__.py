@@ -5,17 +5,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from neon_hpc.arch.base import Architecture, Shapes, ShapeError
-from neon_hpc.arch.qwen3_moe import hfmap
+from neon_hpc.arch.qwen3_moe import config as section, hfmap
 
 
 class Qwen3Moe(Architecture):
     name = hfmap.NAME
     mapping = hfmap
+    config = section.Qwen3MoeConfig
     attention = "gqa"
     shape_fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "num_experts", "moe_intermediate_size")
     guessed_fields = ("intermediate_size", "norm_topk_prob")
+
+    def model_errors(self, cfg: Any) -> list[tuple[str, str]]:
+        return section.model_errors(cfg)
 
     def fields_from_shapes(self, shapes: Shapes, proj, fc1) -> dict:
         """GQA shapes: k_layernorm = head_dim, linear_proj cols = heads x head_dim, linear_qkv rows =

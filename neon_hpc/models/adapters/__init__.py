@@ -4,8 +4,8 @@ layer spec, the Megatron <-> HF name and slicing rules, and the route layout.
 Each architecture's adapter is ``ADAPTER`` in its folder's ``megatron.py``
 (``neon_hpc/arch/<name>/megatron.py``, an :class:`~.base.Adapter` subclass); this package finds
 them through the architecture registry (:mod:`neon_hpc.arch`), so adding an architecture touches
-its folder and the registry's line only (its config rules: ``ARCH_RULES`` of
-:mod:`neon_hpc.models.config`, the adapter's ``validate``).  Importing this package imports no
+its folder and the registry's line only (its config section and rules: the folder's ``config.py``,
+the adapter's ``validate``).  Importing this package imports no
 torch, transformers or megatron; the methods that need them import them.
 """
 

@@ -82,7 +82,7 @@ class Adapter:
     # --- pure -----------------------------------------------------------------------------
     def validate(self, cfg: ModelConfig) -> list[tuple[str, str]]:
         """``[(field, message)]``: what this architecture refuses in ``cfg`` (the rules are the
-        model section's, :data:`neon_hpc.models.config.ARCH_RULES`)."""
+        architecture folder's ``config.py``)."""
         return arch_errors(cfg, self.name)
 
     def moe_layers(self, cfg: ModelConfig) -> list[int]:
@@ -91,7 +91,7 @@ class Adapter:
     def experiment_errors(self, exp: Any) -> list[tuple[str, str]]:
         """``[(key path, message)]``: what this architecture refuses in the rest of an experiment
         config (trainer layout, balancer); ``neon-hpc config check`` reports them
-        (:data:`neon_hpc.models.config.ARCH_RULES`)."""
+        (the architecture folder's ``config.py``)."""
         return arch_experiment_errors(exp, self.name)
 
     def route_layout(self, cfg: ModelConfig) -> RouteLayout:
