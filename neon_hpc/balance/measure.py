@@ -12,7 +12,7 @@ attends to K/V of its prefix ``[0, start)`` as well, which in a real run arrive 
 ranks holding those chunks: here they are leaf tensors that require grad, so their
 score, value and gradient compute is paid, the transfer is not.
 
-torch is imported lazily: planning never needs it.
+torch is imported lazily: balancing never needs it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ wants megatron's equal zigzag chunks).  :class:`PieceAttention` can:
 Why all-gather, not a ring: a rank's pieces are arbitrary (not ``2*cp`` equal chunks), so
 a ring would need a per-step mask of every (query piece, key piece) pair and at CP = 2 moves
 the same bytes; one all-gather per layer of only the split documents' K/V rows (padded to
-the largest contribution, which every rank computes from the plan, so no size exchange) is
+the largest contribution, which every rank computes from the balancer's assignment, so no size exchange) is
 one collective with a fixed shape, called by every rank of the group at every layer of every
 micro-batch slot: it cannot deadlock when ranks hold different numbers of pieces.  Its cost
 is each rank receiving all split rows (``(g-1)/g`` of them remote), fine for small exchange

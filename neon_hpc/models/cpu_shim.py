@@ -8,9 +8,9 @@ refuses torch norms under sequence parallelism).  The two are independent: a clu
 CUDA install often has no TE, and a laptop has neither.  Each patch below replaces exactly one
 assumption; nothing changes the arithmetic of a forward or backward pass.
 
-Which patches apply is a pure function of what this process has (:func:`plan`): the
+Which patches apply is a pure function of what this process has (:func:`patches_for`): the
 ``NO_TE`` group whenever ``transformer_engine`` does not import (CPU *or* CUDA), the
-``NO_CUDA`` group only without a usable CUDA device.  :func:`apply` runs that plan once
+``NO_CUDA`` group only without a usable CUDA device.  :func:`apply` applies those once
 (idempotent); it must run before a model is built (:mod:`neon_hpc.models.megatron` calls it
 first thing).  :func:`kernels` says which optional kernels were found, for the start-up log.
 A process that saves megatron checkpoints with gloo workers must keep its entry point under
@@ -88,12 +88,12 @@ _done = False
 
 
 def has_cuda() -> bool:
-    """A usable CUDA device (the device side of :func:`plan`)."""
+    """A usable CUDA device (the device side of :func:`patches_for`)."""
     return torch.cuda.is_available()
 
 
 def has_te() -> bool:
-    """Transformer Engine's PyTorch module imports (the library side of :func:`plan`)."""
+    """Transformer Engine's PyTorch module imports (the library side of :func:`patches_for`)."""
     return importlib.util.find_spec("transformer_engine") is not None and _te_imports()
 
 
@@ -105,7 +105,7 @@ def _te_imports() -> bool:
     return True
 
 
-def plan(cuda: bool, te: bool) -> list[str]:
+def patches_for(cuda: bool, te: bool) -> list[str]:
     """The patches a process with (``cuda``, ``te``) needs, in application order."""
     wanted = set(() if te else NO_TE) | set(() if cuda else NO_CUDA)
     return [p for p in PATCHES if p in wanted]
@@ -113,7 +113,7 @@ def plan(cuda: bool, te: bool) -> list[str]:
 
 def needed() -> bool:
     """True when this process needs any patch."""
-    return bool(plan(has_cuda(), has_te()))
+    return bool(patches_for(has_cuda(), has_te()))
 
 
 def applied() -> list[str]:
@@ -122,7 +122,7 @@ def applied() -> list[str]:
 
 
 def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
-    """Apply this process's :func:`plan` once (thread-safe, idempotent); returns the names applied.
+    """Apply this process's :func:`patches_for` once (thread-safe, idempotent); returns the names applied.
 
     ``cuda`` / ``te`` override what is detected (tests simulate a CUDA machine without TE);
     only the first call decides."""
@@ -130,7 +130,7 @@ def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
     with _lock:
         if _done:
             return list(_applied)
-        names = plan(has_cuda() if cuda is None else cuda, has_te() if te is None else te)
+        names = patches_for(has_cuda() if cuda is None else cuda, has_te() if te is None else te)
         for name in names:
             globals()[f"_patch_{name}"]()
             _applied.append(name)

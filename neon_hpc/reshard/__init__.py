@@ -1,4 +1,4 @@
-"""Megatron torch_dist checkpoint -> HF safetensors, planned per chunk, executed over MPI ranks.
+"""Megatron torch_dist checkpoint -> HF safetensors, chunk by chunk, executed over MPI ranks.
 
 Public entry point: :func:`convert` (in-process, one rank by default); CLI: ``tools/reshard.py``
 or ``neon-hpc reshard``.  See README.md beside this file.

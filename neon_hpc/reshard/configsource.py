@@ -81,7 +81,7 @@ def _read_json(path: Path) -> dict:
 def _check_field_types(cfg: dict, where: str) -> None:
     """The fields reshard computes with are integers (``vocab_size``, the shape fields) or a
     string (``model_type``): anything else is refused naming the field, not met later as a
-    TypeError deep in the plan."""
+    TypeError deep in the task builder."""
     ints = {"vocab_size", *(k for ks in _SHAPE_FIELDS.values() for k in ks)}
     for k in sorted(ints & set(cfg)):
         v = cfg[k]

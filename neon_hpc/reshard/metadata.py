@@ -52,7 +52,7 @@ def read_json_object(path: Path, what: str, error: type[CheckpointError] = Check
     return body
 
 
-# DCP stores dtypes as torch globals; we keep their names.  Bytes per element for planning.
+# DCP stores dtypes as torch globals; we keep their names.  Bytes per element for the task sizes.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 

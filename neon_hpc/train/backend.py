@@ -17,7 +17,7 @@ What megatron-core does here, and what we do:
   as :func:`neon_hpc.train.layout.chunk_layers` assigns them;
 - micro-batches: megatron-core's pipeline schedules (:func:`forward_backward`): no
   pipelining for PP = 1, 1F1B for PP > 1, interleaved 1F1B with V > 1 chunks (one data
-  iterator per chunk over the same micro-batches), micro-batches in the plan's order, each stage's
+  iterator per chunk over the same micro-batches), micro-batches in the assignment's order, each stage's
   activation shape exchanged per micro-batch (``variable_seq_lengths``: packed micro-batches
   differ in length).  On CPU the stages talk over gloo through megatron's ordered
   ``isend``/``irecv`` path (``batch_p2p_comm=False``; ``batch_isend_irecv`` hangs on gloo) and
@@ -262,7 +262,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
     if vpp > 1 and pp == 1:
         raise ValueError(f"train.virtual_pipeline_stages={vpp} needs train.pipeline_parallel > 1")
-    planned = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
+    expected = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     precision = resolve_precision(precision)
@@ -301,9 +301,9 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         models.append(model)
         wrapped = Float16Module(model.config, model) if precision == "bf16" else model
         ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
-    if built != planned[pp_rank]:
+    if built != expected[pp_rank]:
         raise RuntimeError(f"pipeline stage {pp_rank}: megatron built (first layer, layers) {built} per model "
-                           f"chunk, train/layout.py planned {planned[pp_rank]} (the two rules disagree)")
+                           f"chunk, train/layout.py expects {expected[pp_rank]} (the two rules disagree)")
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
                               clip_grad=grad_clip, bf16=precision == "bf16", fp16=False, params_dtype=dtype,
                               use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
@@ -432,7 +432,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     to the schedule is multiplied by that number first.  ``forward_context(j)``, if given, is
     entered around micro-batch ``j``'s forward (its backward may run later, after other
     forwards: 1F1B), on every model chunk.  With V model chunks per stage the schedule is
-    megatron's interleaved 1F1B: each chunk reads the micro-batches in the plan's order from its
+    megatron's interleaved 1F1B: each chunk reads the micro-batches in the assignment's order from its
     own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
     unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """

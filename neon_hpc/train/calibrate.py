@@ -5,7 +5,7 @@ device (CUDA when available, else CPU): ``backend.setup`` builds the megatron-co
 and optimizer as the trainer does, and every :meth:`~TrainerStepRunner.step` is one
 ``loop.train_step`` on a micro-batch the caller chooses (documents ``[(start, end), ...]`` of
 synthetic trajectories): zero the grads, build the packed micro-batch, forward + backward
-through megatron's schedule, finalize the grads, the optimizer step.  The planning part of
+through megatron's schedule, finalize the grads, the optimizer step.  The balancing part of
 ``loop.prepare_step`` is skipped on purpose (the calibration chooses the micro-batch; the
 planner would re-pack it).
 
@@ -155,9 +155,9 @@ class TrainerStepRunner:
             raise ValueError(f"a {max(lengths)}-token document is longer than model.max_position_embeddings="
                              f"{limit}; calibrate lengths up to it, or raise it")
         trajs = synthetic_trajectories(lengths, self.model_cfg.vocab_size, self.seed)
-        plan = [[[(i, 0, n) for i, n in enumerate(lengths)]]]
+        pieces = [[[(i, 0, n) for i, n in enumerate(lengths)]]]
         tokens = int(sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajs))
-        data = StepData(trajs, np.array([t.advantage for t in trajs]), plan, "calibration", tokens)
+        data = StepData(trajs, np.array([t.advantage for t in trajs]), pieces, "calibration", tokens)
         base = self._mem_start() if memory else 0.0
         self._mark.clear()
         self._sync()

@@ -1,4 +1,4 @@
-"""The trainer's step loop: claim -> plan -> micro-batches -> forward/loss/backward -> step -> publish.
+"""The trainer's step loop: claim -> assign -> micro-batches -> forward/loss/backward -> step -> publish.
 
 One process per trainer rank, under the usual torch.distributed variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
@@ -11,7 +11,7 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    shards, staleness filter against version N-1, resumable); the other ranks then read
    the committed claim (the same call returns the recorded trajectories);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
-3. the balancer plans micro-batches per DP rank (``balance.configured.plan_for_config``: the
+3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured planner, cost model and split policy; an error stops the step), sharded over
    each CP group; every rank runs the same number;
 4. per micro-batch: packed forward with router replay, the off-policy loss
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from neon_hpc.balance.configured import plan_for_config
+from neon_hpc.balance.configured import assignment_for_config
 from neon_hpc.logs import RoleLogger
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag
@@ -143,14 +143,14 @@ def check_world(cfg: TrainerSections, world: int) -> None:
 class StepData:
     trajectories: list
     advantages: np.ndarray
-    plan: list                       # plan[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
+    pieces: list                       # pieces[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
     planner: str
     global_tokens: int               # generated label tokens in the whole step
     waited_s: float = 0.0
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
-    balance: dict = field(default_factory=dict)   # StepPlan.summary(): predicted makespan, shadow planners
+    balance: dict = field(default_factory=dict)   # StepAssignment.summary(): predicted makespan, shadow planners
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
@@ -198,12 +198,12 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     return status
 
 
-def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
-    """The configured plan (``balance.configured.plan_for_config``) for ``dp`` data ranks.
+def _assign(lengths: list[int], dp: int, cfg: TrainerSections):
+    """The configured assignment (``balance.configured.assignment_for_config``) for ``dp`` data ranks.
 
     ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
     ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
-    group (``StepPlan.cp_shards``).  A planner error stops the step: it is raised as a
+    group (``StepAssignment.cp_shards``).  A planner error stops the step: it is raised as a
     :class:`TrainerError` naming the planner, never replaced by another packing.
     """
     cp = cfg.train.context_parallel
@@ -211,24 +211,24 @@ def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
         raise TrainerError(f"train.context_parallel={cp} does not divide the {dp} data ranks the world gives "
                            f"(world / (tp*pp)); start a multiple of tp*pp*cp processes")
     try:
-        return plan_for_config(lengths, cfg, dp=dp // cp)
+        return assignment_for_config(lengths, cfg, dp=dp // cp)
     except (ValueError, OSError) as e:
         raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not plan this step "
                            f"({len(lengths)} sequences, longest {max(lengths, default=0)} tokens): {e}") from e
 
 
-def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
+def rank_pieces(asg, cp: int) -> list[list[list[tuple[int, int, int]]]]:
     """``pieces[data_rank][microbatch]``: what each of the ``dp * cp`` data ranks runs.
 
     Data rank ``g`` is CP rank ``g % cp`` of DP rank ``g // cp`` (megatron's data-parallel
-    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepPlan.cp_shards``.
+    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepAssignment.cp_shards``.
     """
     out = []
-    for r, mbs in enumerate(plan.ranks):
+    for r, mbs in enumerate(asg.ranks):
         if cp == 1:
             out.append([[(int(p.seq), int(p.start), int(p.end)) for p in mb] for mb in mbs])
             continue
-        shards = [plan.cp_shards(r, j) for j in range(len(mbs))]
+        shards = [asg.cp_shards(r, j) for j in range(len(mbs))]
         for q in range(cp):
             out.append([[(int(p.seq), int(p.start), int(p.end)) for p in sh[q]] for sh in shards])
     return out
@@ -241,10 +241,10 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
     for t, a in zip(trajs, adv):
         t.advantage = float(a)
     lengths = input_lengths(trajs)
-    plan = _plan(lengths, dp, cfg)
+    asg = _assign(lengths, dp, cfg)
     tokens = int(sum(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs))
-    return StepData(trajs, adv, rank_pieces(plan, cfg.train.context_parallel), cfg.balance.planner, tokens,
-                    balance=plan.summary())
+    return StepData(trajs, adv, rank_pieces(asg, cfg.train.context_parallel), cfg.balance.planner, tokens,
+                    balance=asg.summary())
 
 
 # --------------------------------------------------------------------------------------
@@ -259,11 +259,11 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     from neon_hpc.models.cp_attention import attention_layout, build_layout
 
     lay = be.layout
-    mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
-    n_mb = max(len(r) for r in data.plan) if data.plan else 0
+    mine = data.pieces[lay.dp_rank] if lay.dp_rank < len(data.pieces) else []
+    n_mb = max(len(r) for r in data.pieces) if data.pieces else 0
     # the K/V exchange group of split pieces: every data rank (DP x CP) of this TP/PP position;
     # every rank runs every slot's layers, so its one all-gather per layer cannot deadlock
-    group = _exchange_group(len(data.plan))
+    group = _exchange_group(len(data.pieces))
     t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
@@ -303,9 +303,9 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     out["replay_docs_missing"] = int(sums["replay_docs_missing"])
     out["replayed_microbatches"] = int(sums["replayed_microbatches"])
     out["exchanged_microbatches"] = int(sums["exchanged_microbatches"])
-    out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.plan))
+    out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.pieces))
     # CPU time of this process over the same span (no time waiting for a busy CPU or a peer)
-    out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.plan))
+    out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.pieces))
     return out
 
 

@@ -7,7 +7,7 @@ The one place that turns the trainer's state into engine weights (``train.publis
   ``neon_hpc.models.convert.megatron_to_hf``, write with ``neon_hpc.models.hf.save_hf`` (staged
   and renamed into place).  Fine for small models.
 - ``reshard``: the loop checkpoints first, then rank 0 converts that torch_dist checkpoint
-  with ``neon_hpc.reshard.convert`` (chunk-planned, streamed; also staged and renamed).
+  with ``neon_hpc.reshard.convert`` (chunk by chunk, streamed; also staged and renamed).
 
 Either way ``weights/LATEST`` is written last.
 
@@ -34,7 +34,7 @@ def publish_weights(run: RunDir, be: Backend, model_cfg: ModelConfig, version: i
 
     ``via="direct"``: gather and convert in memory (small models).  ``via="reshard"``: convert
     ``checkpoint_dir`` (the torch_dist checkpoint of these very weights) with
-    ``neon_hpc.reshard.convert`` on rank 0, planned per chunk and streamed, never holding
+    ``neon_hpc.reshard.convert`` on rank 0, chunk by chunk and streamed, never holding
     the whole model.  Returns ``(path, seconds, written)``; ``written`` is False when
     ``v_{version}`` existed.
     """

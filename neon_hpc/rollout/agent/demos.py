@@ -1,6 +1,6 @@
 """Demonstrations in the agent's tokens: an environment's scripted actions rendered as the agent loop records them.
 
-An environment plugin (``neon_hpc/envs/<name>/``) that offers a warm start plans a :class:`Demo`
+An environment plugin (``neon_hpc/envs/<name>/``) that offers a warm start composes a :class:`Demo`
 per task (the texts the model "writes" each turn); :func:`render_demo` plays it against the
 environment with the same chat template (:mod:`~neon_hpc.rollout.agent.template`), tool texts
 (the tools really run, their results formatted as in an episode) and answer format the agent
@@ -8,7 +8,7 @@ loop uses, so a demonstration is token for token what
 :class:`~neon_hpc.rollout.agent.episode.Episode` records when the model emits the same actions
 (``tests/test_demos.py``); ``loss_mask`` is 1 on the assistant's tokens only, ``rewards`` are the
 environment's grade.  :func:`write_demo_shards` publishes them as trajectory shards (the SFT
-data of the warm start, ``neon_hpc/launch/warm.py``).  XRD's plans are ``neon_hpc/envs/xrd/demos.py``.
+data of the warm start, ``neon_hpc/launch/warm.py``).  XRD's are ``neon_hpc/envs/xrd/demos.py``.
 """
 
 from __future__ import annotations
