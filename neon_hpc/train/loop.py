@@ -44,7 +44,7 @@ from neon_hpc.procutil import StopFlag
 from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.replay.layout import to_trainer_rows
+from neon_hpc.replay.rows import to_trainer_rows
 from neon_hpc.reshard.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
@@ -256,7 +256,7 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
-    from neon_hpc.models.cp_attention import attention_layout, build_layout
+    from neon_hpc.models.cp_attention import piece_map, build_piece_map
 
     lay = be.layout
     mine = data.pieces[lay.dp_rank] if lay.dp_rank < len(data.pieces) else []
@@ -276,8 +276,8 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
                               route_shape=route_shape, dense_mask=False)
         replay_missing += mb.routes_missing
         replayed += int(mb.routes is not None and bool(pieces))
-        slot = [r[j] if j < len(r) else [] for r in data.plan]
-        alays.append(build_layout(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
+        slot = [r[j] if j < len(r) else [] for r in data.pieces]
+        alays.append(build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
         mbs.append(mb)
 
     def loss_fn(logp, mb):
@@ -287,8 +287,8 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
         return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
                            mb.loss_mask.to(dev), denom, lcfg)
 
-    # megatron's schedule (1F1B under PP) runs the micro-batches in the plan's order
-    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: attention_layout(alays[j]))
+    # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
+    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: piece_map(alays[j]))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
     sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
