@@ -23,7 +23,7 @@ What one step reports (:class:`StepMeasure`):
   ``memory_allocated()`` before it: tensors only, not the caching allocator's reserve.  CPU:
   the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus
   its resident set before the step, with glibc mapping every allocation of 64 KiB or more on
-  its own (``train.memory.PeakMemory``) and ``malloc_trim(0)`` before the step, so the resident set
+  its own (``train.heap.PeakMemory``) and ``malloc_trim(0)`` before the step, so the resident set
   follows the tensors alive.  It still counts what the OS charges: whole pages, small
   allocations in the arenas, the step's non-tensor memory; so the memory fit uses the longer
   lengths, where tensors dominate.
@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.train.memory import PeakMemory, mmap_large_allocations
+from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
 
 
 @dataclass

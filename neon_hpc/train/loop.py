@@ -52,7 +52,7 @@ from neon_hpc.train.backend import forward_backward, reduce_step_sums
 from neon_hpc.train.batch import build_microbatch, input_lengths
 from neon_hpc.train.config import correction_errors, world_fix, world_size
 from neon_hpc.train.layout import layout_errors
-from neon_hpc.train.memory import StepMemory
+from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
@@ -437,7 +437,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     step = last
     saved_at = last
     preempted = False
-    memory = StepMemory.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
+    memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)

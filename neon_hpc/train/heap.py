@@ -1,4 +1,4 @@
-"""The trainer's memory between steps: freed heap memory goes back to the OS, and a diagnostic.
+"""The trainer's heap between steps: freed heap memory goes back to the OS, and a diagnostic.
 
 **Trim.** After every step the trainer calls glibc's ``malloc_trim(0)``. Why: the trainer has
 ~70 threads (gloo's per-process-group loops, torch's pools) and glibc gives threads up to
@@ -102,7 +102,7 @@ def malloc_stats(libc) -> dict[str, int] | None:
     return out
 
 
-class StepMemory:
+class StepHeap:
     """Called after every step: trims (unless turned off), records every N-th step (if asked)."""
 
     def __init__(self, path: Path, every: int = 0, trace: int = 0, trim: bool = True):
@@ -117,7 +117,7 @@ class StepMemory:
             self._snap = tracemalloc.take_snapshot()
 
     @classmethod
-    def from_env(cls, log_dir: Path, rank: int) -> "StepMemory":
+    def from_env(cls, log_dir: Path, rank: int) -> "StepHeap":
         return cls(Path(log_dir) / f"memdebug_{rank}.jsonl", _env_int(EVERY_ENV), _env_int(TRACE_ENV),
                    _env_int(TRIM_ENV, default=1) > 0)
 
