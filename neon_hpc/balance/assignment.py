@@ -101,7 +101,7 @@ class StepAssignment:
 
     def cp_shards(self, r: int, j: int) -> list[list[Piece]]:
         """Micro-batch ``j`` of rank ``r``, per CP rank (zigzag for long pieces)."""
-        from neon_hpc.balance.cp import cp_shards
+        from neon_hpc.balance.cp import cp_shards  # deferred: cycle (neon_hpc.balance.cp imports this module)
         return cp_shards(self.ranks[r][j], self.cost, self.cp, self.cp_split_threshold, self.images)
 
     def speedup_vs(self, planner: str) -> float:
@@ -129,6 +129,7 @@ class StepAssignment:
 def microbatch_cost(pieces: Sequence[Piece], cost: CostModel, cp: int = 1,
                     cp_split_threshold: int = 0, images: Sequence[int] | None = None) -> float:
     """Predicted forward + backward time of one micro-batch (slowest CP rank when ``cp > 1``)."""
+    # deferred: cycle (neon_hpc.balance.cp imports this module)
     from neon_hpc.balance.cp import cp_shard_costs, piece_cost
     if not pieces:
         return 0.0

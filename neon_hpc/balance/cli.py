@@ -72,7 +72,7 @@ def _config_args(p):
 
 
 def _load_cfg(a):
-    from neon_hpc import config
+    from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, pydantic)
     return config.load(a.config, a.set)
 
 
@@ -87,7 +87,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _calibrate(a, trainer_step=None) -> int:
-    from neon_hpc.protocol.rundir import atomic_write_json
+    from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
     cfg = _load_cfg(a)
     if a.lengths:
         lengths = _int_list(a.lengths, "--lengths")

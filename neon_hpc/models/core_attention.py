@@ -42,6 +42,7 @@ class SDPACoreAttention(torch.nn.Module):
             raise NotImplementedError("packed (THD) sequences are not supported by SDPACoreAttention")
         # megatron: [s, b, heads, dim] -> torch: [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # deferred: heavy (neon_hpc.models.cp_attention: megatron, pydantic)
         from neon_hpc.models.cp_attention import active_piece_map, piece_attention
         lay = active_piece_map()
         if attention_mask is None and lay is not None:

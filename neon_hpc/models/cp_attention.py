@@ -58,7 +58,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 _ACTIVE: list["PieceMap"] = []
 
@@ -401,7 +403,6 @@ def _flash_takes(q, k, v) -> bool:
     """Whether CUDA's flash kernel runs these shapes/dtypes with GQA unexpanded (cached)."""
     key = (q.device, q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1])
     if key not in _FLASH_GQA:
-        from torch.backends.cuda import SDPAParams, can_use_flash_attention
         qb, kb, vb = (t[:1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         _FLASH_GQA[key] = bool(can_use_flash_attention(SDPAParams(qb, kb, vb, None, 0.0, True, True), False))
     return _FLASH_GQA[key]
@@ -459,7 +460,6 @@ def use_document_positions(model) -> int:
     rotary modules were hooked.  Handles megatron's ``RotaryEmbedding`` (GPT) and
     ``YarnRotaryEmbedding`` (MLA; its forward returns ``(emb, mscale)``).
     """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     n = 0
     for mod in model.modules():
         if isinstance(mod, RotaryEmbedding) and "forward" not in vars(mod):

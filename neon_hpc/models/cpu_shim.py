@@ -175,10 +175,11 @@ def _patch_jit_fuser() -> None:
         compile_ = torch.compile
         torch.compile = _eager
         try:
+            # deferred: heavy (megatron)
             import megatron.core.jit  # noqa: F401  (imports megatron.core, whose fusions it decorates)
         finally:
             torch.compile = compile_
-    from megatron.core import jit
+    from megatron.core import jit  # deferred: heavy (megatron)
     jit.disable_jit_fuser()         # what megatron imports later decorates with the no-op too
 
 
@@ -236,7 +237,7 @@ def _patch_streams() -> None:
 # megatron-core internals
 
 def _patch_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
 
     def get_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -266,6 +267,7 @@ def _patch_rng_tracker() -> None:
 
 
 def _patch_causal_mask() -> None:
+    # deferred: heavy (megatron)
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 
@@ -286,13 +288,13 @@ def _patch_causal_mask() -> None:
 
 
 def _patch_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # deferred: heavy (megatron)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
 def _patch_torch_norm_sp() -> None:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # deferred: heavy (megatron)
 
     def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
             zero_centered_gamma=False, normalization="LayerNorm"):
@@ -313,7 +315,7 @@ def _patch_torch_norm_sp() -> None:
 
 
 def _patch_recompute_fp8() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
     original = mrandom.CheckpointWithoutOutput.__init__
 
     def init(self, fp8=False):
@@ -324,7 +326,7 @@ def _patch_recompute_fp8() -> None:
 
 
 def _patch_numpy_splits() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # deferred: heavy (megatron)
 
     original = moe_utils.maybe_move_tensor_to_cpu
 
@@ -358,12 +360,12 @@ class TorchOnCpu:
 
 
 def _patch_pipeline_token_counter() -> None:
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import schedules  # deferred: heavy (megatron)
     schedules.torch = TorchOnCpu()
 
 
 def _patch_p2p_shapes() -> None:
-    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel import p2p_communication as p2p  # deferred: heavy (megatron)
 
     def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         def shape_of(t):

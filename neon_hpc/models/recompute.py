@@ -29,8 +29,9 @@ _installed = False
 
 
 def _capture():
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplay  # deferred: heavy (megatron)
 
+    # deferred: heavy (neon_hpc.models.cp_attention: torch, megatron)
     from neon_hpc.models.cp_attention import active_piece_map
     routers = [(r, r.router_replay_action, r.target_topk_idx) for r in RouterReplay.global_router_replay_instances]
     return active_piece_map(), routers
@@ -38,6 +39,7 @@ def _capture():
 
 @contextlib.contextmanager
 def _replaying(state):
+    # deferred: heavy (neon_hpc.models.cp_attention: torch, megatron)
     from neon_hpc.models.cp_attention import piece_map
     pmap, routers = state
     before = [(r, r.router_replay_action, r.target_topk_idx) for r, _, _ in routers]
@@ -57,7 +59,7 @@ def install() -> bool:
     with _lock:
         if _installed:
             return True
-        from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
         fn = mrandom.CheckpointFunction
         forward, backward = fn.forward, fn.backward
 

@@ -141,7 +141,7 @@ class Tokenizer:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``neon_tokenizer.json`` into ``directory`` (atomically) and return its path."""
-        from neon_hpc.protocol.rundir import atomic_write_json
+        from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
         path = Path(directory) / FILE_NAME
         atomic_write_json(path, self.to_json())
         return path
@@ -181,7 +181,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: heavy (transformers)
         self.name = str(path)
         self._tok = self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self._tok)

@@ -33,6 +33,7 @@ RATIO_BATCH = 2048
 
 def _balancer() -> tuple[Any, Any] | None:
     try:
+        # deferred: optional (neon_hpc.balance: without it the cost bound)
         from neon_hpc.balance import CostModel, assign_step  # type: ignore[attr-defined]
     except ImportError:
         return None

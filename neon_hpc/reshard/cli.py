@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 from neon_hpc.hfmap import MODEL_TYPES
 from neon_hpc.reshard.comm import get_comm, launched_under_mpi
@@ -52,7 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     # the pipeline (pydantic, torch when converting) is imported where used: `--help` stays light; mpi4py only under MPI
+    # deferred: heavy (neon_hpc.reshard.configsource: pydantic)
     from neon_hpc.reshard.configsource import check_dst_outside_src
+    # deferred: heavy (neon_hpc.reshard.pipeline: pydantic)
     from neon_hpc.reshard.pipeline import ReshardError, convert, tasks_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:
@@ -88,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 def _abort_world_if_mpi() -> None:
     """An unexpected error on one rank must not leave the others waiting in a collective."""
     if launched_under_mpi():
-        import traceback
         traceback.print_exc()
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: optional (mpi4py: only under an MPI launcher)
         MPI.COMM_WORLD.Abort(1)
 
 

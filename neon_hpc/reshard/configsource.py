@@ -112,7 +112,7 @@ def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None,
         return ConfigSource(_read_json(own), f"the checkpoint's own {own}", ckpt.path)
     run_yaml = _run_yaml(ckpt.path)
     if ckpt.path.absolute().parent.name == "checkpoints" and run_yaml.is_file():
-        from neon_hpc import config as experiment
+        from neon_hpc import config as experiment  # deferred: heavy (neon_hpc.config: h5py, numpy)
         try:
             model_cfg = experiment.load(run_yaml).model
         except experiment.ConfigError as e:

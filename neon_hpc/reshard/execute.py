@@ -128,7 +128,7 @@ class ChunkReader:
 
     def read(self, key: str, c: Chunk, dtype: str):
         # torch is imported where used: importing this module (the reshard CLI does) does not load it
-        import torch
+        import torch  # deferred: heavy (torch)
         fd = self._fd(c.file)
         if os.fstat(fd).st_size < c.offset + c.length:
             raise CheckpointError(f"{self.ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs "
@@ -153,7 +153,7 @@ class ChunkReader:
 
     def _check(self, key: str, c: Chunk, fd: int, t, window: _Window) -> None:
         """The blob's digest, over [records before | the tensor's storage bytes | records after]."""
-        import torch
+        import torch  # deferred: heavy (torch)
         what = f"{key}@{list(c.offsets)}"
         storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
         n = storage.nbytes() if storage is not None else 0
@@ -179,7 +179,7 @@ class ChunkReader:
 
 def assemble_slab(slab: Slab, chunks: list[tuple[str, Chunk, object]]):
     """The slab as one tensor from the chunks that intersect it (a view when one chunk covers it)."""
-    import torch
+    import torch  # deferred: heavy (torch)
     n = len(slab.index)
     mine = [(c, t) for key, c, t in chunks if key == slab.key
             and all(o <= i < o + s for i, o, s in zip(slab.index, c.offsets, c.sizes))]
@@ -195,7 +195,7 @@ def assemble_slab(slab: Slab, chunks: list[tuple[str, Chunk, object]]):
 
 
 def tensor_bytes(t) -> memoryview:
-    import torch
+    import torch  # deferred: heavy (torch)
     flat = t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
@@ -247,7 +247,7 @@ def one_thread():
     """Parallelism comes from ranks; torch's intra-op threads only spin against each other (and
     the other ranks on the same cores) for plain copies.  Restored after, so an in-process
     caller (the trainer) keeps its own setting."""
-    import torch
+    import torch  # deferred: heavy (torch)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

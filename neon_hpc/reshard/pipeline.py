@@ -204,7 +204,7 @@ def _write_guess_readme(staging: Path, work: ConversionTasks, source: ConfigSour
 def verify_output(work: ConversionTasks, out_dir: Path, index: dict, sample: int) -> dict:
     """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
     # safetensors and torch are imported where used: importing this module does not load them
-    from safetensors import safe_open
+    from safetensors import safe_open  # deferred: heavy (safetensors)
     names = sorted(index["weight_map"])
     if sample:
         names = sorted(random.Random(0).sample(names, min(sample, len(names))))
@@ -227,7 +227,7 @@ def verify_output(work: ConversionTasks, out_dir: Path, index: dict, sample: int
 
 
 def _same_bytes(a, b) -> bool:
-    import torch
+    import torch  # deferred: heavy (torch)
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 from neon_hpc.reshard.arch import apply_op
 from neon_hpc.reshard.execute import one_thread
+from neon_hpc.reshard.integrity import guard_reader
 from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, out_nbytes
 
 
 def materialize(work: ConversionTasks, verify_digests: bool = True) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
     # torch is imported where used: this module is imported by the light reshard CLI
+    # deferred: heavy (torch)
     import torch
     import torch.distributed.checkpoint as dcp
     keys = sorted({s.key for t in work.tasks for s in t.slabs})
@@ -27,7 +29,6 @@ def materialize(work: ConversionTasks, verify_digests: bool = True) -> dict:
     # (unrestricted) read of it happens only for a file we have checked.
     reader = dcp.FileSystemReader(str(work.ckpt.path))
     if work.ckpt.digests is not None and verify_digests:      # the same digest check as the fast path, on DCP's reads
-        from neon_hpc.reshard.integrity import guard_reader
         guard_reader(reader, work.ckpt.digests)
     with one_thread():   # same as the fast path: intra-op threads only oversubscribe the cores
         dcp.load(state, storage_reader=reader, no_dist=True)
@@ -47,7 +48,7 @@ def convert_all(work: ConversionTasks, full: dict) -> dict:
 
 def reshard_write(hf: dict, dst: Path, shard_cap: int = DEFAULT_SHARD_CAP) -> dict:
     """Split ``hf`` into files of at most ``shard_cap`` bytes (name order); returns the index."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: heavy (safetensors)
     groups: list[list[str]] = [[]]
     size = 0
     for name in sorted(hf):

@@ -39,10 +39,11 @@ from typing import Any, get_args, get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.balance.pipeline import microbatch_group_size
-from neon_hpc.models import megatron as mm
+from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.models.adapters import get_adapter
 from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.models.config import ModelConfig
@@ -146,7 +147,7 @@ class Backend:
 
     def finalize_grads(self) -> None:
         """megatron's ``finalize_model_grads`` over every chunk (DP/expert-DP reduction, SP norms)."""
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads  # deferred: heavy (megatron)
         finalize_model_grads(self.ddps)
 
     @property
@@ -272,15 +273,15 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
     cpu_optimizer.apply()
     if recompute != "none":
-        from neon_hpc.models import recompute as rc
         rc.install()
+    # deferred: heavy (megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # deferred: heavy (megatron)
 
     RouterReplay.clear_global_router_replay_instances()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -372,7 +373,7 @@ def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
 
 
 def teardown() -> None:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplay  # deferred: heavy (megatron)
 
     RouterReplay.clear_global_router_replay_instances()
     mm.destroy_parallel()
@@ -391,6 +392,7 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
     With replay (default: whenever the backend was built with it and the micro-batch has
     routes) every MoE router of the chunk takes the recorded experts instead of its own top-k.
     """
+    # deferred: heavy (megatron)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     use_replay = (be.replay if replay is None else replay) and mb.routes is not None
@@ -436,7 +438,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
     unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: heavy (megatron)
 
 
     n = len(microbatches)
@@ -474,11 +476,10 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
 
 def reduce_step_sums(be: Backend, sums: dict[str, float]) -> dict[str, float]:
     """Sum per-step terms over DP, then hand the last pipeline stage's result to every stage."""
-    import torch.distributed as dist
     out = reduce_sums(sums)
     if be.layout.pp == 1:
         return out
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
     group = ps.get_pipeline_model_parallel_group()
     box = [out if be.layout.last_stage else None]
     dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
@@ -536,7 +537,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     their partition dim (the fused QKV is split by query groups, so concatenation restores
     it; expert weights are not TP-split: expert TP is 1), local experts get global indices.
     """
-    import torch.distributed as dist
 
     lay = be.layout
     sd: dict[str, torch.Tensor] = {}
@@ -608,8 +608,9 @@ def load_initial_weights(be: Backend, path: str) -> None:
     if kind == "hf":
         load_full_state_dict(be, hf_to_megatron(read_hf_state_dict(p), be.model_cfg))
     else:
-        from megatron.core import dist_checkpointing
+        from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
 
+        # deferred: cycle (neon_hpc.train.checkpoint imports this module)
         from neon_hpc.train.checkpoint import refuse_untrusted
         refuse_untrusted(p)          # a foreign checkpoint: its pickles could run code in megatron's load
         loaded = dist_checkpointing.load(model_sharded_state_dict(be), str(p))
@@ -641,11 +642,10 @@ def param_digest(be: Backend) -> float:
 
 def reduce_sums(values: dict[str, float], group=None) -> dict[str, float]:
     """Sum a dict of floats over a process group (DP by default); identity without one."""
-    import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(values)
     if group is None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
         group = ps.get_data_parallel_group()
     keys = sorted(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: CUDA tensors

@@ -35,6 +35,7 @@ import json
 import os
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 EVERY_ENV = "NEON_TRAIN_MEMDEBUG"
@@ -112,7 +113,6 @@ class StepHeap:
         self._snap = None
         self.max_seq_seen = 0
         if trace:
-            import tracemalloc
             tracemalloc.start(trace)
             self._snap = tracemalloc.take_snapshot()
 
@@ -140,7 +140,6 @@ class StepHeap:
                "packed_tokens": int(sum(lengths)), "max_seq_seen": self.max_seq_seen, "trimmed": self.trim,
                "trim_ms": trim_ms}
         if self.trace:
-            import tracemalloc
             snap = tracemalloc.take_snapshot()
             top = snap.compare_to(self._snap, "traceback")[:8]
             rec["tracemalloc"] = [[str(s.traceback[0]) if s.traceback else "?", round(s.size_diff / 1024, 1),
@@ -193,7 +192,7 @@ class PeakMemory:
         self._libc = None if cuda else (mmap_large_allocations() if mmap_large else glibc())
 
     def start(self) -> int:
-        import torch
+        import torch  # deferred: heavy (torch)
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
@@ -212,7 +211,7 @@ class PeakMemory:
         return self.base
 
     def stop(self) -> int:
-        import torch
+        import torch  # deferred: heavy (torch)
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from neon_hpc.balance.configured import assignment_for_config
 from neon_hpc.logs import RoleLogger
@@ -48,7 +50,7 @@ from neon_hpc.replay.rows import to_trainer_rows
 from neon_hpc.reshard.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
-from neon_hpc.train.backend import forward_backward, reduce_step_sums
+from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
 from neon_hpc.train.batch import build_microbatch, input_lengths
 from neon_hpc.train.config import correction_errors, world_fix, world_size
 from neon_hpc.train.layout import layout_errors
@@ -57,6 +59,7 @@ from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
+from neon_hpc.models import cpu_shim
 
 ROLE = "trainer"
 # One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
@@ -94,7 +97,6 @@ def dist_env() -> tuple[int, int, int]:
 
 def _select_device(local_rank: int) -> None:
     """One GPU per rank (NCCL object collectives use the current device); nothing on CPU."""
-    import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
@@ -109,8 +111,6 @@ class Preemption(StopFlag):
 def _any_rank(flag: bool, world: int) -> bool:
     if world == 1:
         return flag
-    import torch
-    import torch.distributed as dist
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
                      device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -256,6 +256,7 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
+    # deferred: heavy (neon_hpc.models.cp_attention: megatron, wandb)
     from neon_hpc.models.cp_attention import piece_map, build_piece_map
 
     lay = be.layout
@@ -310,14 +311,13 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
 
 
 def _device():
-    import torch
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _exchange_group(data_ranks: int):
     if data_ranks == 1:
         return None
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
     return ps.get_data_parallel_group()
 
 
@@ -325,8 +325,6 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
     """(max, mean) of a per-rank float over the data ranks (this rank's value alone without them)."""
     if data_ranks == 1:
         return x, x
-    import torch
-    import torch.distributed as dist
     t = torch.tensor([x, x], dtype=torch.float64, device=_device())
     g = _exchange_group(data_ranks)
     mx, sm = t[:1].clone(), t[1:].clone()
@@ -348,7 +346,6 @@ def setup_backend(cfg: TrainerSections, replay: bool, log: RoleLogger):
                  pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
                  cp=t.context_parallel, precision=t.precision, recompute=t.recompute)
     if be.layout.rank == 0:
-        from neon_hpc.models import cpu_shim
         log.info("kernels %s", json.dumps(cpu_shim.kernels(), sort_keys=True))
     return be
 
@@ -366,11 +363,9 @@ def _startup(run: RunDir, be, cfg: TrainerSections, log: RoleLogger) -> tuple[in
         log.info("resumed from %s (step %d, rng %s)", run.checkpoint(last), last,
                  "restored" if state["rng_restored"] else "reseeded: layout changed")
         if not state["rng_restored"]:
-            import torch
             torch.manual_seed(cfg.train.seed + last)
         return last, state
     if cfg.model.init_checkpoint:
-        from neon_hpc.train.backend import load_initial_weights
         load_initial_weights(be, cfg.model.init_checkpoint)
         log.info("initial weights from %s", cfg.model.init_checkpoint)
     else:
@@ -400,7 +395,7 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
         if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
             ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
         if cfg.train.mode == "sft":      # the same model, layouts and books; another loss and data source
-            from neon_hpc.train.sft import run_sft
+            from neon_hpc.train.sft import run_sft  # deferred: cycle (neon_hpc.train.sft imports this module)
             return run_sft(cfg, run, rank, world, log, pre)
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:

@@ -20,10 +20,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.models.convert import megatron_to_hf
-from neon_hpc.models.hf import save_hf
+from neon_hpc.models.hf import save_hf, hf_config
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.reshard.pipeline import convert
 from neon_hpc.train.backend import Backend, full_state_dict
 
 
@@ -66,12 +69,9 @@ def _direct(run: RunDir, be: Backend, model_cfg: ModelConfig, final: Path) -> bo
 def _reshard(be: Backend, model_cfg: ModelConfig, checkpoint_dir: Path, final: Path) -> bool:
     written = False
     if be.layout.rank == 0 and not final.exists():
-        from neon_hpc.models.hf import hf_config
         # the function, not the package attribute: importing the submodule rebinds that name
-        from neon_hpc.reshard.pipeline import convert
         convert(str(checkpoint_dir), str(final), hf_config=hf_config(model_cfg).to_dict(), use_mpi=False)
         written = True
     if be.layout.world > 1:
-        import torch.distributed as dist
         dist.barrier()
     return written

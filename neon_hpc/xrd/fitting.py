@@ -142,7 +142,7 @@ class FitResult:
 
 def _one_blas_thread():
     """One BLAS thread for the small dense algebra of a refinement (spinning threads on a busy node cost 10x)."""
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits  # deferred: heavy (threadpoolctl)
     return threadpool_limits(1, user_api="blas")
 
 
@@ -719,7 +719,7 @@ class Fitter:
 
     def _solve(self, pids, lay: _Layout, p0, lo, hi, max_nfev):
         """least_squares over the free parameters (analytic Jacobian); returns (p, full weighted J)."""
-        from scipy.optimize import least_squares
+        from scipy.optimize import least_squares  # deferred: heavy (scipy)
         sw, y = self.sw, self.y
         free = ~self._fixed(lay)
         last = {}

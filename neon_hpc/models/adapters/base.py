@@ -59,7 +59,7 @@ class RouteRows:
 
     def from_moe(self, moe_routes: Any) -> Any:
         """Inverse of :meth:`to_moe` (numpy): dense rows are zeros, as SGLang sends them."""
-        import numpy as np
+        import numpy as np  # deferred: heavy (numpy)
         r = np.asarray(moe_routes)
         out = np.zeros((r.shape[0], self.rows, r.shape[2]), dtype=r.dtype)
         out[:, list(self.moe_rows), :] = r
@@ -124,18 +124,18 @@ class Adapter:
 
     # --- heavy (lazy imports) ---------------------------------------------------------------
     def hf_model_class(self):
-        import transformers
+        import transformers  # deferred: heavy (transformers)
         return getattr(transformers, self.hf_architecture)
 
     def hf_config(self, cfg: ModelConfig):
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: heavy (transformers)
         d = self.hf_config_dict(cfg)
         d = {k: v for k, v in d.items() if k != "model_type"}
         return AutoConfig.for_model(self.hf_model_type, **d)
 
     def build_hf_model(self, cfg: ModelConfig, seed: int | None = None):
         """A freshly initialised HF model (float32, eval mode); no download."""
-        import torch
+        import torch  # deferred: heavy (torch)
         torch.manual_seed(cfg.seed if seed is None else seed)
         return self.hf_model_class()(self.hf_config(cfg)).eval()
 

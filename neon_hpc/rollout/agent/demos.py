@@ -50,7 +50,7 @@ def fit_turn(text: str, tokenizer: Any, cap: int) -> list[int]:
 
 def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
     """The demonstration as a :class:`~neon_hpc.store.Trajectory`: the agent loop's books for these actions."""
-    from neon_hpc.store import Trajectory
+    from neon_hpc.store import Trajectory  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     tpl = make_template(tokenizer)
     led = Ledger()
     led.add_env(tpl.opening(env.system_text(), env.task_text()))
@@ -93,7 +93,7 @@ def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
 
 def write_demo_shards(out_dir: str | Path, trajs: list, per_shard: int = 64) -> dict:
     """Demonstrations as shards ``demos-NNNN.h5`` in ``out_dir`` (each published by rename); a summary."""
-    from neon_hpc.store import write_shard
+    from neon_hpc.store import write_shard  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for j in range(0, len(trajs), per_shard):

@@ -40,6 +40,7 @@ def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollo
     """Success and dense reward of greedy episodes of ``tasks`` (environments by ``env``) on the weights in
     ``weights_dir``."""
     # the embedded engine (torch) is imported where used: importing this module does not load torch
+    # deferred: heavy (neon_hpc.rollout.engines.embedded: torch, tqdm)
     from neon_hpc.rollout.engines.embedded import start_server
 
     if not tasks:

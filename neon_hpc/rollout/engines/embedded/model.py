@@ -33,6 +33,7 @@ class LoadedModel:
     """An HF MoE model plus hooks that record every router's top-k indices per forward."""
 
     def __init__(self, model: torch.nn.Module, path: str, version: str):
+        # deferred: heavy (neon_hpc.models.adapters: pydantic)
         from neon_hpc.models.adapters import adapter_for_hf_config
         self.model, self.path, self.version = model, str(path), str(version)
         cfg = model.config
@@ -65,7 +66,7 @@ class LoadedModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike, version: str | None = None) -> "LoadedModel":
-        from neon_hpc.models.hf import load_hf
+        from neon_hpc.models.hf import load_hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
         return cls(load_hf(path), str(path), version if version is not None else version_from_path(path))
 
     @property
