@@ -1,7 +1,7 @@
 """The assignment of one training step: which pieces of which sequences each DP rank runs, in
 which micro-batch, and what that is predicted to cost.
 
-Layout: ``assignment.ranks[r][j]`` is micro-batch ``j`` of DP rank ``r``, a list of
+Shape: ``asg.ranks[r][j]`` is micro-batch ``j`` of DP rank ``r``, a list of
 :class:`Piece` ``(seq, start, end)``: tokens ``[start, end)`` of sequence ``seq`` (an
 index into the ``lengths`` given to :func:`assign_step`).  A whole sequence is the piece
 ``(i, 0, n_i)``.  Every rank has the same number of micro-batches (``num_microbatches``;

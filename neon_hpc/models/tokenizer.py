@@ -1,6 +1,6 @@
 """A tokenizer that needs no download: a fixed vocabulary for the XRD task, <= 256 ids.
 
-Layout of the ``xrd-tiny`` vocabulary (ids are stable; changing them invalidates weights)::
+The ``xrd-tiny`` vocabulary (ids are stable; changing them invalidates weights)::
 
     0..15     special tokens: <pad> <eos> <bos> <unk>, chat roles, tool-call and answer tags
     16..112   printable ASCII (32..126), newline and tab: the fallback, so text round-trips

@@ -213,7 +213,7 @@ def _assign(lengths: list[int], dp: int, cfg: TrainerSections):
     try:
         return assignment_for_config(lengths, cfg, dp=dp // cp)
     except (ValueError, OSError) as e:
-        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not plan this step "
+        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not balance this step "
                            f"({len(lengths)} sequences, longest {max(lengths, default=0)} tokens): {e}") from e
 
 
