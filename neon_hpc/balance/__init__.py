@@ -6,9 +6,9 @@ and returns which pieces of which sequences each DP rank runs in which micro-bat
 See README.md beside this file for the flow, the semantics and the metrics.
 """
 
+from neon_hpc.balance.assignment import Piece, StepAssignment, check_assignment, microbatch_cost
 from neon_hpc.balance.cost import CostModel, attention_flops, flops_breakdown
 from neon_hpc.balance.pipeline import pipeline_time
-from neon_hpc.balance.assignment import Piece, StepAssignment, check_assignment, microbatch_cost
 from neon_hpc.balance.planners import PLANNERS, assign_step
 
 __all__ = ["CostModel", "StepAssignment", "Piece", "assign_step", "PLANNERS", "check_assignment", "microbatch_cost",

@@ -31,11 +31,11 @@ from typing import Sequence
 
 import numpy as np
 
+from neon_hpc.balance.assignment import Piece, StepAssignment, check_assignment, score
 from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
 from neon_hpc.balance.kk import karmarkar_karp
 from neon_hpc.balance.pipeline import combine
-from neon_hpc.balance.assignment import Piece, StepAssignment, check_assignment, score
 
 PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
 # the cost planner also scores the KK assignments as candidates when len(lengths) * dp is at most this

@@ -52,10 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # the pipeline (pydantic, torch when converting) is imported where used: `--help` stays light; mpi4py only under MPI
-    # deferred: heavy (neon_hpc.reshard.configsource: pydantic)
+    # deferred: heavy (neon_hpc.reshard.configsource and .pipeline: pydantic, torch when converting; --help stays light)
     from neon_hpc.reshard.configsource import check_dst_outside_src
-    # deferred: heavy (neon_hpc.reshard.pipeline: pydantic)
     from neon_hpc.reshard.pipeline import ReshardError, convert, tasks_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:

@@ -18,8 +18,7 @@ from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, out_nbyte
 
 def materialize(work: ConversionTasks, verify_digests: bool = True) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
-    # torch is imported where used: this module is imported by the light reshard CLI
-    # deferred: heavy (torch)
+    # deferred: heavy (torch: the light reshard CLI imports this module)
     import torch
     import torch.distributed.checkpoint as dcp
     keys = sorted({s.key for t in work.tasks for s in t.slabs})

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from neon_hpc.balance.configured import assignment_for_config
 from neon_hpc.logs import RoleLogger
+from neon_hpc.models import cpu_shim
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag
 from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
@@ -59,7 +60,6 @@ from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
-from neon_hpc.models import cpu_shim
 
 ROLE = "trainer"
 # One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
