@@ -6,6 +6,7 @@ only maps names to modules (imported lazily, so ``neon-hpc status`` never import
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -30,12 +31,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _plot_run(run_dir: str):
-    from neon_hpc.ops.plot import plot_run
+    from neon_hpc.ops.plot import plot_run  # deferred: heavy (neon_hpc.ops.plot: pydantic)
     return plot_run(run_dir)
 
 
 def _trainer_step():
-    from neon_hpc.train import calibrate
+    from neon_hpc.train import calibrate  # deferred: heavy (neon_hpc.train.calibrate: numpy)
     return calibrate
 
 
@@ -64,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        import difflib
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         print(f"neon-hpc: unknown command {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
               file=sys.stderr)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neon-hpc {name}: not built yet ({module_name} is missing in this checkout).", file=sys.stderr)
             return 3
         raise
-    from neon_hpc.config import ConfigError
+    from neon_hpc.config import ConfigError  # deferred: heavy (neon_hpc.config: h5py, numpy)
     try:
         return int(module.main(rest, **HANDED_IN.get(name, {})) or 0)
     except ConfigError as e:

@@ -37,7 +37,7 @@ from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import DefaultModelConfig, ModelSection, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig
-from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig
+from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig, layout
 from neon_hpc.store.config import StoreConfig
 from neon_hpc.train.config import TrainConfig, correction_errors, launch_world_errors, layout_errors
 from neon_hpc.xrd.config import XRDConfig
@@ -100,7 +100,6 @@ def cross_errors(cfg: ExperimentConfig) -> list[tuple[str, str]]:
                      f"to 0 (auto) or raise it"))
     errs += layout_errors(cfg) + launch_world_errors(cfg)   # the trainer's own rules (train section)
     if cfg.engine.kind == "sglang":
-        from neon_hpc.rollout.config import layout
         lay = layout(cfg)
         if cfg.launch.rollout.nodes < lay.nodes_needed:
             errs.append(("launch.rollout.nodes",

@@ -35,7 +35,7 @@ Problem = tuple[str, str]   # (role: key, message)
 
 def _trainer(cfg: ExperimentConfig) -> list[Problem]:
     # torch is imported where used (the trainer's checks): `neon-hpc config check` stays light
-    from neon_hpc.train.loop import TrainerError, check_config
+    from neon_hpc.train.loop import TrainerError, check_config  # deferred: heavy (neon_hpc.train.loop: torch, tqdm)
     try:
         check_config(cfg)
     except TrainerError as e:
@@ -46,6 +46,7 @@ def _trainer(cfg: ExperimentConfig) -> list[Problem]:
 def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
     if not cfg.model.init_checkpoint:
         return []
+    # deferred: heavy (neon_hpc.train.checkpoint: torch, tqdm)
     from neon_hpc.train.checkpoint import check_init_checkpoint   # the trainer's own start-up check
     try:
         check_init_checkpoint(cfg.model.init_checkpoint)

@@ -100,7 +100,7 @@ class RoleLogger:
             metrics_path = d / "metrics.jsonl"
         sinks = None
         if run_root is not None:
-            from neon_hpc.logsinks import open_sinks
+            from neon_hpc.logsinks import open_sinks  # deferred: heavy (neon_hpc.logsinks: pydantic)
             sinks = open_sinks(Path(run_root), role, rank)
         if echo:
             sh = logging.StreamHandler(sys.stderr)

@@ -83,6 +83,7 @@ _SKIP = {"time", "job", "role", "rank", "step"}
 class TensorBoardSink:
     def __init__(self, run_root: Path, role: str, rank: int | str):
         try:
+            # deferred: optional (tensorboard: the TensorBoard sink only)
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise SinkError(f"logging.tensorboard: true needs the tensorboard package ({e}); "
@@ -108,7 +109,7 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, cfg: LoggingConfig, run_root: Path, role: str, rank: int | str):
         try:
-            import wandb
+            import wandb  # deferred: optional (wandb: the W&B sink only)
         except ImportError as e:
             raise SinkError(f"logging.wandb: {cfg.wandb} needs the wandb package ({e}); run `bash env/setup.sh`") \
                 from None

@@ -86,7 +86,7 @@ class Stopped:
 
 
 def _descendants(pids: Sequence[int]) -> list:
-    import psutil
+    import psutil  # deferred: heavy (psutil)
     out = []
     for pid in pids:
         try:
@@ -97,7 +97,7 @@ def _descendants(pids: Sequence[int]) -> list:
 
 
 def _gone(proc) -> bool:
-    import psutil
+    import psutil  # deferred: heavy (psutil)
     try:
         return proc.status() == psutil.STATUS_ZOMBIE    # exited; its parent (or init) reaps it
     except psutil.Error:
@@ -128,7 +128,7 @@ def stop_tree(procs: Sequence[subprocess.Popen], grace_s: float, *, signal_child
     started with ``start_new_session``), which also catches descendants re-parented before
     they could be seen.  Popen objects are reaped through Popen, so their ``returncode`` is
     the real one."""
-    import psutil
+    import psutil  # deferred: heavy (psutil)
     roots = [p for p in procs if p.poll() is None]
     tree = _descendants([p.pid for p in roots])
     for p in roots:

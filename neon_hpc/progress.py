@@ -21,6 +21,6 @@ def enabled() -> bool:
 def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it",
         unit_scale: bool = False, show: bool = True):
     """A tqdm bar on stderr, drawn only when :func:`enabled` (and ``show``)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: heavy (tqdm)
     return tqdm(iterable, total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
                 disable=not (show and enabled()), dynamic_ncols=True, leave=True)

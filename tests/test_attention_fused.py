@@ -118,11 +118,11 @@ def _errors(got, want) -> list[float]:
 
 def compare(slot, pads, me, shape, dtype, group=None) -> dict:
     """Fused and reference on this rank's rows against the dense truth over all ranks' rows."""
-    from neon_hpc.models.cp_attention import build_layout, piece_attention, reference_piece_attention
+    from neon_hpc.models.cp_attention import build_piece_map, piece_attention, reference_piece_attention
     (q, k, v, w), docs, poss, spans = _global(slot, pads, shape, dtype)
     a, b = spans[me]
     truth = [t[a:b] for t in _truth(q, k, v, w, docs, poss)]
-    lay = build_layout(slot, me, b - a, group=group)
+    lay = build_piece_map(slot, me, b - a, group=group)
     mine = [t[a:b] for t in (q, k, v, w)]
     return {"fused": _errors(_run(piece_attention, *mine, lay), truth),
             "reference": _errors(_run(reference_piece_attention, *mine, lay), truth),
@@ -152,9 +152,9 @@ def test_packed_documents_match_the_references(shape, dt):
 def test_the_cpu_runs_the_flash_kernel_not_the_math_kernel(shape):
     """Every run of LOCAL (causal and lower-right) forward and backward, GQA and MLA dims: the
     math kernel (an [heads, Lq, Lk] score matrix) would make memory quadratic again."""
-    from neon_hpc.models.cp_attention import build_layout, piece_attention
+    from neon_hpc.models.cp_attention import build_piece_map, piece_attention
     (q, k, v, w), *_ = _global(LOCAL, [LOCAL_PAD], SHAPES[shape], torch.float32)
-    lay = build_layout(LOCAL, 0, q.shape[0])
+    lay = build_piece_map(LOCAL, 0, q.shape[0])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _run(piece_attention, q, k, v, w, lay)
     names = {e.name for e in prof.events()}
@@ -181,19 +181,19 @@ def test_expanded_kv_path_matches_too(monkeypatch):
     _check(res, "fp32")
 
 
-def test_layout_runs_and_key_order_of_cp_pieces():
-    from neon_hpc.models.cp_attention import build_layout
-    l0 = build_layout(CP, 0, 5 + 6 + 3 + 9 + CP_PAD[0])
+def test_piece_map_runs_and_key_order_of_cp_pieces():
+    from neon_hpc.models.cp_attention import build_piece_map
+    l0 = build_piece_map(CP, 0, 5 + 6 + 3 + 9 + CP_PAD[0])
     g0 = l0.groups[0]
     assert g0.q_pos.tolist() == list(range(5)) + list(range(20, 29))
     assert g0.key_pos.tolist() == list(range(29))           # local and remote keys, by position
     assert g0.runs == [(0, 5, 5), (5, 14, 29)]              # early: causal; late: 9 queries over 29 keys
     assert l0.groups[2].runs == [(0, 3, 3)]                 # doc 3's head: no earlier key anywhere
-    l1 = build_layout(CP, 1, 7 + 4 + 8 + 7)
+    l1 = build_piece_map(CP, 1, 7 + 4 + 8 + 7)
     assert l1.groups[0].runs == [(0, 15, 20)] and l1.groups[2].runs == [(0, 7, 10)]
     assert l1.inverse is not None and l0.pad_idx.tolist() == [23, 24]
     with pytest.raises(ValueError, match="document 0 holds a position twice"):
-        build_layout([[(0, 0, 4)], [(0, 2, 6)]], 0, 4)
+        build_piece_map([[(0, 0, 4)], [(0, 2, 6)]], 0, 4)
 
 
 # --------------------------------------------------------------------------------------
@@ -232,20 +232,20 @@ def test_uneven_early_late_pieces_on_two_ranks_match_the_references(cp_results, 
 
 def _mem_worker(n: str, out: str) -> None:
     """One document of ``n`` tokens, forward + backward of the fused attention (GQA 8/2, dim 32,
-    fp32); writes the peak RSS above the RSS before the call (``train.memory.PeakMemory``: the
+    fp32); writes the peak RSS above the RSS before the call (``train.heap.PeakMemory``: the
     high-water mark reset at the start, large allocations mapped on their own)."""
-    from neon_hpc.models.cp_attention import build_layout, piece_attention
-    from neon_hpc.train.memory import PeakMemory
+    from neon_hpc.models.cp_attention import build_piece_map, piece_attention
+    from neon_hpc.train.heap import PeakMemory
     torch.set_num_threads(1)
     n = int(n)
     h, g, d = 8, 2, 32
     mem = PeakMemory(cuda=False, mmap_large=True)
     q, k, v = (torch.randn(n, 1, heads, d, requires_grad=True) for heads in (h, g, g))
     w = torch.randn(n, 1, h * d)
-    small = build_layout([[(0, 0, 64)]], 0, 64)     # warm-up: the kernels' thread buffers
+    small = build_piece_map([[(0, 0, 64)]], 0, 64)     # warm-up: the kernels' thread buffers
     piece_attention(q[:64], k[:64], v[:64], small).sum().backward()
     q.grad = k.grad = v.grad = None
-    lay = build_layout([[(0, 0, n)]], 0, n)
+    lay = build_piece_map([[(0, 0, n)]], 0, n)
     with mem:
         (piece_attention(q, k, v, lay) * w).sum().backward()
     Path(out).write_text(json.dumps({"n": n, "bytes": mem.peak - mem.base, "scores_bytes": h * n * n * 4}))

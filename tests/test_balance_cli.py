@@ -13,7 +13,7 @@ import torch
 from neon_hpc import config
 from neon_hpc.balance import CostModel
 from neon_hpc.balance.calibrate import _features, fit, fit_microbatches
-from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, plan_for_config
+from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, assignment_for_config
 from neon_hpc.balance.measure import attend
 
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
@@ -133,16 +133,16 @@ def test_setup_extras_are_the_configs_precision_and_recompute():
     assert setup_extras(t) == {"precision": "bf16", "recompute": "full"}
 
 
-def test_dry_run_prints_every_planner_and_json_plan(tmp_path):
+def test_dry_run_prints_every_planner_and_json_assignment(tmp_path):
     r = run("balance", "dry-run", "--lengths", "900,12000,300,4000,70000,2500", "--dp", "2",
             "--token-cap", "65536")
     for name in ("cost", "tokenkk", "flopkk", "sequential"):
         assert name in r.stdout
     r = run("balance", "dry-run", "--synthetic", "mixture:64", "--dp", "4", "--pp", "2",
             "--token-cap", "131072", "--json")
-    plan = json.loads(r.stdout)
-    assert len(plan["ranks"]) == 4 and plan["pp_stages"] == 2
-    assert plan["makespan"] <= plan["shadow"]["tokenkk"]
+    asg = json.loads(r.stdout)
+    assert len(asg["ranks"]) == 4 and asg["pp_stages"] == 2
+    assert asg["makespan"] <= asg["shadow"]["tokenkk"]
 
 
 def test_dry_run_errors_name_the_problem(tmp_path):
@@ -159,11 +159,11 @@ def test_dry_run_errors_name_the_problem(tmp_path):
     assert r.returncode == 2 and "balance.tokens_per_microbatch" in r.stderr
 
 
-def test_plan_for_config_uses_train_and_balance_sections():
+def test_assignment_for_config_uses_train_and_balance_sections():
     cfg = config.load(str(REPO / "configs" / "kimi_k2_1300xh200.yaml"))
-    plan = plan_for_config(np.full(64, 9000), cfg)
-    assert (plan.dp, plan.pp_stages, plan.cp, plan.token_cap) == (1, 8, 4, 65536)
-    assert plan.num_microbatches >= 8
-    assert plan.cost.a == pytest.approx(CostModel.from_model_config(cfg.model).a)
+    asg = assignment_for_config(np.full(64, 9000), cfg)
+    assert (asg.dp, asg.pp_stages, asg.cp, asg.token_cap) == (1, 8, 4, 65536)
+    assert asg.num_microbatches >= 8
+    assert asg.cost.a == pytest.approx(CostModel.from_model_config(cfg.model).a)
     manual = config.load(None, ["balance.cost_a=2.0", "balance.cost_b=0.5"])
     assert cost_model_for_config(manual) == CostModel(a=2.0, b=0.5, source="config balance.cost_a/cost_b")

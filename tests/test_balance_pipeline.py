@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from neon_hpc import config
-from neon_hpc.balance import CostModel, plan_step
-from neon_hpc.balance.configured import plan_for_config
+from neon_hpc.balance import CostModel, assign_step
+from neon_hpc.balance.configured import assignment_for_config
 from neon_hpc.balance.pipeline import microbatch_group_size, pipeline_time, schedule_order, simulate
 
 COST = CostModel(a=1.0, b=1e-3)
@@ -90,29 +90,29 @@ def test_interleaving_shortens_the_bubble_and_the_floor_holds():
 
 def test_planner_scores_with_virtual_stages():
     lens = [300, 500, 800, 1200, 2500, 4000, 700, 900, 350, 6000, 450, 1500]
-    plain = plan_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True)
-    inter = plan_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True, vpp=2)
+    plain = assign_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True)
+    inter = assign_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True, vpp=2)
     assert inter.vpp == 2 and inter.summary()["vpp"] == 2 and plain.vpp == 1
-    for plan in (plain, inter):
-        for r in range(plan.dp):
-            costs = [plan.microbatch_cost(r, j) for j in range(plan.num_microbatches)]
-            assert plan.rank_time[r] == pytest.approx(pipeline_time(costs, 4, plan.vpp))
+    for asg in (plain, inter):
+        for r in range(asg.dp):
+            costs = [asg.microbatch_cost(r, j) for j in range(asg.num_microbatches)]
+            assert asg.rank_time[r] == pytest.approx(pipeline_time(costs, 4, asg.vpp))
     assert inter.makespan < plain.makespan
     with pytest.raises(ValueError, match="vpp"):
-        plan_step(lens, dp=2, pp_microbatches=1, pp_stages=1, cost=COST, vpp=2)
+        assign_step(lens, dp=2, pp_microbatches=1, pp_stages=1, cost=COST, vpp=2)
     with pytest.raises(ValueError, match="vpp"):
-        plan_step(lens, dp=2, pp_microbatches=4, cost=COST, vpp=0)
+        assign_step(lens, dp=2, pp_microbatches=4, cost=COST, vpp=0)
 
 
-def test_plan_for_config_passes_virtual_stages():
+def test_assignment_for_config_passes_virtual_stages():
     cfg = config.load(None, ["model.num_layers=4", "train.pipeline_parallel=2", "train.virtual_pipeline_stages=2",
                              "balance.cost_a=1.0", "balance.cost_b=0.001"])
-    plan = plan_for_config(np.array([300, 900, 2000, 500, 700]), cfg)
-    assert (plan.pp_stages, plan.vpp) == (2, 2)
-    assert plan.num_microbatches >= 2
-    times = [[plan.microbatch_cost(r, j) for j in range(plan.num_microbatches)] for r in range(plan.dp)]
-    assert plan.makespan == pytest.approx(max(pipeline_time(c, 2, 2) for c in times))
-    assert plan.makespan < max(pipeline_time(c, 2, 1) for c in times)
+    asg = assignment_for_config(np.array([300, 900, 2000, 500, 700]), cfg)
+    assert (asg.pp_stages, asg.vpp) == (2, 2)
+    assert asg.num_microbatches >= 2
+    times = [[asg.microbatch_cost(r, j) for j in range(asg.num_microbatches)] for r in range(asg.dp)]
+    assert asg.makespan == pytest.approx(max(pipeline_time(c, 2, 2) for c in times))
+    assert asg.makespan < max(pipeline_time(c, 2, 1) for c in times)
 
 
 def test_group_size_is_one_rule():

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neon_hpc.balance import CostModel, check_plan, plan_step
+from neon_hpc.balance import CostModel, check_assignment, assign_step
 from neon_hpc.balance.planners import REFINE_TOLERANCE
 
 COSTS = [CostModel(a=1.9e11, b=3.75e6),        # Kimi-K2 class: crossover at ~51k tokens
@@ -36,23 +36,23 @@ def step(draw):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step())
-def test_never_worse_than_token_kk_and_always_a_valid_plan(args):
+def test_never_worse_than_token_kk_and_always_a_valid_assignment(args):
     lens, dp, pp, cp, cap, cost = args
-    plan = plan_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost)
-    check_plan(plan)
-    tokenkk = plan_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost,
+    asg = assign_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost)
+    check_assignment(asg)
+    tokenkk = assign_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost,
                         planner="tokenkk", shadow=False)
-    assert tokenkk.makespan == plan.shadow["tokenkk"]
-    if len(tokenkk.oversize) <= len(plan.oversize):
-        assert plan.makespan <= tokenkk.makespan * (1 + 1e-9)
+    assert tokenkk.makespan == asg.shadow["tokenkk"]
+    if len(tokenkk.oversize) <= len(asg.oversize):
+        assert asg.makespan <= tokenkk.makespan * (1 + 1e-9)
     else:
         # token-KK broke the cap (a sequence over it, whole): not a usable candidate; ours
         # splits instead and stops cutting within REFINE_TOLERANCE of the mean
-        assert plan.makespan <= tokenkk.makespan * (1 + REFINE_TOLERANCE)
+        assert asg.makespan <= tokenkk.makespan * (1 + REFINE_TOLERANCE)
     if max(lens) <= cap * dp:
-        assert plan.oversize == []
-        assert all(plan.microbatch_tokens(r, j) <= cap
-                   for r in range(dp) for j in range(plan.num_microbatches))
+        assert asg.oversize == []
+        assert all(asg.microbatch_tokens(r, j) <= cap
+                   for r in range(dp) for j in range(asg.num_microbatches))
 
 
 @settings(max_examples=40, deadline=None)
@@ -62,6 +62,6 @@ def test_core_planner_alone_never_loses_to_token_kk_when_it_has_enough_sequences
     # directly, without falling back to the KK candidates
     if len(lens) < 2 * dp:
         lens = lens * (2 * dp // len(lens) + 1)
-    plan = plan_step(lens, dp=dp, token_cap=65536, cost=COSTS[1])
-    assert plan.chosen_from == "cost" or plan.makespan <= plan.shadow["tokenkk"]
-    assert plan.makespan <= plan.shadow["tokenkk"] * (1 + 1e-9)
+    asg = assign_step(lens, dp=dp, token_cap=65536, cost=COSTS[1])
+    assert asg.chosen_from == "cost" or asg.makespan <= asg.shadow["tokenkk"]
+    assert asg.makespan <= asg.shadow["tokenkk"] * (1 + 1e-9)

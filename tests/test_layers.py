@@ -176,11 +176,11 @@ def test_the_scanner_sees_every_kind_of_import(tmp_path):
     """The rules are only as good as the parser: relative, lazy, aliased and importlib imports."""
     probe = tmp_path / "probe.py"        # read as if it were neon_hpc/reshard/probe.py
     probe.write_text("from ..protocol.rundir import RunDir\nfrom neon_hpc import config\n"
-                   "def f():\n    import neon_hpc.train.loop as l\n    from . import plan\n"
+                   "def f():\n    import neon_hpc.train.loop as l\n    from . import tasks\n"
                    "    import importlib\n    importlib.import_module('neon_hpc.models.hf')\n")
     got = [m for _, m in imports_of(probe, "neon_hpc.reshard.probe")]
     assert got.count("neon_hpc.protocol.rundir") == 1 and "neon_hpc.config" in got
-    assert {"neon_hpc.train.loop", "neon_hpc.reshard.plan", "neon_hpc.models.hf"} <= set(got), got
+    assert {"neon_hpc.train.loop", "neon_hpc.reshard.tasks", "neon_hpc.models.hf"} <= set(got), got
     assert part_of("neon_hpc.train.config") == "config" and part_of("neon_hpc.train.loop") == "train"
     assert part_of("neon_hpc.arch.some_arch.megatron") == "models" and part_of("neon_hpc.arch.some_arch") == "arch"
     assert part_of("neon_hpc.envs.xrd.env") == "env_plugins" and part_of("neon_hpc.envs.xrd") == "env_plugins"
@@ -200,7 +200,7 @@ def test_imports_point_down_the_layers():
 def test_reshard_and_its_mapping_load_no_trainer_or_models():
     """At run time too: the converter's modules load the mapping, not neon_hpc.models/train/rollout
     (nor torch: ``--dry-run`` plans from metadata alone)."""
-    code = ("import sys, neon_hpc.reshard.cli, neon_hpc.reshard.pipeline, neon_hpc.reshard.plan, "
+    code = ("import sys, neon_hpc.reshard.cli, neon_hpc.reshard.pipeline, neon_hpc.reshard.tasks, "
             "neon_hpc.reshard.configsource, neon_hpc.hfmap; "
             "import json; print(json.dumps([sorted({m.split('.')[1] for m in sys.modules "
             "if m.startswith('neon_hpc.')}), 'torch' in sys.modules]))")

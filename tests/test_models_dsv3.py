@@ -34,7 +34,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_adapters_import_nothing_heavy():
-    code = ("import sys, neon_hpc.models.adapters as a, neon_hpc.reshard.arch, neon_hpc.reshard.plan; "
+    code = ("import sys, neon_hpc.models.adapters as a, neon_hpc.reshard.arch, neon_hpc.reshard.tasks; "
             "assert a.get_adapter('kimi_k2') is a.get_adapter('deepseek_v3'); "
             "print(sorted(m for m in ('torch', 'transformers', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -31,7 +31,7 @@ def engine_response(prompt, output, start, version=0):
 
 
 def run_turn(cache, prompt, output, version=0):
-    start = cache.plan(prompt)
+    start = cache.start_len(prompt)
     cache.absorb(prompt, output, engine_response(prompt, output, start, version), start, version)
     return start
 
@@ -60,7 +60,7 @@ def test_delta_asks_from_prev_seqlen_minus_one_and_overwrites_the_placeholder():
     run_turn(cache, [1, 2, 3], [4, 5])
     placeholder = cache.routes[-1].copy()
     np.testing.assert_array_equal(placeholder, cache.routes[-2])
-    assert cache.plan([1, 2, 3, 4, 5, 9, 9]) == 4
+    assert cache.start_len([1, 2, 3, 4, 5, 9, 9]) == 4
     run_turn(cache, [1, 2, 3, 4, 5, 9, 9], [7])
     np.testing.assert_array_equal(cache.routes[4], oracle([1, 2, 3, 4, 5])[4])
     assert len(cache.routes) == 8
@@ -93,7 +93,7 @@ def test_row_count_mismatch_raises_and_leaves_the_cache_untouched():
     run_turn(cache, [1, 2, 3], [4, 5])
     before = cache.routes.copy()
     prompt, output = [1, 2, 3, 4, 5, 6], [7]
-    start = cache.plan(prompt)
+    start = cache.start_len(prompt)
     bad = engine_response(prompt, output, start)[:-1]
     with pytest.raises(RouteMismatch, match="rows"):
         cache.absorb(prompt, output, bad, start, 0)

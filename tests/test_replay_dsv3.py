@@ -1,6 +1,6 @@
-"""DeepSeek-V3 routes from engine to trainer: SGLang's layout (one row per decoder layer,
+"""DeepSeek-V3 routes from engine to trainer: SGLang's rows (one row per decoder layer,
 zeros for the dense first layer) from the real embedded engine over HTTP, mapped to the
-trainer's MoE layers through the adapter, replayed exactly by megatron; a wrong layout fails
+trainer's MoE layers through the adapter, replayed exactly by megatron; a wrong layer axis fails
 loudly.  The model: MLA, 1 dense + 2 MoE layers, a shared expert, sigmoid router with a
 non-zero expert-score bias and grouped top-k (2 groups, 1 chosen): configs/tiny_dsv3_cpu.yaml."""
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models.adapters import RouteLayoutError, get_adapter
+from neon_hpc.models.adapters import RouteRowsError, get_adapter
 from neon_hpc.models.config import ModelConfig
 from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 
 CFG = tiny_dsv3()
-LAYOUT = get_adapter(CFG.arch).route_layout(CFG)
+ROUTE_ROWS = get_adapter(CFG.arch).route_rows(CFG)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,14 @@ def trainer():
 
 def routing_maps(be, mb, replay: bool):
     """Replayed (or free) forward the way the trainer runs it: no dense mask, the micro-batch's
-    piece layout active (per-document causal attention by true position)."""
-    from neon_hpc.models.cp_attention import attention_layout, build_layout
+    piece map active (per-document causal attention by true position)."""
+    from neon_hpc.models.cp_attention import piece_map, build_piece_map
     from neon_hpc.train.backend import forward_logp
     maps = []
     hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone()))
              for layer in be.model.decoder.layers if hasattr(layer.mlp, "router")]
     try:
-        with torch.no_grad(), attention_layout(build_layout([mb.pieces], 0, mb.seq_len)):
+        with torch.no_grad(), piece_map(build_piece_map([mb.pieces], 0, mb.seq_len)):
             logp = forward_logp(be, mb, replay=replay)
     finally:
         for h in hooks:
@@ -55,12 +55,12 @@ def one_hot(routes_layer: np.ndarray) -> torch.Tensor:
 
 
 def build(trajs):
-    from neon_hpc.replay.layout import to_trainer_rows
+    from neon_hpc.replay.rows import to_trainer_rows
     from neon_hpc.train.batch import build_microbatch, input_lengths
     to_trainer_rows(trajs, CFG)
     pieces = [(i, 0, n) for i, n in enumerate(input_lengths(trajs))]
     return build_microbatch(trajs, pieces, [0.0] * len(trajs), dense_mask=False,
-                            route_shape=(len(LAYOUT.moe_rows), CFG.moe_router_topk, CFG.num_experts))
+                            route_shape=(len(ROUTE_ROWS.moe_rows), CFG.moe_router_topk, CFG.num_experts))
 
 
 def engine_trajectories(engine, tmp_path, n: int = 3) -> list[Trajectory]:
@@ -110,7 +110,7 @@ def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
 def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
     """Teacher-forced HF routes (laid out as SGLang's) replay exactly, and with the same weights
     megatron's own sigmoid+bias grouped top-k picks the same experts without replay."""
-    from neon_hpc.models.adapters.base import RouteLayout
+    from neon_hpc.models.adapters.base import RouteRows
     be, engine = trainer
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, CFG.vocab_size, 24).astype(np.int32)
@@ -122,8 +122,8 @@ def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
     for h in hooks:
         h.remove()
     moe = np.stack([f.numpy() for f in found], axis=1).astype(np.int32)       # [tokens, 2, k]
-    wire = LAYOUT.from_moe(moe)
-    assert isinstance(LAYOUT, RouteLayout) and wire.shape[1] == 3 and (wire[:, 0] == 0).all()
+    wire = ROUTE_ROWS.from_moe(moe)
+    assert isinstance(ROUTE_ROWS, RouteRows) and wire.shape[1] == 3 and (wire[:, 0] == 0).all()
     t = Trajectory(tokens=tokens, loss_mask=np.ones(len(tokens), np.uint8), logprobs=np.zeros(len(tokens), np.float32),
                    versions=np.zeros(len(tokens), np.int32), routed_experts=wire, task_id="tf", group_id="g")
     mb = build([t])
@@ -135,23 +135,23 @@ def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
 
 
 @pytest.mark.parametrize("rows", [2, 4])
-def test_wrong_route_layout_fails_loudly(rows):
-    """MoE-only rows (2) or one extra layer (4) for a 3-layer model: an error naming the layout."""
-    from neon_hpc.replay.layout import to_trainer_rows
+def test_wrong_route_rows_fail_loudly(rows):
+    """MoE-only rows (2) or one extra layer (4) for a 3-layer model: an error naming the expected rows."""
+    from neon_hpc.replay.rows import to_trainer_rows
     good = Trajectory(tokens=np.arange(6, dtype=np.int32), loss_mask=np.ones(6, np.uint8),
                       logprobs=np.zeros(6, np.float32), versions=np.zeros(6, np.int32),
                       routed_experts=np.zeros((6, 3, 2), np.int32), task_id="ok", group_id="g")
     bad = Trajectory(tokens=np.arange(6, dtype=np.int32), loss_mask=np.ones(6, np.uint8),
                      logprobs=np.zeros(6, np.float32), versions=np.zeros(6, np.int32),
                      routed_experts=np.zeros((6, rows, 2), np.int32), task_id="bad", group_id="g")
-    with pytest.raises(RouteLayoutError, match=r"1 of 2 trajectories.*has 3 rows.*MoE layers at \[1, 2\]") as e:
+    with pytest.raises(RouteRowsError, match=r"1 of 2 trajectories.*has 3 route rows.*MoE layers at \[1, 2\]") as e:
         to_trainer_rows([good, bad], CFG)
     if rows == 2:
         assert "MoE layers only" in str(e.value)
 
 
-def test_qwen3_layout_is_every_layer():
+def test_qwen3_routes_every_layer():
     q = ModelConfig()
-    lay = get_adapter("qwen3_moe").route_layout(q)
+    lay = get_adapter("qwen3_moe").route_rows(q)
     r = np.arange(2 * q.num_layers * 2).reshape(2, q.num_layers, 2)
     assert lay.rows == q.num_layers and lay.to_moe(r) is r

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.cli import main
-from neon_hpc.reshard.pipeline import ReshardError, build_plan
+from neon_hpc.reshard.pipeline import ReshardError, build_tasks
 from reshard_fixtures import shared
 from neon_hpc.reshard.serial import materialize
 
@@ -90,8 +90,8 @@ def test_fast_path_over_mpi_equals_serial(ckpt, serial_out, tmp_path, n):
 
 def test_outputs_match_independent_expectations(ckpt, serial_out):
     """Rules checked against the global tensors read by torch's own DCP loader."""
-    plan, _, _ = build_plan(ckpt / "ckpt", ckpt / "hf")
-    full = materialize(plan)
+    work, _, _ = build_tasks(ckpt / "ckpt", ckpt / "hf")
+    full = materialize(work)
     out = read_all(serial_out)
     emb = full["embedding.word_embeddings.weight"]
     assert emb.shape[0] == 256 and torch.equal(out["model.embed_tokens.weight"], emb[:250])
@@ -164,8 +164,8 @@ def test_corrupt_chunk_found_while_reading_removes_staging(ckpt, tmp_path, capsy
     not be verified."""
     src = _broken_copy(ckpt, tmp_path)
     (src / "integrity.json").unlink()
-    plan, _, _ = build_plan(src, ckpt / "hf")
-    _key, chunk = plan.tasks[-1].chunks[0]
+    work, _, _ = build_tasks(src, ckpt / "hf")
+    _key, chunk = work.tasks[-1].chunks[0]
     with open(src / chunk.file, "r+b") as f:   # wipe the blob's zip directory (its last bytes)
         f.seek(chunk.offset + chunk.length - 64)
         f.write(b"\0" * 64)
@@ -257,8 +257,8 @@ def test_damage_to_any_input_file_is_one_error_line_naming_it(ckpt, tmp_path, ca
     shutil.copytree(ckpt, src, ignore=shutil.ignore_patterns("hf_out*"))
     victim = src / file if file.startswith("hf/") else src / "ckpt" / file
     if victim.suffix == ".distcp" and damage == "flipped":   # inside a blob reshard reads (not optimizer state)
-        plan, _, _ = build_plan(src / "ckpt", src / "hf")
-        chunk = next(c for t in plan.tasks for _, c in t.chunks if c.file == file)
+        work, _, _ = build_tasks(src / "ckpt", src / "hf")
+        chunk = next(c for t in work.tasks for _, c in t.chunks if c.file == file)
         _flip_middle(victim, chunk.offset + chunk.length // 2)
     else:
         DAMAGE[damage](victim)
@@ -313,8 +313,8 @@ def test_a_damaged_marker_through_the_tool_is_an_error_line_not_a_traceback(ckpt
 def test_flipped_bytes_inside_a_blob_are_refused_naming_the_tensor(ckpt, tmp_path, mode):
     """64 bytes flipped mid-blob still load as a tensor; the digest check refuses them."""
     src = _broken_copy(ckpt, tmp_path)
-    plan, _, _ = build_plan(src, ckpt / "hf")
-    key, chunk = next((k, c) for t in plan.tasks for k, c in t.chunks if "experts.linear_fc1" in k)
+    work, _, _ = build_tasks(src, ckpt / "hf")
+    key, chunk = next((k, c) for t in work.tasks for k, c in t.chunks if "experts.linear_fc1" in k)
     with open(src / chunk.file, "r+b") as f:
         f.seek(chunk.offset + chunk.length // 2)
         data = f.read(64)
@@ -357,8 +357,8 @@ def test_without_any_config_it_refuses_unless_guesses_are_allowed(ckpt, tmp_path
 @pytest.mark.slow
 def test_a_failing_rank_under_mpi_fails_all_and_leaves_nothing(ckpt, tmp_path):
     src = _broken_copy(ckpt, tmp_path)
-    plan, _, _ = build_plan(src, ckpt / "hf", ranks=2)
-    _key, chunk = plan.tasks_of(1)[0].chunks[0]          # damage only what rank 1 reads
+    work, _, _ = build_tasks(src, ckpt / "hf", ranks=2)
+    _key, chunk = work.tasks_of(1)[0].chunks[0]          # damage only what rank 1 reads
     with open(src / chunk.file, "r+b") as f:
         f.seek(chunk.offset + chunk.length - 64)
         f.write(b"\0" * 64)

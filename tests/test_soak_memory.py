@@ -47,7 +47,7 @@ def test_a_replaced_model_is_freed_without_the_cyclic_gc_and_routes_still_record
             lay = sched.loaded
             routes = protocol.decode_routes(meta["routed_experts"], rows, lay.route_rows, lay.top_k)
             assert routes.shape == (rows, lay.route_rows, lay.top_k)
-            assert (routes[:, list(lay.route_layout.moe_rows)] >= 0).all() and routes.max() < lay.num_experts
+            assert (routes[:, list(lay.route_table.moe_rows)] >= 0).all() and routes.max() < lay.num_experts
             del job
         alive = [i for i, r in enumerate(refs[:-1]) if r() is not None]
         assert alive == [], f"replaced models {alive} are still alive: only a cyclic gc would free them"

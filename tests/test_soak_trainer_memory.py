@@ -4,7 +4,7 @@ What the soak's diagnostic (NEON_TRAIN_MEMDEBUG) showed in the trainer: malloc's
 flat, the free bytes inside the arenas (and with them RSS) wobbling and ratcheting up. Here,
 for real in a child process: many threads (each gets an arena, as the trainer's gloo and torch
 threads do) allocate and free most of what they allocated, leaving the free memory scattered
-between live chunks; ``StepMemory.after_step`` (what the trainer runs after every step) gives
+between live chunks; ``StepHeap.after_step`` (what the trainer runs after every step) gives
 the whole free pages back, so RSS falls to about what is in use. Turned off
 (``NEON_TRAIN_MALLOC_TRIM=0``), RSS stays where it was. And the diagnostic writes its record."""
 
@@ -17,14 +17,14 @@ import sys
 
 import pytest
 
-from neon_hpc.train.memory import glibc
+from neon_hpc.train.heap import glibc
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="malloc_trim is glibc's; this libc has none")
 
 CHILD = r"""
 import json, sys, threading
 from pathlib import Path
-from neon_hpc.train.memory import StepMemory, glibc, malloc_stats, smaps_rollup
+from neon_hpc.train.heap import StepHeap, glibc, malloc_stats, smaps_rollup
 
 def churn():
     # 4 KiB blocks (malloc, not pymalloc); keep 1 in 64: the rest is free memory between live chunks
@@ -37,7 +37,7 @@ for t in threads: t.start()
 for t in threads: t.join()
 before = smaps_rollup()["Rss"]
 stats = malloc_stats(glibc())
-mem = StepMemory.from_env(Path(sys.argv[1]), 0)
+mem = StepHeap.from_env(Path(sys.argv[1]), 0)
 mem.after_step(1, [5, 7])
 print(json.dumps({"before": before, "after": smaps_rollup()["Rss"], "free_kb": stats["free_kb"],
                   "trim": mem.trim, "kept": len(keep)}))
@@ -66,7 +66,7 @@ def test_after_step_gives_freed_arena_memory_back_and_records_on_request(tmp_pat
 
 
 def test_a_bad_setting_is_refused_naming_the_variable(tmp_path):
-    r = subprocess.run([sys.executable, "-c", "from neon_hpc.train.memory import StepMemory; "
-                        f"StepMemory.from_env({str(tmp_path)!r}, 0)"], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", "from neon_hpc.train.heap import StepHeap; "
+                        f"StepHeap.from_env({str(tmp_path)!r}, 0)"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, NEON_TRAIN_MEMDEBUG="often"))
     assert r.returncode != 0 and "NEON_TRAIN_MEMDEBUG='often': expected a whole number" in r.stderr, r.stderr

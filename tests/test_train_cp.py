@@ -62,7 +62,7 @@ def _model_config(arch: str):
 
 def _worker(out: str, arch: str, slot: str = "mix") -> None:
     from neon_hpc.models import megatron as mm
-    from neon_hpc.models.cp_attention import attention_layout, build_layout
+    from neon_hpc.models.cp_attention import piece_map, build_piece_map
     from neon_hpc.train.batch import block_causal_mask
 
     import torch.distributed as dist
@@ -89,8 +89,8 @@ def _worker(out: str, arch: str, slot: str = "mix") -> None:
     n_pad = pad if me == 1 else 0
     my_ids = torch.from_numpy(np.concatenate([toks[d][a:b] for (d, a, b) in pieces] + [np.zeros(n_pad, np.int64)]))
     pos = torch.from_numpy(np.concatenate([np.arange(a, b) for (_d, a, b) in pieces] + [np.zeros(n_pad, np.int64)]))
-    lay = build_layout(plan_slot, me, len(rows) + n_pad, group=dist.group.WORLD)
-    with attention_layout(lay):
+    lay = build_piece_map(plan_slot, me, len(rows) + n_pad, group=dist.group.WORLD)
+    with piece_map(lay):
         logits = model(input_ids=my_ids.unsqueeze(0), position_ids=pos.unsqueeze(0), attention_mask=None)
     real = logits[0, :len(rows)].float()
     (torch.log_softmax(real, -1) * w[rows]).sum().backward()
@@ -139,10 +139,10 @@ def test_a_bystander_rank_still_joins_the_backward_exchange(tmp_path):
         assert x["grad_err"] <= 1e-5 * max(1.0, x["grad_scale"]), (r, x)
 
 
-def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
-    from neon_hpc.models.cp_attention import build_layout
-    l0 = build_layout(SLOT, 0, 13)
-    l1 = build_layout(SLOT, 1, 15 + PAD)
+def test_piece_map_of_a_slot_is_consistent_and_masks_by_document_position():
+    from neon_hpc.models.cp_attention import build_piece_map
+    l0 = build_piece_map(SLOT, 0, 13)
+    l1 = build_piece_map(SLOT, 1, 15 + PAD)
     assert l0.rows_per_rank == l1.rows_per_rank == 8       # doc 0's rows of the busier rank
     assert l0.send_idx.tolist() == [0, 1, 2, 3, 9, 10, 11, 12]
     assert l1.send_idx.tolist() == [0, 1, 2, 3, 11, 12, 13, 14]
@@ -158,7 +158,7 @@ def test_layout_of_a_slot_is_consistent_and_masks_by_document_position():
     assert not l0.groups[1].remote and l0.groups[1].rows == (4, 9) and l0.groups[1].runs == [(0, 5, 5)]
     # a slot with no document across ranks has no exchange at all, on every rank
     lone = [[(1, 0, 5)], [(2, 0, 7)]]
-    assert not build_layout(lone, 0, 5).exchanges and not build_layout(lone, 1, 7).exchanges
+    assert not build_piece_map(lone, 0, 5).exchanges and not build_piece_map(lone, 1, 7).exchanges
 
 
 if __name__ == "__main__":

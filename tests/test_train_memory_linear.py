@@ -3,7 +3,7 @@
 One training step (the trainer's own ``prepare_step`` + ``train_step``: megatron-core, router
 replay, the piece attention, backward, optimizer) on one document of 4k, 8k and 16k tokens of
 the tiny model family scaled up (hidden 256, head dim 64, 8 experts), in a fresh process, peak
-resident memory sampled over each step (``train.memory.PeakMemory``).  Attention that
+resident memory sampled over each step (``train.heap.PeakMemory``).  Attention that
 materialised its score matrix would hold ``heads x n^2`` floats per layer (1 GiB at 16k with 4
 heads), quadrupling from 8k to 16k; everything else in a step grows with ``n``.  Bound: peak
 RSS at 16k over peak at 8k <= 2.3 (issue 30), and the part above the process's start-of-step
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(r"""
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import prepare_step, train_step
     from neon_hpc.train.loss import LossConfig
-    from neon_hpc.train.memory import PeakMemory
+    from neon_hpc.train.heap import PeakMemory
     from neon_hpc.train.sections import TrainerSections
 
     cfg = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=2, num_attention_heads=4, num_query_groups=2,

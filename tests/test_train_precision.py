@@ -196,13 +196,13 @@ NO_TE_ON_CUDA = textwrap.dedent(r"""
     sys.modules["transformer_engine"] = None        # TE absent: its import raises ImportError
     import torch
     from neon_hpc.models import cpu_shim, experts
-    r = {"te": cpu_shim.has_te(), "plan_cuda": cpu_shim.plan(cuda=True, te=cpu_shim.has_te()),
-         "plan_cpu": cpu_shim.plan(cuda=False, te=cpu_shim.has_te()),
+    r = {"te": cpu_shim.has_te(), "plan_cuda": cpu_shim.patches_for(cuda=True, te=cpu_shim.has_te()),
+         "plan_cpu": cpu_shim.patches_for(cuda=False, te=cpu_shim.has_te()),
          "experts": experts.expert_impl(cuda=False, dtype=torch.bfloat16)}
     # the device query says CUDA while the patches are chosen (what a GPU node reports) ...
     real = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
-    r["needed_on_cuda"] = cpu_shim.plan(cpu_shim.has_cuda(), cpu_shim.has_te())
+    r["needed_on_cuda"] = cpu_shim.patches_for(cpu_shim.has_cuda(), cpu_shim.has_te())
     torch.cuda.is_available = real
     # ... and a step runs with the no-TE implementations (on this CPU, with the CPU patches too)
     from megatron.core.transformer.moe import moe_utils
@@ -238,8 +238,8 @@ def test_cuda_without_transformer_engine_chooses_the_non_te_paths():
 
 def test_plan_with_transformer_engine_on_cuda_patches_nothing():
     from neon_hpc.models import cpu_shim
-    assert cpu_shim.plan(cuda=True, te=True) == []
-    assert cpu_shim.plan(cuda=False, te=True) == [p for p in cpu_shim.PATCHES if p in cpu_shim.NO_CUDA]
+    assert cpu_shim.patches_for(cuda=True, te=True) == []
+    assert cpu_shim.patches_for(cuda=False, te=True) == [p for p in cpu_shim.PATCHES if p in cpu_shim.NO_CUDA]
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

@@ -65,16 +65,16 @@ def test_split_layouts_train_like_one_process(tmp_path, dataset, ref2, layout): 
 
 
 def test_configured_plan_runs_split_pieces_on_the_ranks_it_names():
-    from neon_hpc.train.loop import _plan, rank_pieces
+    from neon_hpc.train.loop import _assign, rank_pieces
     cfg = C.load(None, ["train.data_parallel=1", "train.context_parallel=2", "balance.split_threshold_tokens=8",
                         "balance.tokens_per_microbatch=64"])
     lengths = [13, 5, 16, 7, 3]                      # 3 < 2*cp: never cut, runs whole on one CP rank
-    plan = _plan(lengths, 2, cfg)
-    pieces = rank_pieces(plan, 2)
-    assert len(pieces) == 2 and len(pieces[0]) == len(pieces[1]) == plan.num_microbatches
-    for j in range(plan.num_microbatches):
+    asg = _assign(lengths, 2, cfg)
+    pieces = rank_pieces(asg, 2)
+    assert len(pieces) == 2 and len(pieces[0]) == len(pieces[1]) == asg.num_microbatches
+    for j in range(asg.num_microbatches):
         seen = sorted((i, s, e) for r in pieces for (i, s, e) in r[j])
-        assert seen == sorted((p.seq, p.start, p.end) for p in plan.cp_shards(0, j)[0] + plan.cp_shards(0, j)[1])
+        assert seen == sorted((p.seq, p.start, p.end) for p in asg.cp_shards(0, j)[0] + asg.cp_shards(0, j)[1])
     covered = {i: sorted((s, e) for r in pieces for mb in r for (k, s, e) in mb if k == i) for i in range(5)}
     for i, n in enumerate(lengths):
         spans = covered[i]
@@ -102,10 +102,10 @@ def test_split_default_follows_the_planner():
 
 
 def test_a_balancer_error_stops_the_step(tmp_path):
-    from neon_hpc.train.loop import TrainerError, _plan
+    from neon_hpc.train.loop import TrainerError, _assign
     cfg = C.load(None, [f"balance.cost_file={tmp_path / 'missing.json'}"])
     with pytest.raises(TrainerError, match=r"balance\.planner='cost'.*missing\.json"):
-        _plan([5, 9, 3], 1, cfg)
+        _assign([5, 9, 3], 1, cfg)
     cfg = C.load(None, ["train.context_parallel=2", "train.data_parallel=1"])
     with pytest.raises(TrainerError, match=r"train\.context_parallel=2 does not divide"):
-        _plan([5, 9, 3], 3, cfg)
+        _assign([5, 9, 3], 3, cfg)

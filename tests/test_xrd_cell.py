@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from neon_hpc.xrd.fitting import Fitter, _Layout, lattice_basis, metric_symmetry
+from neon_hpc.xrd.fitting import Fitter, _ParamIndex, lattice_basis, metric_symmetry
 from neon_hpc.xrd.library import load_library
 from neon_hpc.xrd.simulate import Instrument, compute_reflections, phase_pattern
 
@@ -61,7 +61,7 @@ def test_analytic_jacobian_of_free_angles_matches_finite_differences():
     f = Fitter(X, y, INST, shift="both")
     for pid in ids:
         f.model(pid).norm = 1e-3
-    lay = _Layout(3, f.bg.shape[1], [f.model(p).n_lat for p in ids], [None, None, (1, 0, 0)])
+    lay = _ParamIndex(3, f.bg.shape[1], [f.model(p).n_lat for p in ids], [None, None, (1, 0, 0)])
     assert [f.model(p).n_lat for p in ids] == [4, 2, 6]
     rng = np.random.default_rng(3)
     p = np.zeros(lay.n)

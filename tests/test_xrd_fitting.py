@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.xrd import baseline, evaluate as ev
-from neon_hpc.xrd.fitting import Fitter, _Layout
+from neon_hpc.xrd.fitting import Fitter, _ParamIndex
 from neon_hpc.xrd.grader import grade
 from neon_hpc.xrd.library import load_library
 from neon_hpc.xrd.real import load_real_tasks, real_data_dir
@@ -32,7 +32,7 @@ def test_analytic_jacobian_matches_finite_differences():
     f = Fitter(X, y, INST, shift="both")
     for pid in ids:
         f.model(pid).norm = 1e-3
-    lay = _Layout(2, f.bg.shape[1], [f.model(p).n_lat for p in ids], [(0, 0, 1), None])
+    lay = _ParamIndex(2, f.bg.shape[1], [f.model(p).n_lat for p in ids], [(0, 0, 1), None])
     rng = np.random.default_rng(1)
     p = np.zeros(lay.n)
     p[:2] = [2.0, 1.5]

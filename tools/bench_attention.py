@@ -2,7 +2,7 @@
 """The trainer's attention on the CPU: fused SDPA per run (``cp_attention.piece_attention``)
 against the einsum path it replaced (``cp_attention.reference_piece_attention``, the baseline).
 
-One layer's core attention, forward + backward, on packed documents of a piece layout (one
+One layer's core attention, forward + backward, on packed documents of a piece map (one
 rank, no exchange): per shape and path a fresh process (one CPU thread) runs a warm-up, then
 ``--reps`` timed calls; it reports the median CPU time of the process (one thread: its own
 compute, not time waiting for a core on a shared machine; wall time printed beside it) and the
@@ -39,7 +39,7 @@ def _rss() -> int:
 
 def child(a) -> None:
     import torch
-    from neon_hpc.models.cp_attention import build_layout, piece_attention, reference_piece_attention
+    from neon_hpc.models.cp_attention import build_piece_map, piece_attention, reference_piece_attention
     torch.set_num_threads(1)
     fn = piece_attention if a.path == "fused" else reference_piece_attention
     n_docs, n = (int(x) for x in a.shape.split("x"))
@@ -49,8 +49,8 @@ def child(a) -> None:
     q, k, v = (torch.randn(s, 1, h, d, generator=g).to(dt).requires_grad_()
                for h, d in ((a.heads, a.dim), (a.groups, a.dim), (a.groups, a.v_dim or a.dim)))
     w = torch.randn(s, 1, a.heads * (a.v_dim or a.dim), generator=g)
-    lay = build_layout([[(i, 0, n) for i in range(n_docs)]], 0, s)
-    small = build_layout([[(0, 0, 64)]], 0, 64)
+    lay = build_piece_map([[(i, 0, n) for i in range(n_docs)]], 0, s)
+    small = build_piece_map([[(0, 0, 64)]], 0, 64)
     (fn(q[:64], k[:64], v[:64], small).float().sum()).backward()          # warm-up
     times, cpu, peak = [], [], 0
     for r in range(a.reps):

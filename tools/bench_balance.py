@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from neon_hpc.balance import CostModel, plan_step
+from neon_hpc.balance import CostModel, assign_step
 from neon_hpc.models.config import ModelConfig
 
 KIMI = dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,
@@ -68,14 +68,14 @@ def predicted(args, cost: CostModel) -> dict:
         for dp in args.dps:
             for pp in args.pps:
                 L = lengths(kind, dp * args.seqs_per_rank, args.seed)
-                plan = plan_step(L, dp=dp, pp_microbatches=pp, token_cap=131072, cost=cost)
-                ratios = {b: plan.shadow[b] / plan.makespan for b in BASELINES}
-                tk_imb = plan.shadow_imbalance["tokenkk"]
-                rows[(kind, dp, pp)] = dict(imbalance=plan.imbalance, ratios=ratios,
-                                            tokenkk_imbalance=tk_imb, planner_s=plan.planner_s)
-                say(f"{kind:<10}{dp:>5}{pp:>3}  {plan.imbalance:>8.4f}  "
+                asg = assign_step(L, dp=dp, pp_microbatches=pp, token_cap=131072, cost=cost)
+                ratios = {b: asg.shadow[b] / asg.makespan for b in BASELINES}
+                tk_imb = asg.shadow_imbalance["tokenkk"]
+                rows[(kind, dp, pp)] = dict(imbalance=asg.imbalance, ratios=ratios,
+                                            tokenkk_imbalance=tk_imb, planner_s=asg.planner_s)
+                say(f"{kind:<10}{dp:>5}{pp:>3}  {asg.imbalance:>8.4f}  "
                     + "".join(f"{ratios[b]:>10.3f}x" for b in BASELINES)
-                    + f"  {tk_imb:>11.3f}{len(plan.split_sequences()):>7}{plan.planner_s:>8.3f}")
+                    + f"  {tk_imb:>11.3f}{len(asg.split_sequences()):>7}{asg.planner_s:>8.3f}")
     return rows
 
 
@@ -85,18 +85,18 @@ def planner_speed(args, cost: CostModel) -> tuple[float, float, float]:
     wall = cpu = float("inf")
     for _ in range(3):
         t0, c0 = time.perf_counter(), time.process_time()
-        plan = plan_step(L, dp=1024, pp_microbatches=1, token_cap=131072, cost=cost, shadow=False)
+        asg = assign_step(L, dp=1024, pp_microbatches=1, token_cap=131072, cost=cost, shadow=False)
         wall = min(wall, time.perf_counter() - t0)
         cpu = min(cpu, time.process_time() - c0)
     say(f"== planner: 10k sequences over 1024 DP ranks in {wall:.3f} s wall, {cpu:.3f} s CPU "
-        f"(best of 3, shadow off); imbalance {plan.imbalance:.4f}")
-    return wall, cpu, plan.imbalance
+        f"(best of 3, shadow off); imbalance {asg.imbalance:.4f}")
+    return wall, cpu, asg.imbalance
 
 
 def measured(args) -> dict:
     from neon_hpc.balance.calibrate import calibrate
     from neon_hpc.balance.measure import Runner
-    from neon_hpc.balance.plan import pipeline_time
+    from neon_hpc.balance.assignment import pipeline_time
     cfg = ModelConfig()
     say("== calibrating the cost model on this machine (embedded model shape)")
     # cover the longest piece the measured plans will run (4096 tokens at scale 32)
@@ -114,32 +114,32 @@ def measured(args) -> dict:
         f"dp={dp}, cap={cap}")
     out = {}
     for pp in args.measure_pps:
-        plans = {name: plan_step(L, dp=dp, pp_microbatches=pp, token_cap=cap, cost=cm, planner=name,
+        asgs = {name: assign_step(L, dp=dp, pp_microbatches=pp, token_cap=cap, cost=cm, planner=name,
                                  shadow=False) for name in ("cost", "tokenkk", "flopkk")}
-        mb_times = {name: [[0.0] * p.num_microbatches for _ in range(dp)] for name, p in plans.items()}
+        mb_times = {name: [[0.0] * p.num_microbatches for _ in range(dp)] for name, p in asgs.items()}
         # interleave planners rank by rank so that drift on a shared machine hits all alike
         for r in range(dp):
-            for name, plan in plans.items():
-                for j, mb in enumerate(plan.ranks[r]):
+            for name, asg in asgs.items():
+                for j, mb in enumerate(asg.ranks[r]):
                     pieces = [(p.start, p.end) for p in mb]
                     mb_times[name][r][j] = runner.best_of(pieces, args.repeats) if pieces else 0.0
             say(f"   pp={pp} rank {r + 1}/{dp} done")
         # a single timing can be hit by the neighbours (page faults, cache): time the slowest
         # ranks' micro-batches again and keep the faster reading
-        for name, plan in plans.items():
+        for name, asg in asgs.items():
             ranks = [pipeline_time(t, pp) for t in mb_times[name]]
             for r in np.argsort(ranks)[::-1][:args.retime]:
-                for j, mb in enumerate(plan.ranks[int(r)]):
+                for j, mb in enumerate(asg.ranks[int(r)]):
                     if mb:
                         again = runner.best_of([(p.start, p.end) for p in mb], args.repeats)
                         mb_times[name][int(r)][j] = min(mb_times[name][int(r)][j], again)
         res = {}
-        for name, plan in plans.items():
+        for name, asg in asgs.items():
             ranks = [pipeline_time(t, pp) for t in mb_times[name]]
             res[name] = dict(step_s=max(ranks), imbalance=max(ranks) / np.mean(ranks),
-                             predicted_s=plan.makespan, predicted_imbalance=plan.imbalance)
+                             predicted_s=asg.makespan, predicted_imbalance=asg.imbalance)
             say(f"   pp={pp} {name:<8} measured step {max(ranks):.3f} s (imbalance {max(ranks) / np.mean(ranks):.3f}); "
-                f"predicted {plan.makespan:.3f} s (imbalance {plan.imbalance:.3f})")
+                f"predicted {asg.makespan:.3f} s (imbalance {asg.imbalance:.3f})")
         out[pp] = res
     return out
 

@@ -15,7 +15,7 @@ trainer writes.  Then, with the checkpoint dropped from the page cache before ea
   fast1_nov tools/reshard.py --no-verify-digests (the cost of the digest check)
   fast2     mpiexec -n 2 tools/reshard.py
   floor1/2  raw pread of exactly the byte ranges the model needs + raw fsynced write of the
-            output's size, by 1 process and by 2 processes (each rank's share of the plan)
+            output's size, by 1 process and by 2 processes (each rank's share of the tasks)
 
 The lean serial mode (``--mode serial``) is what ``--verify`` compares against; it is not timed here.
 Each converter run is a fresh process (start-up and imports count).  Reported per run: wall
@@ -116,11 +116,11 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import dist_checkpointing
 from huggingface_hub import save_torch_state_dict
 from transformers import AutoConfig
-from neon_hpc.reshard.pipeline import build_plan
+from neon_hpc.reshard.pipeline import build_tasks
 from neon_hpc.reshard.serial import convert_all
-plan, _, _ = build_plan(src, hf_dir)                   # the name rules only (metadata)
+work, _, _ = build_tasks(src, hf_dir)                   # the name rules only (metadata)
 full = dist_checkpointing.load_plain_tensors(src)      # every tensor, optimizer state included
-hf = {k: v.clone() for k, v in convert_all(plan, full).items()}   # own storage: safetensors refuses views
+hf = {k: v.clone() for k, v in convert_all(work, full).items()}   # own storage: safetensors refuses views
 del full
 save_torch_state_dict(hf, out, max_shard_size="5GB")
 AutoConfig.from_pretrained(hf_dir).save_pretrained(out)
@@ -166,13 +166,13 @@ def _floor_share(ckpt: Path, ranges: list, out: Path, out_bytes: int) -> None:
 
 
 def floor_run(ckpt: Path, out_dir: Path, n: int) -> dict:
-    """n processes at once, each reading exactly its plan rank's byte ranges (file order) and
+    """n processes at once, each reading exactly its task rank's byte ranges (file order) and
     writing its rank's output size, fsynced."""
     import multiprocessing as mp
-    from neon_hpc.reshard.pipeline import build_plan
-    plan, _, _ = build_plan(ckpt / "ckpt", ckpt / "hf", ranks=n)
-    shares = [(sorted((c.file, c.offset, c.length) for t in plan.tasks_of(r) for _, c in t.chunks),
-               sum(s.size for s in plan.shards_of(r))) for r in range(n)]
+    from neon_hpc.reshard.pipeline import build_tasks
+    work, _, _ = build_tasks(ckpt / "ckpt", ckpt / "hf", ranks=n)
+    shares = [(sorted((c.file, c.offset, c.length) for t in work.tasks_of(r) for _, c in t.chunks),
+               sum(s.size for s in work.shards_of(r))) for r in range(n)]
     drop_cache(ckpt_files(ckpt))
     ctx = mp.get_context("fork")
     t = time.monotonic()

@@ -15,7 +15,7 @@
    quarter, a leak as one that stays), and the raw series is written to ``soak_rss.jsonl``
    beside the run directory. Per role it also names the largest rise between two samples (when,
    from, to: a one-time high-water mark shows as one such step). ``--memdebug N`` runs the
-   trainer with ``NEON_TRAIN_MEMDEBUG=N`` (``neon_hpc/train/memory.py``) and summarises its
+   trainer with ``NEON_TRAIN_MEMDEBUG=N`` (``neon_hpc/train/heap.py``) and summarises its
    malloc records: bytes in use vs. RSS (the trainer trims freed arena memory after every step;
    ``NEON_TRAIN_MALLOC_TRIM=0`` in the environment turns that off, to compare).
 

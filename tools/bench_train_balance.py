@@ -2,7 +2,7 @@
 """The balancer measured in the real trainer: cost+split vs token-KK vs sequential, DP=N and DP=N/2 x CP=2.
 
 ``--ranks N`` processes (default 2, the issue's layout; one CPU thread each) run the trainer's own step code
-(``neon_hpc.train.loop.prepare_step`` -> ``balance.configured.plan_for_config`` ->
+(``neon_hpc.train.loop.prepare_step`` -> ``balance.configured.assignment_for_config`` ->
 ``train_step``: megatron-core GPTModel of the tiny MoE family scaled so attention matters,
 piece attention with the K/V exchange, megatron DDP and optimizer) on one long-tail step:
 most sequences ``--short`` tokens, about 6% of ``--long`` tokens.  Both layouts are the same

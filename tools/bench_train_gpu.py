@@ -15,7 +15,7 @@ In one process, on the same tokens, interleaved after warm-up:
 
 Per shape (documents x tokens): tokens/s of each (input tokens, ``n - 1`` per document),
 their ratio, the peak memory of each (CUDA: ``max_memory_allocated``; CPU: sampled RSS, see
-``train.memory.PeakMemory``), and MFU by the project's FLOP model
+``train.heap.PeakMemory``), and MFU by the project's FLOP model
 (``balance.cost.flops_breakdown``: ``a n + b n^2`` per document) against the device's dense
 peak: 989 TFLOP/s bf16 on CUDA (H200), on CPU the fp32 matmul rate measured at start.  Times
 are wall-clock on CUDA; on CPU they are this process's CPU time (``--clock``; the matmul peak
@@ -56,7 +56,7 @@ from neon_hpc import config as C  # noqa: E402
 from neon_hpc.balance.cost import flops_breakdown  # noqa: E402
 from neon_hpc.models.config import ModelConfig  # noqa: E402
 from neon_hpc.store import Trajectory  # noqa: E402
-from neon_hpc.train.memory import PeakMemory  # noqa: E402
+from neon_hpc.train.heap import PeakMemory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 H200_BF16_PEAK = 989e12

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from neon_hpc.balance.cost import CostModel, flops_breakdown
+from neon_hpc.balance.measure import Runner
 from neon_hpc.progress import bar
 
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -43,7 +44,7 @@ def fit_microbatches(mbs: Sequence[Sequence[tuple[int, int]]], times: Sequence[f
     measured micro-batches, rows scaled by ``1/t`` (relative error).  ``per_piece=False``
     drops ``d`` (single-sequence data cannot tell it from ``c0``)."""
     # scipy is imported where used: importing this module does not load it
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # deferred: heavy (scipy)
     t = np.asarray(times, dtype=np.float64)
     X = np.array([_features(mb) for mb in mbs], dtype=np.float64)
     if not per_piece:
@@ -78,7 +79,6 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     with ``CostModel.from_dict``; ``machine`` says what ran where (the runner's ``describe()``)."""
     say = progress or (lambda s: None)
     if runner is None:
-        from neon_hpc.balance.measure import Runner
         runner = Runner(model_cfg, threads=threads, clock=clock)
     runner.best_of([(0, min(lengths))], 1)                # warm-up: allocator, kernels, optimizer state
     mbs = [[(0, int(n))] for n in lengths] + [[(0, n)] * k for n, k in PACKED]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from neon_hpc.balance.calibrate import DEFAULT_LENGTHS, calibrate
-from neon_hpc.balance.configured import load_cost_file, plan_for_config
+from neon_hpc.balance.configured import load_cost_file, assignment_for_config
 from neon_hpc.balance.memory import fit_activation_memory, memory_block
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str], trainer_step=None) -> int:
     c = sub.add_parser("calibrate", help="fit a and b to measured forward+backward times of the model's shape")
     _config_args(c)
     c.add_argument("--lengths", default="", help="comma-separated sequence lengths to time "
-                   "(default 64..4096; cover the lengths you will plan)")
+                   "(default 64..4096; cover the lengths you will balance)")
     c.add_argument("--repeats", type=int, default=3, help="best of N timings per length")
     c.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     c.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
@@ -43,7 +43,7 @@ def main(argv: list[str], trainer_step=None) -> int:
                    help="time the plain-torch stand-in of the model's shape (balance/measure.py) instead of the "
                         "trainer's step (seconds on CPU; no memory block)")
 
-    d = sub.add_parser("dry-run", help="plan one step from lengths and print every planner's prediction")
+    d = sub.add_parser("dry-run", help="assign one step from lengths and print every planner's prediction")
     _config_args(d)
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="comma-separated sequence lengths")
@@ -56,7 +56,7 @@ def main(argv: list[str], trainer_step=None) -> int:
     d.add_argument("--token-cap", type=int)
     d.add_argument("--planner", choices=["cost", "tokenkk", "flopkk", "sequential"])
     d.add_argument("--cost-file", help="calibration JSON from `neon-hpc balance calibrate --out`")
-    d.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    d.add_argument("--json", action="store_true", help="print the whole assignment as JSON")
 
     a = p.parse_args(argv)
     try:
@@ -72,7 +72,7 @@ def _config_args(p):
 
 
 def _load_cfg(a):
-    from neon_hpc import config
+    from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, pydantic)
     return config.load(a.config, a.set)
 
 
@@ -87,7 +87,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _calibrate(a, trainer_step=None) -> int:
-    from neon_hpc.protocol.rundir import atomic_write_json
+    from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
     cfg = _load_cfg(a)
     if a.lengths:
         lengths = _int_list(a.lengths, "--lengths")
@@ -194,25 +194,25 @@ def _dry_run(a) -> int:
     if a.pp is not None:
         over.update(pp_stages=a.pp, pp_microbatches=a.pp)
     cost = load_cost_file(a.cost_file) if a.cost_file else None
-    plan = plan_for_config(lengths, cfg, cost=cost, shadow=True, **over)
+    assignment = assignment_for_config(lengths, cfg, cost=cost, shadow=True, **over)
     if a.json:
-        print(json.dumps(plan.to_dict()))
+        print(json.dumps(assignment.to_dict()))
         return 0
-    _print_plan(plan)
+    _print_assignment(assignment)
     return 0
 
 
-def _print_plan(plan) -> None:
-    print(f"{len(plan.lengths)} sequences, {sum(plan.lengths)} tokens; dp={plan.dp} pp_stages={plan.pp_stages} "
-          f"cp={plan.cp} token_cap={plan.token_cap}; {plan.num_microbatches} micro-batches per rank; "
-          f"cost source: {plan.cost.source}")
-    print(f"{'planner':<12}{'makespan':>14}{'vs ' + plan.planner:>12}")
-    rows = {plan.planner: plan.makespan, **plan.shadow}
+def _print_assignment(asg) -> None:
+    print(f"{len(asg.lengths)} sequences, {sum(asg.lengths)} tokens; dp={asg.dp} pp_stages={asg.pp_stages} "
+          f"cp={asg.cp} token_cap={asg.token_cap}; {asg.num_microbatches} micro-batches per rank; "
+          f"cost source: {asg.cost.source}")
+    print(f"{'planner':<12}{'makespan':>14}{'vs ' + asg.planner:>12}")
+    rows = {asg.planner: asg.makespan, **asg.shadow}
     for name, ms in rows.items():
-        print(f"{name:<12}{ms:>14.4g}{ms / plan.makespan:>11.3f}x")
-    print(f"chosen: {plan.planner} (from {plan.chosen_from}); imbalance max/mean {plan.imbalance:.4f}; "
-          f"split sequences {len(plan.split_sequences())}; oversize {plan.oversize}; "
-          f"planned in {plan.planner_s * 1e3:.1f} ms")
-    worst = int(np.argmax(plan.rank_time))
+        print(f"{name:<12}{ms:>14.4g}{ms / asg.makespan:>11.3f}x")
+    print(f"chosen: {asg.planner} (from {asg.chosen_from}); imbalance max/mean {asg.imbalance:.4f}; "
+          f"split sequences {len(asg.split_sequences())}; oversize {asg.oversize}; "
+          f"planned in {asg.planner_s * 1e3:.1f} ms")
+    worst = int(np.argmax(asg.rank_time))
     print(f"slowest rank {worst}: " + "; ".join(
-        f"mb{j}: {plan.microbatch_tokens(worst, j)} tok" for j in range(plan.num_microbatches)))
+        f"mb{j}: {asg.microbatch_tokens(worst, j)} tok" for j in range(asg.num_microbatches)))

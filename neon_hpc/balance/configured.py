@@ -1,6 +1,6 @@
 """The planner as an experiment config sets it up: what the trainer and the CLI call.
 
-    plan = plan_for_config(lengths, cfg)        # cfg: neon_hpc.config.ExperimentConfig
+    assignment = assignment_for_config(lengths, cfg)        # cfg: neon_hpc.config.ExperimentConfig
 
 DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and planner from ``cfg.balance``, the cost
 model from ``balance.cost_a/cost_b``, else ``balance.cost_file`` (a calibration), else
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from neon_hpc.balance.cost import CostModel
-from neon_hpc.balance.plan import StepPlan
-from neon_hpc.balance.planners import plan_step
+from neon_hpc.balance.assignment import StepAssignment
+from neon_hpc.balance.planners import assign_step
 
 
 def load_cost_file(path: str | Path) -> CostModel:
@@ -41,7 +41,7 @@ def cost_model_for_config(cfg) -> CostModel:
     return CostModel.from_model_config(cfg.model)
 
 
-def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, **overrides) -> StepPlan:
+def assignment_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, **overrides) -> StepAssignment:
     t, b = cfg.train, cfg.balance
     kw = dict(dp=t.data_parallel, pp_microbatches=max(1, b.min_microbatches or t.pipeline_parallel),
               pp_stages=t.pipeline_parallel, cp=t.context_parallel,
@@ -49,4 +49,4 @@ def plan_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = None, 
               cp_split_threshold=b.split_threshold_tokens, split=b.splits,
               vpp=t.virtual_pipeline_stages)
     kw.update(overrides)
-    return plan_step(lengths, cost=cost or cost_model_for_config(cfg), **kw)
+    return assign_step(lengths, cost=cost or cost_model_for_config(cfg), **kw)

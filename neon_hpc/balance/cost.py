@@ -53,7 +53,7 @@ class CostModel:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
         if self.a == 0 and self.b == 0:
-            raise ValueError("CostModel: a and b are both 0; every plan would cost nothing. "
+            raise ValueError("CostModel: a and b are both 0; every assignment would cost nothing. "
                              "Derive them with CostModel.from_model_config or `neon-hpc balance calibrate`")
 
     # ---- costs ------------------------------------------------------------------------

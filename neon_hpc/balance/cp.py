@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from neon_hpc.balance.assignment import Piece
 from neon_hpc.balance.cost import CostModel
-from neon_hpc.balance.plan import Piece
 
 # beyond this spread between CP ranks, long-enough pieces below the threshold are zigzagged too
 CP_TOLERANCE = 0.02

@@ -12,7 +12,7 @@ attends to K/V of its prefix ``[0, start)`` as well, which in a real run arrive 
 ranks holding those chunks: here they are leaf tensors that require grad, so their
 score, value and gradient compute is paid, the transfer is not.
 
-torch is imported lazily: planning never needs it.
+torch is imported lazily: balancing never needs it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Sequence
 
 
 def build_model(model_cfg, seed: int = 0):
+    # deferred: heavy (torch)
     import torch
     from torch import nn
 
@@ -72,6 +73,7 @@ def attend(q, k, v, start, H, G, d, prefix=None):
     """Causal attention of queries at positions ``[start, start+n)`` over keys ``[0, start+n)``.
     ``q``: (n, H*d); ``k``, ``v``: (n, G*d) for the piece's own tokens; ``prefix``: optional
     (K, V) of positions ``[0, start)`` shaped (1, H, start, d), random when not given."""
+    # deferred: heavy (torch)
     import torch
     import torch.nn.functional as F
     n = q.shape[0]
@@ -111,7 +113,7 @@ class Runner:
     """
 
     def __init__(self, model_cfg, threads: int = 1, seed: int = 0, clock: str = "cpu"):
-        import torch
+        import torch  # deferred: heavy (torch)
         if clock not in ("cpu", "wall"):
             raise ValueError(f"Runner: clock must be 'cpu' or 'wall', got {clock!r}")
         torch.set_num_threads(threads)

@@ -84,7 +84,7 @@ def fit_activation_memory(points: Sequence[tuple[int, int, float]]) -> dict:
     """``(layers, tokens, peak_bytes)`` per measured step -> ``c, e, k, q`` (non-negative least
     squares, rows scaled by ``1/peak``) and the residuals.  Needs two depths and at least
     two lengths at one of them, else ``k`` and ``e`` (or ``k`` and ``q``) cannot be told apart."""
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # deferred: heavy (scipy)
     if len({p[0] for p in points}) < 2:
         raise ValueError("memory fit: needs steps at two model depths (bytes per layer vs outside the layers)")
     if len({p[1] for p in points}) < 3:

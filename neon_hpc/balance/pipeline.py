@@ -57,7 +57,7 @@ def microbatch_group_size(n: int, pp: int) -> int:
     """
     if n < pp:
         raise ValueError(f"the interleaved schedule needs at least pipeline_parallel={pp} micro-batches, "
-                         f"the plan has {n} (balance.min_microbatches below train.pipeline_parallel?)")
+                         f"the assignment has {n} (balance.min_microbatches below train.pipeline_parallel?)")
     return next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
 
 

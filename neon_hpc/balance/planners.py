@@ -1,4 +1,4 @@
-"""``plan_step``: one step's sequences -> a :class:`~neon_hpc.balance.plan.StepPlan`.
+"""``assign_step``: one step's sequences -> a :class:`~neon_hpc.balance.assignment.StepAssignment`.
 
 Planners (all deterministic, metadata only):
 
@@ -14,11 +14,11 @@ Planners (all deterministic, metadata only):
                 under the pipeline time of each rank (1F1B or interleaved), then moves items off the slowest rank while
                 that helps and, when every move overshoots, cuts a piece between the slowest and
                 the fastest rank at the cost-even token.  On small problems it also scores the
-                flopkk/tokenkk plans and keeps the best, so its predicted step time is never
+                flopkk/tokenkk assignments and keeps the best, so its predicted step time is never
                 worse than theirs there.
 
 Baselines never split a sequence: one longer than the cap sits alone in its micro-batch and is
-listed in ``plan.oversize`` (ours splits it across DP ranks instead, and lists it only when
+listed in ``assignment.oversize`` (ours splits it across DP ranks instead, and lists it only when
 even ``dp`` pieces would not fit).
 """
 
@@ -31,14 +31,14 @@ from typing import Sequence
 
 import numpy as np
 
+from neon_hpc.balance.assignment import Piece, StepAssignment, check_assignment, score
 from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
 from neon_hpc.balance.kk import karmarkar_karp
 from neon_hpc.balance.pipeline import combine
-from neon_hpc.balance.plan import Piece, StepPlan, check_plan, score
 
 PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
-# the cost planner also scores the KK plans as candidates when len(lengths) * dp is at most this
+# the cost planner also scores the KK assignments as candidates when len(lengths) * dp is at most this
 # (KK on 10k sequences x 1024 ranks takes seconds; at that size ours wins anyway)
 CANDIDATE_LIMIT = 200_000
 DEFAULT_TOKEN_CAP = 4096
@@ -48,11 +48,11 @@ CAP_HEADROOM = 0.75
 MAX_EXTRA_SLOTS = 3
 
 
-def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int = 1,
+def assign_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int = 1,
               token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
               planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
               images: Sequence[int] | None = None, cp_split_threshold: int = 0,
-              split: bool = True, check: bool = True, vpp: int = 1) -> StepPlan:
+              split: bool = True, check: bool = True, vpp: int = 1) -> StepAssignment:
     """Plan one training step.
 
     ``lengths``: tokens per sequence (zero-length ones are ignored).  ``dp``: data-parallel
@@ -62,8 +62,8 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     context-parallel ranks per micro-batch; ``cp_split_threshold`` the piece length from
     which a piece is zigzagged across them (0 = auto).  ``token_cap``: tokens per
     micro-batch of a DP rank (across its CP group).  ``cost``: defaults to the embedded
-    model's FLOP cost.  ``shadow``: also plan with the other planners and report their
-    predicted makespans in ``plan.shadow``.  ``split=False``: the cost planner keeps every
+    model's FLOP cost.  ``shadow``: also run the other planners and report their
+    predicted makespans in ``assignment.shadow``.  ``split=False``: the cost planner keeps every
     sequence whole (for a trainer that cannot run split pieces yet).  ``vpp``: model chunks
     per pipeline stage (``train.virtual_pipeline_stages``; the interleaved schedule's shorter
     bubbles, :mod:`neon_hpc.balance.pipeline`).
@@ -73,34 +73,34 @@ def plan_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int
     cost = cost or _default_cost()
     p = pp_stages if pp_stages is not None else pp_microbatches
     if isinstance(vpp, bool) or not isinstance(vpp, (int, np.integer)) or vpp < 1:
-        raise ValueError(f"plan_step: vpp must be an integer >= 1, got {vpp!r}")
+        raise ValueError(f"assign_step: vpp must be an integer >= 1, got {vpp!r}")
     if vpp > 1 and p == 1:
-        raise ValueError(f"plan_step: vpp={vpp} (virtual pipeline stages) needs pp_stages > 1")
+        raise ValueError(f"assign_step: vpp={vpp} (virtual pipeline stages) needs pp_stages > 1")
     thr = cp_split_threshold or auto_threshold(token_cap, cp)
     imgs = tuple(int(x) for x in images) if images is not None else None
     ctx = _Ctx(lens, cost.seq_costs(lens, imgs), dp, pp_microbatches, p, cp, token_cap, cost, thr,
                imgs, split, int(vpp))
 
-    plans: dict[str, StepPlan] = {}
+    assignments: dict[str, StepAssignment] = {}
     names = [planner] + [n for n in PLANNERS if n != planner and shadow]
     want_candidates = "cost" in names and len(lens) * dp <= CANDIDATE_LIMIT
     if want_candidates:
         names += [n for n in ("flopkk", "tokenkk") if n not in names]
     for name in names:
-        plans[name] = _BUILDERS[name](ctx)
+        assignments[name] = _BUILDERS[name](ctx)
     if want_candidates:
-        plans["cost"] = _best_candidate(plans["cost"], [plans["flopkk"], plans["tokenkk"]])
-    plan = plans[planner]
+        assignments["cost"] = _best_candidate(assignments["cost"], [assignments["flopkk"], assignments["tokenkk"]])
+    assignment = assignments[planner]
     if shadow:
-        plan.shadow = {n: q.makespan for n, q in plans.items() if n != planner}
-        plan.shadow_imbalance = {n: q.imbalance for n, q in plans.items() if n != planner}
+        assignment.shadow = {n: q.makespan for n, q in assignments.items() if n != planner}
+        assignment.shadow_imbalance = {n: q.imbalance for n, q in assignments.items() if n != planner}
     else:
-        plan.shadow, plan.shadow_imbalance = {}, {}
-    plan.planner = planner
+        assignment.shadow, assignment.shadow_imbalance = {}, {}
+    assignment.planner = planner
     if check:
-        check_plan(plan)
-    plan.planner_s = time.perf_counter() - t0
-    return plan
+        check_assignment(assignment)
+    assignment.planner_s = time.perf_counter() - t0
+    return assignment
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,35 +114,35 @@ class _Ctx:
         self.cost, self.thr, self.images = cost, thr, images
         self.active = [i for i in range(len(lens)) if lens[i] > 0]
 
-    def make_plan(self, name: str, ranks, oversize=()) -> StepPlan:
-        plan = StepPlan(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
+    def make_assignment(self, name: str, ranks, oversize=()) -> StepAssignment:
+        assignment = StepAssignment(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
                     dp=self.dp, pp_stages=self.p, cp=self.cp, token_cap=self.cap,
                     cp_split_threshold=self.thr, ranks=ranks, oversize=sorted(oversize),
                     chosen_from=name, images=self.images, vpp=self.vpp)
-        return score(plan)
+        return score(assignment)
 
 
 def _default_cost() -> CostModel:
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.models.config import ModelConfig  # deferred: heavy (neon_hpc.models.config: pydantic)
     return CostModel.from_model_config(ModelConfig())
 
 
 def _validate(lengths, dp, m, cp, cap, planner, pp_stages, images) -> np.ndarray:
     for name, v in (("dp", dp), ("pp_microbatches", m), ("cp", cp), ("token_cap", cap)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"plan_step: {name} must be an integer >= 1, got {v!r}")
+            raise ValueError(f"assign_step: {name} must be an integer >= 1, got {v!r}")
     if pp_stages is not None and (not isinstance(pp_stages, (int, np.integer)) or pp_stages < 1):
-        raise ValueError(f"plan_step: pp_stages must be an integer >= 1, got {pp_stages!r}")
+        raise ValueError(f"assign_step: pp_stages must be an integer >= 1, got {pp_stages!r}")
     if planner not in PLANNERS:
-        raise ValueError(f"plan_step: unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+        raise ValueError(f"assign_step: unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     lens = np.asarray(lengths)
     if lens.ndim != 1 or (lens.size and not np.issubdtype(lens.dtype, np.integer)):
-        raise ValueError("plan_step: lengths must be a flat sequence of integers (tokens per sequence)")
+        raise ValueError("assign_step: lengths must be a flat sequence of integers (tokens per sequence)")
     lens = lens.astype(np.int64)
     if lens.size and lens.min() < 0:
-        raise ValueError(f"plan_step: lengths[{int(lens.argmin())}] is negative ({int(lens.min())})")
+        raise ValueError(f"assign_step: lengths[{int(lens.argmin())}] is negative ({int(lens.min())})")
     if images is not None and len(images) != len(lens):
-        raise ValueError(f"plan_step: images has {len(images)} entries, lengths has {len(lens)}")
+        raise ValueError(f"assign_step: images has {len(images)} entries, lengths has {len(lens)}")
     return lens
 
 
@@ -176,50 +176,50 @@ def _pack_rank(ctx: _Ctx, items: list[int], weights: np.ndarray, method: str):
     return [[i] for i in big] + groups + [[] for _ in range(ctx.m_min - len(big) - len(groups))], big
 
 
-def _plan_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, method: str) -> StepPlan:
+def _assign_baseline(ctx: _Ctx, name: str, rank_items: list[list[int]], weights, method: str) -> StepAssignment:
     rank_mbs, oversize = [], []
     for items in rank_items:
         mbs, big = _pack_rank(ctx, items, weights, method)
         rank_mbs.append(mbs)
         oversize += big
-    return ctx.make_plan(name, _whole_ranks(ctx, rank_mbs), oversize)
+    return ctx.make_assignment(name, _whole_ranks(ctx, rank_mbs), oversize)
 
 
-def _sequential(ctx: _Ctx) -> StepPlan:
+def _sequential(ctx: _Ctx) -> StepAssignment:
     blocks = [list(map(int, b)) for b in np.array_split(np.asarray(ctx.active, dtype=np.int64), ctx.dp)]
-    return _plan_baseline(ctx, "sequential", blocks, ctx.lens, "sequential")
+    return _assign_baseline(ctx, "sequential", blocks, ctx.lens, "sequential")
 
 
-def _kk(ctx: _Ctx, name: str, weights: np.ndarray) -> StepPlan:
+def _kk(ctx: _Ctx, name: str, weights: np.ndarray) -> StepAssignment:
     act = ctx.active
     parts = karmarkar_karp(weights[act], ctx.dp)
     rank_items = [[act[x] for x in part] for part in parts]
-    return _plan_baseline(ctx, name, rank_items, weights, "kk")
+    return _assign_baseline(ctx, name, rank_items, weights, "kk")
 
 
-def _tokenkk(ctx: _Ctx) -> StepPlan:
+def _tokenkk(ctx: _Ctx) -> StepAssignment:
     return _kk(ctx, "tokenkk", ctx.lens.astype(np.float64))
 
 
-def _flopkk(ctx: _Ctx) -> StepPlan:
+def _flopkk(ctx: _Ctx) -> StepAssignment:
     return _kk(ctx, "flopkk", ctx.costs)
 
 
-def _best_candidate(ours: StepPlan, others: list[StepPlan]) -> StepPlan:
+def _best_candidate(ours: StepAssignment, others: list[StepAssignment]) -> StepAssignment:
     """Keep ours unless a candidate is strictly faster and respects the cap at least as well."""
     best = ours
     for q in others:
         if len(q.oversize) <= len(ours.oversize) and q.makespan < best.makespan * (1 - 1e-12):
             best = q
     if best is not ours:
-        best = StepPlan(**{**best.__dict__, "chosen_from": best.planner})
+        best = StepAssignment(**{**best.__dict__, "chosen_from": best.planner})
     return best
 
 
 # ---------------------------------------------------------------------------------------------
 # ours
 
-def _cost(ctx: _Ctx) -> StepPlan:
+def _cost(ctx: _Ctx) -> StepAssignment:
     lens = ctx.lens
     total_tokens = int(lens.sum())
     # cost-balanced ranks hold unequal tokens (short-sequence ranks need more), so start
@@ -247,7 +247,7 @@ def _cost(ctx: _Ctx) -> StepPlan:
             break
         packer, placed = more, more_placed
     ranks, oversize = placed
-    return ctx.make_plan("cost", ranks, oversize)
+    return ctx.make_assignment("cost", ranks, oversize)
 
 
 class _CostPacker:

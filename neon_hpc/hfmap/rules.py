@@ -71,7 +71,7 @@ def tp_shard(t, kind: str | None, rank: int, tp: int):
     if kind == "cols":
         return t.chunk(tp, dim=1)[rank]
     if kind == "swiglu":
-        import torch
+        import torch  # deferred: heavy (torch)
         gate, up = t.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
     raise ValueError(f"unknown TP split {kind!r}")
@@ -79,7 +79,7 @@ def tp_shard(t, kind: str | None, rank: int, tp: int):
 
 def tp_join(parts: Sequence, kind: str | None):
     """Inverse of :func:`tp_shard` over all TP ranks' slices (in rank order)."""
-    import torch
+    import torch  # deferred: heavy (torch)
     if kind is None or len(parts) == 1:
         return parts[0]
     if kind == "rows":

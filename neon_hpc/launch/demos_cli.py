@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--imperfect", type=float, default=None, help="share of imperfect demonstrations "
                    "(default: warm_start.imperfect)")
     a = p.parse_args(argv)
-    from neon_hpc import config, envs
+    from neon_hpc import config, envs  # deferred: heavy (neon_hpc.config: h5py, numpy)
     cfg = config.load(a.config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"), a.set)
     n = cfg.warm_start.demos if a.n is None else a.n
     imperfect = cfg.warm_start.imperfect if a.imperfect is None else a.imperfect

@@ -33,11 +33,13 @@ import threading
 import time
 
 from neon_hpc import config, logsinks
+from neon_hpc.launch.lease import join_launch
 from neon_hpc.procutil import forked_children_die_with_me
 from neon_hpc.protocol import RunDir, mark_finished as mark
-from neon_hpc.protocol.rundir import StorageError
+from neon_hpc.protocol.rundir import StorageError, storage_error
 from neon_hpc.rankenv import node_rank, trainer_rank_from_slurm
-from neon_hpc.rollout.sections import WorkerSections
+from neon_hpc.rollout.node import RolloutNode
+from neon_hpc.rollout.sections import WorkerSections, NodeSections
 from neon_hpc.rollout.worker import run_worker
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.writers import CheckpointWriterError
@@ -69,14 +71,13 @@ def mark_finished(run_dir: str) -> None:
 
 def _trainer(cfg, run_dir: str) -> int:
     # the trainer (torch, megatron) is imported where used: the rollout roles never load it
-    from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.loop import run_trainer  # deferred: heavy (neon_hpc.train.loop: torch, tqdm)
     try:
         rc = run_trainer(TrainerSections.of(cfg), run_dir)     # the trainer's view of the config
     except (CheckpointWriterError, StorageError) as e:
         print(f"trainer: {e}. Rerun to resume from the newest checkpoint", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        from neon_hpc.protocol.rundir import storage_error
         full = storage_error(e, getattr(e, "filename", None) or run_dir, "writing into")
         if full is None:
             raise
@@ -103,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config.load(a.config)
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     if a.role in ("trainer", "rollout-node"):
-        from neon_hpc.launch.lease import join_launch
         rank = os.environ.get("RANK", str(node_rank()))
         join_launch(a.run_dir, f"{a.role}.{rank}")
         watch_launcher(a.role)
@@ -113,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         return _trainer(cfg, a.run_dir)
     # each rollout role is given its own view of the config (rollout/sections.py), built once here
     if a.role == "rollout-node":
-        from neon_hpc.rollout.node import RolloutNode
-        from neon_hpc.rollout.sections import NodeSections
         return RolloutNode(NodeSections.of(cfg), a.run_dir).run_forever()
     rank = a.rank if a.rank is not None else int(os.environ.get("SLURM_PROCID", 0))
     return run_worker(WorkerSections.of(cfg), a.run_dir, rank, a.engine_url)

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         print(f"neon-hpc launch: {e}", file=sys.stderr)
         return 3
     if cfg.warm_start.enabled and not cfg.model.init_checkpoint:
-        from neon_hpc.launch.warm import sft_checkpoint
+        from neon_hpc.launch.warm import sft_checkpoint  # deferred: heavy (neon_hpc.launch.warm: httpx)
         print(f"neon-hpc launch: warm_start.enabled: the Slurm job does not run the warm start (`neon-hpc run` "
               f"does); run `neon-hpc sft {a.config} --run-dir {run_dir}` first and add --set "
               f"model.init_checkpoint={sft_checkpoint(cfg, run_dir)}, or --set warm_start.enabled=false",

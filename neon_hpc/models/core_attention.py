@@ -7,11 +7,11 @@ rest of megatron's MLA (projections, norms, RoPE/YaRN, softmax scale) is used un
 
 Masks: megatron passes ``attention_mask`` as bool ``[b|1, 1, s, s]`` with True = *masked*
 (a block-causal mask of packed documents; tests' dense reference).  ``None`` with a piece
-layout active (the trainer packs documents without a dense mask,
+map active (the trainer packs documents without a dense mask,
 :mod:`neon_hpc.models.cp_attention`) goes to :func:`neon_hpc.models.cp_attention.piece_attention`,
 with or without a K/V exchange between ranks: causal within each document by its true
 positions, fused SDPA per run of contiguous positions (memory linear in length; no ``[s, s]``
-mask).  ``None`` without a layout means causal.  Dropout is not implemented (the policy
+mask).  ``None`` without a piece map means causal.  Dropout is not implemented (the policy
 configs use 0.0; any other value is refused at construction).
 """
 
@@ -42,8 +42,9 @@ class SDPACoreAttention(torch.nn.Module):
             raise NotImplementedError("packed (THD) sequences are not supported by SDPACoreAttention")
         # megatron: [s, b, heads, dim] -> torch: [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        from neon_hpc.models.cp_attention import active_layout, piece_attention
-        lay = active_layout()
+        # deferred: heavy (neon_hpc.models.cp_attention: megatron, pydantic)
+        from neon_hpc.models.cp_attention import active_piece_map, piece_attention
+        lay = active_piece_map()
         if attention_mask is None and lay is not None:
             # the trainer's packed documents / CP pieces: per-document fused SDPA (cp_attention)
             return piece_attention(query, key, value, lay, self.scale)

@@ -7,7 +7,7 @@ chunks of a document, beside whole short documents.  megatron-core's local
 wants megatron's equal zigzag chunks).  :class:`PieceAttention` can:
 
 - every local token carries its document id and its **true position inside the document**
-  (:class:`AttentionLayout`, set per micro-batch with :func:`attention_layout`);
+  (:class:`PieceMap`, set per micro-batch with :func:`piece_map`);
 - RoPE rotates each token by that position (:func:`use_document_positions` makes the model's
   rotary embeddings index their table by it);
 - the causal mask is by document position: a query attends a key of the same document at a
@@ -19,7 +19,7 @@ wants megatron's equal zigzag chunks).  :class:`PieceAttention` can:
 Why all-gather, not a ring: a rank's pieces are arbitrary (not ``2*cp`` equal chunks), so
 a ring would need a per-step mask of every (query piece, key piece) pair and at CP = 2 moves
 the same bytes; one all-gather per layer of only the split documents' K/V rows (padded to
-the largest contribution, which every rank computes from the plan, so no size exchange) is
+the largest contribution, which every rank computes from the balancer's assignment, so no size exchange) is
 one collective with a fixed shape, called by every rank of the group at every layer of every
 micro-batch slot: it cannot deadlock when ranks hold different numbers of pieces.  Its cost
 is each rank receiving all split rows (``(g-1)/g`` of them remote), fine for small exchange
@@ -32,14 +32,14 @@ contiguous positions; a run's allowed keys (local and gathered, sorted by positi
 prefix of them, i.e. a causal mask aligned to the lower right, and each run is one call of
 torch's fused ``F.scaled_dot_product_attention`` (``is_causal`` when the run has no earlier
 keys, ``causal_lower_right`` otherwise; :class:`_Sdpa` says which kernel serves what).  The
-layout precomputes the sorted rows and runs once per micro-batch; per layer it is indexing and
+piece map precomputes the sorted rows and runs once per micro-batch; per layer it is indexing and
 SDPA calls.  The einsum path it replaced (fp32 score matrices, memory in ``L^2``) is kept as
 :func:`reference_piece_attention` for tests and ``tools/bench_attention.py`` only.  Without a
-layout set the module is megatron's ``DotProductAttention`` unchanged (dense mask), which is
+piece map set the module is megatron's ``DotProductAttention`` unchanged (dense mask), which is
 also the reference the model-level tests compare against.
 
 MLA (deepseek_v3): its core attention (``models/core_attention.SDPACoreAttention``) hands
-every layout (with or without an exchange) to :func:`piece_attention` (value head dim !=
+every piece map (with or without an exchange) to :func:`piece_attention` (value head dim !=
 q/k head dim is handled); RoPE of its YaRN rotary is hooked the same way.
 
 Not done: Transformer Engine's fused / CP attention is never used (the local spec has no TE);
@@ -58,13 +58,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-_ACTIVE: list["AttentionLayout"] = []
+_ACTIVE: list["PieceMap"] = []
 
 
 # --------------------------------------------------------------------------------------
-# the layout of one micro-batch on this rank
+# the piece map of one micro-batch on this rank
 
 @dataclass
 class _DocGroup:
@@ -84,7 +86,7 @@ class _DocGroup:
 
 
 @dataclass
-class AttentionLayout:
+class PieceMap:
     """Where each local token sits in its document, and what comes from the other ranks.
 
     ``pos`` (int64 ``[S]``) is the true position of every local row; ``groups`` one entry per
@@ -135,9 +137,9 @@ def _runs(q_pos: torch.Tensor, key_pos: torch.Tensor) -> list[tuple[int, int, in
     return runs
 
 
-def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int, seq_len: int,
-                 group=None, device: torch.device | str = "cpu") -> AttentionLayout:
-    """The layout of this rank's micro-batch in one slot.
+def build_piece_map(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int, seq_len: int,
+                 group=None, device: torch.device | str = "cpu") -> PieceMap:
+    """The piece map of this rank's micro-batch in one slot.
 
     ``slot_pieces[g]``: the pieces ``(doc, start, end)`` rank ``g`` of the exchange group packs
     in this slot, in packing order (rows ``0..`` of its micro-batch; pad rows follow up to
@@ -153,7 +155,7 @@ def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int,
     doc, pos = _rows(slot_pieces[me])
     n_real = len(doc)
     if n_real > seq_len:
-        raise ValueError(f"layout: {n_real} rows of pieces but a micro-batch of {seq_len}")
+        raise ValueError(f"piece map: {n_real} rows of pieces but a micro-batch of {seq_len}")
     sent = [[r for r, d in enumerate(_rows(p)[0]) if d in shared] for p in slot_pieces]
     m = max((len(x) for x in sent), default=0)
     remote_doc: list[int] = []
@@ -180,7 +182,7 @@ def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int,
         ks = torch.argsort(kpos, stable=True)
         kpos, kidx = kpos[ks], kidx[ks]
         if kpos.numel() > 1 and bool((kpos[1:] == kpos[:-1]).any()):
-            raise ValueError(f"layout: document {i} holds a position twice in this slot's pieces "
+            raise ValueError(f"piece map: document {i} holds a position twice in this slot's pieces "
                              f"{[list(p) for p in slot_pieces]}")
         rows = None
         if r.numel() == 0 and bool((q == torch.arange(int(q[0]), int(q[0]) + q.numel())).all()):
@@ -197,25 +199,25 @@ def build_layout(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int,
     send = None
     if m > 0:
         send = torch.tensor(sent[me], dtype=torch.long).to(device)
-    return AttentionLayout(pos=full_pos.to(device), groups=groups, pad_idx=pad.to(device),
+    return PieceMap(pos=full_pos.to(device), groups=groups, pad_idx=pad.to(device),
                            inverse=None if identity else inverse.to(device), send_idx=send,
                            rows_per_rank=m, group=group, reads_remote=any(g.remote for g in groups))
 
 
 @contextlib.contextmanager
-def attention_layout(layout: AttentionLayout | None) -> Iterator[None]:
-    """Run the model's forward under ``layout`` (None: stock dense-mask attention)."""
-    if layout is None:
+def piece_map(pmap: PieceMap | None) -> Iterator[None]:
+    """Run the model's forward under ``pmap`` (None: stock dense-mask attention)."""
+    if pmap is None:
         yield
         return
-    _ACTIVE.append(layout)
+    _ACTIVE.append(pmap)
     try:
         yield
     finally:
         _ACTIVE.pop()
 
 
-def active_layout() -> AttentionLayout | None:
+def active_piece_map() -> PieceMap | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
@@ -261,17 +263,17 @@ def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
 # the module
 
 class PieceAttention(DotProductAttention):
-    """megatron's ``DotProductAttention`` that runs an :class:`AttentionLayout` when one is set."""
+    """megatron's ``DotProductAttention`` that runs an :class:`PieceMap` when one is set."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        lay = active_layout()
+        lay = active_piece_map()
         if lay is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("PieceAttention: packed_seq_params / attention_bias are not supported "
-                             "with a piece layout (the layout carries the document structure)")
+                             "with a piece map (the piece map carries the document structure)")
         if self.training and self.attention_dropout.p > 0:
             raise ValueError("PieceAttention: attention dropout is not supported (set attention_dropout: 0)")
         if self.config.apply_query_key_layer_scaling or self.softmax_offset is not None:
@@ -280,8 +282,8 @@ class PieceAttention(DotProductAttention):
                                 self.num_attention_heads_per_partition, self.num_query_groups_per_partition)
 
 
-def piece_attention(query, key, value, lay: AttentionLayout, scale: float | None = None) -> torch.Tensor:
-    """The layout's attention for any core attention with megatron's ``[s, b, heads, dim]``
+def piece_attention(query, key, value, lay: PieceMap, scale: float | None = None) -> torch.Tensor:
+    """The piece map's attention for any core attention with megatron's ``[s, b, heads, dim]``
     tensors (heads and groups from the shapes; value head dim may differ, as in MLA);
     ``scale`` None = ``1/sqrt(q head dim)``.  Returns ``[s, b, heads * v_dim]``."""
     if scale is None:
@@ -289,7 +291,7 @@ def piece_attention(query, key, value, lay: AttentionLayout, scale: float | None
     return _piece_attention(query, key, value, lay, scale, query.shape[2], key.shape[2])
 
 
-def _exchange(k, v, lay: AttentionLayout, n_groups: int):
+def _exchange(k, v, lay: PieceMap, n_groups: int):
     """All-gather the split documents' K/V rows: ``(k_rem, v_rem, buf)``."""
     hn, hv = k.shape[-1], v.shape[-1]
     send = torch.cat([k[lay.send_idx].flatten(1), v[lay.send_idx].flatten(1)], dim=1)
@@ -299,7 +301,7 @@ def _exchange(k, v, lay: AttentionLayout, n_groups: int):
     return buf[:, :n_groups * hn].view(-1, n_groups, hn), buf[:, n_groups * hn:].view(-1, n_groups, hv), buf
 
 
-def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, s: int):
+def _finish(outs, v, lay: PieceMap, n_heads: int, n_groups: int, buf, s: int):
     """Pad rows, local row order, and the gathered buffer kept in the graph (both paths)."""
     hv = v.shape[-1]
     if lay.pad_idx.numel():   # a pad row attends only to itself: its output is its value
@@ -315,11 +317,11 @@ def _finish(outs, v, lay: AttentionLayout, n_heads: int, n_groups: int, buf, s: 
         # Its gradient through this term is zero, so nothing changes numerically.
         out = out + (buf.sum() * 0).to(out.dtype)
     if out.shape[0] != s:
-        raise ValueError(f"PieceAttention: layout covers {out.shape[0]} rows, the micro-batch has {s}")
+        raise ValueError(f"PieceAttention: the piece map covers {out.shape[0]} rows, the micro-batch has {s}")
     return out.unsqueeze(1)
 
 
-def _piece_attention(query, key, value, lay: AttentionLayout, scale: float, n_heads: int,
+def _piece_attention(query, key, value, lay: PieceMap, scale: float, n_heads: int,
                      n_groups: int) -> torch.Tensor:
     # query [s, 1, np, hn], key [s, 1, ng, hn], value [s, 1, ng, hv]  ->  [s, 1, np * hv]
     if query.shape[1] != 1:
@@ -401,13 +403,12 @@ def _flash_takes(q, k, v) -> bool:
     """Whether CUDA's flash kernel runs these shapes/dtypes with GQA unexpanded (cached)."""
     key = (q.device, q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1])
     if key not in _FLASH_GQA:
-        from torch.backends.cuda import SDPAParams, can_use_flash_attention
         qb, kb, vb = (t[:1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         _FLASH_GQA[key] = bool(can_use_flash_attention(SDPAParams(qb, kb, vb, None, 0.0, True, True), False))
     return _FLASH_GQA[key]
 
 
-def reference_piece_attention(query, key, value, lay: AttentionLayout, scale: float | None = None) -> torch.Tensor:
+def reference_piece_attention(query, key, value, lay: PieceMap, scale: float | None = None) -> torch.Tensor:
     """The einsum reference of :func:`piece_attention`, for tests and ``tools/bench_attention.py``
     only, never the trainer's path: per document an fp32 ``[groups, rep, nq, nk]`` score matrix
     masked by true position (memory in ``L^2``).  Same exchange, same output layout."""
@@ -436,7 +437,7 @@ def reference_piece_attention(query, key, value, lay: AttentionLayout, scale: fl
 def hook_spec(spec) -> int:
     """Use :class:`PieceAttention` wherever ``spec`` (a layer spec, or a block spec with
     ``layer_specs``) has megatron's local ``DotProductAttention``; returns how many were
-    replaced.  Other core attentions (e.g. MLA's) are left alone: they run without layouts."""
+    replaced.  Other core attentions (e.g. MLA's) are left alone: they run without piece maps."""
     layers = getattr(getattr(spec, "submodules", None), "layer_specs", None)
     if layers is None:
         layers = getattr(spec, "layer_specs", None) or [spec]
@@ -453,13 +454,12 @@ def hook_spec(spec) -> int:
 # RoPE by position inside the document
 
 def use_document_positions(model) -> int:
-    """Make every rotary embedding of ``model`` rotate by the active layout's positions.
+    """Make every rotary embedding of ``model`` rotate by the active piece map's positions.
 
-    Without a layout set they behave as before (position = packed row).  Returns how many
+    Without a piece map set they behave as before (position = packed row).  Returns how many
     rotary modules were hooked.  Handles megatron's ``RotaryEmbedding`` (GPT) and
     ``YarnRotaryEmbedding`` (MLA; its forward returns ``(emb, mscale)``).
     """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     n = 0
     for mod in model.modules():
         if isinstance(mod, RotaryEmbedding) and "forward" not in vars(mod):
@@ -472,11 +472,11 @@ def _positioned(mod):
     base = type(mod).forward
 
     def forward(max_seq_len, *args, **kwargs):
-        lay = active_layout()
+        lay = active_piece_map()
         if lay is None:
             return base(mod, max_seq_len, *args, **kwargs)
         if lay.pos.numel() != max_seq_len:
-            raise ValueError(f"rotary embedding asked for {max_seq_len} positions, the layout has "
+            raise ValueError(f"rotary embedding asked for {max_seq_len} positions, the piece map has "
                              f"{lay.pos.numel()} rows")
         top = int(lay.pos.max()) + 1 if lay.pos.numel() else 1
         out = base(mod, top, *args, **kwargs)

@@ -8,9 +8,9 @@ refuses torch norms under sequence parallelism).  The two are independent: a clu
 CUDA install often has no TE, and a laptop has neither.  Each patch below replaces exactly one
 assumption; nothing changes the arithmetic of a forward or backward pass.
 
-Which patches apply is a pure function of what this process has (:func:`plan`): the
+Which patches apply is a pure function of what this process has (:func:`patches_for`): the
 ``NO_TE`` group whenever ``transformer_engine`` does not import (CPU *or* CUDA), the
-``NO_CUDA`` group only without a usable CUDA device.  :func:`apply` runs that plan once
+``NO_CUDA`` group only without a usable CUDA device.  :func:`apply` applies those once
 (idempotent); it must run before a model is built (:mod:`neon_hpc.models.megatron` calls it
 first thing).  :func:`kernels` says which optional kernels were found, for the start-up log.
 A process that saves megatron checkpoints with gloo workers must keep its entry point under
@@ -88,12 +88,12 @@ _done = False
 
 
 def has_cuda() -> bool:
-    """A usable CUDA device (the device side of :func:`plan`)."""
+    """A usable CUDA device (the device side of :func:`patches_for`)."""
     return torch.cuda.is_available()
 
 
 def has_te() -> bool:
-    """Transformer Engine's PyTorch module imports (the library side of :func:`plan`)."""
+    """Transformer Engine's PyTorch module imports (the library side of :func:`patches_for`)."""
     return importlib.util.find_spec("transformer_engine") is not None and _te_imports()
 
 
@@ -105,7 +105,7 @@ def _te_imports() -> bool:
     return True
 
 
-def plan(cuda: bool, te: bool) -> list[str]:
+def patches_for(cuda: bool, te: bool) -> list[str]:
     """The patches a process with (``cuda``, ``te``) needs, in application order."""
     wanted = set(() if te else NO_TE) | set(() if cuda else NO_CUDA)
     return [p for p in PATCHES if p in wanted]
@@ -113,7 +113,7 @@ def plan(cuda: bool, te: bool) -> list[str]:
 
 def needed() -> bool:
     """True when this process needs any patch."""
-    return bool(plan(has_cuda(), has_te()))
+    return bool(patches_for(has_cuda(), has_te()))
 
 
 def applied() -> list[str]:
@@ -122,7 +122,7 @@ def applied() -> list[str]:
 
 
 def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
-    """Apply this process's :func:`plan` once (thread-safe, idempotent); returns the names applied.
+    """Apply this process's :func:`patches_for` once (thread-safe, idempotent); returns the names applied.
 
     ``cuda`` / ``te`` override what is detected (tests simulate a CUDA machine without TE);
     only the first call decides."""
@@ -130,7 +130,7 @@ def apply(cuda: bool | None = None, te: bool | None = None) -> list[str]:
     with _lock:
         if _done:
             return list(_applied)
-        names = plan(has_cuda() if cuda is None else cuda, has_te() if te is None else te)
+        names = patches_for(has_cuda() if cuda is None else cuda, has_te() if te is None else te)
         for name in names:
             globals()[f"_patch_{name}"]()
             _applied.append(name)
@@ -175,10 +175,11 @@ def _patch_jit_fuser() -> None:
         compile_ = torch.compile
         torch.compile = _eager
         try:
+            # deferred: heavy (megatron)
             import megatron.core.jit  # noqa: F401  (imports megatron.core, whose fusions it decorates)
         finally:
             torch.compile = compile_
-    from megatron.core import jit
+    from megatron.core import jit  # deferred: heavy (megatron)
     jit.disable_jit_fuser()         # what megatron imports later decorates with the no-op too
 
 
@@ -236,7 +237,7 @@ def _patch_streams() -> None:
 # megatron-core internals
 
 def _patch_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
 
     def get_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -266,6 +267,7 @@ def _patch_rng_tracker() -> None:
 
 
 def _patch_causal_mask() -> None:
+    # deferred: heavy (megatron)
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 
@@ -286,13 +288,13 @@ def _patch_causal_mask() -> None:
 
 
 def _patch_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # deferred: heavy (megatron)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
 def _patch_torch_norm_sp() -> None:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # deferred: heavy (megatron)
 
     def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
             zero_centered_gamma=False, normalization="LayerNorm"):
@@ -313,7 +315,7 @@ def _patch_torch_norm_sp() -> None:
 
 
 def _patch_recompute_fp8() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
     original = mrandom.CheckpointWithoutOutput.__init__
 
     def init(self, fp8=False):
@@ -324,7 +326,7 @@ def _patch_recompute_fp8() -> None:
 
 
 def _patch_numpy_splits() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # deferred: heavy (megatron)
 
     original = moe_utils.maybe_move_tensor_to_cpu
 
@@ -358,12 +360,12 @@ class TorchOnCpu:
 
 
 def _patch_pipeline_token_counter() -> None:
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import schedules  # deferred: heavy (megatron)
     schedules.torch = TorchOnCpu()
 
 
 def _patch_p2p_shapes() -> None:
-    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel import p2p_communication as p2p  # deferred: heavy (megatron)
 
     def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         def shape_of(t):

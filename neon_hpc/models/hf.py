@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -103,7 +104,7 @@ def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLi
     through :func:`neon_hpc.models.convert.megatron_to_hf` first).  ``out_dir``
     must not exist yet (published directories are immutable, see :func:`neon_hpc.protocol.rundir.publish_dir`).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: heavy (safetensors)
 
     sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else model_or_state_dict
     if any(k.startswith(("decoder.", "embedding.")) for k in sd):
@@ -122,7 +123,6 @@ def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLi
         (staging / "config.json").write_text(json.dumps(hf_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
         publish_dir(staging, out_dir)
     except BaseException:
-        import shutil
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
@@ -130,7 +130,7 @@ def save_hf(model_or_state_dict: Any, cfg: ModelConfig, out_dir: str | os.PathLi
 
 def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The on-disk state dict of an HF folder (single file or sharded with an index)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # deferred: heavy (safetensors)
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -149,7 +149,7 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_hf(path: str | os.PathLike):
     """Load an HF folder written by :func:`save_hf` or the reshard tool (float32, eval mode)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: heavy (transformers)
 
     path = Path(path)
     if not (path / "config.json").exists():

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from neon_hpc.models import cpu_shim
@@ -36,7 +37,7 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
     schedule).
     """
     cpu_shim.apply()
-    import torch.distributed as dist
+    # deferred: heavy (megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -73,8 +74,7 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",
 
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the torch.distributed process group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
@@ -153,6 +153,7 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     dtype.  Same parameters either way.
     """
     cpu_shim.apply()
+    # deferred: heavy (megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -169,8 +170,9 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     model_parallel_cuda_manual_seed(s)
     tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
     spec = layer_spec(cfg, tcfg, vp_stage)
+    # deferred: heavy (neon_hpc.models.cp_attention: megatron, wandb)
     from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
-    from neon_hpc.models import experts as grouped
+    from neon_hpc.models import experts as grouped  # deferred: heavy (neon_hpc.models.experts: megatron, wandb)
     cp_attention.hook_spec(spec)
     impl = experts or grouped.expert_impl(torch.cuda.is_available(), tcfg.params_dtype)
     if impl not in grouped.IMPLS:
@@ -194,6 +196,7 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     A convenience for tests and evaluation: ``input_ids`` is ``[batch, seq]``; with sequence
     parallelism ``seq`` must be a multiple of ``tp``.
     """
+    # deferred: heavy (megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from neon_hpc.netutil import free_port
 
@@ -23,12 +25,13 @@ from neon_hpc.netutil import free_port
 def _worker(rank: int, world: int, port: int, hf_dir: str, tp: int, ep: int, ids: np.ndarray, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from neon_hpc.models import convert, hf, megatron
+    from neon_hpc.models import convert, hf, megatron  # deferred: heavy (neon_hpc.models.convert: pydantic)
 
     coords = megatron.init_parallel(tp=tp, ep=ep)
     model_hf = hf.load_hf(hf_dir)
     cfg = hf.model_config_from_hf(model_hf.config)
     full = convert.hf_to_megatron(model_hf.state_dict(), cfg)
+    # deferred: heavy (megatron)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     RouterReplay.clear_global_router_replay_instances()
@@ -48,8 +51,7 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, tp: int, ep: int, ids
 
 def _gather_routes(per_layer: list[torch.Tensor], shape: tuple[int, int], tp: int) -> np.ndarray:
     """Recorded top-k ``[s_local*b, k]`` per layer -> ``[b, s, layers, k]`` (SP shards gathered)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
 
     b, s = shape
     layers = []
@@ -69,7 +71,6 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
     Returns ``(logits [batch, seq, vocab], all gradients finite)``, and with ``with_routes``
     also the routers' top-k ``[batch, seq, layers, top_k]`` as a third element.
     """
-    import torch.multiprocessing as mp
 
 
     world = max(tp, ep)
@@ -87,8 +88,8 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
 
 def hf_logits(hf_dir: str | os.PathLike, ids: np.ndarray, with_routes: bool = False):
     """HF logits ``[batch, seq, vocab]`` (and, with ``with_routes``, routes ``[batch, seq, moe layers, top_k]``)."""
-    from neon_hpc.models import hf
-    from neon_hpc.models.adapters import adapter_for_hf_config
+    from neon_hpc.models import hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
+    from neon_hpc.models.adapters import adapter_for_hf_config  # deferred: heavy (neon_hpc.models.adapters: pydantic)
     model = hf.load_hf(hf_dir)
     found: list[torch.Tensor] = []
     routers = adapter_for_hf_config({"model_type": model.config.model_type}).hf_routers(model)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--tol", type=float, default=1e-4)
     a = p.parse_args(argv)
-    from neon_hpc.models import hf
+    from neon_hpc.models import hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
     vocab = hf.load_hf(a.hf).config.vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, size=(2, a.seq))
     ref = hf_logits(a.hf, ids)

@@ -5,7 +5,7 @@ the MoE layer under ``selective``) in the backward pass by calling its forward a
 saved inputs and RNG state (``tensor_parallel.random.CheckpointFunction``).  Two things the
 trainer's forward depends on are not inputs of that region:
 
-- the **attention layout** of the micro-batch (:mod:`neon_hpc.models.cp_attention`): which
+- the **piece map** of the micro-batch (:mod:`neon_hpc.models.cp_attention`): which
   document each row belongs to, its true position, the K/V exchange.  It is set around the
   forward only; the backward (later, outside it: 1F1B runs other forwards in between) would
   recompute attention without it, as one dense causal sequence;
@@ -13,7 +13,7 @@ trainer's forward depends on are not inputs of that region:
   recomputed router would choose its own top-k and the gradient would flow through experts
   the engine never used.
 
-:func:`install` wraps ``CheckpointFunction`` once: its forward captures both (the active layout,
+:func:`install` wraps ``CheckpointFunction`` once: its forward captures both (the active piece map,
 and every ``RouterReplay`` instance's action and target indices) on the autograd context, and
 its backward runs megatron's under exactly that state, then puts back what was there.  The
 recomputed forward is then the forward that ran, bit for bit in fp32 (tested).
@@ -29,22 +29,24 @@ _installed = False
 
 
 def _capture():
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplay  # deferred: heavy (megatron)
 
-    from neon_hpc.models.cp_attention import active_layout
+    # deferred: heavy (neon_hpc.models.cp_attention: torch, megatron)
+    from neon_hpc.models.cp_attention import active_piece_map
     routers = [(r, r.router_replay_action, r.target_topk_idx) for r in RouterReplay.global_router_replay_instances]
-    return active_layout(), routers
+    return active_piece_map(), routers
 
 
 @contextlib.contextmanager
 def _replaying(state):
-    from neon_hpc.models.cp_attention import attention_layout
-    layout, routers = state
+    # deferred: heavy (neon_hpc.models.cp_attention: torch, megatron)
+    from neon_hpc.models.cp_attention import piece_map
+    pmap, routers = state
     before = [(r, r.router_replay_action, r.target_topk_idx) for r, _, _ in routers]
     for r, action, target in routers:
         r.router_replay_action, r.target_topk_idx = action, target
     try:
-        with attention_layout(layout):
+        with piece_map(pmap):
             yield
     finally:
         for r, action, target in before:
@@ -57,7 +59,7 @@ def install() -> bool:
     with _lock:
         if _installed:
             return True
-        from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.tensor_parallel import random as mrandom  # deferred: heavy (megatron)
         fn = mrandom.CheckpointFunction
         forward, backward = fn.forward, fn.backward
 

@@ -1,6 +1,6 @@
 """A tokenizer that needs no download: a fixed vocabulary for the XRD task, <= 256 ids.
 
-Layout of the ``xrd-tiny`` vocabulary (ids are stable; changing them invalidates weights)::
+The ``xrd-tiny`` vocabulary (ids are stable; changing them invalidates weights)::
 
     0..15     special tokens: <pad> <eos> <bos> <unk>, chat roles, tool-call and answer tags
     16..112   printable ASCII (32..126), newline and tab: the fallback, so text round-trips
@@ -141,7 +141,7 @@ class Tokenizer:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``neon_tokenizer.json`` into ``directory`` (atomically) and return its path."""
-        from neon_hpc.protocol.rundir import atomic_write_json
+        from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
         path = Path(directory) / FILE_NAME
         atomic_write_json(path, self.to_json())
         return path
@@ -181,7 +181,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: heavy (transformers)
         self.name = str(path)
         self._tok = self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self._tok)

@@ -24,9 +24,9 @@ def _eval_points(run: RunDir, steps: list) -> list[tuple[float, float, int]]:
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:
     # matplotlib is imported where used: the light CLI imports this module
-    import matplotlib
+    import matplotlib  # deferred: heavy (matplotlib)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: heavy (matplotlib)
 
     run = RunDir(run_dir)
     trainer = read_metrics(run.root, "trainer")
@@ -66,7 +66,7 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
         a.plot([r["time"] - t0 for r in trainer], [r.get("tokens_per_s", float("nan")) for r in trainer],
                "o-", label="trainer")
     if len(rollout) > 1:
-        import numpy as np
+        import numpy as np  # deferred: heavy (numpy)
         # generated tokens per time bin: trajectories finish in bursts, a per-record rate is noise
         ts = np.array([r["time"] - t0 for r in rollout])
         width = max(2.0, float(ts.max()) / 30)

@@ -267,6 +267,7 @@ def cost_coefficients(cfg: Any, dense_layers: int) -> tuple[float, float, str]:
     if bal.cost_a > 0 and bal.cost_b > 0:
         return bal.cost_a, bal.cost_b, "config balance.cost_a/cost_b"
     try:
+        # deferred: heavy (neon_hpc.balance: numpy)
         from neon_hpc.balance import CostModel  # type: ignore[attr-defined]
         cm = CostModel.from_model_config(cfg.model, num_dense_layers=dense_layers if dense_layers >= 0 else None)
         return float(cm.a), float(cm.b), "derived (neon_hpc.balance.CostModel.from_model_config)"
@@ -296,7 +297,7 @@ def recompute_cost(a: float, b: float, src: str, recompute: str) -> tuple[float,
 def _source_namer(cfg: Any, where: str):
     """``key -> "config FILE: key"`` when the config sets it, ``"default key"`` when the
     value is the schema default (so a reader sees which numbers nobody chose)."""
-    from neon_hpc.config import ExperimentConfig
+    from neon_hpc.config import ExperimentConfig  # deferred: heavy (neon_hpc.config: h5py, numpy)
     defaults = ExperimentConfig()
 
     def lookup(obj: Any, key: str) -> Any:
@@ -416,7 +417,7 @@ def _activations(s: Sourced, cfg: Any, c) -> None:
     file), else the documented formula."""
     pc, recompute = cfg.plan, cfg.train.recompute
     if pc.activation_file:
-        from neon_hpc.balance.memory import load_memory
+        from neon_hpc.balance.memory import load_memory  # deferred: heavy (neon_hpc.balance.memory: numpy)
         m = load_memory(pc.activation_file)
         if m.recompute != "none" and m.recompute != recompute or m.recompute == "full":
             raise ValueError(f"plan.activation_file={pc.activation_file}: measured with train.recompute="
@@ -484,8 +485,8 @@ def _decode_kv_ratio(s: Sourced, cfg: Any, c) -> None:
         s.set("decode_kv_ratio", 0.0, f"{c('engine.kind')} = {E.kind} (not a GPU roofline: the rate does not "
                                       f"depend on the batch; set plan.decode_kv_ratio to change it)")
         return
-    import numpy as np
-    from neon_hpc.plan.workload import decode_context_mean
+    import numpy as np  # deferred: heavy (numpy)
+    from neon_hpc.plan.workload import decode_context_mean  # deferred: heavy (neon_hpc.plan.workload: numpy)
     p = s.params
     ctx = decode_context_mean(p, 20000, np.random.default_rng(p.seed + 5))
     kv = kv_bytes_per_token_per_gpu(M, E.tp_size)

@@ -355,9 +355,9 @@ def params_table(sourced: Sourced) -> str:
 
 def write_png(path: str, variants: list[Variant], points: list[SplitPoint] | None = None,
               chosen: SplitPoint | None = None, title: str = "") -> None:
-    import matplotlib
+    import matplotlib  # deferred: heavy (matplotlib)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: heavy (matplotlib)
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     labels = [v.label for v in variants]

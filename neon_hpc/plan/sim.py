@@ -80,7 +80,7 @@ import simpy
 
 from neon_hpc.plan.accounting import Accounts, Occupancy, SimResult
 from neon_hpc.plan.params import SimParams
-from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, _Group
+from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, Group
 from neon_hpc.plan.steptime import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
 from neon_hpc.protocol import admission as rule
@@ -131,7 +131,7 @@ class Sim:
         self.load_times: list[float] = []   # when the engines loaded ...
         self.load_versions: list[int] = []  # ... which version
         # the store
-        self.ready: deque[list[_Group]] = deque()   # published shards, in publish order
+        self.ready: deque[list[Group]] = deque()   # published shards, in publish order
         self.ready_n = 0                    # groups in them
         self.abort_stale = p.abort_stale and p.policy == "async"
         self.eager_drop = self.abort_stale    # else stale data is dropped when claimed (the store)
@@ -146,7 +146,7 @@ class Sim:
         self.pause_begun = 0.0              # engine pause seconds begun so far
         # groups
         self.groups_open = 0
-        self.open: _Group | None = None
+        self.open: Group | None = None
         self.open_left = 0                  # episodes of the open group not started yet (episode mode)
         self.groups_started = 0
         self._vmin_heap: list[int] = []
@@ -194,10 +194,10 @@ class Sim:
         """Let the slot policy start what admission allows now."""
         self.slots.fill()
 
-    def open_group(self) -> _Group:
+    def open_group(self) -> Group:
         """Open a new group on the engines' version (counted for admission and the batch)."""
         v = self.version
-        self.open = g = _Group(self.G, v, self.batch_index, self.env._now)
+        self.open = g = Group(self.G, v, self.batch_index, self.env._now)
         self.open_left = self.G
         self.groups_started += 1
         self.groups_open += 1
@@ -214,7 +214,7 @@ class Sim:
         i = bisect.bisect_right(self.load_times, t)
         return self.load_versions[i - 1] if i else 0
 
-    def group_done(self, g: _Group) -> None:
+    def group_done(self, g: Group) -> None:
         """A group has ended (its slots are free): count it for the batch controller, drop it
         at once if stale (``abort_stale``), else hand it to its slot policy's writer."""
         if self.batch_mode:
@@ -226,7 +226,7 @@ class Sim:
             return
         self.slots.group_done(g)
 
-    def publish_shard(self, groups: list[_Group]) -> None:
+    def publish_shard(self, groups: list[Group]) -> None:
         """A shard of these groups appears in ready/ (visible to the trainer and to admission)."""
         self.ready.append(groups)
         self.ready_n += len(groups)
@@ -234,15 +234,15 @@ class Sim:
             self._waiter.succeed()
             self._waiter = None
 
-    def is_stale(self, g: _Group) -> bool:
+    def is_stale(self, g: Group) -> bool:
         """Nothing of ``g`` can train: its oldest (drop) or newest (mask) version is over the bound."""
         return not self.batch_mode and self.step - (g.vmax if self.mask else g.vmin) > self.p.max_staleness
 
-    def _release(self, g: _Group) -> None:
+    def _release(self, g: Group) -> None:
         if self.track_oldest:
             self._vmin_count[g.vmin] -= 1
 
-    def discard(self, g: _Group) -> None:
+    def discard(self, g: Group) -> None:
         """Drop ``g`` (stale): its tokens are counted as discarded."""
         self._release(g)
         self.acc.discard(g.lengths)
@@ -252,7 +252,7 @@ class Sim:
         claim takes it, so without this it counts against admission until then)."""
         if self.batch_mode or not self.ready or not self.eager_drop:
             return
-        keep: deque[list[_Group]] = deque()
+        keep: deque[list[Group]] = deque()
         for shard in self.ready:
             live = []
             for g in shard:
@@ -275,7 +275,7 @@ class Sim:
         k = len(self.acc.step_end)
         return max(1, math.floor((k + 1) * per_step + 0.5) - math.floor(k * per_step + 0.5))
 
-    def _take(self, batch: list[_Group], need: int) -> None:
+    def _take(self, batch: list[Group], need: int) -> None:
         """``neon_hpc.store.claim_step``: whole shards in publish order until ``need`` groups
         are kept; stale ones are dropped as they are taken."""
         while self.ready and len(batch) < need:
@@ -289,7 +289,7 @@ class Sim:
                     batch.append(g)
 
     def _take_batch(self):
-        batch: list[_Group] = []
+        batch: list[Group] = []
         t0 = self.env.now
         need = self._need_now()
         poll = self.p.claim_poll_s

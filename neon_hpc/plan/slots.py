@@ -48,7 +48,10 @@ if TYPE_CHECKING:
 CHUNK = 8192        # episodes sampled at a time
 
 
-class _Group:
+class Group:
+    """One task's group of ``size`` episodes, from its start to its shard (the unit the
+    simulator and the slot models hand each other)."""
+
     __slots__ = ("remaining", "vmin", "vmax", "lengths", "batch", "t_start", "aborted", "worker", "mark", "share",
                  "unstarted")
 
@@ -71,7 +74,7 @@ class _Worker:
     __slots__ = ("buf", "buf_first", "hb")
 
     def __init__(self) -> None:
-        self.buf: list[_Group] = []     # finished groups not yet published as a shard
+        self.buf: list[Group] = []     # finished groups not yet published as a shard
         self.buf_first = 0.0            # when the oldest of them was added
         self.hb = 0                     # in_flight of its last heartbeat (trajectories)
 
@@ -95,7 +98,7 @@ class _Slots:
         ep = sample_episodes(self.sim.p, CHUNK, self.sim.rng)
         return list(zip(ep.decode_s.tolist(), ep.fixed_s.tolist(), ep.seq_len.tolist(), ep.last_turn_frac.tolist()))
 
-    def _episode_ended(self, ev: simpy.Event) -> "_Group | None":
+    def _episode_ended(self, ev: simpy.Event) -> "Group | None":
         """One episode's end event (value, a list: group, start, duration, length, last turn's
         share, pause mark, decode share). Pushed back by the in-place pauses begun while it ran
         (None: an event with the same value, its duration and mark updated, is due later), else it leaves
@@ -154,7 +157,7 @@ class WorkerSlots(_Slots):
         self.workers = [_Worker() for _ in range(p.rollout_slots // G)]
         self.waiting: deque[_Worker] = deque(self.workers)   # idle workers refused by admission
         self.hb_total = 0                   # sum of the workers' heartbeat in_flight
-        self.inflight_groups: dict[int, _Group] = {}   # abort_stale: groups running
+        self.inflight_groups: dict[int, Group] = {}   # abort_stale: groups running
         self.aborted_groups = 0
         self._gbuf: list = []
         self._gbuf_i = 0
@@ -210,7 +213,7 @@ class WorkerSlots(_Slots):
         self.sim.publish_shard(w.buf)
         w.buf = []
 
-    def group_done(self, g: _Group) -> None:
+    def group_done(self, g: Group) -> None:
         """``neon_hpc.rollout.worker``: add the group to the writer (a shard is published when
         the buffer reaches ``flush_trajectories`` or its oldest is ``flush_seconds`` old), flush
         anyway while ready/ holds less than one step, then go back to the admission check."""
@@ -225,7 +228,7 @@ class WorkerSlots(_Slots):
                 or sim.ready_n * sim.G < p.trajectories_per_step):
             self._flush(w)
 
-    def _start_group(self, g: _Group) -> None:
+    def _start_group(self, g: Group) -> None:
         """Only the group's end matters (its slots free together), so a group is one event
         lasting as long as its slowest episode."""
         sim = self.sim
@@ -296,7 +299,7 @@ class WorkerSlots(_Slots):
         sim.occ.vacate(sim.G, g.t_start, sim.env._now)
         self._group_end(g)
 
-    def _group_end(self, g: _Group) -> None:
+    def _group_end(self, g: Group) -> None:
         sim = self.sim
         sim.groups_open -= 1
         sim.group_done(g)
@@ -331,11 +334,11 @@ class QueuedWorkerSlots(WorkerSlots):
         if sim.abort_stale:
             raise ValueError("abort_stale is not modelled when the workers' episodes (rollout_slots) exceed the "
                              "engines' request slots (engine_slots): lower rollout.num_workers or turn it off")
-        self.queue: deque[_Group] = deque()     # groups with episodes waiting for a request slot
+        self.queue: deque[Group] = deque()     # groups with episodes waiting for a request slot
         self._ebuf: list = []
         self._ebuf_i = CHUNK
 
-    def _start_group(self, g: _Group) -> None:
+    def _start_group(self, g: Group) -> None:
         sim = self.sim
         g.unstarted = sim.G
         sim.open_left = 0
@@ -356,7 +359,7 @@ class QueuedWorkerSlots(WorkerSlots):
             occ.occupy(1, sim.env._now)
             self._start_episode(g)
 
-    def _start_episode(self, g: _Group) -> None:
+    def _start_episode(self, g: Group) -> None:
         """One episode starts: its duration under the engines' stall and batch at this occupancy."""
         sim = self.sim
         i = self._ebuf_i
@@ -410,7 +413,7 @@ class EpisodeSlots(_Slots):
             occ.occupy(1, sim.env._now)
             self._start_episode()
 
-    def group_done(self, g: _Group) -> None:
+    def group_done(self, g: Group) -> None:
         self.sim.publish_shard([g])
 
     def _start_episode(self) -> None:

@@ -1,7 +1,7 @@
 """Trainer step time for one batch of trajectory lengths.
 
 The work of a step is the balancer's cost model (``a*n + b*n^2`` FLOPs per sequence) laid out
-over DP x PP x CP by the balancer's planner (``neon_hpc.balance.plan_step``), whose makespan
+over DP x PP x CP by the balancer's planner (``neon_hpc.balance.assign_step``), whose makespan
 is the slowest DP rank's 1F1B pipeline time with each micro-batch shared by its CP group:
 FLOPs that one (pipeline stage, CP rank) cell does, bubbles included.  Such a cell is
 ``train_gpus / (dp * pp * cp)`` GPUs (its TP/EP width), so the makespan becomes seconds at
@@ -33,10 +33,11 @@ RATIO_BATCH = 2048
 
 def _balancer() -> tuple[Any, Any] | None:
     try:
-        from neon_hpc.balance import CostModel, plan_step  # type: ignore[attr-defined]
+        # deferred: optional (neon_hpc.balance: without it the cost bound)
+        from neon_hpc.balance import CostModel, assign_step  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return CostModel, plan_step
+    return CostModel, assign_step
 
 
 class StepTimeModel:
@@ -47,8 +48,8 @@ class StepTimeModel:
         self.cells = max(p.dp, 1) * max(p.pp, 1) * max(p.cp, 1)
         self.flops_per_s_per_cell = p.train_flops_per_s / self.cells
         bal = _balancer() if use_balancer and p.fixed_step_s <= 0 and (p.cost_a > 0 or p.cost_b > 0) else None
-        self.source = "neon_hpc.balance.plan_step" if bal else "plan fallback (cost bound)"
-        self._plan_step = bal[1] if bal else None
+        self.source = "neon_hpc.balance.assign_step" if bal else "plan fallback (cost bound)"
+        self._assign_step = bal[1] if bal else None
         self._cost = bal[0](a=p.cost_a, b=p.cost_b, source="plan") if bal else None
         self._ratio = 1.0 if ratio is None else float(ratio)
         self._calls = 0
@@ -68,7 +69,7 @@ class StepTimeModel:
         if p.cost_a <= 0 and p.cost_b <= 0:
             return 0.0
         bound = self.bound_flops(lengths)
-        if self._plan_step is not None:
+        if self._assign_step is not None:
             if not self._fixed and self._calls % p.planner_every == 0:
                 self._ratio = self.planned_ratio(lengths)
             self._calls += 1
@@ -78,7 +79,7 @@ class StepTimeModel:
     def planned_ratio(self, lengths: np.ndarray) -> float:
         """The planner's makespan/bound ratio for one batch (1 without the balancer), planned on
         its first :data:`RATIO_BATCH` sequences."""
-        if self._plan_step is None:
+        if self._assign_step is None:
             return 1.0
         lengths = np.asarray(lengths, dtype=np.float64)[:RATIO_BATCH]
         bound = self.bound_flops(lengths)
@@ -95,10 +96,10 @@ class StepTimeModel:
     def _planned_flops(self, lengths: np.ndarray) -> float:
         p = self.p
         self.planner_calls += 1
-        plan = self._plan_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
+        asg = self._assign_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
                                token_cap=p.token_cap, cost=self._cost, planner=p.planner,
                                shadow=False, check=False, vpp=p.vpp if p.pp > 1 else 1)
-        return float(plan.makespan)
+        return float(asg.makespan)
 
     def _fallback_flops(self, lengths: np.ndarray, bound: float) -> float:
         p = self.p

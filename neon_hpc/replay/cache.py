@@ -78,8 +78,8 @@ class RouteCache:
     def fallbacks(self) -> dict[str, int]:
         return self.stats.fallbacks
 
-    # --- planning ----------------------------------------------------------------------
-    def plan(self, prompt_ids: Sequence[int]) -> int:
+    # --- the next request --------------------------------------------------------------
+    def start_len(self, prompt_ids: Sequence[int]) -> int:
         """The ``routed_experts_start_len`` to request for this prompt (0 = full export)."""
         n = len(self.tokens)
         if self.mode == "full" or n == 0 or self._force_full:
@@ -91,7 +91,7 @@ class RouteCache:
         return n - 1
 
     def invalidate(self, reason: str) -> None:
-        """Count a fallback; the next :meth:`plan` returns a full export."""
+        """Count a fallback; the next :meth:`start_len` returns a full export."""
         if reason not in FALLBACK_REASONS:
             raise ValueError(f"unknown fallback reason {reason!r}; one of {FALLBACK_REASONS}")
         self.stats.fallbacks[reason] += 1

@@ -54,7 +54,7 @@ class ReplayConversation:
             if attempt:
                 self.retries += 1
                 time.sleep(self.policy.delay(attempt, last))
-            start = self.cache.plan(input_ids) if self.mode != "off" else 0
+            start = self.cache.start_len(input_ids) if self.mode != "off" else 0
             try:
                 res = self.client.generate(input_ids, sampling_params, return_logprob=True,
                                            return_routed_experts=self.mode != "off",

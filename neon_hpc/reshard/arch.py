@@ -221,7 +221,7 @@ def slabs_for_key(spec: ModelSpec, tm: TensorMeta) -> list[Slab]:
                        f"other extra modules are not converted)")
 
 
-def plan_slabs(ckpt: Checkpoint, spec: ModelSpec) -> list[Slab]:
+def list_slabs(ckpt: Checkpoint, spec: ModelSpec) -> list[Slab]:
     """Every slab of every model key, checked for duplicate HF names."""
     slabs: list[Slab] = []
     for key in sorted(ckpt.tensors):

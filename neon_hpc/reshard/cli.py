@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 from neon_hpc.hfmap import MODEL_TYPES
 from neon_hpc.reshard.comm import get_comm, launched_under_mpi
@@ -32,13 +33,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-unverified", action="store_true",
                    help="convert a checkpoint that has no integrity.json (refused otherwise); recorded in the "
                         "output's model.safetensors.index.json metadata.integrity")
-    p.add_argument("--ranks", type=int, help="plan ranks (default: MPI world size, else 1)")
+    p.add_argument("--ranks", type=int, help="task ranks (default: MPI world size, else 1)")
     p.add_argument("--mode", choices=["fast", "serial"], default="fast",
-                   help="fast: planned byte-range reads; serial: materialize, convert, reshard (baseline)")
+                   help="fast: byte-range reads per task; serial: materialize, convert, reshard (baseline)")
     p.add_argument("--shard-size-gb", type=float, default=5.0, help="cap per output safetensors file")
     p.add_argument("--verify", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="compare with the serial path before publishing: every tensor, or a sample of N")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (metadata only) and write nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the tasks (metadata only) and write nothing")
     p.add_argument("--tasks", type=int, default=20, metavar="N",
                    help="with --dry-run: list the first N tasks' byte ranges and outputs (-1: all)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -51,22 +52,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # the pipeline (pydantic, torch when converting) is imported where used: `--help` stays light; mpi4py only under MPI
+    # deferred: heavy (neon_hpc.reshard.configsource and .pipeline: pydantic, torch when converting; --help stays light)
     from neon_hpc.reshard.configsource import check_dst_outside_src
-    from neon_hpc.reshard.pipeline import ReshardError, convert, plan_with_source
+    from neon_hpc.reshard.pipeline import ReshardError, convert, tasks_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:
         if args.dry_run:
             if args.dst:
                 check_dst_outside_src(args.src, args.dst)
-            plan, source = plan_with_source(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap,
+            work, source = tasks_with_source(args.src, args.hf_config_dir, args.arch, args.ranks or 1, None, cap,
                                             args.allow_guessed_config)
-            print(plan.describe(max_tasks=None if args.tasks < 0 else args.tasks))
+            print(work.describe(max_tasks=None if args.tasks < 0 else args.tasks))
             print(f"config: {source.origin}")
             if source.guessed:
                 print("config fields guessed: " + ", ".join(source.guessed))
-            if plan.ckpt.digests is None:
-                print(f"warning: {plan.ckpt.path} {UNVERIFIED_WARNING}; converting it needs --allow-unverified")
+            if work.ckpt.digests is None:
+                print(f"warning: {work.ckpt.path} {UNVERIFIED_WARNING}; converting it needs --allow-unverified")
             return 0
         stats = convert(args.src, args.dst, args.hf_config_dir, args.arch, args.ranks, mode=args.mode,
                         shard_cap=cap, verify=args.verify, progress=not args.quiet, use_mpi=None,
@@ -88,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 def _abort_world_if_mpi() -> None:
     """An unexpected error on one rank must not leave the others waiting in a collective."""
     if launched_under_mpi():
-        import traceback
         traceback.print_exc()
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: optional (mpi4py: only under an MPI launcher)
         MPI.COMM_WORLD.Abort(1)
 
 

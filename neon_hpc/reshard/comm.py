@@ -26,7 +26,8 @@ class SerialComm:
 
 class MPIComm:
     def __init__(self):
-        from mpi4py import MPI  # lazy: only under an MPI launcher
+        # deferred: optional (mpi4py: only under an MPI launcher)
+        from mpi4py import MPI
         self._c = MPI.COMM_WORLD
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
 

@@ -81,7 +81,7 @@ def _read_json(path: Path) -> dict:
 def _check_field_types(cfg: dict, where: str) -> None:
     """The fields reshard computes with are integers (``vocab_size``, the shape fields) or a
     string (``model_type``): anything else is refused naming the field, not met later as a
-    TypeError deep in the plan."""
+    TypeError deep in the task builder."""
     ints = {"vocab_size", *(k for ks in _SHAPE_FIELDS.values() for k in ks)}
     for k in sorted(ints & set(cfg)):
         v = cfg[k]
@@ -112,7 +112,7 @@ def resolve(ckpt: Checkpoint, hf_config_dir=None, hf_config: dict | None = None,
         return ConfigSource(_read_json(own), f"the checkpoint's own {own}", ckpt.path)
     run_yaml = _run_yaml(ckpt.path)
     if ckpt.path.absolute().parent.name == "checkpoints" and run_yaml.is_file():
-        from neon_hpc import config as experiment
+        from neon_hpc import config as experiment  # deferred: heavy (neon_hpc.config: h5py, numpy)
         try:
             model_cfg = experiment.load(run_yaml).model
         except experiment.ConfigError as e:

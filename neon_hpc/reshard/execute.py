@@ -1,8 +1,8 @@
-"""Run one rank's share of a :class:`~neon_hpc.reshard.plan.ConversionPlan`.
+"""Run one rank's share of a :class:`~neon_hpc.reshard.tasks.ConversionTasks`.
 
 Per task: ``pread`` each chunk's byte range, ``torch.load(weights_only=True)`` the blob,
 assemble the slab (usually the chunk itself, no copy), apply the ops, and ``pwrite`` each HF
-tensor at the offset the plan fixed inside this rank's own safetensors files.  At most one
+tensor at the offset the tasks fixed inside this rank's own safetensors files.  At most one
 task's chunks are alive at a time, so memory is bounded by the largest task (one expert
 slab, one layer's QKV, or the embedding), not by the model.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from neon_hpc.progress import bar
 from neon_hpc.reshard.arch import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
-from neon_hpc.reshard.plan import ConversionPlan, Task, intersects
+from neon_hpc.reshard.tasks import ConversionTasks, Task, intersects
 
 
 @dataclass
@@ -123,12 +123,12 @@ class ChunkReader:
             try:
                 self._fds[name] = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                raise CheckpointError(f"{path} is missing (it vanished after planning)") from None
+                raise CheckpointError(f"{path} is missing (it vanished after the tasks were built)") from None
         return self._fds[name]
 
     def read(self, key: str, c: Chunk, dtype: str):
         # torch is imported where used: importing this module (the reshard CLI does) does not load it
-        import torch
+        import torch  # deferred: heavy (torch)
         fd = self._fd(c.file)
         if os.fstat(fd).st_size < c.offset + c.length:
             raise CheckpointError(f"{self.ckpt.path / c.file} is truncated: {key}@{list(c.offsets)} needs "
@@ -153,7 +153,7 @@ class ChunkReader:
 
     def _check(self, key: str, c: Chunk, fd: int, t, window: _Window) -> None:
         """The blob's digest, over [records before | the tensor's storage bytes | records after]."""
-        import torch
+        import torch  # deferred: heavy (torch)
         what = f"{key}@{list(c.offsets)}"
         storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
         n = storage.nbytes() if storage is not None else 0
@@ -179,7 +179,7 @@ class ChunkReader:
 
 def assemble_slab(slab: Slab, chunks: list[tuple[str, Chunk, object]]):
     """The slab as one tensor from the chunks that intersect it (a view when one chunk covers it)."""
-    import torch
+    import torch  # deferred: heavy (torch)
     n = len(slab.index)
     mine = [(c, t) for key, c, t in chunks if key == slab.key
             and all(o <= i < o + s for i, o, s in zip(slab.index, c.offsets, c.sizes))]
@@ -195,7 +195,7 @@ def assemble_slab(slab: Slab, chunks: list[tuple[str, Chunk, object]]):
 
 
 def tensor_bytes(t) -> memoryview:
-    import torch
+    import torch  # deferred: heavy (torch)
     flat = t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
@@ -235,11 +235,11 @@ class Progress:
         self._bar.close()
 
 
-def run_rank(plan: ConversionPlan, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
+def run_rank(work: ConversionTasks, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
     """Write this rank's safetensors files into ``staging``; returns its stats.  ``verify_digests``:
     check every chunk read against the checkpoint's digests (when it has them)."""
     with one_thread():
-        return _run_rank(plan, rank, staging, show_progress, verify_digests)
+        return _run_rank(work, rank, staging, show_progress, verify_digests)
 
 
 @contextlib.contextmanager
@@ -247,7 +247,7 @@ def one_thread():
     """Parallelism comes from ranks; torch's intra-op threads only spin against each other (and
     the other ranks on the same cores) for plain copies.  Restored after, so an in-process
     caller (the trainer) keeps its own setting."""
-    import torch
+    import torch  # deferred: heavy (torch)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -256,17 +256,17 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def _run_rank(plan: ConversionPlan, rank: int, staging: Path, show_progress: bool, verify_digests: bool) -> RankStats:
+def _run_rank(work: ConversionTasks, rank: int, staging: Path, show_progress: bool, verify_digests: bool) -> RankStats:
     t0 = time.monotonic()
     stats = RankStats(rank)
-    fds = _open_shards(plan, rank, staging)
-    reader = ChunkReader(plan.ckpt, verify=verify_digests)
-    tasks = plan.tasks_of(rank)
+    fds = _open_shards(work, rank, staging)
+    reader = ChunkReader(work.ckpt, verify=verify_digests)
+    tasks = work.tasks_of(rank)
     progress = Progress(sum(t.read_bytes + t.write_bytes for t in tasks), show_progress)
     try:
         flusher = WriteBehind(fds)
         for task in tasks:
-            written = _run_task(plan, task, reader, fds)
+            written = _run_task(work, task, reader, fds)
             flusher.wrote(written)
             stats.tasks += 1
             stats.write_bytes += written
@@ -280,16 +280,16 @@ def _run_rank(plan: ConversionPlan, rank: int, staging: Path, show_progress: boo
         progress.finish()
     stats.read_bytes = reader.bytes_read
     stats.digest_reread_bytes = reader.reread_bytes
-    stats.write_bytes += sum(len(s.header) for s in plan.shards_of(rank))
+    stats.write_bytes += sum(len(s.header) for s in work.shards_of(rank))
     stats.seconds = time.monotonic() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
-    stats.files = [s.name for s in plan.shards_of(rank)]
+    stats.files = [s.name for s in work.shards_of(rank)]
     return stats
 
 
-def _open_shards(plan: ConversionPlan, rank: int, staging: Path) -> dict[str, int]:
+def _open_shards(work: ConversionTasks, rank: int, staging: Path) -> dict[str, int]:
     fds = {}
-    for s in plan.shards_of(rank):
+    for s in work.shards_of(rank):
         fd = os.open(staging / s.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, s.size)
         pwrite_all(fd, memoryview(s.header), 0)
@@ -297,17 +297,17 @@ def _open_shards(plan: ConversionPlan, rank: int, staging: Path) -> dict[str, in
     return fds
 
 
-def _run_task(plan: ConversionPlan, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
+def _run_task(work: ConversionTasks, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
     dtypes = {s.key: s.dtype for s in task.slabs}
     if task.streamable:
-        return _stream_task(plan, task, reader, fds, dtypes)
+        return _stream_task(work, task, reader, fds, dtypes)
     loaded = [(key, c, reader.read(key, c, dtypes[key])) for key, c in task.chunks]
     written = 0
     for slab in task.slabs:
         src = assemble_slab(slab, loaded)
         for o in slab.outputs:
             data = tensor_bytes(apply_op(o.op, src))
-            fname, offset = plan.location[o.name]
+            fname, offset = work.location[o.name]
             pwrite_all(fds[fname], data, offset)
             written += len(data)
     return written
@@ -317,7 +317,7 @@ def _row_range(op, rows: int) -> tuple[int, int]:
     return op.args if op.kind == "rows" else (0, rows)
 
 
-def _stream_task(plan: ConversionPlan, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
+def _stream_task(work: ConversionTasks, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
     """Read one chunk at a time and write its rows straight into every output they belong to."""
     written = 0
     for key, c in task.chunks:
@@ -335,7 +335,7 @@ def _stream_task(plan: ConversionPlan, task: Task, reader: ChunkReader, fds: dic
                     continue
                 data = tensor_bytes(piece[lo - r0:hi - r0])
                 row_bytes = len(data) // (hi - lo)
-                fname, offset = plan.location[o.name]
+                fname, offset = work.location[o.name]
                 pwrite_all(fds[fname], data, offset + (lo - a) * row_bytes)
                 written += len(data)
         del t

@@ -18,6 +18,7 @@ Pure standard library + ``xxhash``; never imports torch (``--dry-run`` stays lig
 
 from __future__ import annotations
 
+import io as _io
 import json
 import os
 import re
@@ -219,7 +220,6 @@ def guard_reader(reader, digests: Digests):
     DCP reads each item through ``_slice_file(stream, storage_info)``; this instance's version
     reads the item's bytes once, checks them, and hands DCP a buffer of those same bytes (no
     second read).  A mismatch raises :class:`IntegrityError` naming the file and the tensor."""
-    import io as _io
 
     def _fqn(sinfo) -> str:
         for idx, info in getattr(reader, "storage_data", {}).items():

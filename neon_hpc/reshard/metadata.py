@@ -52,7 +52,7 @@ def read_json_object(path: Path, what: str, error: type[CheckpointError] = Check
     return body
 
 
-# DCP stores dtypes as torch globals; we keep their names.  Bytes per element for planning.
+# DCP stores dtypes as torch globals; we keep their names.  Bytes per element for the task sizes.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -258,7 +258,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{ckpt / '.metadata'}: malformed DCP metadata ({type(e).__name__}: {e}); the file is "
                               f"damaged or foreign: restore it from another copy of the checkpoint") from None
     files = {c.file for t in tensors.values() for c in t.chunks}
-    from neon_hpc.reshard import integrity
+    from neon_hpc.reshard import integrity  # deferred: heavy (neon_hpc.reshard.integrity: xxhash)
     return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files), integrity.load(ckpt))
 
 

@@ -1,4 +1,4 @@
-"""Orchestration: plan on every rank, execute each rank's share into one staging folder,
+"""Orchestration: build the tasks on every rank, execute each rank's share into one staging folder,
 then rank 0 checks, writes ``config.json``, tokenizer files and the index (last) and renames
 the folder into place.  The output directory is complete or absent.
 """
@@ -23,7 +23,7 @@ from neon_hpc.reshard.configsource import resolve as resolve_config
 from neon_hpc.reshard.hfconfig import write_hf_side
 from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
-from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, make_plan
+from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, make_tasks
 from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
 
 
@@ -31,25 +31,25 @@ class ReshardError(RuntimeError):
     """Conversion failed; no output directory was left behind."""
 
 
-def build_plan(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
-               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionPlan, dict, list[str]]:
-    """Checkpoint metadata + HF config -> (plan, config.json dict, guessed config fields).
+def build_tasks(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
+               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionTasks, dict, list[str]]:
+    """Checkpoint metadata + HF config -> (tasks, config.json dict, guessed config fields).
 
     The config comes from :func:`neon_hpc.reshard.configsource.resolve` (``--hf-config-dir``,
     the checkpoint's own config.json, the run's run.yaml; else refused unless
     ``allow_guessed_config``) and must fit the checkpoint's shapes."""
-    plan, source = plan_with_source(src, hf_config_dir, arch, ranks, hf_config, shard_cap, allow_guessed_config)
-    return plan, source.cfg, source.guessed
+    work, source = tasks_with_source(src, hf_config_dir, arch, ranks, hf_config, shard_cap, allow_guessed_config)
+    return work, source.cfg, source.guessed
 
 
-def plan_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
-                     allow_guessed_config: bool = False) -> tuple[ConversionPlan, ConfigSource]:
+def tasks_with_source(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None, shard_cap=DEFAULT_SHARD_CAP,
+                     allow_guessed_config: bool = False) -> tuple[ConversionTasks, ConfigSource]:
     arch = canonical_arch(arch) if arch else None     # an alias (--arch) is its architecture
     ckpt = read_checkpoint(src)
     source = resolve_config(ckpt, hf_config_dir, hf_config, arch, allow_guessed_config)
     check_config_shapes(source.cfg, ckpt, arch)
     spec = ModelSpec.from_hf_config(source.cfg, arch)
-    return make_plan(ckpt, spec, ranks, shard_cap), source
+    return make_tasks(ckpt, spec, ranks, shard_cap), source
 
 
 def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | None = None, *,
@@ -59,9 +59,9 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
             allow_unverified: bool = False) -> dict:
     """Convert torch_dist checkpoint ``src`` into HF safetensors directory ``dst``.
 
-    ``ranks``: how many plan ranks (default: the MPI world size, 1 without MPI).  A process
+    ``ranks``: how many task ranks (default: the MPI world size, 1 without MPI).  A process
     that is alone but asked for more ranks runs them one after another (same output files).
-    ``mode``: "fast" (planned, streamed) or "serial" (materialize, convert, reshard).
+    ``mode``: "fast" (byte ranges per task, streamed) or "serial" (materialize, convert, reshard).
     ``verify``: compare the output with the serial path before publishing: 0 = every tensor,
     N = a sample of N tensors.  ``use_mpi``: False (default, in-process: safe to call from one
     rank of a trainer even under srun), True, or None = detect an MPI launcher (the CLI).
@@ -81,21 +81,21 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
         raise ValueError(f"mode must be 'fast' or 'serial', not {mode!r}")
     if mode == "serial" and comm.size > 1:
         raise ReshardError("--mode serial runs on one process; start it without mpiexec/srun")
-    plan, source = plan_with_source(src, hf_config_dir, arch, ranks or comm.size, hf_config, shard_cap,
+    work, source = tasks_with_source(src, hf_config_dir, arch, ranks or comm.size, hf_config, shard_cap,
                                     allow_guessed_config)
     if dst.exists():
         raise ReshardError(f"{dst} already exists; the converter never overwrites. Choose another --dst "
                            f"or remove it first.")
     warnings = []
-    if plan.ckpt.digests is None:
+    if work.ckpt.digests is None:
         if not allow_unverified:
-            raise ReshardError(f"{plan.ckpt.path} {UNVERIFIED_WARNING}. Every checkpoint neon-hpc saves carries "
+            raise ReshardError(f"{work.ckpt.path} {UNVERIFIED_WARNING}. Every checkpoint neon-hpc saves carries "
                                f"one, so it was removed or the checkpoint is foreign; restore it from another copy, "
                                f"or pass --allow-unverified to convert anyway (recorded in the output's "
                                f"model.safetensors.index.json metadata.integrity)")
-        warnings.append(f"{plan.ckpt.path} {UNVERIFIED_WARNING}; converted anyway (--allow-unverified)")
+        warnings.append(f"{work.ckpt.path} {UNVERIFIED_WARNING}; converted anyway (--allow-unverified)")
     elif not verify_digests:
-        warnings.append(f"{plan.ckpt.path}: digest verification switched off; corrupt bytes would pass")
+        warnings.append(f"{work.ckpt.path}: digest verification switched off; corrupt bytes would pass")
     if source.guessed:
         warnings.append(f"config {source.origin}: guessed fields {', '.join(source.guessed)} (recorded in "
                         f"{dst}/README.md); do not serve this output before replacing its config.json")
@@ -104,26 +104,26 @@ def convert(src, dst, hf_config_dir=None, arch: str | None = None, ranks: int | 
             print(f"reshard: warning: {w}", file=sys.stderr, flush=True)
     staging = comm.bcast(str(_make_staging(dst)) if comm.rank == 0 else None)
     staging = Path(staging)
-    mine = [r for r in range(plan.ranks) if r % comm.size == comm.rank]
-    result = _guarded(lambda: _execute(plan, mode, mine, staging, progress and comm.rank == 0, shard_cap,
+    mine = [r for r in range(work.ranks) if r % comm.size == comm.rank]
+    result = _guarded(lambda: _execute(work, mode, mine, staging, progress and comm.rank == 0, shard_cap,
                                        verify_digests))
     results = comm.allgather(result)
     errors = [r["error"] for r in results if "error" in r]
     final = None
     if comm.rank == 0:
-        integrity = ("verified" if plan.ckpt.digests is not None and verify_digests else
-                     "not verified: --no-verify-digests" if plan.ckpt.digests is not None else
+        integrity = ("verified" if work.ckpt.digests is not None and verify_digests else
+                     "not verified: --no-verify-digests" if work.ckpt.digests is not None else
                      f"not verified: --allow-unverified (the checkpoint has no {DIGEST_FILE})")
-        final = _guarded(lambda: _finish(plan, source, staging, dst, errors, verify, mode, integrity))
+        final = _guarded(lambda: _finish(work, source, staging, dst, errors, verify, mode, integrity))
     final = comm.bcast(final)
     if "error" in final:
         raise ReshardError(final["error"])
     ios = comm.allgather(proc_io())   # after rank 0's finish, so its index/config writes count
-    stats = _stats(plan, mode, results, final, time.monotonic() - t0)
+    stats = _stats(work, mode, results, final, time.monotonic() - t0)
     stats["proc_io"] = {k: sum(io.get(k, 0) for io in ios) for k in ("read_bytes", "write_bytes", "rchar", "wchar")}
     stats["guessed_config_fields"] = source.guessed
     stats["config_source"] = source.origin
-    stats["digests_verified"] = plan.ckpt.digests is not None and verify_digests
+    stats["digests_verified"] = work.ckpt.digests is not None and verify_digests
     stats["warnings"] = warnings
     return stats
 
@@ -145,27 +145,27 @@ def _guarded(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def _execute(plan: ConversionPlan, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
+def _execute(work: ConversionTasks, mode: str, my_ranks: list[int], staging: Path, show: bool, shard_cap: int,
              verify_digests: bool) -> dict:
     if mode == "serial":
-        return _execute_serial(plan, staging, shard_cap, verify_digests)
-    per_rank = [run_rank(plan, r, staging, show_progress=show, verify_digests=verify_digests).__dict__
+        return _execute_serial(work, staging, shard_cap, verify_digests)
+    per_rank = [run_rank(work, r, staging, show_progress=show, verify_digests=verify_digests).__dict__
                 for r in my_ranks]
     return {"ranks": per_rank, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _execute_serial(plan: ConversionPlan, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
+def _execute_serial(work: ConversionTasks, staging: Path, shard_cap: int, verify_digests: bool) -> dict:
     t = time.monotonic()
-    hf = convert_all(plan, materialize(plan, verify_digests))
+    hf = convert_all(work, materialize(work, verify_digests))
     index = reshard_write(hf, staging, shard_cap)
     (staging / ".serial_index.json").write_text(json.dumps(index))
-    return {"ranks": [{"rank": 0, "tasks": len(plan.tasks), "read_bytes": plan.read_bytes,
+    return {"ranks": [{"rank": 0, "tasks": len(work.tasks), "read_bytes": work.read_bytes,
                        "write_bytes": sum(p.stat().st_size for p in staging.glob("*.safetensors")),
                        "seconds": time.monotonic() - t, "peak_rss_bytes": peak_rss_bytes(), "files": []}],
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode,
+def _finish(work, source: ConfigSource, staging: Path, dst: Path, errors: list[str], verify, mode,
             integrity: str) -> dict:
     """Rank 0: on any error remove staging; else verify, write the HF side, index last, rename."""
     try:
@@ -175,14 +175,14 @@ def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[s
             index = json.loads((staging / ".serial_index.json").read_text())
             (staging / ".serial_index.json").unlink()
         else:
-            index = plan.index_json()
-        verified = verify_output(plan, staging, index, verify) if verify is not None else None
+            index = work.index_json()
+        verified = verify_output(work, staging, index, verify) if verify is not None else None
         write_hf_side(staging, source.cfg, source.tokenizer_dir)
         index["metadata"]["config_source"] = source.origin
         index["metadata"]["integrity"] = integrity   # whether the tensor bytes were checked against digests
         if source.guessed:
             index["metadata"]["guessed_config_fields"] = source.guessed
-            _write_guess_readme(staging, plan, source)
+            _write_guess_readme(staging, work, source)
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         publish_dir(staging, dst)
         return {"verified": verified, "files": len(set(index["weight_map"].values())),
@@ -192,8 +192,8 @@ def _finish(plan, source: ConfigSource, staging: Path, dst: Path, errors: list[s
         raise
 
 
-def _write_guess_readme(staging: Path, plan: ConversionPlan, source: ConfigSource) -> None:
-    lines = [f"# HF weights converted from {plan.ckpt.path}", "",
+def _write_guess_readme(staging: Path, work: ConversionTasks, source: ConfigSource) -> None:
+    lines = [f"# HF weights converted from {work.ckpt.path}", "",
              f"config.json was {source.origin}. These fields could not be read from the checkpoint and were",
              "guessed: a loader fills those absent from config.json with its own defaults, which are very",
              "likely not this model's values. Replace config.json with the model's real one before serving.", ""]
@@ -201,15 +201,15 @@ def _write_guess_readme(staging: Path, plan: ConversionPlan, source: ConfigSourc
     (staging / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def verify_output(plan: ConversionPlan, out_dir: Path, index: dict, sample: int) -> dict:
+def verify_output(work: ConversionTasks, out_dir: Path, index: dict, sample: int) -> dict:
     """Compare output tensors with the serial path's, byte for byte (all, or a sample)."""
     # safetensors and torch are imported where used: importing this module does not load them
-    from safetensors import safe_open
+    from safetensors import safe_open  # deferred: heavy (safetensors)
     names = sorted(index["weight_map"])
     if sample:
         names = sorted(random.Random(0).sample(names, min(sample, len(names))))
     keep = set(names)
-    sub = _subplan(plan, keep)
+    sub = _subset(work, keep)
     expected = convert_all(sub, materialize(sub))
     bad = []
     handles = {}
@@ -227,21 +227,21 @@ def verify_output(plan: ConversionPlan, out_dir: Path, index: dict, sample: int)
 
 
 def _same_bytes(a, b) -> bool:
-    import torch
+    import torch  # deferred: heavy (torch)
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def _subplan(plan: ConversionPlan, names: set[str]) -> ConversionPlan:
-    """The plan restricted to tasks that produce one of ``names`` (for sampled verification)."""
-    sub = copy.copy(plan)
-    sub.tasks = [t for t in plan.tasks if any(o.name in names for s in t.slabs for o in s.outputs)]
+def _subset(work: ConversionTasks, names: set[str]) -> ConversionTasks:
+    """The tasks restricted to those that produce one of ``names`` (for sampled verification)."""
+    sub = copy.copy(work)
+    sub.tasks = [t for t in work.tasks if any(o.name in names for s in t.slabs for o in s.outputs)]
     return sub
 
 
-def _stats(plan: ConversionPlan, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
+def _stats(work: ConversionTasks, mode: str, results: list[dict], final: dict, seconds: float) -> dict:
     per_rank = [r for res in results for r in res.get("ranks", [])]
     return {
-        "mode": mode, "ranks": plan.ranks, "processes": len(results), "tasks": len(plan.tasks),
+        "mode": mode, "ranks": work.ranks, "processes": len(results), "tasks": len(work.tasks),
         "seconds": seconds,
         "read_bytes": sum(r["read_bytes"] for r in per_rank),
         "write_bytes": sum(r["write_bytes"] for r in per_rank),

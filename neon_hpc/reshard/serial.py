@@ -12,32 +12,32 @@ from pathlib import Path
 
 from neon_hpc.reshard.arch import apply_op
 from neon_hpc.reshard.execute import one_thread
-from neon_hpc.reshard.plan import DEFAULT_SHARD_CAP, ConversionPlan, out_nbytes
+from neon_hpc.reshard.integrity import guard_reader
+from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, out_nbytes
 
 
-def materialize(plan: ConversionPlan, verify_digests: bool = True) -> dict:
+def materialize(work: ConversionTasks, verify_digests: bool = True) -> dict:
     """Every model key as one full tensor, via ``torch.distributed.checkpoint`` (no process group)."""
-    # torch is imported where used: this module is imported by the light reshard CLI
+    # deferred: heavy (torch: the light reshard CLI imports this module)
     import torch
     import torch.distributed.checkpoint as dcp
-    keys = sorted({s.key for t in plan.tasks for s in t.slabs})
-    state = {k: torch.empty(plan.ckpt.tensors[k].shape, dtype=getattr(torch, plan.ckpt.tensors[k].dtype))
+    keys = sorted({s.key for t in work.tasks for s in t.slabs})
+    state = {k: torch.empty(work.ckpt.tensors[k].shape, dtype=getattr(torch, work.ckpt.tensors[k].dtype))
              for k in keys}
-    # .metadata was already read by our restricted unpickler in make_plan, so DCP's own
+    # .metadata was already read by our restricted unpickler in make_tasks, so DCP's own
     # (unrestricted) read of it happens only for a file we have checked.
-    reader = dcp.FileSystemReader(str(plan.ckpt.path))
-    if plan.ckpt.digests is not None and verify_digests:      # the same digest check as the fast path, on DCP's reads
-        from neon_hpc.reshard.integrity import guard_reader
-        guard_reader(reader, plan.ckpt.digests)
+    reader = dcp.FileSystemReader(str(work.ckpt.path))
+    if work.ckpt.digests is not None and verify_digests:      # the same digest check as the fast path, on DCP's reads
+        guard_reader(reader, work.ckpt.digests)
     with one_thread():   # same as the fast path: intra-op threads only oversubscribe the cores
         dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 
-def convert_all(plan: ConversionPlan, full: dict) -> dict:
+def convert_all(work: ConversionTasks, full: dict) -> dict:
     """HF name -> tensor for the whole model (held in memory at once, as the serial tools do)."""
     out = {}
-    for t in plan.tasks:
+    for t in work.tasks:
         for s in t.slabs:
             slab = full[s.key][s.index] if s.index else full[s.key]
             for o in s.outputs:
@@ -47,7 +47,7 @@ def convert_all(plan: ConversionPlan, full: dict) -> dict:
 
 def reshard_write(hf: dict, dst: Path, shard_cap: int = DEFAULT_SHARD_CAP) -> dict:
     """Split ``hf`` into files of at most ``shard_cap`` bytes (name order); returns the index."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: heavy (safetensors)
     groups: list[list[str]] = [[]]
     size = 0
     for name in sorted(hf):
@@ -66,5 +66,5 @@ def reshard_write(hf: dict, dst: Path, shard_cap: int = DEFAULT_SHARD_CAP) -> di
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
-def expected_bytes(plan: ConversionPlan) -> int:
-    return sum(out_nbytes(o) for t in plan.tasks for s in t.slabs for o in s.outputs)
+def expected_bytes(work: ConversionTasks) -> int:
+    return sum(out_nbytes(o) for t in work.tasks for s in t.slabs for o in s.outputs)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.netutil import free_port
+from neon_hpc.reshard import integrity
 
 
 @dataclass
@@ -97,7 +98,7 @@ def _local_shape(global_shape, offsets, n_prepend: int):
 
 
 def _save_worker(rank: int, path: str, spec_d: dict, port: int) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: heavy (torch)
     _cpu_patch()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=spec_d["procs"])
@@ -108,8 +109,10 @@ def _save_worker(rank: int, path: str, spec_d: dict, port: int) -> None:
 def save_in_group(path: str | os.PathLike, spec: SynthSpec) -> None:
     """Save from every rank of an initialised torch.distributed group of ``spec.procs`` ranks
     (each rank saves every ``procs``-th chunk); ``path`` must exist and be empty."""
+    # deferred: heavy (torch)
     import torch
     import torch.distributed as dist
+    # deferred: heavy (megatron)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
     rank = dist.get_rank()
@@ -133,14 +136,13 @@ def save_in_group(path: str | os.PathLike, spec: SynthSpec) -> None:
     dist_checkpointing.save(sd, str(path))
     dist.barrier()
     if rank == 0:     # the digests neon-hpc's trainer writes (integrity.json), so reads are checked
-        from neon_hpc.reshard import integrity
         integrity.seal(path)
     dist.barrier()
 
 
 def _cpu_patch() -> None:
     """megatron-core's checkpoint writer asks CUDA for a device and a sync; on CPU answer 'cpu'."""
-    import torch
+    import torch  # deferred: heavy (torch)
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
@@ -148,7 +150,7 @@ def _cpu_patch() -> None:
 
 def generate(path: str | os.PathLike, spec: SynthSpec | None = None, port: int | None = None) -> SynthSpec:
     """Write a synthetic checkpoint to ``path`` (created; must not exist) from ``spec.procs`` processes."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # deferred: heavy (torch)
     spec = spec or SynthSpec()
     port = port or free_port()
     os.makedirs(path)

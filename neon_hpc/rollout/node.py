@@ -41,6 +41,7 @@ from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
 from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout.sections import NodeSections
+from neon_hpc.rollout.engines.fleet import update_weights
 
 
 def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop,
@@ -126,7 +127,6 @@ class RolloutNode:
         latest = self.run.latest_weights()
         if not latest or latest[0] <= self.loaded_version:
             return
-        from neon_hpc.rollout.engines.fleet import update_weights
         version, path = latest
         t0 = time.monotonic()
         for i, c in enumerate(self.clients):

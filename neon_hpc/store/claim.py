@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import CLAIM_RECORD_NAMES, ClaimOwner, ClaimRecord, DroppedRecord
 from neon_hpc.protocol.rundir import CLAIM as CLAIM_FILE  # noqa: F401
@@ -72,7 +74,6 @@ DEFAULT_UID_WINDOW_STEPS = StoreConfig.uid_window_steps
 def stale_token_mask(loss_mask, versions, trainer_version: int, max_staleness: int):
     """The trainable tokens: generated (``loss_mask != 0``) and at most ``max_staleness``
     versions behind ``trainer_version``. uint8, the shape of ``loss_mask``."""
-    import numpy as np
     gen = np.asarray(loss_mask) != 0
     fresh = np.asarray(versions) >= trainer_version - max_staleness
     return (gen & fresh).astype(np.uint8)

@@ -31,7 +31,8 @@ def run_store(run_dir: str | RunDir) -> TrajectoryStore:
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     if not run.run_yaml.exists():
         return open_store(run)
-    from neon_hpc import config  # deferred: neon_hpc.config imports this package's section (a cycle at import)
+    # deferred: cycle (neon_hpc.config imports this package's section)
+    from neon_hpc import config
     return open_store(run, config.load(run.run_yaml).store)
 
 

@@ -58,7 +58,7 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return out
 
 
-def _routes_layout(trajs: list[Trajectory]) -> tuple[tuple[int, int], np.dtype, np.dtype] | None:
+def _routes_format(trajs: list[Trajectory]) -> tuple[tuple[int, int], np.dtype, np.dtype] | None:
     """(layers, top_k), original dtype and storage dtype of the shard's routes; None if none."""
     with_routes = [t.routed_experts for t in trajs if t.routed_experts is not None]
     if not with_routes:
@@ -67,7 +67,7 @@ def _routes_layout(trajs: list[Trajectory]) -> tuple[tuple[int, int], np.dtype, 
     dtypes = {r.dtype for r in with_routes}
     if len(shapes) > 1 or len(dtypes) > 1:
         raise ValueError(f"routed_experts differ within one shard (shapes {sorted(shapes)}, dtypes "
-                         f"{sorted(map(str, dtypes))}); one run has one MoE layout: fix the producer")
+                         f"{sorted(map(str, dtypes))}); one run has one route shape: fix the producer")
     orig = dtypes.pop()
     if orig.kind == "u" and orig.itemsize <= 2:
         return shapes.pop(), orig, orig.newbyteorder("<")   # already compact: no scan, no cast
@@ -76,11 +76,11 @@ def _routes_layout(trajs: list[Trajectory]) -> tuple[tuple[int, int], np.dtype, 
     return shapes.pop(), orig, S.route_storage_dtype(max_id)
 
 
-def _check_same_layout(first: Trajectory, t: Trajectory) -> None:
+def _check_same_routes(first: Trajectory, t: Trajectory) -> None:
     a, b = first.routed_experts, t.routed_experts
     if a is not None and b is not None and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype):
         raise ValueError(f"routed_experts differ within one shard ({a.shape[1:]} {a.dtype} vs "
-                         f"{b.shape[1:]} {b.dtype} in task {t.task_id!r}); one run has one MoE layout: "
+                         f"{b.shape[1:]} {b.dtype} in task {t.task_id!r}); one run has one route shape: "
                          f"fix the producer")
 
 
@@ -178,10 +178,10 @@ def _write_trajectory_fields(f: h5py.File, trajs: list[Trajectory], offsets: np.
 
 
 def _write_routes(f: h5py.File, trajs: list[Trajectory], cfg: StoreConfig) -> dict[str, int]:
-    layout = _routes_layout(trajs)
-    if layout is None:
+    fmt = _routes_format(trajs)
+    if fmt is None:
         return {}
-    row_shape, orig_dtype, store_dtype = layout
+    row_shape, orig_dtype, store_dtype = fmt
     route_offsets = _offsets([0 if t.routed_experts is None else t.num_tokens for t in trajs])
     comp = None if cfg.routed_experts_compression == "none" else cfg.routed_experts_compression
     digest = _write_rows(f, S.ROUTES, [t.routed_experts for t in trajs], route_offsets,
@@ -245,7 +245,7 @@ class ShardWriter:
         """Check and buffer one trajectory; returns the shard path if this add flushed."""
         traj.check()
         if self._buf:
-            _check_same_layout(self._buf[0], traj)  # refuse a layout change now, not at flush
+            _check_same_routes(self._buf[0], traj)  # refuse a route shape change now, not at flush
         self._buf.append(traj)
         self._buf_bytes += payload_nbytes(traj)
         if self._first_at is None:

@@ -21,16 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mode:
         args.overrides.append(f"train.mode={args.mode}")
-    from neon_hpc.config import ConfigError, load
+    from neon_hpc.config import ConfigError, load  # deferred: heavy (neon_hpc.config: h5py, numpy)
     try:
         cfg = load(args.config, args.overrides)
     except ConfigError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
-    from neon_hpc import logsinks
+    from neon_hpc import logsinks  # deferred: heavy (neon_hpc.logsinks: pydantic)
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
-    from neon_hpc.train.loop import run_trainer
-    from neon_hpc.train.sections import TrainerSections
+    from neon_hpc.train.loop import run_trainer  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
+    from neon_hpc.train.sections import TrainerSections  # deferred: heavy (neon_hpc.train.sections: h5py, numpy)
     forked_children_die_with_me()   # megatron's forked checkpoint writers
     return run_trainer(TrainerSections.of(cfg), args.run_dir)
 

@@ -17,7 +17,7 @@ What megatron-core does here, and what we do:
   as :func:`neon_hpc.train.layout.chunk_layers` assigns them;
 - micro-batches: megatron-core's pipeline schedules (:func:`forward_backward`): no
   pipelining for PP = 1, 1F1B for PP > 1, interleaved 1F1B with V > 1 chunks (one data
-  iterator per chunk over the same micro-batches), micro-batches in the plan's order, each stage's
+  iterator per chunk over the same micro-batches), micro-batches in the assignment's order, each stage's
   activation shape exchanged per micro-batch (``variable_seq_lengths``: packed micro-batches
   differ in length).  On CPU the stages talk over gloo through megatron's ordered
   ``isend``/``irecv`` path (``batch_p2p_comm=False``; ``batch_isend_irecv`` hangs on gloo) and
@@ -39,10 +39,11 @@ from typing import Any, get_args, get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.balance.pipeline import microbatch_group_size
-from neon_hpc.models import megatron as mm
+from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.models.adapters import get_adapter
 from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.models.config import ModelConfig
@@ -146,7 +147,7 @@ class Backend:
 
     def finalize_grads(self) -> None:
         """megatron's ``finalize_model_grads`` over every chunk (DP/expert-DP reduction, SP norms)."""
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads  # deferred: heavy (megatron)
         finalize_model_grads(self.ddps)
 
     @property
@@ -262,7 +263,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     per_stage = stage_layers(model_cfg.num_layers, pp, pp_first_stage_layers, pp_last_stage_layers)
     if vpp > 1 and pp == 1:
         raise ValueError(f"train.virtual_pipeline_stages={vpp} needs train.pipeline_parallel > 1")
-    planned = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
+    expected = chunk_layers(per_stage, vpp)        # ValueError naming the sizes if V does not divide
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     precision = resolve_precision(precision)
@@ -272,15 +273,15 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
     cpu_optimizer.apply()
     if recompute != "none":
-        from neon_hpc.models import recompute as rc
         rc.install()
+    # deferred: heavy (megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # deferred: heavy (megatron)
 
     RouterReplay.clear_global_router_replay_instances()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -301,9 +302,9 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         models.append(model)
         wrapped = Float16Module(model.config, model) if precision == "bf16" else model
         ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
-    if built != planned[pp_rank]:
+    if built != expected[pp_rank]:
         raise RuntimeError(f"pipeline stage {pp_rank}: megatron built (first layer, layers) {built} per model "
-                           f"chunk, train/layout.py planned {planned[pp_rank]} (the two rules disagree)")
+                           f"chunk, train/layout.py expects {expected[pp_rank]} (the two rules disagree)")
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
                               clip_grad=grad_clip, bf16=precision == "bf16", fp16=False, params_dtype=dtype,
                               use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
@@ -372,7 +373,7 @@ def _mark_tp_local_expert_grads(model, tp: int, ep: int) -> int:
 
 
 def teardown() -> None:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplay  # deferred: heavy (megatron)
 
     RouterReplay.clear_global_router_replay_instances()
     mm.destroy_parallel()
@@ -391,6 +392,7 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
     With replay (default: whenever the backend was built with it and the micro-batch has
     routes) every MoE router of the chunk takes the recorded experts instead of its own top-k.
     """
+    # deferred: heavy (megatron)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     use_replay = (be.replay if replay is None else replay) and mb.routes is not None
@@ -432,11 +434,11 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     to the schedule is multiplied by that number first.  ``forward_context(j)``, if given, is
     entered around micro-batch ``j``'s forward (its backward may run later, after other
     forwards: 1F1B), on every model chunk.  With V model chunks per stage the schedule is
-    megatron's interleaved 1F1B: each chunk reads the micro-batches in the plan's order from its
+    megatron's interleaved 1F1B: each chunk reads the micro-batches in the assignment's order from its
     own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
     unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: heavy (megatron)
 
 
     n = len(microbatches)
@@ -474,11 +476,10 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
 
 def reduce_step_sums(be: Backend, sums: dict[str, float]) -> dict[str, float]:
     """Sum per-step terms over DP, then hand the last pipeline stage's result to every stage."""
-    import torch.distributed as dist
     out = reduce_sums(sums)
     if be.layout.pp == 1:
         return out
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
     group = ps.get_pipeline_model_parallel_group()
     box = [out if be.layout.last_stage else None]
     dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
@@ -536,7 +537,6 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     their partition dim (the fused QKV is split by query groups, so concatenation restores
     it; expert weights are not TP-split: expert TP is 1), local experts get global indices.
     """
-    import torch.distributed as dist
 
     lay = be.layout
     sd: dict[str, torch.Tensor] = {}
@@ -608,8 +608,9 @@ def load_initial_weights(be: Backend, path: str) -> None:
     if kind == "hf":
         load_full_state_dict(be, hf_to_megatron(read_hf_state_dict(p), be.model_cfg))
     else:
-        from megatron.core import dist_checkpointing
+        from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
 
+        # deferred: cycle (neon_hpc.train.checkpoint imports this module)
         from neon_hpc.train.checkpoint import refuse_untrusted
         refuse_untrusted(p)          # a foreign checkpoint: its pickles could run code in megatron's load
         loaded = dist_checkpointing.load(model_sharded_state_dict(be), str(p))
@@ -641,11 +642,10 @@ def param_digest(be: Backend) -> float:
 
 def reduce_sums(values: dict[str, float], group=None) -> dict[str, float]:
     """Sum a dict of floats over a process group (DP by default); identity without one."""
-    import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(values)
     if group is None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
         group = ps.get_data_parallel_group()
     keys = sorted(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: CUDA tensors

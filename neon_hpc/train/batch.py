@@ -1,6 +1,6 @@
 """Micro-batches from trajectories: packing, label alignment, and router-replay alignment.
 
-Layout: **packing, B = 1**.  The trajectories of one micro-batch are concatenated into one
+Format: **packing, B = 1**.  The trajectories of one micro-batch are concatenated into one
 sequence ``[1, S]`` (megatron sees ``[S, B=1]``); a block-diagonal causal attention mask keeps
 each document's tokens from attending to any other document.  Position ids restart at 0 for
 every document (they are passed to megatron, whose RoPE ignores them: it rotates by absolute

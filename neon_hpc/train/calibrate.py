@@ -5,7 +5,7 @@ device (CUDA when available, else CPU): ``backend.setup`` builds the megatron-co
 and optimizer as the trainer does, and every :meth:`~TrainerStepRunner.step` is one
 ``loop.train_step`` on a micro-batch the caller chooses (documents ``[(start, end), ...]`` of
 synthetic trajectories): zero the grads, build the packed micro-batch, forward + backward
-through megatron's schedule, finalize the grads, the optimizer step.  The planning part of
+through megatron's schedule, finalize the grads, the optimizer step.  The balancing part of
 ``loop.prepare_step`` is skipped on purpose (the calibration chooses the micro-batch; the
 planner would re-pack it).
 
@@ -23,7 +23,7 @@ What one step reports (:class:`StepMeasure`):
   ``memory_allocated()`` before it: tensors only, not the caching allocator's reserve.  CPU:
   the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus
   its resident set before the step, with glibc mapping every allocation of 64 KiB or more on
-  its own (``train.memory.PeakMemory``) and ``malloc_trim(0)`` before the step, so the resident set
+  its own (``train.heap.PeakMemory``) and ``malloc_trim(0)`` before the step, so the resident set
   follows the tensors alive.  It still counts what the OS charges: whole pages, small
   allocations in the arenas, the step's non-tensor memory; so the memory fit uses the longer
   lengths, where tensors dominate.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -50,7 +51,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.train.memory import PeakMemory, mmap_large_allocations
+from neon_hpc.netutil import free_port
+from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
 
 
 @dataclass
@@ -69,7 +71,7 @@ def setup_extras(train_cfg: Any) -> dict[str, Any]:
 def synthetic_trajectories(lengths: Sequence[int], vocab: int, seed: int = 0) -> list:
     """One trajectory per document of ``n`` input tokens (``n + 1`` tokens, a short prompt, the
     rest generated), advantages +-1 so every step has a real gradient."""
-    from neon_hpc.store import Trajectory
+    from neon_hpc.store import Trajectory  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     rng = np.random.default_rng(seed)
     out = []
     for i, n in enumerate(lengths):
@@ -89,10 +91,10 @@ class TrainerStepRunner:
     """One trainer rank's real step on this machine's device (module docstring)."""
 
     def __init__(self, cfg: Any, clock: str = "cpu", threads: int = 1, seed: int = 0) -> None:
-        import torch
-        from neon_hpc.train import backend as B
-        from neon_hpc.train.loop import _select_device, dist_env
-        from neon_hpc.train.loss import LossConfig
+        import torch  # deferred: heavy (torch)
+        from neon_hpc.train import backend as B  # deferred: heavy (neon_hpc.train.backend: torch, pydantic)
+        from neon_hpc.train.loop import _select_device, dist_env  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
+        from neon_hpc.train.loss import LossConfig  # deferred: heavy (neon_hpc.train.loss: torch, tqdm)
 
         if clock not in ("cpu", "wall"):
             raise ValueError(f"clock must be 'cpu' or 'wall', got {clock!r}")
@@ -101,7 +103,6 @@ class TrainerStepRunner:
         if not self.cuda:
             torch.set_num_threads(threads)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            from neon_hpc.netutil import free_port
             os.environ["MASTER_ADDR"] = "127.0.0.1"      # a fresh rendezvous per runner: one may follow another
             os.environ["MASTER_PORT"] = str(free_port())
         _rank, world, local = dist_env()
@@ -128,7 +129,7 @@ class TrainerStepRunner:
     # ---- clocks and memory ------------------------------------------------------------
     def _sync(self) -> None:
         if self.cuda:
-            import torch
+            import torch  # deferred: heavy (torch)
             torch.cuda.synchronize()
 
     def _now(self) -> float:
@@ -145,7 +146,7 @@ class TrainerStepRunner:
     # ---- steps --------------------------------------------------------------------------
     def step(self, pieces: Sequence[tuple[int, int]], memory: bool = False) -> StepMeasure:
         """One ``train_step`` on one micro-batch of whole documents ``[(0, n), ...]``."""
-        from neon_hpc.train.loop import StepData, train_step
+        from neon_hpc.train.loop import StepData, train_step  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
         if any(s != 0 for s, _ in pieces):
             raise ValueError("the trainer's calibration step runs whole documents [(0, n), ...]: a piece that "
                              "starts later needs the ranks that hold its prefix (one rank here)")
@@ -155,9 +156,9 @@ class TrainerStepRunner:
             raise ValueError(f"a {max(lengths)}-token document is longer than model.max_position_embeddings="
                              f"{limit}; calibrate lengths up to it, or raise it")
         trajs = synthetic_trajectories(lengths, self.model_cfg.vocab_size, self.seed)
-        plan = [[[(i, 0, n) for i, n in enumerate(lengths)]]]
+        pieces = [[[(i, 0, n) for i, n in enumerate(lengths)]]]
         tokens = int(sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajs))
-        data = StepData(trajs, np.array([t.advantage for t in trajs]), plan, "calibration", tokens)
+        data = StepData(trajs, np.array([t.advantage for t in trajs]), pieces, "calibration", tokens)
         base = self._mem_start() if memory else 0.0
         self._mark.clear()
         self._sync()
@@ -182,7 +183,7 @@ class TrainerStepRunner:
 
     def describe(self) -> dict[str, Any]:
         """Device, torch, precision and the kernels the step ran, for the cost file."""
-        import torch
+        import torch  # deferred: heavy (torch)
         model = self.be.models[0]
         dtype = next(model.parameters()).dtype
         d: dict[str, Any] = {
@@ -207,15 +208,15 @@ class TrainerStepRunner:
         p = self.extras.get("precision", "")
         if p == "bf16":
             return 2
-        import torch
+        import torch  # deferred: heavy (torch)
         return 2 if next(self.be.models[0].parameters()).dtype in (torch.bfloat16, torch.float16) else 4
 
     def close(self) -> None:
         """Tear the process group down and free the model, its grads and optimizer state (on CUDA
         back to the device too: the memory measurement's process runs after this one's)."""
 
-        import torch
-        from neon_hpc.train import backend as B
+        import torch  # deferred: heavy (torch)
+        from neon_hpc.train import backend as B  # deferred: heavy (neon_hpc.train.backend: torch, pydantic)
         B.teardown()
         self.be = None
         gc.collect()
@@ -234,9 +235,8 @@ def kernels(model) -> dict[str, Any]:
     """Which implementations the step ran: the core-attention and expert module classes of the
     built model, megatron's grouped-GEMM flag, the optional kernel packages importable here and
     PyTorch's SDPA backends enabled."""
-    import importlib.util
 
-    import torch
+    import torch  # deferred: heavy (torch)
     attn, experts = set(), set()
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -278,7 +278,7 @@ def measure_memory(cfg: Any, lengths: Sequence[int], repeats: int = 2,
     of the config's depth with its ``element_bytes``)``.
     """
 
-    import torch
+    import torch  # deferred: heavy (torch)
     say = progress or (lambda s: None)
     points: list[tuple[int, int, float]] = []
     described: dict = {}
@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m neon_hpc.train.calibrate --out F --lengths ... [--config C] [--set k=v]``: the
     memory measurement of :func:`measure_memory_process` (a fresh process)."""
 
-    from neon_hpc import config
-    from neon_hpc.protocol.rundir import atomic_write_json
+    from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, pydantic)
+    from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
     ap = argparse.ArgumentParser(prog="python -m neon_hpc.train.calibrate",
                                  description="peak memory of the trainer's step at two depths (JSON)")
     ap.add_argument("--out", required=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import multiprocessing as mp
 import shutil
 import sys
 import signal
@@ -43,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from neon_hpc.bounded import REPR_CAP, clip_text
 from neon_hpc.procutil import die_with_parent
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
-from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for
+from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error
 from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
 from neon_hpc.train.backend import Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
@@ -60,7 +62,6 @@ def broadcast_from_rank0(obj: Any, rank: int, world: int) -> Any:
     """Rank 0's ``obj`` on every rank (``world == 1``: ``obj`` itself)."""
     if world == 1:
         return obj
-    import torch.distributed as dist
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -68,7 +69,6 @@ def broadcast_from_rank0(obj: Any, rank: int, world: int) -> Any:
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
         dist.barrier()
 
 
@@ -83,7 +83,7 @@ def _sharded(be: Backend, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker  # deferred: heavy (megatron)
     out = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
@@ -93,7 +93,7 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 
 def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker  # deferred: heavy (megatron)
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
@@ -118,12 +118,11 @@ def shield_writer_processes() -> None:
     Idempotent; a no-op if megatron's layout changes.
     """
     try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     except ImportError:
         return
     if not hasattr(fa, "_get_write_results_queue") or getattr(fa, "_results_queue", None) is not None:
         return
-    import multiprocessing as mp
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
     try:
@@ -139,7 +138,7 @@ def shield_writer_processes() -> None:
 
 def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     """Collective: write ``checkpoints/step_{step}`` (all ranks call it; rank 0 publishes)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
 
     lay = be.layout
     final = run.checkpoint(step)
@@ -164,7 +163,7 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
             publish_dir(staging, final)
         _barrier(lay.world)
     except BaseException as e:
-        from neon_hpc.protocol.rundir import storage_error   # before the clean-up frees what the write took
+        # classified before the clean-up frees what the write took
         full = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else storage_error(e, final, "writing checkpoint")
         if lay.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -254,7 +253,7 @@ def optimizer_has_state(be: Backend) -> bool:
 
 def load(run: RunDir, be: Backend, step: int) -> dict[str, Any]:
     """Collective: restore model, optimizer and (same layout) RNG from ``checkpoints/step_{step}``."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
 
     ckpt = run.checkpoint(step)
     state = read_state(ckpt)
@@ -303,7 +302,6 @@ def _seal_share(staging: Path, rank: int, world: int) -> dict[str, dict]:
     mine = integrity.compute(staging, rank, world)
     if world == 1:
         return mine
-    import torch.distributed as dist
     parts: list = [None] * world
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
@@ -321,7 +319,7 @@ def verified_reads(ckpt: Path, rank: int = 0):
                   file=sys.stderr, flush=True)
         yield None
         return
-    from megatron.core.dist_checkpointing.strategies import torch as mtorch
+    from megatron.core.dist_checkpointing.strategies import torch as mtorch  # deferred: heavy (megatron)
     real = getattr(mtorch, "_get_filesystem_reader", None)
     if real is None:
         raise RuntimeError(f"{ckpt}: this megatron-core has no strategies.torch._get_filesystem_reader, so the "

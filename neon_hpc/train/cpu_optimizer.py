@@ -41,7 +41,7 @@ def apply() -> bool:
     global _applied
     if _applied or torch.cuda.is_available():
         return _applied
-    from megatron.core.optimizer import optimizer as mopt
+    from megatron.core.optimizer import optimizer as mopt  # deferred: heavy (megatron)
 
     original_init = mopt.FP32Optimizer.__init__
 

@@ -1,4 +1,4 @@
-"""The trainer's step loop: claim -> plan -> micro-batches -> forward/loss/backward -> step -> publish.
+"""The trainer's step loop: claim -> assign -> micro-batches -> forward/loss/backward -> step -> publish.
 
 One process per trainer rank, under the usual torch.distributed variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
@@ -11,7 +11,7 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    shards, staleness filter against version N-1, resumable); the other ranks then read
    the committed claim (the same call returns the recorded trajectories);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
-3. the balancer plans micro-batches per DP rank (``balance.configured.plan_for_config``: the
+3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured planner, cost model and split policy; an error stops the step), sharded over
    each CP group; every rank runs the same number;
 4. per micro-batch: packed forward with router replay, the off-policy loss
@@ -36,23 +36,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
-from neon_hpc.balance.configured import plan_for_config
+from neon_hpc.balance.configured import assignment_for_config
 from neon_hpc.logs import RoleLogger
+from neon_hpc.models import cpu_shim
 from neon_hpc.netutil import free_port
 from neon_hpc.procutil import StopFlag
 from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.replay.layout import to_trainer_rows
+from neon_hpc.replay.rows import to_trainer_rows
 from neon_hpc.reshard.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
-from neon_hpc.train.backend import forward_backward, reduce_step_sums
+from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
 from neon_hpc.train.batch import build_microbatch, input_lengths
 from neon_hpc.train.config import correction_errors, world_fix, world_size
 from neon_hpc.train.layout import layout_errors
-from neon_hpc.train.memory import StepMemory
+from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
@@ -94,7 +97,6 @@ def dist_env() -> tuple[int, int, int]:
 
 def _select_device(local_rank: int) -> None:
     """One GPU per rank (NCCL object collectives use the current device); nothing on CPU."""
-    import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
@@ -109,8 +111,6 @@ class Preemption(StopFlag):
 def _any_rank(flag: bool, world: int) -> bool:
     if world == 1:
         return flag
-    import torch
-    import torch.distributed as dist
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
                      device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -143,14 +143,14 @@ def check_world(cfg: TrainerSections, world: int) -> None:
 class StepData:
     trajectories: list
     advantages: np.ndarray
-    plan: list                       # plan[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
+    pieces: list                       # pieces[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
     planner: str
     global_tokens: int               # generated label tokens in the whole step
     waited_s: float = 0.0
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
-    balance: dict = field(default_factory=dict)   # StepPlan.summary(): predicted makespan, shadow planners
+    balance: dict = field(default_factory=dict)   # StepAssignment.summary(): predicted makespan, shadow planners
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
@@ -198,12 +198,12 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     return status
 
 
-def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
-    """The configured plan (``balance.configured.plan_for_config``) for ``dp`` data ranks.
+def _assign(lengths: list[int], dp: int, cfg: TrainerSections):
+    """The configured assignment (``balance.configured.assignment_for_config``) for ``dp`` data ranks.
 
     ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
     ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
-    group (``StepPlan.cp_shards``).  A planner error stops the step: it is raised as a
+    group (``StepAssignment.cp_shards``).  A planner error stops the step: it is raised as a
     :class:`TrainerError` naming the planner, never replaced by another packing.
     """
     cp = cfg.train.context_parallel
@@ -211,24 +211,24 @@ def _plan(lengths: list[int], dp: int, cfg: TrainerSections):
         raise TrainerError(f"train.context_parallel={cp} does not divide the {dp} data ranks the world gives "
                            f"(world / (tp*pp)); start a multiple of tp*pp*cp processes")
     try:
-        return plan_for_config(lengths, cfg, dp=dp // cp)
+        return assignment_for_config(lengths, cfg, dp=dp // cp)
     except (ValueError, OSError) as e:
-        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not plan this step "
+        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not balance this step "
                            f"({len(lengths)} sequences, longest {max(lengths, default=0)} tokens): {e}") from e
 
 
-def rank_pieces(plan, cp: int) -> list[list[list[tuple[int, int, int]]]]:
+def rank_pieces(asg, cp: int) -> list[list[list[tuple[int, int, int]]]]:
     """``pieces[data_rank][microbatch]``: what each of the ``dp * cp`` data ranks runs.
 
     Data rank ``g`` is CP rank ``g % cp`` of DP rank ``g // cp`` (megatron's data-parallel
-    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepPlan.cp_shards``.
+    rank order); with ``cp > 1`` each DP micro-batch is sharded by ``StepAssignment.cp_shards``.
     """
     out = []
-    for r, mbs in enumerate(plan.ranks):
+    for r, mbs in enumerate(asg.ranks):
         if cp == 1:
             out.append([[(int(p.seq), int(p.start), int(p.end)) for p in mb] for mb in mbs])
             continue
-        shards = [plan.cp_shards(r, j) for j in range(len(mbs))]
+        shards = [asg.cp_shards(r, j) for j in range(len(mbs))]
         for q in range(cp):
             out.append([[(int(p.seq), int(p.start), int(p.end)) for p in sh[q]] for sh in shards])
     return out
@@ -241,10 +241,10 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
     for t, a in zip(trajs, adv):
         t.advantage = float(a)
     lengths = input_lengths(trajs)
-    plan = _plan(lengths, dp, cfg)
+    asg = _assign(lengths, dp, cfg)
     tokens = int(sum(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs))
-    return StepData(trajs, adv, rank_pieces(plan, cfg.train.context_parallel), cfg.balance.planner, tokens,
-                    balance=plan.summary())
+    return StepData(trajs, adv, rank_pieces(asg, cfg.train.context_parallel), cfg.balance.planner, tokens,
+                    balance=asg.summary())
 
 
 # --------------------------------------------------------------------------------------
@@ -256,14 +256,15 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
-    from neon_hpc.models.cp_attention import attention_layout, build_layout
+    # deferred: heavy (neon_hpc.models.cp_attention: megatron, wandb)
+    from neon_hpc.models.cp_attention import piece_map, build_piece_map
 
     lay = be.layout
-    mine = data.plan[lay.dp_rank] if lay.dp_rank < len(data.plan) else []
-    n_mb = max(len(r) for r in data.plan) if data.plan else 0
+    mine = data.pieces[lay.dp_rank] if lay.dp_rank < len(data.pieces) else []
+    n_mb = max(len(r) for r in data.pieces) if data.pieces else 0
     # the K/V exchange group of split pieces: every data rank (DP x CP) of this TP/PP position;
     # every rank runs every slot's layers, so its one all-gather per layer cannot deadlock
-    group = _exchange_group(len(data.plan))
+    group = _exchange_group(len(data.pieces))
     t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
@@ -276,8 +277,8 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
                               route_shape=route_shape, dense_mask=False)
         replay_missing += mb.routes_missing
         replayed += int(mb.routes is not None and bool(pieces))
-        slot = [r[j] if j < len(r) else [] for r in data.plan]
-        alays.append(build_layout(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
+        slot = [r[j] if j < len(r) else [] for r in data.pieces]
+        alays.append(build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
         mbs.append(mb)
 
     def loss_fn(logp, mb):
@@ -287,8 +288,8 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
         return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
                            mb.loss_mask.to(dev), denom, lcfg)
 
-    # megatron's schedule (1F1B under PP) runs the micro-batches in the plan's order
-    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: attention_layout(alays[j]))
+    # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
+    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: piece_map(alays[j]))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
     sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
@@ -303,21 +304,20 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     out["replay_docs_missing"] = int(sums["replay_docs_missing"])
     out["replayed_microbatches"] = int(sums["replayed_microbatches"])
     out["exchanged_microbatches"] = int(sums["exchanged_microbatches"])
-    out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.plan))
+    out["fwd_bwd_s_max"], out["fwd_bwd_s_mean"] = _max_mean(fb_s, len(data.pieces))
     # CPU time of this process over the same span (no time waiting for a busy CPU or a peer)
-    out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.plan))
+    out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.pieces))
     return out
 
 
 def _device():
-    import torch
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _exchange_group(data_ranks: int):
     if data_ranks == 1:
         return None
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: heavy (megatron)
     return ps.get_data_parallel_group()
 
 
@@ -325,8 +325,6 @@ def _max_mean(x: float, data_ranks: int) -> tuple[float, float]:
     """(max, mean) of a per-rank float over the data ranks (this rank's value alone without them)."""
     if data_ranks == 1:
         return x, x
-    import torch
-    import torch.distributed as dist
     t = torch.tensor([x, x], dtype=torch.float64, device=_device())
     g = _exchange_group(data_ranks)
     mx, sm = t[:1].clone(), t[1:].clone()
@@ -348,7 +346,6 @@ def setup_backend(cfg: TrainerSections, replay: bool, log: RoleLogger):
                  pp_last_stage_layers=t.pipeline_last_stage_layers, vpp=t.virtual_pipeline_stages,
                  cp=t.context_parallel, precision=t.precision, recompute=t.recompute)
     if be.layout.rank == 0:
-        from neon_hpc.models import cpu_shim
         log.info("kernels %s", json.dumps(cpu_shim.kernels(), sort_keys=True))
     return be
 
@@ -366,11 +363,9 @@ def _startup(run: RunDir, be, cfg: TrainerSections, log: RoleLogger) -> tuple[in
         log.info("resumed from %s (step %d, rng %s)", run.checkpoint(last), last,
                  "restored" if state["rng_restored"] else "reseeded: layout changed")
         if not state["rng_restored"]:
-            import torch
             torch.manual_seed(cfg.train.seed + last)
         return last, state
     if cfg.model.init_checkpoint:
-        from neon_hpc.train.backend import load_initial_weights
         load_initial_weights(be, cfg.model.init_checkpoint)
         log.info("initial weights from %s", cfg.model.init_checkpoint)
     else:
@@ -400,7 +395,7 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
         if cfg.model.init_checkpoint and ckpt.latest_complete(run) is None:
             ckpt.check_init_checkpoint(cfg.model.init_checkpoint)   # refused before the model is built
         if cfg.train.mode == "sft":      # the same model, layouts and books; another loss and data source
-            from neon_hpc.train.sft import run_sft
+            from neon_hpc.train.sft import run_sft  # deferred: cycle (neon_hpc.train.sft imports this module)
             return run_sft(cfg, run, rank, world, log, pre)
         return _run(cfg, run, rank, world, log, pre)
     except TrainerError as e:
@@ -437,7 +432,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     step = last
     saved_at = last
     preempted = False
-    memory = StepMemory.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
+    memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)

@@ -7,7 +7,7 @@ The one place that turns the trainer's state into engine weights (``train.publis
   ``neon_hpc.models.convert.megatron_to_hf``, write with ``neon_hpc.models.hf.save_hf`` (staged
   and renamed into place).  Fine for small models.
 - ``reshard``: the loop checkpoints first, then rank 0 converts that torch_dist checkpoint
-  with ``neon_hpc.reshard.convert`` (chunk-planned, streamed; also staged and renamed).
+  with ``neon_hpc.reshard.convert`` (chunk by chunk, streamed; also staged and renamed).
 
 Either way ``weights/LATEST`` is written last.
 
@@ -20,10 +20,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from neon_hpc.models.config import ModelConfig
 from neon_hpc.models.convert import megatron_to_hf
-from neon_hpc.models.hf import save_hf
+from neon_hpc.models.hf import save_hf, hf_config
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.reshard.pipeline import convert
 from neon_hpc.train.backend import Backend, full_state_dict
 
 
@@ -34,7 +37,7 @@ def publish_weights(run: RunDir, be: Backend, model_cfg: ModelConfig, version: i
 
     ``via="direct"``: gather and convert in memory (small models).  ``via="reshard"``: convert
     ``checkpoint_dir`` (the torch_dist checkpoint of these very weights) with
-    ``neon_hpc.reshard.convert`` on rank 0, planned per chunk and streamed, never holding
+    ``neon_hpc.reshard.convert`` on rank 0, chunk by chunk and streamed, never holding
     the whole model.  Returns ``(path, seconds, written)``; ``written`` is False when
     ``v_{version}`` existed.
     """
@@ -66,12 +69,9 @@ def _direct(run: RunDir, be: Backend, model_cfg: ModelConfig, final: Path) -> bo
 def _reshard(be: Backend, model_cfg: ModelConfig, checkpoint_dir: Path, final: Path) -> bool:
     written = False
     if be.layout.rank == 0 and not final.exists():
-        from neon_hpc.models.hf import hf_config
         # the function, not the package attribute: importing the submodule rebinds that name
-        from neon_hpc.reshard.pipeline import convert
         convert(str(checkpoint_dir), str(final), hf_config=hf_config(model_cfg).to_dict(), use_mpi=False)
         written = True
     if be.layout.world > 1:
-        import torch.distributed as dist
         dist.barrier()
     return written

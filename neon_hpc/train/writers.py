@@ -65,13 +65,13 @@ def configure(write_timeout_s: float) -> None:
 def deadline_s() -> float:
     if _DEADLINE_S is not None:
         return _DEADLINE_S
-    from neon_hpc.train.config import TrainConfig
+    from neon_hpc.train.config import TrainConfig  # deferred: heavy (neon_hpc.train.config: pydantic)
     return float(TrainConfig.checkpoint_write_timeout_s)
 
 
 def _proc_state(pid: int | None) -> str:
     """The kernel's word for a live process (``stopped``, ``disk-sleep``, ``sleeping``, ...)."""
-    import psutil
+    import psutil  # deferred: heavy (psutil)
     try:
         return psutil.Process(pid).status()
     except (psutil.Error, TypeError, ValueError):
@@ -88,6 +88,7 @@ def write_buckets_bounded(transform_list: list, use_msc: bool, rank: int, write_
                           global_results_queue: Any) -> None:
     """Same contract as megatron's ``write_preloaded_data_multiproc``: fork one writer per bucket,
     put ``{idx: results}`` (or an exception) on ``global_results_queue``; never waits on a dead writer."""
+    # deferred: heavy (megatron)
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     ctx = mp.get_context("fork")
@@ -132,7 +133,7 @@ def _call_bounded(fn, *args) -> str | None:
     """Call ``fn`` (a round trip to megatron's results Manager) with a deadline. A Manager that
     does not answer in time (stopped, or blocked) is killed, which ends the call with an
     error; returns what happened then, else None. Other errors are raised as they are."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     err: list[BaseException] = []
     done = threading.Event()
 
@@ -213,7 +214,7 @@ def _collect(procs: list, results: Any, deadline: float) -> dict | Exception:
 
 def install() -> None:
     """Make megatron's synchronous torch_dist save use :func:`write_buckets_bounded`. Idempotent."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     cls = fa.FileSystemWriterAsync
     if cls.__dict__.get("write_preloaded_data_multiproc") is not _BOUNDED:
         cls.write_preloaded_data_multiproc = _BOUNDED
@@ -224,7 +225,7 @@ _BOUNDED = staticmethod(write_buckets_bounded)
 
 def manager_alive() -> bool | None:
     """Whether megatron's results-queue Manager answers (None: none started yet)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     q = getattr(fa, "_results_queue", None)
     if q is None:
         return None
@@ -243,7 +244,7 @@ def manager_alive() -> bool | None:
 
 def drop_dead_manager() -> str | None:
     """Forget a dead results Manager so the next save starts a new one; returns which (or None)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     if manager_alive() is not False:
         return None
     proc = _manager_process(fa._results_queue)
@@ -266,7 +267,7 @@ def guarded_save(where: str) -> Any:
     except (BrokenPipeError, EOFError, ConnectionError) as e:
         if _LAST_FAILURE is not None:     # a Manager killed for not answering: say why
             raise CheckpointWriterError(f"saving {where}: {_LAST_FAILURE}") from e
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
         proc = _manager_process(getattr(fa, "_results_queue", None))
         who = f"pid {proc.pid}, {_exit_text(proc.exitcode)}" if proc is not None else "not started"
         raise CheckpointWriterError(

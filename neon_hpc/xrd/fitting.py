@@ -142,7 +142,7 @@ class FitResult:
 
 def _one_blas_thread():
     """One BLAS thread for the small dense algebra of a refinement (spinning threads on a busy node cost 10x)."""
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits  # deferred: heavy (threadpoolctl)
     return threadpool_limits(1, user_api="blas")
 
 
@@ -378,7 +378,7 @@ def _bincols(parts, n: int, weights_per_peak, key: str) -> np.ndarray:
 # parameter vector
 
 @dataclass
-class _Layout:
+class _ParamIndex:
     n_phase: int
     n_bg: int
     n_lat: list[int]
@@ -589,13 +589,13 @@ class Fitter:
               for k in extra[0]}
         return c, H, A, ex
 
-    def _unpack(self, lay: _Layout, p: np.ndarray, i: int):
+    def _unpack(self, lay: _ParamIndex, p: np.ndarray, i: int):
         d = lay.ph[i]
         eps = p[d["lat"]]
         r = p[d["r"]] if "r" in d else 1.0
         return eps, p[d["Y"]], p[d["e"]], r
 
-    def _model(self, pids, lay: _Layout, p: np.ndarray, jac: bool):
+    def _model(self, pids, lay: _ParamIndex, p: np.ndarray, jac: bool):
         """calc and (optionally) d calc / d params, dense (n_points, n_params)."""
         n = len(self.x)
         g = lay.g
@@ -654,20 +654,20 @@ class Fitter:
         sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
         models = [self.model(pid) for pid in pids]
         axes = [None] * len(pids)
-        lay = _Layout(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+        lay = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
         p0, lo, hi = self._start(pids, models, lay, strains, sizes, zero)
         p, J = self._solve(pids, lay, p0, lo, hi, max_nfev)
         if texture:
             axes = self._pick_texture(pids, lay, p, J, texture_r_search)
             if any(a is not None for a in axes):
-                lay2 = _Layout(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+                lay2 = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
                 p2, lo2, hi2 = self._extend(lay, lay2, p, lo, hi)
                 p2, J2 = self._solve(pids, lay2, p2, lo2, hi2, max_nfev)
                 if self._chi2(pids, lay2, p2) < self._chi2(pids, lay, p):
                     lay, p, J, lo, hi = lay2, p2, J2, lo2, hi2
         return self._result(pids, lay, p, lo, hi)
 
-    def _start(self, pids, models, lay: _Layout, strains, sizes, zero):
+    def _start(self, pids, models, lay: _ParamIndex, strains, sizes, zero):
         cols = [self.profile(pid, zero, s, z) for pid, s, z in zip(pids, strains, sizes)]
         _, coef, _ = self.linear(cols)
         p0, lo, hi = np.zeros(lay.n), np.full(lay.n, -np.inf), np.full(lay.n, np.inf)
@@ -709,7 +709,7 @@ class Fitter:
         calc, _, _ = self._model(pids, lay, p, False)
         return float(np.sum(self.w * (self.y - calc) ** 2))
 
-    def _fixed(self, lay: _Layout) -> np.ndarray:
+    def _fixed(self, lay: _ParamIndex) -> np.ndarray:
         held = np.zeros(lay.n, dtype=bool)
         if self.shift not in ("zero", "both"):
             held[lay.g["zero"]] = True
@@ -717,9 +717,9 @@ class Fitter:
             held[lay.g["disp"]] = True
         return held
 
-    def _solve(self, pids, lay: _Layout, p0, lo, hi, max_nfev):
+    def _solve(self, pids, lay: _ParamIndex, p0, lo, hi, max_nfev):
         """least_squares over the free parameters (analytic Jacobian); returns (p, full weighted J)."""
-        from scipy.optimize import least_squares
+        from scipy.optimize import least_squares  # deferred: heavy (scipy)
         sw, y = self.sw, self.y
         free = ~self._fixed(lay)
         last = {}
@@ -746,7 +746,7 @@ class Fitter:
         return p, last["J"] * sw[:, None] if np.array_equal(last.get("q"), sol.x) else \
             self._model(pids, lay, p, True)[2] * sw[:, None]
 
-    def _pick_texture(self, pids, lay: _Layout, p, J, r_search: bool = False) -> list:
+    def _pick_texture(self, pids, lay: _ParamIndex, p, J, r_search: bool = False) -> list:
         """Per phase, the texture axis whose trial r (``TEXTURE_TRIAL_R``, or ``TEXTURE_SEARCH_R`` with
         ``r_search``) lowers chi^2 most, others fixed.
 
@@ -776,7 +776,7 @@ class Fitter:
             out.append(best)
         return out
 
-    def _result(self, pids, lay: _Layout, p, lo, hi) -> FitResult:
+    def _result(self, pids, lay: _ParamIndex, p, lo, hi) -> FitResult:
         calc, cols, J = self._model(pids, lay, p, True)
         n_par = lay.n
         rwp, rexp = rwp_rexp(self.y, calc, self.w, n_par)

@@ -62,7 +62,7 @@ def _sg_number(text: str) -> int | None:
     if text.isdigit():
         return int(text)
     try:
-        from pymatgen.symmetry.groups import SpaceGroup
+        from pymatgen.symmetry.groups import SpaceGroup  # deferred: heavy (pymatgen)
         return int(SpaceGroup(text).int_number)
     except Exception:
         raise ValueError(f"unknown space group {text!r}; use a number (136) or a symbol (P4_2/mnm)") from None

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from neon_hpc.xrd.curated import CURATED
+
 DATA_DIR = Path(__file__).with_name("data")
 LIBRARY_JSON = DATA_DIR / "phases.json"
 
@@ -110,7 +112,7 @@ class Phase:
 
     def structure(self):
         """The pymatgen Structure (imports pymatgen; used by validation and tools that need it)."""
-        from pymatgen.core import Lattice, Structure
+        from pymatgen.core import Lattice, Structure  # deferred: heavy (pymatgen)
         return Structure(Lattice(self.lattice), list(self.species), list(self.frac_coords))
 
 
@@ -253,7 +255,7 @@ def junk_reason(elements: list[str], min_distance: float, has_form_factors: bool
 def _phase_from_structure(s, pid: str, source: str, reference: str, year: int, license_: str,
                           sg_number: int, name: str = "", answer_eligible: bool = True,
                           display_formula: str = "") -> Phase:
-    from pymatgen.symmetry.groups import SpaceGroup
+    from pymatgen.symmetry.groups import SpaceGroup  # deferred: heavy (pymatgen)
     try:
         sg_symbol = SpaceGroup.from_int_number(sg_number).symbol
     except Exception:
@@ -278,8 +280,7 @@ def _min_distance(s) -> float:
 
 
 def _curated_phases():
-    from pymatgen.core import Lattice, Structure
-    from neon_hpc.xrd.curated import CURATED
+    from pymatgen.core import Lattice, Structure  # deferred: heavy (pymatgen)
     for e in CURATED:
         lat = Lattice.from_parameters(*e["lattice"])
         s = Structure.from_spacegroup(e["sg"], lat, [x[0] for x in e["sites"]], [x[1:] for x in e["sites"]])
@@ -306,7 +307,7 @@ def _aflow_reference(bib: str) -> tuple[str, int]:
 
 
 def _aflow_phases():
-    from pymatgen.analysis.prototypes import AFLOW_PROTOTYPE_LIBRARY
+    from pymatgen.analysis.prototypes import AFLOW_PROTOTYPE_LIBRARY  # deferred: heavy (pymatgen)
     for entry in AFLOW_PROTOTYPE_LIBRARY:
         snl, tags = entry["snl"], entry["tags"]
         label = tags["aflow"]
@@ -322,9 +323,10 @@ _ASE_SG = {"fcc": 225, "bcc": 229, "hcp": 194, "diamond": 227}
 
 
 def _ase_phases():
+    # deferred: heavy (ase)
     from ase.build import bulk
     from ase.data import chemical_symbols, reference_states
-    from pymatgen.io.ase import AseAtomsAdaptor
+    from pymatgen.io.ase import AseAtomsAdaptor  # deferred: heavy (pymatgen)
     for z, state in enumerate(reference_states):
         if not state or state.get("symmetry") not in _ASE_SG:
             continue
@@ -350,7 +352,7 @@ SUBSTITUTION_CATIONS = ("Li Mg Al Ca Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge Sr Y Zr Nb 
 
 
 def _substituted(base: list[tuple], existing: set[tuple[str, int]]):
-    from pymatgen.core import Element
+    from pymatgen.core import Element  # deferred: heavy (pymatgen)
     by_id = {kw["pid"]: s for s, kw in base}
     for proto, (pid, old, _pattern) in SUBSTITUTION_PROTOTYPES.items():
         s0 = by_id[pid]
@@ -383,7 +385,7 @@ def _sg_of(pid: str, base) -> int:
 def build_library(verbose: bool = False) -> tuple[list[Phase], list[tuple[str, str]]]:
     """All sources -> filtered, de-duplicated phases; also the (id, reason) of what was dropped."""
     warnings.filterwarnings("ignore")
-    from neon_hpc.xrd.simulate import form_factor_table
+    from neon_hpc.xrd.simulate import form_factor_table  # deferred: cycle (neon_hpc.xrd.simulate imports this module)
     known_ff = set(form_factor_table())
     candidates = list(_curated_phases()) + list(_aflow_phases()) + list(_ase_phases())
     phases, dropped, seen, used = [], [], set(), set()

@@ -10,9 +10,9 @@ import numpy as np
 
 def plot_fit(x: np.ndarray, y: np.ndarray, res, path: str | Path, title: str = "") -> Path:
     """Write a PNG (published by rename) of ``res`` (a :class:`~neon_hpc.xrd.fitting.FitResult`) against (x, y)."""
-    import matplotlib
+    import matplotlib  # deferred: heavy (matplotlib)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: heavy (matplotlib)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax, axd) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})

@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from neon_hpc.xrd.absorption import dispersion
+from neon_hpc.xrd.library import load_library
+
 CU_KA1 = 1.540598
 CU_KA2 = 1.544426
 CU_KA_AVG = 1.54184          # pymatgen's "CuKa"
@@ -131,11 +134,9 @@ def compute_reflections(lattice: np.ndarray, species: list[str], frac_coords: np
 def phase_reflections(phase_id: str, d_min: float = 0.95, b_iso: float = 0.0, library_path: str | None = None,
                       dispersion_wavelength: float | None = None):
     """A library phase's reflections (cached); ``dispersion_wavelength``: with f', f'' at that anode line."""
-    from neon_hpc.xrd.library import load_library
     p = load_library(library_path).get(phase_id)
     disp = None
     if dispersion_wavelength is not None:
-        from neon_hpc.xrd.absorption import dispersion
         disp = dispersion(sorted(set(p.species)), dispersion_wavelength)
     return compute_reflections(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords), d_min, b_iso, disp)
 

@@ -142,7 +142,7 @@ class Store:
     @classmethod
     def connect_postgres(cls, dsn: str, connect_timeout_s: int = 10) -> "Store":
         try:
-            import psycopg
+            import psycopg  # deferred: optional (psycopg: a PostgreSQL store only)
         except ImportError as e:  # declared in pyproject; only a broken venv lacks it
             raise StoreError(f"{redact_dsn(dsn)}: PostgreSQL needs psycopg ({e}); run `bash env/setup.sh`") from None
         try:
@@ -291,7 +291,7 @@ class DatedView:
             allowed = set(elements)
             rows = [r for r in rows if set(r["elements"]) <= allowed]
         if formula is not None:
-            from neon_hpc.xrd.library import normalize_formula
+            from neon_hpc.xrd.library import normalize_formula  # deferred: heavy (neon_hpc.xrd.library: numpy)
             want = normalize_formula(formula)
             rows = [r for r in rows if normalize_formula(r["formula"]) == want]
         return self._guard(rows[:max(0, int(limit))], "available_from")

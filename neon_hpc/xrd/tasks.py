@@ -314,6 +314,7 @@ def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = Tru
     (libpq takes it from PGPASSWORD or ~/.pgpass).  Each file is published by rename, the
     folder's pointer to the store last.
     """
+    # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
     from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
     if db is not None and not is_postgres(db):
         raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the store is "
@@ -370,7 +371,7 @@ def build_store(tasks: list[Task] = (), path: str | Path = ":memory:", include_r
     store.add_phases((library or load_library()).phases)
     records = [r for t in tasks for r in t.records()]
     if include_real:
-        from neon_hpc.xrd.real import real_records
+        from neon_hpc.xrd.real import real_records  # deferred: cycle (neon_hpc.xrd.real imports this module)
         records += real_records()
     store.add_experiments(records)
     return store

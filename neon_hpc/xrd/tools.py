@@ -246,7 +246,7 @@ def _top_peaks(pid: str, ctx: TaskContext, n: int = 5, strain: float = 0.0) -> l
 
 def observed_peaks(x: np.ndarray, y: np.ndarray, min_rel: float = 0.02, max_peaks: int = 50):
     """Peaks of a measured pattern above a rolling-minimum background: (2theta, rel. height %, fwhm)."""
-    # scipy is imported where used: importing the tools does not load it
+    # deferred: heavy (scipy: importing the tools does not load it)
     from scipy.ndimage import minimum_filter1d, uniform_filter1d
     from scipy.signal import find_peaks, peak_widths
     step = float(np.median(np.diff(x)))

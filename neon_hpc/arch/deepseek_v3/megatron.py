@@ -79,7 +79,7 @@ class DeepseekV3Adapter(Adapter):
     # --- heavy ------------------------------------------------------------------------------
     def transformer_config(self, cfg: ModelConfig, tp: int, ep: int, routing_replay: bool, base: dict,
                            overrides: Mapping[str, Any]):
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        from megatron.core.transformer.transformer_config import MLATransformerConfig  # deferred: heavy (megatron)
         if cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel={tp} must divide model.num_attention_heads={cfg.num_attention_heads}")
         for k, n in (("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
@@ -110,9 +110,11 @@ class DeepseekV3Adapter(Adapter):
     def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):
         """Per-layer local specs (dense first layers, then MoE) with MLA's core attention swapped
         for :class:`~neon_hpc.models.core_attention.SDPACoreAttention`."""
+        # deferred: heavy (megatron)
         import megatron.core.transformer.multi_latent_attention as mla
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+        # deferred: heavy (neon_hpc.models.core_attention: torch, numpy)
         from neon_hpc.models.core_attention import SDPACoreAttention
         if not isinstance(mla.TELinear, type):
             # Without Transformer Engine the name is a placeholder object; MLA's `spec in [TELinear]`

@@ -45,7 +45,7 @@ class Qwen3MoeAdapter(Adapter):
 
     def transformer_config(self, cfg: ModelConfig, tp: int, ep: int, routing_replay: bool, base: dict,
                            overrides: Mapping[str, Any]):
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.transformer.transformer_config import TransformerConfig  # deferred: heavy (megatron)
         if cfg.num_query_groups % tp:
             raise ValueError(f"tensor_parallel={tp} must divide model.num_query_groups={cfg.num_query_groups}")
         kw = dict(base, num_query_groups=cfg.num_query_groups, kv_channels=cfg.head_dim, qk_layernorm=True,
@@ -54,7 +54,7 @@ class Qwen3MoeAdapter(Adapter):
         return TransformerConfig(**kw)
 
     def layer_spec(self, cfg: ModelConfig, tcfg, vp_stage: int | None = None):   # one spec for every layer
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # deferred: heavy (megatron)
         return get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
                                         qk_layernorm=True, normalization="RMSNorm")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neon_hpc.envs.base import EnvPlugin
+from neon_hpc.envs.xrd import demos
 from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.xrd.tasks import load_tasks
 
@@ -49,7 +50,6 @@ def environment(task: Any, rollout_cfg: Any) -> XRDEnv:
 
 
 def write_demos(*args, **kwargs) -> dict:
-    from neon_hpc.envs.xrd import demos      # the baseline solver and the shard writer: loaded when used
     return demos.write_demos(*args, **kwargs)
 
 

@@ -75,7 +75,6 @@ class XRDEnv:
 
     def candidates(self) -> list[tuple[str, str, float]]:
         if self._candidates is None:
-            from neon_hpc.xrd.tools import call_tool
             res = call_tool("search_phases", {"elements": list(self.task.elements), "limit": 12}, self.ctx)
             cands = []
             for p in res.get("phases", []):

@@ -34,6 +34,7 @@ from typing import Any
 
 from neon_hpc.constraints import errors
 from neon_hpc.envs.xrd import PLUGIN
+from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
 from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
 from neon_hpc.rollout.agent.group import as_environment, run_episode
@@ -41,6 +42,7 @@ from neon_hpc.rollout.agent.report import markdown_table, summarize
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.xrd import evaluate
 from neon_hpc.xrd.baseline import THRESHOLD_GRID
+from neon_hpc.xrd.real import load_real_tasks
 from neon_hpc.xrd.tasks import load_tasks
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
@@ -97,7 +99,7 @@ def rollout_config(args) -> RolloutConfig:
 
 
 def detect_api(endpoint: str) -> str:
-    import requests
+    import requests  # deferred: heavy (requests)
     try:
         r = requests.get(endpoint.rstrip("/") + "/get_model_info", timeout=5)
         if r.ok:
@@ -109,7 +111,7 @@ def detect_api(endpoint: str) -> str:
 
 def reachable(endpoint: str, api: str) -> str | None:
     """None when the server answers at all (any HTTP status); else why not."""
-    import requests
+    import requests  # deferred: heavy (requests)
     path = "/health" if api == "generate" else ("/models" if endpoint.rstrip("/").endswith("/v1") else "/v1/models")
     try:
         requests.get(endpoint.rstrip("/") + path, timeout=10)
@@ -120,7 +122,6 @@ def reachable(endpoint: str, api: str) -> str | None:
 
 def load_split_tasks(args, split: str) -> list:
     if split == "real":    # the labelled real development set (precursor mixtures)
-        from neon_hpc.xrd.real import load_real_tasks
         return load_real_tasks("precursor_mixture", data_dir=args.data or None)[:args.n]
     return load_tasks(args.preset, split, seed=args.seed, n=args.n)
 
@@ -238,12 +239,11 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None
     thresholds, info = protocol_thresholds(args, tasks, {} if cache is None else cache)
     threshold_of = {id(t): th for t, th in zip(tasks, thresholds)}
     if api == "generate":
-        from neon_hpc.models.tokenizer import load_tokenizer
+        # deferred: heavy (neon_hpc.rollout.engines.client: httpx)
         from neon_hpc.rollout.engines.client import EngineClient
         client, tok = EngineClient(args.endpoint), load_tokenizer(args.tokenizer)
         work = lambda task: episode_generate(client, task, tok, cfg)
     else:
-        from neon_hpc.rollout.agent.chat import ChatClient
         client = ChatClient(args.endpoint, args.model, api_key=args.api_key, retries=args.retries)
         work = lambda task: episode_chat(client, task, cfg)
 
@@ -266,7 +266,7 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None
     records = []
     bar = None
     if not args.no_progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # deferred: heavy (tqdm)
         bar = tqdm(total=len(tasks), desc=f"eval {split}", file=sys.stderr, unit="ep")
     with ThreadPoolExecutor(max_workers=max(1, args.concurrency)) as pool:
         for fut in as_completed([pool.submit(one, t) for t in tasks]):

@@ -1,5 +1,5 @@
 """The models' side of each architecture: the HF config it implies, the megatron config and
-layer spec, the Megatron <-> HF name and slicing rules, and the route layout.
+layer spec, the Megatron <-> HF name and slicing rules, and the route rows.
 
 Each architecture's adapter is ``ADAPTER`` in its folder's ``megatron.py``
 (``neon_hpc/arch/<name>/megatron.py``, an :class:`~.base.Adapter` subclass); this package finds
@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 
 from neon_hpc import arch, hfmap
-from neon_hpc.models.adapters.base import (EXPERT_RULES, TOP_RULES, Adapter, QKVShape, RouteLayout,
-                                           RouteLayoutError, Rule)
+from neon_hpc.models.adapters.base import (EXPERT_RULES, TOP_RULES, Adapter, QKVShape, RouteRows,
+                                           RouteRowsError, Rule)
 
 ARCHES = arch.ARCHES
 # the adapter modules are named by the registry, not spelled here: the folder of each architecture.
@@ -49,5 +49,5 @@ def adapter_for_hf_config(cfg: dict) -> Adapter:
     return get_adapter(mt)
 
 
-__all__ = ["ARCHES", "MODEL_TYPES", "Adapter", "EXPERT_RULES", "QKVShape", "RouteLayout", "RouteLayoutError",
+__all__ = ["ARCHES", "MODEL_TYPES", "Adapter", "EXPERT_RULES", "QKVShape", "RouteRows", "RouteRowsError",
            "Rule", "TOP_RULES", "adapter_for_hf_config", "get_adapter"]

@@ -8,7 +8,7 @@ Tensor helpers work on anything with torch's tensor methods and import nothing.
 are :mod:`neon_hpc.hfmap`'s (imported here, so ``adapters.base.Rule`` and friends keep working):
 the reshard tool reads the same objects without importing the models.
 
-**Route layout.**  :class:`RouteLayout` is what SGLang sends per token: one row per decoder
+**Route rows.**  :class:`RouteRows` is what SGLang sends per token: one row per decoder
 layer (``num_hidden_layers``), zeros for layers that never route; the trainer's router replay
 takes the MoE rows only.
 """
@@ -24,12 +24,12 @@ from neon_hpc.arch import get as get_architecture
 from neon_hpc.models.config import ModelConfig, arch_errors, arch_experiment_errors
 
 
-class RouteLayoutError(ValueError):
-    """Routes whose layer axis does not fit the model's route layout (not a per-token glitch)."""
+class RouteRowsError(ValueError):
+    """Routes whose layer axis does not fit the model's route rows (not a per-token glitch)."""
 
 
 @dataclass(frozen=True)
-class RouteLayout:
+class RouteRows:
     """Routed-expert rows per token on the wire, and which of them are MoE layers.
 
     SGLang's capturer has one row per decoder layer (``rows = num_hidden_layers``); layers
@@ -41,7 +41,7 @@ class RouteLayout:
     moe_rows: tuple[int, ...]
 
     def to_moe(self, routes: Any, where: str = "routed_experts") -> Any:
-        """``[tokens, rows, top_k]`` (numpy) -> ``[tokens, len(moe_rows), top_k]``; raises on a wrong layout."""
+        """``[tokens, rows, top_k]`` (numpy) -> ``[tokens, len(moe_rows), top_k]``; raises on a wrong layer axis."""
         shape = tuple(getattr(routes, "shape", ()))
         if len(shape) != 3 or shape[1] != self.rows:
             got = shape[1] if len(shape) == 3 else shape
@@ -49,8 +49,8 @@ class RouteLayout:
                     "engine send one row per decoder layer, zeros for dense layers)"
                     if len(shape) == 3 and shape[1] == len(self.moe_rows) and self.rows != len(self.moe_rows)
                     else "")
-            raise RouteLayoutError(
-                f"{where}: layer axis {got} rows, but the model's route layout has {self.rows} rows (one per "
+            raise RouteRowsError(
+                f"{where}: layer axis {got} rows, but the model has {self.rows} route rows (one per "
                 f"decoder layer, MoE layers at {list(self.moe_rows)}){hint}; does the engine serve the model in "
                 f"model: (num_layers, first_dense_layers)?")
         if len(self.moe_rows) == self.rows:
@@ -59,7 +59,7 @@ class RouteLayout:
 
     def from_moe(self, moe_routes: Any) -> Any:
         """Inverse of :meth:`to_moe` (numpy): dense rows are zeros, as SGLang sends them."""
-        import numpy as np
+        import numpy as np  # deferred: heavy (numpy)
         r = np.asarray(moe_routes)
         out = np.zeros((r.shape[0], self.rows, r.shape[2]), dtype=r.dtype)
         out[:, list(self.moe_rows), :] = r
@@ -70,7 +70,7 @@ class RouteLayout:
 # the adapter interface
 
 class Adapter:
-    """One architecture: HF config, megatron config and spec, name rules, route layout."""
+    """One architecture: HF config, megatron config and spec, name rules, route rows."""
 
     name: str = ""
     hf_model_type: str = ""
@@ -94,8 +94,8 @@ class Adapter:
         (the architecture folder's ``config.py``)."""
         return arch_experiment_errors(exp, self.name)
 
-    def route_layout(self, cfg: ModelConfig) -> RouteLayout:
-        return RouteLayout(rows=cfg.num_layers, moe_rows=tuple(self.moe_layers(cfg)))
+    def route_rows(self, cfg: ModelConfig) -> RouteRows:
+        return RouteRows(rows=cfg.num_layers, moe_rows=tuple(self.moe_layers(cfg)))
 
     def hf_config_dict(self, cfg: ModelConfig) -> dict:
         raise NotImplementedError
@@ -124,18 +124,18 @@ class Adapter:
 
     # --- heavy (lazy imports) ---------------------------------------------------------------
     def hf_model_class(self):
-        import transformers
+        import transformers  # deferred: heavy (transformers)
         return getattr(transformers, self.hf_architecture)
 
     def hf_config(self, cfg: ModelConfig):
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: heavy (transformers)
         d = self.hf_config_dict(cfg)
         d = {k: v for k, v in d.items() if k != "model_type"}
         return AutoConfig.for_model(self.hf_model_type, **d)
 
     def build_hf_model(self, cfg: ModelConfig, seed: int | None = None):
         """A freshly initialised HF model (float32, eval mode); no download."""
-        import torch
+        import torch  # deferred: heavy (torch)
         torch.manual_seed(cfg.seed if seed is None else seed)
         return self.hf_model_class()(self.hf_config(cfg)).eval()
 

@@ -1,6 +1,6 @@
 """Demonstrations in the agent's tokens: an environment's scripted actions rendered as the agent loop records them.
 
-An environment plugin (``neon_hpc/envs/<name>/``) that offers a warm start plans a :class:`Demo`
+An environment plugin (``neon_hpc/envs/<name>/``) that offers a warm start composes a :class:`Demo`
 per task (the texts the model "writes" each turn); :func:`render_demo` plays it against the
 environment with the same chat template (:mod:`~neon_hpc.rollout.agent.template`), tool texts
 (the tools really run, their results formatted as in an episode) and answer format the agent
@@ -8,7 +8,7 @@ loop uses, so a demonstration is token for token what
 :class:`~neon_hpc.rollout.agent.episode.Episode` records when the model emits the same actions
 (``tests/test_demos.py``); ``loss_mask`` is 1 on the assistant's tokens only, ``rewards`` are the
 environment's grade.  :func:`write_demo_shards` publishes them as trajectory shards (the SFT
-data of the warm start, ``neon_hpc/launch/warm.py``).  XRD's plans are ``neon_hpc/envs/xrd/demos.py``.
+data of the warm start, ``neon_hpc/launch/warm.py``).  XRD's are ``neon_hpc/envs/xrd/demos.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def fit_turn(text: str, tokenizer: Any, cap: int) -> list[int]:
 
 def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
     """The demonstration as a :class:`~neon_hpc.store.Trajectory`: the agent loop's books for these actions."""
-    from neon_hpc.store import Trajectory
+    from neon_hpc.store import Trajectory  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     tpl = make_template(tokenizer)
     led = Ledger()
     led.add_env(tpl.opening(env.system_text(), env.task_text()))
@@ -93,7 +93,7 @@ def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
 
 def write_demo_shards(out_dir: str | Path, trajs: list, per_shard: int = 64) -> dict:
     """Demonstrations as shards ``demos-NNNN.h5`` in ``out_dir`` (each published by rename); a summary."""
-    from neon_hpc.store import write_shard
+    from neon_hpc.store import write_shard  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for j in range(0, len(trajs), per_shard):

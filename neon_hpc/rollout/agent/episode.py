@@ -179,7 +179,7 @@ class Episode:
 
     # --- results -----------------------------------------------------------------------
     def trajectory(self, group_id: str = "", reward_key: str = "dense"):
-        from neon_hpc.store import Trajectory
+        from neon_hpc.store import Trajectory  # deferred: heavy (neon_hpc.store: h5py, pydantic)
 
         predicted = self.env.parse_answer(self.answer_text) if self.answer_text is not None else None
         success, dense, details = self.env.grade(predicted)

@@ -39,7 +39,7 @@ def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollo
                      *, env: EnvPlugin, concurrency: int = 16) -> dict:
     """Success and dense reward of greedy episodes of ``tasks`` (environments by ``env``) on the weights in
     ``weights_dir``."""
-    # the embedded engine (torch) is imported where used: importing this module does not load torch
+    # deferred: heavy (neon_hpc.rollout.engines.embedded: torch; importing this module does not load it)
     from neon_hpc.rollout.engines.embedded import start_server
 
     if not tasks:

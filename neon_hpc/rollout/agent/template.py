@@ -5,7 +5,7 @@ appends (system, user, tool messages, role tags).  So the final sequence is exac
 concatenation of the turns, and turn ``k+1``'s prompt starts with everything before it,
 which is what delta router replay needs (``neon_hpc/replay``).
 
-Layout (special tags of the ``xrd-tiny`` tokenizer)::
+Format (special tags of the ``xrd-tiny`` tokenizer)::
 
     <|system|>SYSTEM<|end|><|user|>TASK<|end|><|assistant|>   model output ...
     <|end|><|tool|>RESULT<|end|><|assistant|>                 model output ...

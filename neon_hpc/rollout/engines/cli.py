@@ -19,7 +19,8 @@ def _sglang_cmd(argv: list[str]) -> int:
     p.add_argument("config", help="experiment YAML, e.g. configs/kimi_k2_1300xh200.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     a = p.parse_args(argv)
-    from neon_hpc import config
+    from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, numpy)
+    # deferred: heavy (neon_hpc.rollout.engines.sglang_launch: pydantic)
     from neon_hpc.rollout.engines.sglang_launch import endpoint_urls, format_commands, render_commands
     cfg = config.load(a.config, a.set)
     sys.stdout.write(format_commands(render_commands(cfg)))
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> int:
             print(f"neon-hpc engine serve: {model}/config.json not found; point --model at an HF weights "
                   f"folder such as RUN/weights/v_0", file=sys.stderr)
             return 2
+        # deferred: heavy (neon_hpc.rollout.engines.embedded: torch, numpy)
         from neon_hpc.rollout.engines.embedded import main as serve_main
         return serve_main(rest)
     if cmd == "sglang-cmd":

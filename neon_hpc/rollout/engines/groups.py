@@ -88,6 +88,7 @@ class EmbeddedEngines(EngineGroup):
         self.handles: list = []     # embedded.ServerHandle
 
     def start(self, version: int, path: Path, stop: Callable[[], bool]) -> bool:
+        # deferred: heavy (neon_hpc.rollout.engines.embedded: torch, numpy)
         from neon_hpc.rollout.engines.embedded import start_server
         e = self.cfg.engine
         for i in range(e.num_engines):
@@ -130,6 +131,7 @@ class SGLangEngines(EngineGroup):
         self.fleet = None    # fleet.Fleet, made by start (placement errors are start errors)
 
     def start(self, version: int, path: Path, stop: Callable[[], bool]) -> bool:
+        # deferred: heavy (neon_hpc.rollout.engines.fleet: h5py, numpy)
         from neon_hpc.rollout.engines.fleet import Fleet
         self.fleet = Fleet(self.cfg, self.run, self.node, self.node_count, self.log)
         self.fleet.start(version, path)

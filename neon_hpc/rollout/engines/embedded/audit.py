@@ -63,7 +63,7 @@ def engine_chunks(versions, start: int, end: int) -> list[tuple[int, int, int]]:
 def _logprobs(model_of: Callable[[int], torch.nn.Module], tokens: list[int], chunks) -> torch.Tensor:
     """Log-softmax over the vocabulary at input positions ``[0, chunks[-1][2])``, each chunk's
     forward on its version, one KV cache carried through."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # deferred: heavy (transformers)
 
     first = model_of(chunks[0][0])
     cache = DynamicCache(config=first.config)
@@ -98,7 +98,7 @@ class _Weights:
 
     def __call__(self, version: int) -> torch.nn.Module:
         if version not in self.models:
-            from neon_hpc.models.hf import load_hf
+            from neon_hpc.models.hf import load_hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
             self.models[version] = load_hf(self.dir / f"v_{version}")
         return self.models[version]
 
@@ -106,8 +106,8 @@ class _Weights:
 def audit_run(run_dir: str | Path, steps: int | None = None) -> dict[str, dict[str, float]]:
     """Gaps by kind over the trajectories of the first ``steps`` claimed steps (all: None):
     ``{kind: {"tokens", "mean", "max"}}``."""
-    from neon_hpc.protocol.rundir import RunDir
-    from neon_hpc.store import run_store
+    from neon_hpc.protocol.rundir import RunDir  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
+    from neon_hpc.store import run_store  # deferred: heavy (neon_hpc.store: h5py, pydantic)
 
     weights = _Weights(RunDir(run_dir).weights)
     gaps: dict[str, list[np.ndarray]] = defaultdict(list)

@@ -1,8 +1,8 @@
-"""The served model with its routers observed: SGLang's route layout from the model's own routers.
+"""The served model with its routers observed: SGLang's route rows from the model's own routers.
 
 Routes are captured from the model's own routers (a forward hook on each router the
-architecture adapter names) during prefill and decode, never recomputed afterwards.  Their
-layout is SGLang's: one row per decoder layer, zeros for layers that do not route (dense
+architecture adapter names) during prefill and decode, never recomputed afterwards.  They
+are SGLang's: one row per decoder layer, zeros for layers that do not route (dense
 first layers); a shared expert is not a routed choice and has no column.
 """
 
@@ -33,6 +33,7 @@ class LoadedModel:
     """An HF MoE model plus hooks that record every router's top-k indices per forward."""
 
     def __init__(self, model: torch.nn.Module, path: str, version: str):
+        # deferred: heavy (neon_hpc.models.adapters: pydantic)
         from neon_hpc.models.adapters import adapter_for_hf_config
         self.model, self.path, self.version = model, str(path), str(version)
         cfg = model.config
@@ -40,14 +41,14 @@ class LoadedModel:
         self.top_k = int(cfg.num_experts_per_tok)
         self.eos_ids = _as_list(getattr(cfg, "eos_token_id", None))
         adapter = adapter_for_hf_config({"model_type": cfg.model_type})
-        # SGLang's route layout: one row per decoder layer, zeros where a layer does not route
+        # SGLang's route rows: one row per decoder layer, zeros where a layer does not route
         mcfg = adapter.model_config_from_hf(cfg)
-        self.route_layout = adapter.route_layout(mcfg)
+        self.route_table = adapter.route_rows(mcfg)
         self.num_experts = int(mcfg.num_experts)
         hooked = adapter.hf_routers(model)
-        if [layer for layer, _ in hooked] != list(self.route_layout.moe_rows):
+        if [layer for layer, _ in hooked] != list(self.route_table.moe_rows):
             raise RuntimeError(f"{path}: routers found at decoder layers {[l for l, _ in hooked]}, but the "
-                               f"{adapter.name} layout routes at {list(self.route_layout.moe_rows)}")
+                               f"{adapter.name} routes at {list(self.route_table.moe_rows)}")
         self.routers = [r for _, r in hooked]
         self.num_moe_layers = len(self.routers)
         # the hook appends to this list, and holds nothing else: a hook bound to self would
@@ -65,13 +66,13 @@ class LoadedModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike, version: str | None = None) -> "LoadedModel":
-        from neon_hpc.models.hf import load_hf
+        from neon_hpc.models.hf import load_hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
         return cls(load_hf(path), str(path), version if version is not None else version_from_path(path))
 
     @property
     def route_rows(self) -> int:
         """Rows per token in ``routed_experts`` (decoder layers, as SGLang sends them)."""
-        return self.route_layout.rows
+        return self.route_table.rows
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +82,8 @@ class LoadedModel:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **{self._cache_kw: cache})
         b, s = ids.shape
-        routes = torch.zeros((b, s, self.route_layout.rows, self.top_k), dtype=torch.int64)
-        for row, r in zip(self.route_layout.moe_rows, self._buf):
+        routes = torch.zeros((b, s, self.route_table.rows, self.top_k), dtype=torch.int64)
+        for row, r in zip(self.route_table.moe_rows, self._buf):
             routes[:, :, row] = r.reshape(b, s, self.top_k)
         return out.logits[:, -1, :].float(), routes
 

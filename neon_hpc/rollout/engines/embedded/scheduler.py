@@ -140,7 +140,7 @@ def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _check_cache(cache) -> None:
     """Rows can be joined and dropped only in a plain per-layer KV cache ``[B, heads, S, dim]``."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer  # deferred: heavy (transformers)
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4:
             raise RuntimeError(f"continuous batching needs a full-attention KV cache of [batch, heads, seq, dim] "
@@ -318,7 +318,7 @@ class Scheduler:
     def _prefill(self, batch: _Batch, jobs: list[_Job], loaded: LoadedModel) -> None:
         """One left-padded forward over the newcomers' prompts on a fresh cache, their first
         token sampled; those not finished by it join ``batch``."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: heavy (transformers)
 
         self.stats["batches"] += 1
         self.stats["requests"] += len(jobs)

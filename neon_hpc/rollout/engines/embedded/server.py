@@ -163,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     "running requests (their KV cache cannot be flushed); send flush_cache=false"})
         try:
             if self.server.allowed_root is not None:
-                from neon_hpc.protocol.rundir import inside
+                from neon_hpc.protocol.rundir import inside  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
                 root = Path(self.server.allowed_root).resolve()
                 path = str(inside(root, os.path.relpath(Path(path).resolve(), root)))
             with self.server.swap_lock:  # loads are serialised; generation keeps running meanwhile

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from neon_hpc.balance import CostModel, Piece, check_plan, pipeline_time, plan_step
+from neon_hpc.balance import CostModel, Piece, check_assignment, pipeline_time, assign_step
 from neon_hpc.balance.cp import cp_shards, zigzag_pairs
 from neon_hpc.balance.kk import _karmarkar_karp_lists, _karmarkar_karp_np, karmarkar_karp
 
@@ -25,10 +25,10 @@ def mixture(n, seed=0, scale=1):
     return (L // scale).astype(np.int64)
 
 
-def coverage(plan):
+def coverage(asg):
     """seq -> sorted list of (start, end) over the whole plan."""
     out = {}
-    for mbs in plan.ranks:
+    for mbs in asg.ranks:
         for mb in mbs:
             for p in mb:
                 out.setdefault(p.seq, []).append((p.start, p.end))
@@ -38,8 +38,8 @@ def coverage(plan):
 @pytest.mark.parametrize("planner", ["cost", "tokenkk", "flopkk", "sequential"])
 def test_every_token_assigned_exactly_once(planner):
     L = mixture(300, seed=1)
-    plan = plan_step(L, dp=16, pp_microbatches=4, token_cap=131072, cost=KIMI_COST, planner=planner)
-    cov = coverage(plan)
+    asg = assign_step(L, dp=16, pp_microbatches=4, token_cap=131072, cost=KIMI_COST, planner=planner)
+    cov = coverage(asg)
     assert sorted(cov) == list(range(len(L)))
     for s, spans in cov.items():
         pos = 0
@@ -47,23 +47,23 @@ def test_every_token_assigned_exactly_once(planner):
             assert a == pos
             pos = b
         assert pos == L[s]
-    assert len({len(mbs) for mbs in plan.ranks}) == 1      # one micro-batch count for all ranks
+    assert len({len(mbs) for mbs in asg.ranks}) == 1      # one micro-batch count for all ranks
 
 
 def test_packing_never_exceeds_the_cap_and_splits_what_does_not_fit():
     L = mixture(400, seed=2)
     cap = 32768                       # below the 32k-128k tail: those must be split
-    plan = plan_step(L, dp=32, pp_microbatches=2, token_cap=cap, cost=KIMI_COST)
-    assert plan.oversize == []
-    assert max(plan.microbatch_tokens(r, j) for r in range(32) for j in range(plan.num_microbatches)) <= cap
-    split = plan.split_sequences()
+    asg = assign_step(L, dp=32, pp_microbatches=2, token_cap=cap, cost=KIMI_COST)
+    assert asg.oversize == []
+    assert max(asg.microbatch_tokens(r, j) for r in range(32) for j in range(asg.num_microbatches)) <= cap
+    split = asg.split_sequences()
     assert set(np.flatnonzero(L > cap)) <= set(split)
 
 
 def test_split_sequence_is_one_zigzag_unit_per_rank_in_one_slot():
     L = [120000] + [4000] * 60
-    plan = plan_step(L, dp=8, token_cap=65536, cost=KIMI_COST)
-    pieces = plan.split_sequences()[0]
+    asg = assign_step(L, dp=8, token_cap=65536, cost=KIMI_COST)
+    pieces = asg.split_sequences()[0]
     ranks = [r for r, _, _ in pieces]
     slots = {j for _, j, _ in pieces}
     assert len(slots) == 1
@@ -108,38 +108,38 @@ def test_cp_shards_cover_each_piece_exactly_and_pair_early_with_late():
     assert [p for sh in shards for p in sh if p.seq == 2] == [Piece(2, 0, 300)]
 
 
-def test_cp_plan_predicts_the_slowest_cp_rank():
+def test_cp_assignment_predicts_the_slowest_cp_rank():
     L = [60000, 3000, 3000, 500]
     cm = CostModel(a=1.0, b=0.001)
-    plan = plan_step(L, dp=1, cp=2, token_cap=131072, cost=cm)
-    shards = plan.cp_shards(0, 0)
+    asg = assign_step(L, dp=1, cp=2, token_cap=131072, cost=cm)
+    shards = asg.cp_shards(0, 0)
     worst = max(sum(cm.chunk_cost(p.start, p.end) for p in sh) for sh in shards)
-    assert plan.makespan == pytest.approx(worst)
-    assert plan.makespan < cm.cost(L) * 0.55      # two CP ranks share it nearly evenly
+    assert asg.makespan == pytest.approx(worst)
+    assert asg.makespan < cm.cost(L) * 0.55      # two CP ranks share it nearly evenly
 
 
 def test_dp1_packs_whole_sequences_into_microbatches_under_the_cap():
     L = [900, 1500, 3000, 700, 2200, 100, 4000]
-    plan = plan_step(L, dp=1, token_cap=4096)
-    assert plan.num_microbatches >= 4                  # 12400 tokens under a 4096 cap
-    assert all(plan.microbatch_tokens(0, j) <= 4096 for j in range(plan.num_microbatches))
-    whole = plan.whole_sequences(0)
+    asg = assign_step(L, dp=1, token_cap=4096)
+    assert asg.num_microbatches >= 4                  # 12400 tokens under a 4096 cap
+    assert all(asg.microbatch_tokens(0, j) <= 4096 for j in range(asg.num_microbatches))
+    whole = asg.whole_sequences(0)
     assert sorted(i for mb in whole for i in mb) == list(range(len(L)))
 
 
 def test_too_long_for_dp_ranks_is_reported_not_hung():
-    plan = plan_step([5000, 100], dp=1, token_cap=4096)
-    assert plan.oversize == [0]
-    assert any(mb == [Piece(0, 0, 5000)] for mb in plan.ranks[0])   # alone in its micro-batch
+    asg = assign_step([5000, 100], dp=1, token_cap=4096)
+    assert asg.oversize == [0]
+    assert any(mb == [Piece(0, 0, 5000)] for mb in asg.ranks[0])   # alone in its micro-batch
     # with two ranks it is split instead
-    assert plan_step([5000, 100], dp=2, token_cap=4096).oversize == []
+    assert assign_step([5000, 100], dp=2, token_cap=4096).oversize == []
 
 
-def test_plan_is_deterministic_across_processes():
+def test_assignment_is_deterministic_across_processes():
     code = ("import sys, json, numpy as np; sys.path.insert(0, %r)\n"
-            "from test_balance_plan import mixture, KIMI_COST\n"
-            "from neon_hpc.balance import plan_step\n"
-            "p = plan_step(mixture(500, seed=3), dp=16, pp_microbatches=4, cp=2, token_cap=65536, cost=KIMI_COST)\n"
+            "from test_balance_assignment import mixture, KIMI_COST\n"
+            "from neon_hpc.balance import assign_step\n"
+            "p = assign_step(mixture(500, seed=3), dp=16, pp_microbatches=4, cp=2, token_cap=65536, cost=KIMI_COST)\n"
             "print(json.dumps(p.ranks))" % os.path.dirname(__file__))
     outs = []
     for seed in ("1", "2"):
@@ -147,7 +147,7 @@ def test_plan_is_deterministic_across_processes():
         outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                    text=True, check=True).stdout)
     assert outs[0] == outs[1] and len(json.loads(outs[0])) == 16
-    here = plan_step(mixture(500, seed=3), dp=16, pp_microbatches=4, cp=2, token_cap=65536, cost=KIMI_COST)
+    here = assign_step(mixture(500, seed=3), dp=16, pp_microbatches=4, cp=2, token_cap=65536, cost=KIMI_COST)
     assert json.loads(json.dumps(here.ranks)) == json.loads(outs[0])
 
 
@@ -160,26 +160,26 @@ def test_pipeline_time_is_sum_plus_bubbles_of_the_slowest_microbatch():
 
 def test_pipeline_model_prefers_even_microbatches():
     L = mixture(256, seed=4)
-    plan = plan_step(L, dp=8, pp_microbatches=8, token_cap=131072, cost=KIMI_COST)
-    costs = [[plan.microbatch_cost(r, j) for j in range(plan.num_microbatches)] for r in range(8)]
+    asg = assign_step(L, dp=8, pp_microbatches=8, token_cap=131072, cost=KIMI_COST)
+    costs = [[asg.microbatch_cost(r, j) for j in range(asg.num_microbatches)] for r in range(8)]
     mean = np.mean(costs)
     assert max(max(c) for c in costs) < 1.2 * mean
-    assert plan.makespan < plan.shadow["flopkk"]
+    assert asg.makespan < asg.shadow["flopkk"]
 
 
 def test_cost_planner_beats_token_kk_on_the_long_tail():
     L = mixture(512, seed=5)
-    plan = plan_step(L, dp=64, token_cap=65536, cost=KIMI_COST)
-    assert plan.imbalance < 1.05
-    assert plan.speedup_vs("tokenkk") > 1.5
-    assert plan.chosen_from == "cost"
+    asg = assign_step(L, dp=64, token_cap=65536, cost=KIMI_COST)
+    assert asg.imbalance < 1.05
+    assert asg.speedup_vs("tokenkk") > 1.5
+    assert asg.chosen_from == "cost"
 
 
 def test_sequential_baseline_keeps_contiguous_blocks():
     L = [10] * 12
-    plan = plan_step(L, dp=3, token_cap=1000, planner="sequential", shadow=False)
-    assert [[p.seq for mb in mbs for p in mb] for mbs in plan.ranks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert plan.shadow == {}
+    asg = assign_step(L, dp=3, token_cap=1000, planner="sequential", shadow=False)
+    assert [[p.seq for mb in mbs for p in mb] for mbs in asg.ranks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert asg.shadow == {}
 
 
 def test_karmarkar_karp_balances_and_keeps_every_item():
@@ -192,51 +192,51 @@ def test_karmarkar_karp_balances_and_keeps_every_item():
     assert len(karmarkar_karp([1.0], 4)) == 4
 
 
-def test_check_plan_catches_a_missing_and_a_doubled_token():
-    plan = plan_step([100, 200], dp=2, token_cap=4096)
-    check_plan(plan)
-    missing = plan_step([100, 200], dp=2, token_cap=4096)
+def test_check_assignment_catches_a_missing_and_a_doubled_token():
+    asg = assign_step([100, 200], dp=2, token_cap=4096)
+    check_assignment(asg)
+    missing = assign_step([100, 200], dp=2, token_cap=4096)
     missing.ranks[0][0] = []
     with pytest.raises(ValueError, match="missing"):
-        check_plan(missing)
-    doubled = plan_step([100, 200], dp=2, token_cap=4096)
+        check_assignment(missing)
+    doubled = assign_step([100, 200], dp=2, token_cap=4096)
     doubled.ranks[1][0] = doubled.ranks[1][0] + doubled.ranks[0][0]
     with pytest.raises(ValueError, match="assigned twice"):
-        check_plan(doubled)
+        check_assignment(doubled)
 
 
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="dp"):
-        plan_step([1, 2], dp=0)
+        assign_step([1, 2], dp=0)
     with pytest.raises(ValueError, match="unknown planner 'greedy'"):
-        plan_step([1, 2], dp=1, planner="greedy")
+        assign_step([1, 2], dp=1, planner="greedy")
     with pytest.raises(ValueError, match=r"lengths\[1\] is negative"):
-        plan_step([1, -2], dp=1)
+        assign_step([1, -2], dp=1)
 
 
-def test_zero_length_sequences_are_left_out_and_empty_input_plans():
-    plan = plan_step([0, 5, 0], dp=2, token_cap=16)
-    assert sorted(coverage(plan)) == [1]
-    empty = plan_step([], dp=4, pp_microbatches=2)
+def test_zero_length_sequences_are_left_out_and_empty_input_assigns_nothing():
+    asg = assign_step([0, 5, 0], dp=2, token_cap=16)
+    assert sorted(coverage(asg)) == [1]
+    empty = assign_step([], dp=4, pp_microbatches=2)
     assert empty.makespan == 0 and len(empty.ranks) == 4 and empty.num_microbatches == 2
 
 
 def test_images_add_their_encoder_cost_to_the_piece_holding_token_zero():
     cm = CostModel(a=1.0, b=0.0, image_cost=100.0)
-    plan = plan_step([10, 10], dp=2, token_cap=64, cost=cm, images=[3, 0], shadow=False)
+    asg = assign_step([10, 10], dp=2, token_cap=64, cost=cm, images=[3, 0], shadow=False)
     # 20 token costs + 3 images, counted once, on the rank holding sequence 0's first token
-    assert sum(plan.rank_time) == pytest.approx(320.0)
-    first = [r for r, mbs in enumerate(plan.ranks) for mb in mbs for p in mb if p.seq == 0 and p.start == 0]
-    assert plan.rank_time[first[0]] >= 300.0
+    assert sum(asg.rank_time) == pytest.approx(320.0)
+    first = [r for r, mbs in enumerate(asg.ranks) for mb in mbs for p in mb if p.seq == 0 and p.start == 0]
+    assert asg.rank_time[first[0]] >= 300.0
 
 
 def test_split_false_keeps_every_sequence_whole_and_still_balances_cost():
     L = mixture(256, seed=6)
-    plan = plan_step(L, dp=16, token_cap=131072, cost=KIMI_COST, split=False)
-    assert plan.split_sequences() == {}
-    assert plan.makespan <= plan.shadow["tokenkk"] * (1 + 1e-9)
-    with_splits = plan_step(L, dp=16, token_cap=131072, cost=KIMI_COST)
-    assert with_splits.split_sequences() and with_splits.makespan < plan.makespan
+    asg = assign_step(L, dp=16, token_cap=131072, cost=KIMI_COST, split=False)
+    assert asg.split_sequences() == {}
+    assert asg.makespan <= asg.shadow["tokenkk"] * (1 + 1e-9)
+    with_splits = assign_step(L, dp=16, token_cap=131072, cost=KIMI_COST)
+    assert with_splits.split_sequences() and with_splits.makespan < asg.makespan
 
 
 def test_vectorised_karmarkar_karp_gives_the_same_sums():

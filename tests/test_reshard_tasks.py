@@ -1,4 +1,4 @@
-"""The planner and the metadata reader on plain numbers: no torch_dist files, no torch I/O; and the
+"""The task builder and the metadata reader on plain numbers: no torch_dist files, no torch I/O; and the
 config derived from checkpoint shapes against the trainer's (shapes of the real models' state dicts)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from neon_hpc.reshard.arch import MappingError, ModelSpec, Op, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk, TensorMeta, read_checkpoint
-from neon_hpc.reshard.plan import make_plan
+from neon_hpc.reshard.tasks import make_tasks
 
 SPEC = ModelSpec("qwen3_moe", vocab_size=250, num_attention_heads=4, num_key_value_heads=2, head_dim=2)
 L, E, I, H = 2, 3, 4, 8
@@ -40,9 +40,9 @@ def _expert_fc1(tp: int = 2) -> dict:
 
 
 def test_expert_chunks_become_one_task_per_expert_with_gate_and_up():
-    plan = make_plan(_ckpt(_expert_fc1(tp=2)), SPEC)
-    assert len(plan.tasks) == L * E
-    for t in plan.tasks:
+    work = make_tasks(_ckpt(_expert_fc1(tp=2)), SPEC)
+    assert len(work.tasks) == L * E
+    for t in work.tasks:
         assert len(t.chunks) == 4 and len(t.slabs) == 1     # 2 gate + 2 up fragments, read once each
         names = [o.name for o in t.slabs[0].outputs]
         l, e = t.slabs[0].index
@@ -54,26 +54,26 @@ def test_expert_chunks_become_one_task_per_expert_with_gate_and_up():
 
 def test_a_chunk_spanning_many_slabs_is_read_once():
     ck = _ckpt({"decoder.layers.mlp.experts.experts.linear_fc2.weight": ((L, E, H, I), [((0, 0, 0, 0), (L, E, H, I))])})
-    plan = make_plan(ck, SPEC)
-    assert len(plan.tasks) == 1
-    assert len(plan.tasks[0].chunks) == 1 and len(plan.tasks[0].slabs) == L * E
+    work = make_tasks(ck, SPEC)
+    assert len(work.tasks) == 1
+    assert len(work.tasks[0].chunks) == 1 and len(work.tasks[0].slabs) == L * E
 
 
 def test_tasks_are_balanced_largest_first():
-    plan = make_plan(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=4)
-    loads = [sum(t.read_bytes + t.write_bytes for t in plan.tasks_of(r)) for r in range(4)]
-    biggest = max(t.read_bytes + t.write_bytes for t in plan.tasks)
+    work = make_tasks(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=4)
+    loads = [sum(t.read_bytes + t.write_bytes for t in work.tasks_of(r)) for r in range(4)]
+    biggest = max(t.read_bytes + t.write_bytes for t in work.tasks)
     assert max(loads) - min(loads) <= biggest
-    again = make_plan(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=4)   # every rank plans alone: must agree
-    assert [(t.id, t.rank, t.chunks) for t in again.tasks] == [(t.id, t.rank, t.chunks) for t in plan.tasks]
-    assert {s.rank for s in plan.shards} == {0, 1, 2, 3}  # each rank writes its own file(s)
+    again = make_tasks(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=4)   # every rank builds them alone: must agree
+    assert [(t.id, t.rank, t.chunks) for t in again.tasks] == [(t.id, t.rank, t.chunks) for t in work.tasks]
+    assert {s.rank for s in work.shards} == {0, 1, 2, 3}  # each rank writes its own file(s)
 
 
 def test_shard_cap_splits_files_and_headers_are_valid_safetensors():
-    plan = make_plan(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=2, shard_cap=3 * I * H * 2)
-    assert len(plan.shards) > 2
+    work = make_tasks(_ckpt(_expert_fc1(tp=1)), SPEC, ranks=2, shard_cap=3 * I * H * 2)
+    assert len(work.shards) > 2
     seen = set()
-    for s in plan.shards:
+    for s in work.shards:
         assert s.data_bytes <= 3 * I * H * 2
         n = int.from_bytes(s.header[:8], "little")
         assert len(s.header) == 8 + n and n % 8 == 0
@@ -81,18 +81,18 @@ def test_shard_cap_splits_files_and_headers_are_valid_safetensors():
         spans = sorted(tuple(v["data_offsets"]) for k, v in meta.items() if k != "__metadata__")
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no holes
         seen |= set(meta) - {"__metadata__"}
-    assert seen == set(plan.index_json()["weight_map"])
+    assert seen == set(work.index_json()["weight_map"])
 
 
 def test_vocab_padding_is_trimmed_and_qkv_split_per_group():
     ck = _ckpt({"embedding.word_embeddings.weight": ((256, H), [((0, 0), (128, H)), ((128, 0), (128, H))]),
                 "decoder.layers.self_attention.linear_qkv.weight": ((L, 2 * (2 + 2) * 2, H), [((0, 0, 0), (L, 16, H))])})
-    plan = make_plan(ck, SPEC)
-    shapes = {o.name: o.shape for t in plan.tasks for s in t.slabs for o in s.outputs}
+    work = make_tasks(ck, SPEC)
+    shapes = {o.name: o.shape for t in work.tasks for s in t.slabs for o in s.outputs}
     assert shapes["model.embed_tokens.weight"] == (250, H)
     assert shapes["model.layers.1.self_attn.q_proj.weight"] == (8, H)
     assert shapes["model.layers.1.self_attn.k_proj.weight"] == (4, H)
-    qkv_task = next(t for t in plan.tasks if "linear_qkv" in t.slabs[0].key)
+    qkv_task = next(t for t in work.tasks if "linear_qkv" in t.slabs[0].key)
     assert not qkv_task.streamable      # q/k/v rows interleave per group: assembled per layer
 
 
@@ -108,22 +108,22 @@ def test_qkv_op_takes_each_groups_rows():
 def test_unknown_model_key_is_named_before_anything_is_written():
     ck = _ckpt({"decoder.layers.self_attention.linear_mystery.weight": ((L, H, H), [((0, 0, 0), (L, H, H))])})
     with pytest.raises(MappingError, match="linear_mystery"):
-        make_plan(ck, SPEC)
+        make_tasks(ck, SPEC)
 
 
 def test_optimizer_state_is_not_planned():
     ck = _ckpt({**_expert_fc1(), "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight":
                 ((L, E, 2 * I, H), [((0, 0, 0, 0), (L, E, 2 * I, H))])})
-    plan = make_plan(ck, SPEC)
-    assert all(not k.startswith("optimizer") for t in plan.tasks for k, _ in t.chunks)
+    work = make_tasks(ck, SPEC)
+    assert all(not k.startswith("optimizer") for t in work.tasks for k, _ in t.chunks)
 
 
 def test_truncated_or_missing_file_is_found_from_metadata():
     fc1 = _expert_fc1()
     with pytest.raises(CheckpointError, match="truncated"):
-        make_plan(_ckpt(fc1, file_size=1000), SPEC)
+        make_tasks(_ckpt(fc1, file_size=1000), SPEC)
     with pytest.raises(CheckpointError, match="missing"):
-        make_plan(_ckpt(fc1, file_size=-1), SPEC)
+        make_tasks(_ckpt(fc1, file_size=-1), SPEC)
 
 
 class _Evil:

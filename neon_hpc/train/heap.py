@@ -1,4 +1,4 @@
-"""The trainer's memory between steps: freed heap memory goes back to the OS, and a diagnostic.
+"""The trainer's heap between steps: freed heap memory goes back to the OS, and a diagnostic.
 
 **Trim.** After every step the trainer calls glibc's ``malloc_trim(0)``. Why: the trainer has
 ~70 threads (gloo's per-process-group loops, torch's pools) and glibc gives threads up to
@@ -35,6 +35,7 @@ import json
 import os
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 EVERY_ENV = "NEON_TRAIN_MEMDEBUG"
@@ -102,7 +103,7 @@ def malloc_stats(libc) -> dict[str, int] | None:
     return out
 
 
-class StepMemory:
+class StepHeap:
     """Called after every step: trims (unless turned off), records every N-th step (if asked)."""
 
     def __init__(self, path: Path, every: int = 0, trace: int = 0, trim: bool = True):
@@ -112,12 +113,11 @@ class StepMemory:
         self._snap = None
         self.max_seq_seen = 0
         if trace:
-            import tracemalloc
             tracemalloc.start(trace)
             self._snap = tracemalloc.take_snapshot()
 
     @classmethod
-    def from_env(cls, log_dir: Path, rank: int) -> "StepMemory":
+    def from_env(cls, log_dir: Path, rank: int) -> "StepHeap":
         return cls(Path(log_dir) / f"memdebug_{rank}.jsonl", _env_int(EVERY_ENV), _env_int(TRACE_ENV),
                    _env_int(TRIM_ENV, default=1) > 0)
 
@@ -140,7 +140,6 @@ class StepMemory:
                "packed_tokens": int(sum(lengths)), "max_seq_seen": self.max_seq_seen, "trimmed": self.trim,
                "trim_ms": trim_ms}
         if self.trace:
-            import tracemalloc
             snap = tracemalloc.take_snapshot()
             top = snap.compare_to(self._snap, "traceback")[:8]
             rec["tracemalloc"] = [[str(s.traceback[0]) if s.traceback else "?", round(s.size_diff / 1024, 1),
@@ -193,7 +192,7 @@ class PeakMemory:
         self._libc = None if cuda else (mmap_large_allocations() if mmap_large else glibc())
 
     def start(self) -> int:
-        import torch
+        import torch  # deferred: heavy (torch)
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
@@ -212,7 +211,7 @@ class PeakMemory:
         return self.base
 
     def stop(self) -> int:
-        import torch
+        import torch  # deferred: heavy (torch)
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()

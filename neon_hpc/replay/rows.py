@@ -1,13 +1,13 @@
-"""Route layout between the engine and the trainer: decoder-layer rows -> MoE-layer rows.
+"""Route rows between the engine and the trainer: decoder-layer rows -> MoE-layer rows.
 
 SGLang (and the embedded engine) send one routed-experts row per *decoder layer*, zeros for
 layers that never route (DeepSeek-V3's dense first layers); the trainer's routers are its
 MoE layers.  :func:`to_trainer_rows` maps every trajectory of a step through the
-architecture adapter's :class:`~neon_hpc.models.adapters.RouteLayout`.  A layer axis that
-does not fit the layout (an engine that reports MoE layers only, another model's routes) is
+architecture adapter's :class:`~neon_hpc.models.adapters.RouteRows`.  A layer axis that
+does not fit the route rows (an engine that reports MoE layers only, another model's routes) is
 not a per-token glitch that replay could skip: it would silently turn replay off for every
-trajectory, so it raises :class:`~neon_hpc.models.adapters.RouteLayoutError` naming the
-count and the layout.  Per-token problems (row count, expert ids) stay the trainer's
+trajectory, so it raises :class:`~neon_hpc.models.adapters.RouteRowsError` naming the
+count and the expected rows.  Per-token problems (row count, expert ids) stay the trainer's
 ``check_routes``, counted in ``replay_docs_missing``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.models.adapters import RouteLayoutError, get_adapter
+from neon_hpc.models.adapters import RouteRowsError, get_adapter
 from neon_hpc.models.config import ModelConfig
 
 
@@ -25,19 +25,19 @@ def to_trainer_rows(trajectories: Sequence[Any], model_cfg: ModelConfig) -> int:
     """Replace each trajectory's ``routed_experts`` ``[tokens, decoder layers, k]`` by its MoE rows
     ``[tokens, moe layers, k]`` (in place); returns how many were mapped.  Trajectories without
     routes are left alone (the trainer counts them)."""
-    layout = get_adapter(model_cfg.arch).route_layout(model_cfg)
-    bad: list[tuple[Any, RouteLayoutError]] = []
+    route_rows = get_adapter(model_cfg.arch).route_rows(model_cfg)
+    bad: list[tuple[Any, RouteRowsError]] = []
     mapped = 0
     for t in trajectories:
         r = getattr(t, "routed_experts", None)
         if r is None:
             continue
         try:
-            t.routed_experts = layout.to_moe(np.asarray(r), where=f"trajectory {getattr(t, 'task_id', '?')}")
+            t.routed_experts = route_rows.to_moe(np.asarray(r), where=f"trajectory {getattr(t, 'task_id', '?')}")
             mapped += 1
-        except RouteLayoutError as e:
+        except RouteRowsError as e:
             bad.append((t, e))
     if bad:
-        raise RouteLayoutError(f"{len(bad)} of {len(trajectories)} trajectories carry routes in the wrong layout "
+        raise RouteRowsError(f"{len(bad)} of {len(trajectories)} trajectories carry routes with the wrong layer axis "
                                f"(router replay would be off for them): {bad[0][1]}")
     return mapped

@@ -1,10 +1,10 @@
-"""The conversion plan: which byte ranges each HF tensor needs, which rank does it, and
+"""The conversion's tasks: which byte ranges each HF tensor needs, which rank does it, and
 where in which output file its bytes go.  Pure: built from metadata only, identical on
-every rank (so ranks never exchange it), printable with ``--dry-run``.
+every rank (so ranks never exchange them), printable with ``--dry-run``.
 
 Steps:
 
-1. :func:`neon_hpc.reshard.arch.plan_slabs` lists slabs (one source tensor at fixed layer /
+1. :func:`neon_hpc.reshard.arch.list_slabs` lists slabs (one source tensor at fixed layer /
    expert indices) and the HF tensors each yields.
 2. Slabs that share a saved chunk join one *task* (a chunk is read once); usually a task is
    one slab and its handful of chunks (one expert's gate+up chunks, one layer's QKV chunks).
@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from math import prod
 
-from neon_hpc.reshard.arch import ModelSpec, OutTensor, Slab, plan_slabs
+from neon_hpc.reshard.arch import ModelSpec, OutTensor, Slab, list_slabs
 from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, CheckpointError, Chunk, check_chunks_present
 
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
@@ -93,7 +93,7 @@ class ShardFile:
 
 
 @dataclass
-class ConversionPlan:
+class ConversionTasks:
     ckpt: Checkpoint
     spec: ModelSpec
     ranks: int
@@ -231,7 +231,7 @@ def assign_ranks(tasks: list[Task], ranks: int) -> list[Task]:
     return order
 
 
-def layout_shards(tasks: list[Task], ranks: int, shard_cap: int) -> list[ShardFile]:
+def pack_shards(tasks: list[Task], ranks: int, shard_cap: int) -> list[ShardFile]:
     """Pack each rank's outputs (in task order) into files of at most ``shard_cap`` bytes."""
     per_rank: list[list[ShardFile]] = [[] for _ in range(ranks)]
     for r in range(ranks):
@@ -263,14 +263,14 @@ def safetensors_header(entries: list[tuple[OutTensor, int, int]]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def make_plan(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionPlan:
-    """Build the whole plan from metadata; raises before anything is written on any problem
+def make_tasks(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionTasks:
+    """Build all tasks and output files from metadata; raises before anything is written on any problem
     (unknown key, shape mismatch, missing or truncated ``.distcp``)."""
     if ranks < 1:
         raise ValueError("ranks must be >= 1")
-    slabs = plan_slabs(ckpt, spec)
+    slabs = list_slabs(ckpt, spec)
     check_chunks_present(ckpt, sorted({s.key for s in slabs}))
     tasks = assign_ranks(group_tasks(ckpt, slabs), ranks)
-    shards = layout_shards(tasks, ranks, shard_cap)
+    shards = pack_shards(tasks, ranks, shard_cap)
     location = {o.name: (s.name, len(s.header) + b) for s in shards for o, b, _ in s.entries}
-    return ConversionPlan(ckpt, spec, ranks, tasks, shards, location)
+    return ConversionTasks(ckpt, spec, ranks, tasks, shards, location)

@@ -1,9 +1,9 @@
-"""The plan of one training step: which pieces of which sequences each DP rank runs, in
+"""The assignment of one training step: which pieces of which sequences each DP rank runs, in
 which micro-batch, and what that is predicted to cost.
 
-Layout: ``plan.ranks[r][j]`` is micro-batch ``j`` of DP rank ``r``, a list of
+Shape: ``asg.ranks[r][j]`` is micro-batch ``j`` of DP rank ``r``, a list of
 :class:`Piece` ``(seq, start, end)``: tokens ``[start, end)`` of sequence ``seq`` (an
-index into the ``lengths`` given to :func:`plan_step`).  A whole sequence is the piece
+index into the ``lengths`` given to :func:`assign_step`).  A whole sequence is the piece
 ``(i, 0, n_i)``.  Every rank has the same number of micro-batches (``num_microbatches``;
 expert-parallel all-to-alls need every rank to run the same number of forward passes); a
 micro-batch may be empty when a rank has less work than slots.
@@ -49,7 +49,7 @@ Microbatch = list  # list[Piece]
 
 
 @dataclass
-class StepPlan:
+class StepAssignment:
     planner: str
     lengths: tuple[int, ...]
     cost: CostModel
@@ -101,7 +101,7 @@ class StepPlan:
 
     def cp_shards(self, r: int, j: int) -> list[list[Piece]]:
         """Micro-batch ``j`` of rank ``r``, per CP rank (zigzag for long pieces)."""
-        from neon_hpc.balance.cp import cp_shards
+        from neon_hpc.balance.cp import cp_shards  # deferred: cycle (neon_hpc.balance.cp imports this module)
         return cp_shards(self.ranks[r][j], self.cost, self.cp, self.cp_split_threshold, self.images)
 
     def speedup_vs(self, planner: str) -> float:
@@ -129,6 +129,7 @@ class StepPlan:
 def microbatch_cost(pieces: Sequence[Piece], cost: CostModel, cp: int = 1,
                     cp_split_threshold: int = 0, images: Sequence[int] | None = None) -> float:
     """Predicted forward + backward time of one micro-batch (slowest CP rank when ``cp > 1``)."""
+    # deferred: cycle (neon_hpc.balance.cp imports this module)
     from neon_hpc.balance.cp import cp_shard_costs, piece_cost
     if not pieces:
         return 0.0
@@ -137,48 +138,48 @@ def microbatch_cost(pieces: Sequence[Piece], cost: CostModel, cp: int = 1,
     return sum(piece_cost(cost, p[0], p[1], p[2], images) for p in pieces) + cost.mb_overhead
 
 
-def score(plan: StepPlan) -> StepPlan:
-    """Fill in ``rank_time``, ``makespan`` and ``imbalance`` from the plan's assignment."""
+def score(asg: StepAssignment) -> StepAssignment:
+    """Fill in ``rank_time``, ``makespan`` and ``imbalance`` from the asg of pieces to ranks."""
     times = []
-    for r, mbs in enumerate(plan.ranks):
-        costs = [plan.microbatch_cost(r, j) for j in range(len(mbs))]
-        times.append(pipeline_time(costs, plan.pp_stages, plan.vpp))
-    plan.rank_time = times
-    plan.makespan = max(times) if times else 0.0
+    for r, mbs in enumerate(asg.ranks):
+        costs = [asg.microbatch_cost(r, j) for j in range(len(mbs))]
+        times.append(pipeline_time(costs, asg.pp_stages, asg.vpp))
+    asg.rank_time = times
+    asg.makespan = max(times) if times else 0.0
     mean = float(np.mean(times)) if times else 0.0
-    plan.imbalance = plan.makespan / mean if mean > 0 else 1.0
-    return plan
+    asg.imbalance = asg.makespan / mean if mean > 0 else 1.0
+    return asg
 
 
-def check_plan(plan: StepPlan) -> None:
+def check_assignment(asg: StepAssignment) -> None:
     """Raise ``ValueError`` unless every token of every sequence is assigned exactly once,
     the pieces of a split sequence sit in one micro-batch slot, and all ranks have the
     same number of micro-batches.  (Two pieces of one sequence may share a rank: they then
     share its micro-batch.)  Cheap enough to run on every step."""
-    n_mb = plan.num_microbatches
+    n_mb = asg.num_microbatches
     covered: dict[int, list[tuple[int, int]]] = {}
     slots: dict[int, set] = {}
-    for r, mbs in enumerate(plan.ranks):
+    for r, mbs in enumerate(asg.ranks):
         if len(mbs) != n_mb:
-            raise ValueError(f"plan: rank {r} has {len(mbs)} micro-batches, rank 0 has {n_mb}")
+            raise ValueError(f"assignment: rank {r} has {len(mbs)} micro-batches, rank 0 has {n_mb}")
         for j, mb in enumerate(mbs):
             for p in mb:
-                if not (0 <= p.seq < len(plan.lengths)) or not (0 <= p.start < p.end <= plan.lengths[p.seq]):
-                    raise ValueError(f"plan: rank {r} micro-batch {j}: bad piece {p}")
+                if not (0 <= p.seq < len(asg.lengths)) or not (0 <= p.start < p.end <= asg.lengths[p.seq]):
+                    raise ValueError(f"assignment: rank {r} micro-batch {j}: bad piece {p}")
                 covered.setdefault(p.seq, []).append((p.start, p.end))
                 slots.setdefault(p.seq, set()).add(j)
-    for s, n in enumerate(plan.lengths):
+    for s, n in enumerate(asg.lengths):
         if n == 0:
             continue
         spans = sorted(covered.get(s, []))
         pos = 0
         for a, b in spans:
             if a != pos:
-                raise ValueError(f"plan: sequence {s} (length {n}): tokens from {pos} "
+                raise ValueError(f"assignment: sequence {s} (length {n}): tokens from {pos} "
                                  f"{'missing' if a > pos else 'assigned twice'}")
             pos = b
         if pos != n:
-            raise ValueError(f"plan: sequence {s} (length {n}): tokens from {pos} missing")
+            raise ValueError(f"assignment: sequence {s} (length {n}): tokens from {pos} missing")
         if len(spans) > 1:
             if len(slots[s]) != 1:
-                raise ValueError(f"plan: split sequence {s} spans micro-batch slots {sorted(slots[s])}")
+                raise ValueError(f"assignment: split sequence {s} spans micro-batch slots {sorted(slots[s])}")
