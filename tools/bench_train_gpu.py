@@ -5,7 +5,7 @@ In one process, on the same tokens, interleaved after warm-up:
 
 - **trainer**: neon-hpc's own step: ``train.backend.setup`` (megatron-core GPTModel, DDP,
   megatron's optimizer; ``train.precision`` as given, bf16 by default on CUDA), then per step
-  ``train.loop.prepare_step`` (advantages, the balance plan) and ``train.loop.train_step``
+  ``train.loop.prepare_step`` (advantages, the balance assignment) and ``train.loop.train_step``
   (micro-batches with router replay, the piece attention, forward/backward, optimizer);
 - **reference**: the same architecture written in this file (Qwen3-MoE: RMSNorm, GQA with
   per-head q/k norm and RoPE, softmax top-k router, SwiGLU experts through
