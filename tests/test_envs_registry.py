@@ -19,7 +19,7 @@ from neon_hpc.rollout.agent.evalset import eval_tasks
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.rollout.sections import WorkerSections
 from test_agent_episode import TOK, ScriptedClient, check_books
-from throwaway_env import PLUGIN as ECHO
+from throwaway_env import EVAL_SPLITS, PLUGIN as ECHO
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -27,7 +27,7 @@ TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
 @pytest.fixture
 def echo():
-    envs.register(ECHO)
+    envs.register(ECHO, EVAL_SPLITS)
     yield envs.get("echo")
     envs.unregister("echo")
 
@@ -42,7 +42,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
     rollout = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512, replay_mode="delta",
                             max_tool_chars=32)
     client = ScriptedClient(["<tool_call>peek</tool_call>", "<answer>gamma</answer>"] * 2)
-    trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo)
+    trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo.bind(sec.env_settings))
     assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1
     for t in trajs:
         check_books(t)
@@ -51,7 +51,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
         text = TOK.decode(t.tokens.tolist())
         assert text.startswith("<|system|>echo<|end|><|user|>peek then answer") and "word gamma" in text
     # a wrong answer grades 0 through the same loop
-    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo)[0]
+    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo.bind(cfg.eval))[0]
     assert bad.rewards["success"] == 0.0 and bad.metadata["tool_calls"] == 0
     # the eval set comes from the plugin's task source
     held = eval_tasks(cfg.eval, source)
@@ -60,7 +60,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
 
 def test_a_task_without_its_plugin_is_refused_by_the_agent_loop(echo):
     task = echo.tasks(config.load(TINY).eval).train()[0]
-    with pytest.raises(TypeError, match=r"env=neon_hpc.envs.get\(KIND\)"):
+    with pytest.raises(TypeError, match=r"env=neon_hpc.envs.configured\(cfg\)"):
         run_group(ScriptedClient(["<answer>x</answer>"]), task, TOK, RolloutConfig(), group_size=1)
 
 
@@ -69,7 +69,7 @@ def test_an_unknown_kind_is_refused_naming_the_registered_ones(echo):
                                                  r"xrd, digits, echo \(neon-hpc env list\)"):
         config.load(TINY, ["env.kind=nope"])
     with pytest.raises(ValueError, match="already registered"):
-        envs.register(ECHO)
+        envs.register(ECHO, EVAL_SPLITS)
     with pytest.raises(ValueError, match="unknown environment 'nope'; registered: xrd, digits, echo"):
         envs.get("nope")
 
@@ -103,7 +103,7 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
     assert train and held and not train & held                       # never eval on what RL trains on
     task = source.train()[0]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=3, max_total_tokens=256)
-    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits)[0]
+    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits.bind(None))[0]
                    for s in (task.a + task.b, task.a + task.b + 1))
     assert right.rewards == {"success": 1.0, "dense": 1.0}
     assert near.rewards["success"] == 0.0 and near.rewards["dense"] == pytest.approx(1 - 1 / 18)
@@ -121,7 +121,7 @@ def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answ
     for task, d in zip(tasks, demos):
         assert d.rewards["success"] == float(d.metadata["demo"] == "solver")
         t = run_episode(ScriptedClient([f"<answer>{d.metadata['answer']}</answer>"]), task, TOK, cfg,
-                        env=envs.get("digits"))
+                        env=envs.get("digits").bind(None))
         assert np.array_equal(t.tokens, d.tokens) and np.array_equal(t.loss_mask, d.loss_mask)
         assert list(t.turn_offsets) == list(d.turn_offsets) and t.rewards == d.rewards
     with pytest.raises(ValueError, match="train tasks only"):
