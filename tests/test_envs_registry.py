@@ -126,3 +126,35 @@ def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answ
         assert list(t.turn_offsets) == list(d.turn_offsets) and t.rewards == d.rewards
     with pytest.raises(ValueError, match="train tasks only"):
         make_demos(envs.get("digits").tasks(None).held_out("test_id", 1, 0), TOK, cfg, 0.0, 0)
+
+
+def test_the_xrd_section_sets_the_episodes_tools_and_prompt_style():
+    """xrd.tools / xrd.prompt_style (the XRD environment's own section) reach its episodes; the
+    rollout section gives only the generic limits."""
+    task = envs.configured(config.load(TINY)).tasks().train(1)[0]
+    default = config.load(TINY)
+    env = envs.configured(default).environment(task, default.rollout)
+    assert env.style == "compact" and len(env.tools) > 2 and env.system_text() == "xrd"   # tiny preset: auto -> compact
+    cfg = config.load(TINY, ["xrd.tools=minimal", "xrd.prompt_style=full", "rollout.max_tool_chars=300"])
+    env = envs.configured(cfg).environment(task, cfg.rollout)
+    assert env.style == "full" and set(env.tools) == {"get_pattern", "simulate_phase"} and env.max_tool_chars == 300
+    assert "simulate_phase" in env.system_text() and "search_phases\"" not in env.system_text()
+
+
+def test_eval_split_is_one_of_the_chosen_environments_held_out_splits(echo, capsys):
+    from neon_hpc.cli import main as cli_main
+    with pytest.raises(config.ConfigError, match=r"tiny_cpu.yaml \(with --set eval.split=train\): eval.split: got "
+                       r"'train'; allowed: a held-out split of environment xrd: test_id, test_ood, test_temporal"):
+        config.load(TINY, ["eval.split=train"])
+    with pytest.raises(config.ConfigError, match=r"eval.split: got 'test_ood'; allowed: a held-out split of "
+                                                 r"environment digits: test_id$"):
+        config.load(TINY, ["env.kind=digits", "eval.split=test_ood"])
+    assert config.load(TINY, ["env.kind=echo", "eval.split=test_ood"]).eval.split == "test_ood"   # its registration
+    assert cli_main(["config", "check", TINY, "--set", "eval.split=test_odd"]) == 2
+    assert "eval.split: got 'test_odd'; allowed: a held-out split of environment xrd: test_id, test_ood" \
+        in capsys.readouterr().err
+    # what a registry line declares, its task source takes
+    for kind in ("xrd", "digits"):
+        source = envs.configured(config.load(TINY, [f"env.kind={kind}"])).tasks()
+        for split in envs.eval_splits(kind):
+            assert len(source.held_out(split, 2, 0)) == 2, (kind, split)
