@@ -111,7 +111,7 @@ def ensure_demos(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], 
     t0 = time.monotonic()
     source = env.tasks()
     tasks = source.demo(cfg.warm_start.demos)
-    tok = load_tokenizer(cfg.model.tokenizer or "xrd-tiny")
+    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
     s = env.write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, source.seed)
     s["wall_s"] = time.monotonic() - t0
     atomic_write_json(done, s)
