@@ -1,7 +1,8 @@
 """The XRD environment (powder X-ray diffraction) as a plugin: the task source over
 ``neon_hpc.xrd`` (presets, splits), the episode adapter (:mod:`.env`: prompts, tools, answer
 reading, grading), its answer parser (:mod:`.answer`), the solver's demonstrations
-(:mod:`.demos`) and the LLM agent evaluation (:mod:`.eval_cli`, ``neon-hpc xrd eval --endpoint``).
+(:mod:`.demos`) and the LLM agent evaluation (:mod:`.eval_cli`, ``neon-hpc xrd eval --endpoint``,
+with its report :mod:`.report`).
 Its settings are the ``xrd:`` section (``neon_hpc/xrd/config.py``): the task set (preset, split,
 number, seed), the toolset (``xrd.tools``) and the prompt style (``xrd.prompt_style``).
 """

@@ -39,7 +39,7 @@ from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
 from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
 from neon_hpc.rollout.agent.group import as_environment, run_episode
-from neon_hpc.rollout.agent.report import markdown_table, summarize
+from neon_hpc.envs.xrd.report import markdown_table, summarize
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.xrd import evaluate
 from neon_hpc.xrd.baseline import THRESHOLD_GRID
