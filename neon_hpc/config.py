@@ -31,7 +31,7 @@ from neon_hpc import constraints
 from neon_hpc.constraints import section
 from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
-from neon_hpc.envs.config import EnvConfig
+from neon_hpc.envs.config import EnvConfig, eval_split_errors
 from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
 from neon_hpc.logsinks import LoggingConfig
 from neon_hpc.models.config import DefaultModelConfig, ModelSection, arch_experiment_errors
@@ -92,6 +92,7 @@ def cross_errors(cfg: ExperimentConfig) -> list[tuple[str, str]]:
         errs.append(("train.tensor_parallel",
                      f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
     errs += arch_experiment_errors(cfg)                  # what the architecture refuses elsewhere
+    errs += eval_split_errors(cfg)                       # a held-out split of the chosen environment
     cp, thr = cfg.train.context_parallel, cfg.balance.split_threshold_tokens
     if thr and (cp == 1 or thr < 2 * cp):
         errs.append(("balance.split_threshold_tokens",

@@ -64,10 +64,10 @@ def _cost_model(cfg: ExperimentConfig) -> list[Problem]:
 
 
 def _tasks(cfg: ExperimentConfig) -> list[Problem]:
-    plugin = envs.get(cfg.env.kind)
-    key = plugin.section or "env"
+    env = envs.configured(cfg)
+    key = env.plugin.section or "env"
     try:
-        source = plugin.tasks(envs.settings(plugin, cfg))
+        source = env.tasks()
         tasks = source.train(2)
     except (ValueError, RuntimeError) as e:
         return [("rollout worker", f"{key}: {e}")]

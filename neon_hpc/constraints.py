@@ -9,7 +9,10 @@ declares, beside its fields:
 - ``CHECKS``: field name -> :class:`Range` (``at_least(1)``, ``above(0, le=1.0)``, ...);
 - ``RULES``: :class:`Rule` objects (a predicate over the whole section, and what is allowed);
 - ``CROSS`` (the experiment config only): functions ``cfg -> [(key path, message)]``, the
-  rules across sections.
+  rules across sections;
+- ``MOVED``: old field name -> the key path it moved to (``{"tools": "xrd.tools"}``): a config
+  that still sets the old key is refused with the new one named (``rollout.tools: moved to
+  xrd.tools; set it there``).
 
 Every field is held to a range, declared or not:
 
@@ -251,6 +254,9 @@ def section(cls: type) -> type:
     for r in getattr(cls, "RULES", ()) or ():
         if r.key not in names:
             raise TypeError(f"{cls.__name__}.RULES: rule for {r.key!r}, not a field of {cls.__name__}")
+    stays = sorted(set(getattr(cls, "MOVED", {}) or {}) & names)
+    if stays:
+        raise TypeError(f"{cls.__name__}.MOVED names {', '.join(stays)}: still fields of {cls.__name__}")
     cls.__neon_hints__ = {f.name: hints[f.name] for f in dataclasses.fields(cls)}   # in field order
     own = cls.__dict__.get("__annotations__", {})
     new = {}
@@ -400,6 +406,9 @@ def _unknown_key(root: type, loc: tuple, value: Any) -> str:
     k = str(loc[-1])
     names = list(hints(sec)) if sec is not None else []
     path = clip_text(prefix + k, REPR_CAP)
+    moved = (getattr(sec, "MOVED", None) or {}).get(k) if sec is not None else None
+    if moved:
+        return f"{path}: moved to {moved}; set it there"
     siblings = _union_siblings(root, loc[:-1])
     owners = [t for t, c in siblings.items() if k in hints(c) and c is not sec]
     if owners:

@@ -2,7 +2,7 @@
 import pytest
 
 from neon_hpc.rollout.agent import Answer, Malformed, Nothing, ToolCall, parse_action
-from neon_hpc.rollout.agent.report import markdown_table, summarize, wilson_interval
+from neon_hpc.envs.xrd.report import markdown_table, summarize, wilson_interval
 
 
 def test_json_and_compact_tool_calls():

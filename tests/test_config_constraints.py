@@ -263,3 +263,32 @@ def test_episode_budget_must_fit_the_model_context():
     with pytest.raises(config.ConfigError, match=r"rollout.max_total_tokens: 4096 is over model.max_position_embeddings \(2048\)"):
         config.load(TINY, ["rollout.max_total_tokens=4096"])
     assert config.load(TINY, ["rollout.max_total_tokens=2048"]).rollout.max_total_tokens == 2048
+
+
+def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
+    """rollout.tools / rollout.prompt_style are the XRD environment's (xrd.tools, xrd.prompt_style):
+    an old config or run.yaml that still sets them is told where they went (RolloutConfig.MOVED)."""
+    old = yaml.safe_load(TINY.read_text())
+    old.setdefault("rollout", {}).update(tools="minimal", prompt_style="full")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump(old))
+    with pytest.raises(config.ConfigError) as ei:
+        config.load(run_yaml)
+    lines = str(ei.value).splitlines()
+    assert f"{run_yaml}: rollout.tools: moved to xrd.tools; set it there" in lines
+    assert f"{run_yaml}: rollout.prompt_style: moved to xrd.prompt_style; set it there" in lines
+    with pytest.raises(config.ConfigError, match=r"\(with --set rollout.tools=full\): rollout.tools: moved to "
+                                                 r"xrd.tools; set it there"):
+        config.load(TINY, ["rollout.tools=full"])
+    cfg = config.load(TINY, ["xrd.tools=minimal", "xrd.prompt_style=full"])     # the new home takes them
+    assert (cfg.xrd.tools, cfg.xrd.prompt_style) == ("minimal", "full")
+    assert "tools" not in config.to_dict(cfg)["rollout"] and "tools: minimal" in config.dump(cfg)
+
+
+def test_moved_naming_a_field_is_a_programming_error():
+    with pytest.raises(TypeError, match="MOVED names steps: still fields of Stays"):
+        @constraints.section
+        @dataclasses.dataclass
+        class Stays:
+            steps: int = 1
+            MOVED = {"steps": "train.steps"}

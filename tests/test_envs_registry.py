@@ -19,7 +19,7 @@ from neon_hpc.rollout.agent.evalset import eval_tasks
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.rollout.sections import WorkerSections
 from test_agent_episode import TOK, ScriptedClient, check_books
-from throwaway_env import PLUGIN as ECHO
+from throwaway_env import EVAL_SPLITS, PLUGIN as ECHO
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -27,7 +27,7 @@ TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
 @pytest.fixture
 def echo():
-    envs.register(ECHO)
+    envs.register(ECHO, EVAL_SPLITS)
     yield envs.get("echo")
     envs.unregister("echo")
 
@@ -42,7 +42,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
     rollout = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512, replay_mode="delta",
                             max_tool_chars=32)
     client = ScriptedClient(["<tool_call>peek</tool_call>", "<answer>gamma</answer>"] * 2)
-    trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo)
+    trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo.bind(sec.env_settings))
     assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1
     for t in trajs:
         check_books(t)
@@ -51,7 +51,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
         text = TOK.decode(t.tokens.tolist())
         assert text.startswith("<|system|>echo<|end|><|user|>peek then answer") and "word gamma" in text
     # a wrong answer grades 0 through the same loop
-    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo)[0]
+    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo.bind(cfg.eval))[0]
     assert bad.rewards["success"] == 0.0 and bad.metadata["tool_calls"] == 0
     # the eval set comes from the plugin's task source
     held = eval_tasks(cfg.eval, source)
@@ -60,7 +60,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
 
 def test_a_task_without_its_plugin_is_refused_by_the_agent_loop(echo):
     task = echo.tasks(config.load(TINY).eval).train()[0]
-    with pytest.raises(TypeError, match=r"env=neon_hpc.envs.get\(KIND\)"):
+    with pytest.raises(TypeError, match=r"env=neon_hpc.envs.configured\(cfg\)"):
         run_group(ScriptedClient(["<answer>x</answer>"]), task, TOK, RolloutConfig(), group_size=1)
 
 
@@ -69,7 +69,7 @@ def test_an_unknown_kind_is_refused_naming_the_registered_ones(echo):
                                                  r"xrd, digits, echo \(neon-hpc env list\)"):
         config.load(TINY, ["env.kind=nope"])
     with pytest.raises(ValueError, match="already registered"):
-        envs.register(ECHO)
+        envs.register(ECHO, EVAL_SPLITS)
     with pytest.raises(ValueError, match="unknown environment 'nope'; registered: xrd, digits, echo"):
         envs.get("nope")
 
@@ -103,7 +103,7 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
     assert train and held and not train & held                       # never eval on what RL trains on
     task = source.train()[0]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=3, max_total_tokens=256)
-    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits)[0]
+    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits.bind(None))[0]
                    for s in (task.a + task.b, task.a + task.b + 1))
     assert right.rewards == {"success": 1.0, "dense": 1.0}
     assert near.rewards["success"] == 0.0 and near.rewards["dense"] == pytest.approx(1 - 1 / 18)
@@ -121,8 +121,40 @@ def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answ
     for task, d in zip(tasks, demos):
         assert d.rewards["success"] == float(d.metadata["demo"] == "solver")
         t = run_episode(ScriptedClient([f"<answer>{d.metadata['answer']}</answer>"]), task, TOK, cfg,
-                        env=envs.get("digits"))
+                        env=envs.get("digits").bind(None))
         assert np.array_equal(t.tokens, d.tokens) and np.array_equal(t.loss_mask, d.loss_mask)
         assert list(t.turn_offsets) == list(d.turn_offsets) and t.rewards == d.rewards
     with pytest.raises(ValueError, match="train tasks only"):
         make_demos(envs.get("digits").tasks(None).held_out("test_id", 1, 0), TOK, cfg, 0.0, 0)
+
+
+def test_the_xrd_section_sets_the_episodes_tools_and_prompt_style():
+    """xrd.tools / xrd.prompt_style (the XRD environment's own section) reach its episodes; the
+    rollout section gives only the generic limits."""
+    task = envs.configured(config.load(TINY)).tasks().train(1)[0]
+    default = config.load(TINY)
+    env = envs.configured(default).environment(task, default.rollout)
+    assert env.style == "compact" and len(env.tools) > 2 and env.system_text() == "xrd"   # tiny preset: auto -> compact
+    cfg = config.load(TINY, ["xrd.tools=minimal", "xrd.prompt_style=full", "rollout.max_tool_chars=300"])
+    env = envs.configured(cfg).environment(task, cfg.rollout)
+    assert env.style == "full" and set(env.tools) == {"get_pattern", "simulate_phase"} and env.max_tool_chars == 300
+    assert "simulate_phase" in env.system_text() and "search_phases\"" not in env.system_text()
+
+
+def test_eval_split_is_one_of_the_chosen_environments_held_out_splits(echo, capsys):
+    from neon_hpc.cli import main as cli_main
+    with pytest.raises(config.ConfigError, match=r"tiny_cpu.yaml \(with --set eval.split=train\): eval.split: got "
+                       r"'train'; allowed: a held-out split of environment xrd: test_id, test_ood, test_temporal"):
+        config.load(TINY, ["eval.split=train"])
+    with pytest.raises(config.ConfigError, match=r"eval.split: got 'test_ood'; allowed: a held-out split of "
+                                                 r"environment digits: test_id$"):
+        config.load(TINY, ["env.kind=digits", "eval.split=test_ood"])
+    assert config.load(TINY, ["env.kind=echo", "eval.split=test_ood"]).eval.split == "test_ood"   # its registration
+    assert cli_main(["config", "check", TINY, "--set", "eval.split=test_odd"]) == 2
+    assert "eval.split: got 'test_odd'; allowed: a held-out split of environment xrd: test_id, test_ood" \
+        in capsys.readouterr().err
+    # what a registry line declares, its task source takes
+    for kind in ("xrd", "digits"):
+        source = envs.configured(config.load(TINY, [f"env.kind={kind}"])).tasks()
+        for split in envs.eval_splits(kind):
+            assert len(source.held_out(split, 2, 0)) == 2, (kind, split)

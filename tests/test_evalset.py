@@ -19,9 +19,9 @@ CFG = config.load(str(__import__("pathlib").Path(__file__).resolve().parents[1] 
 
 def test_eval_is_greedy_on_fixed_held_out_tasks_and_lands_in_the_summary(tmp_path):
     from test_agent_episode import tiny_weights
-    xrd = envs.get(CFG.env.kind)
-    tasks = eval_tasks(CFG.eval, xrd.tasks(CFG.xrd))
-    assert [t.id for t in tasks] == [t.id for t in eval_tasks(CFG.eval, xrd.tasks(CFG.xrd))]
+    xrd = envs.configured(CFG)
+    tasks = eval_tasks(CFG.eval, xrd.tasks())
+    assert [t.id for t in tasks] == [t.id for t in eval_tasks(CFG.eval, xrd.tasks())]
     assert len(tasks) == 4 and all(t.split == "test_id" for t in tasks)
     assert greedy(CFG.rollout).temperature == 0.0 and CFG.rollout.temperature == 1.0
     tok = load_tokenizer("xrd-tiny")

@@ -111,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (ckpt / "trainer_state.json").is_file():
         raise SystemExit(f"bench_learning: no SFT checkpoint at {ckpt}; see {out / 'sft.log'}")
 
-    plugin = envs.get(cfg.env.kind)
-    tasks = eval_tasks(config.load(a.config, sets + [f"eval.num_tasks={n_eval}"]).eval,
-                       plugin.tasks(envs.settings(plugin, cfg)))
-    tok = load_tokenizer(cfg.model.tokenizer or "xrd-tiny")
+    env = envs.configured(cfg)
+    tasks = eval_tasks(config.load(a.config, sets + [f"eval.num_tasks={n_eval}"]).eval, env.tasks())
+    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
     points = _points(steps, a.points)
     per_step = cfg.train.trajectories_per_step
     variants = {"async": [], "sync": ["rollout.max_staleness=0"]}
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 if k == 0 and start_eval is not None:
                     e = start_eval                       # every run starts from the same SFT weights
                 else:
-                    e = evaluate_weights(rd / "weights" / f"v_{k}", tasks, tok, cfg.rollout, cfg.model, env=plugin)
+                    e = evaluate_weights(rd / "weights" / f"v_{k}", tasks, tok, cfg.rollout, cfg.model, env=env)
                     if k == 0:
                         start_eval = e
                 t_k = 0.0 if k == 0 else recs[k]["time"] - launch

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from neon_hpc.envs.base import EnvPlugin, Environment, TaskSource
+from neon_hpc.envs.base import ConfiguredEnv, EnvPlugin, Environment, TaskSource
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,16 @@ class Registered:
     name: str
     module: str          # defines PLUGIN
     about: str           # one line for `neon-hpc env list`
+    # the held-out splits its task source's held_out() takes: what `eval.split` may be (the
+    # config checks it here, without importing the environment); the first is the usual one
+    eval_splits: tuple[str, ...]
 
 
 _REGISTERED: tuple[Registered, ...] = (
-    Registered("xrd", "neon_hpc.envs.xrd", "powder X-ray diffraction: phases and weight fractions of a pattern, with tools"),
-    Registered("digits", "neon_hpc.envs.digits", "add two digits, no tools: a task the tiny model learns on CPU"),
+    Registered("xrd", "neon_hpc.envs.xrd", "powder X-ray diffraction: phases and weight fractions of a pattern, with tools",
+               ("test_id", "test_ood", "test_temporal")),
+    Registered("digits", "neon_hpc.envs.digits", "add two digits, no tools: a task the tiny model learns on CPU",
+               ("test_id",)),
 )
 
 REGISTRY: dict[str, Registered] = {r.name: r for r in _REGISTERED}
@@ -60,11 +65,17 @@ def get(kind: str) -> EnvPlugin:
     return _LOADED[kind]
 
 
-def register(plugin: EnvPlugin) -> None:
-    """Register ``plugin`` at run time (a test's throwaway environment); a taken name is refused."""
+def eval_splits(kind: str) -> tuple[str, ...]:
+    """The held-out splits of a registered environment (``eval.split``); () for an unknown kind."""
+    return REGISTRY[kind].eval_splits if kind in REGISTRY else ()
+
+
+def register(plugin: EnvPlugin, eval_splits: tuple[str, ...]) -> None:
+    """Register ``plugin`` at run time (a test's throwaway environment) with its held-out splits;
+    a taken name is refused."""
     if plugin.name in REGISTRY:
         raise ValueError(f"environment {plugin.name!r} is already registered")
-    REGISTRY[plugin.name] = Registered(plugin.name, "", plugin.about)
+    REGISTRY[plugin.name] = Registered(plugin.name, "", plugin.about, tuple(eval_splits))
     _LOADED[plugin.name] = plugin
 
 
@@ -81,5 +92,11 @@ def settings(plugin: EnvPlugin, cfg) -> object | None:
     return getattr(cfg, plugin.section) if plugin.section else None
 
 
-__all__ = ["DEFAULT", "EnvPlugin", "Environment", "REGISTRY", "Registered", "TaskSource", "get", "kinds",
-           "known", "register", "settings", "unregister"]
+def configured(cfg) -> ConfiguredEnv:
+    """The environment ``cfg.env.kind`` chooses, bound to its section of the experiment config ``cfg``."""
+    plugin = get(cfg.env.kind)
+    return plugin.bind(settings(plugin, cfg))
+
+
+__all__ = ["DEFAULT", "ConfiguredEnv", "EnvPlugin", "Environment", "REGISTRY", "Registered", "TaskSource",
+           "configured", "eval_splits", "get", "kinds", "known", "register", "settings", "unregister"]

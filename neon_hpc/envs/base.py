@@ -2,8 +2,9 @@
 source, and the plugin that ties them to a config section (and may provide demonstrations).
 
 The agent loop (``neon_hpc/rollout/agent/``) runs an :class:`Environment`; the rollout worker,
-the eval set and the warm start ask the plugin (:func:`neon_hpc.envs.get`) for tasks and for
-the environment of a task.  This module imports nothing of neon_hpc.
+the eval set and the warm start ask the plugin bound to its config section (:class:`ConfiguredEnv`,
+:func:`neon_hpc.envs.configured`) for tasks and for the environment of a task.  This module
+imports nothing of neon_hpc.
 """
 
 from __future__ import annotations
@@ -47,18 +48,51 @@ class EnvPlugin:
     """One environment: where its settings live, its task source, its episode environment.
 
     ``section``: the experiment config section with its settings (``xrd``), or None when it has
-    none; ``tasks(settings)`` builds the :class:`TaskSource` from that section (None when
-    ``section`` is None); ``environment(task, rollout_cfg)`` builds one episode's
-    :class:`Environment` (the rollout section gives tools, prompt style, tool text clip);
-    ``write_demos(out_dir, tasks, tokenizer, rollout_cfg, imperfect, seed) -> summary`` writes
-    demonstration shards for the warm start (``None``: the environment has none, and the main
-    job skips its warm start); ``cli``: the module of ``neon-hpc <name> ...`` ("" = none).
+    none; every function below gets that section as ``settings`` (None when ``section`` is None).
+    ``tasks(settings)`` builds the :class:`TaskSource`; ``environment(task, settings, rollout_cfg)``
+    builds one episode's :class:`Environment` (the environment's own settings, e.g. XRD's tools and
+    prompt style, come from ``settings``; the rollout section gives the generic limits, e.g. the
+    tool text clip ``max_tool_chars``); ``write_demos(out_dir, tasks, tokenizer, settings,
+    rollout_cfg, imperfect, seed) -> summary`` writes demonstration shards for the warm start
+    (``None``: the environment has none, and the main job skips its warm start); ``cli``: the
+    module of ``neon-hpc <name> ...`` ("" = none).  The held-out splits its task source takes
+    (``eval.split``) are declared in its registry line (``neon_hpc/envs/__init__.py``), so the
+    config is checked without importing the environment.
     """
 
     name: str
     about: str
     tasks: Callable[[Any], TaskSource]
-    environment: Callable[[Any, Any], Environment]
+    environment: Callable[[Any, Any, Any], Environment]
     section: str | None = None
     write_demos: Callable[..., dict] | None = None
     cli: str = ""
+
+    def bind(self, settings: Any) -> "ConfiguredEnv":
+        """This plugin with its config section (``settings``; None when it has none)."""
+        return ConfiguredEnv(self, settings)
+
+
+@dataclass(frozen=True)
+class ConfiguredEnv:
+    """An environment plugin with its config section: what the agent loop (``run_group(...,
+    env=...)``), the eval set and the warm start build tasks, episodes and demonstrations from."""
+
+    plugin: EnvPlugin
+    settings: Any      # the plugin's section of the experiment config (None when it has none)
+
+    @property
+    def name(self) -> str:
+        return self.plugin.name
+
+    def tasks(self) -> TaskSource:
+        return self.plugin.tasks(self.settings)
+
+    def environment(self, task: Any, rollout_cfg: Any) -> Environment:
+        return self.plugin.environment(task, self.settings, rollout_cfg)
+
+    def write_demos(self, out_dir: Any, tasks: list, tokenizer: Any, rollout_cfg: Any, imperfect: float,
+                    seed: int) -> dict:
+        if self.plugin.write_demos is None:
+            raise ValueError(f"environment {self.name!r} provides no demonstrations")
+        return self.plugin.write_demos(out_dir, tasks, tokenizer, self.settings, rollout_cfg, imperfect, seed)

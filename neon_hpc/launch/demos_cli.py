@@ -32,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     if n < 1 or not 0.0 <= imperfect <= 1.0:
         print("neon-hpc demos: --n must be >= 1 and --imperfect within [0, 1]", file=sys.stderr)
         return 2
-    plugin = envs.get(cfg.env.kind)
-    if plugin.write_demos is None:
+    env = envs.configured(cfg)
+    if env.plugin.write_demos is None:
         print(f"neon-hpc demos: environment {cfg.env.kind!r} provides no demonstrations", file=sys.stderr)
         return 2
-    source = plugin.tasks(envs.settings(plugin, cfg))
+    source = env.tasks()
     tasks = source.demo(n)
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
-    s = plugin.write_demos(a.out, tasks, tok, cfg.rollout, imperfect, source.seed)
+    s = env.write_demos(a.out, tasks, tok, cfg.rollout, imperfect, source.seed)
     print(json.dumps(s))
     return 0
 

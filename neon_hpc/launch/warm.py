@@ -105,14 +105,14 @@ def ensure_demos(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], 
     done = wdir / "demos" / "demos.json"
     if done.is_file():
         return {**read_json(done), "reused": True}
-    plugin = envs.get(cfg.env.kind)
-    if plugin.write_demos is None:
+    env = envs.configured(cfg)
+    if env.plugin.write_demos is None:
         raise WarmStartError(f"environment {cfg.env.kind!r} provides no demonstrations: set warm_start.enabled: false")
     t0 = time.monotonic()
-    source = plugin.tasks(envs.settings(plugin, cfg))
+    source = env.tasks()
     tasks = source.demo(cfg.warm_start.demos)
-    tok = load_tokenizer(cfg.model.tokenizer or "xrd-tiny")
-    s = plugin.write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, source.seed)
+    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
+    s = env.write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, source.seed)
     s["wall_s"] = time.monotonic() - t0
     atomic_write_json(done, s)
     say(f"warm start: {s['demos']} demonstrations of train tasks ({s['count_by_kind']}), grader success "
@@ -184,8 +184,8 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
     if not versions:
         say("eval: no published weights; skipped")
         return {}
-    plugin = envs.get(cfg.env.kind)
-    source = plugin.tasks(envs.settings(plugin, cfg))
+    env = envs.configured(cfg)
+    source = env.tasks()
     tasks = eval_tasks(cfg.eval, source)
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
     out = {}
@@ -195,7 +195,7 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
         if prev and prev.get("version") == v and prev.get("n") == len(tasks):
             out[which] = prev
             continue
-        res = evaluate_weights(run.weights_version(v), tasks, tok, cfg.rollout, cfg.model, env=plugin)
+        res = evaluate_weights(run.weights_version(v), tasks, tok, cfg.rollout, cfg.model, env=env)
         res.update(version=v, split=cfg.eval.split, seed=cfg.eval.seed, preset=source.label)
         atomic_write_json(path, res)
         out[which] = res

@@ -143,12 +143,12 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
 
     tokenizer = load_tokenizer(sec.model_tokenizer)
-    plugin = envs.get(sec.env.kind)
-    source = plugin.tasks(sec.env_settings)
+    env = envs.get(sec.env.kind).bind(sec.env_settings)
+    source = env.tasks()
     tasks = source.train()
     if not tasks:
         log.error("no tasks for %s %s; check the %s section of the config", sec.env.kind, source.describe(),
-                  plugin.section or "env")
+                  env.plugin.section or "env")
         return 2
     # the route shape is ours to state: SGLang's model info does not report it
     client = EngineClient(engine_url, num_moe_layers=sec.model_num_layers, top_k=sec.model_moe_router_topk)
@@ -190,7 +190,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             beater.beat(in_flight=sec.rollout.group_size + writer.pending, groups=groups,
                         episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
-            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=plugin)
+            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=env)
             dt = time.monotonic() - t0
             for i, tr in enumerate(trajs):
                 # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory

@@ -1,5 +1,5 @@
 """XRD task section of the experiment config (owned by ``neon_hpc/xrd``): the settings of the XRD
-environment (``env.kind: xrd``, ``neon_hpc/envs/xrd/``).  Its tools are ``rollout.tools``."""
+environment (``env.kind: xrd``, ``neon_hpc/envs/xrd/``): its task set, its tools and its prompts."""
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,5 +13,7 @@ class XRDConfig:
     split: Literal["train", "test_id", "test_ood", "test_temporal"] = "train"
     num_tasks: int = 64
     seed: int = 0
+    tools: Literal["full", "minimal"] = "full"     # the agent's toolset (minimal: get_pattern, simulate_phase)
+    prompt_style: Literal["auto", "compact", "full"] = "auto"  # auto: compact for the tiny preset
 
     CHECKS = {"num_tasks": at_least(1)}

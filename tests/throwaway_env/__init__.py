@@ -76,4 +76,5 @@ class EchoEnv:
 
 PLUGIN = EnvPlugin(name="echo", about="throwaway test environment: peek, then echo the word",
                    tasks=EchoTasks, section="eval",
-                   environment=lambda task, rollout_cfg: EchoEnv(task, rollout_cfg.max_tool_chars))
+                   environment=lambda task, _settings, rollout_cfg: EchoEnv(task, rollout_cfg.max_tool_chars))
+EVAL_SPLITS = ("test_id", "test_ood")      # what it registers with (envs.register(PLUGIN, EVAL_SPLITS))

@@ -9,8 +9,8 @@ back (there are none).
 
 Tasks: the 100 ordered pairs of digits, split for good: a pair whose ``(10a + b) % 4 == 0`` is
 held out (25 pairs, the eval set's), the other 75 are train (RL and nothing else); a list of
-``n`` is a seeded shuffle of its pool, cycled when ``n`` is larger.  No settings (``env.kind:
-digits`` alone).
+``n`` is a seeded shuffle of its pool, cycled when ``n`` is larger (one held-out split,
+``test_id``: its registry line).  No settings (``env.kind: digits`` alone).
 
 Demonstrations (the main job's warm start): the answer in the first turn, ``<answer>7</answer>``;
 a share ``warm_start.imperfect`` of them (a seeded draw of exactly that many) states a wrong sum
@@ -120,10 +120,11 @@ def make_demos(tasks: list, tokenizer: Any, rollout_cfg: Any, imperfect: float, 
     return out
 
 
-def write_demos(out_dir: Any, tasks: list, tokenizer: Any, rollout_cfg: Any, imperfect: float, seed: int) -> dict:
+def write_demos(out_dir: Any, tasks: list, tokenizer: Any, _settings: None, rollout_cfg: Any, imperfect: float,
+                seed: int) -> dict:
     return write_demo_shards(out_dir, make_demos(tasks, tokenizer, rollout_cfg, imperfect, seed))
 
 
 PLUGIN = EnvPlugin(name="digits", about="add two digits, no tools",
-                   tasks=lambda _settings: DigitsTasks(), environment=lambda task, _cfg: DigitsEnv(task),
+                   tasks=lambda _settings: DigitsTasks(), environment=lambda task, _settings, _cfg: DigitsEnv(task),
                    write_demos=write_demos)

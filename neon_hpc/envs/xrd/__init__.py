@@ -1,8 +1,10 @@
 """The XRD environment (powder X-ray diffraction) as a plugin: the task source over
 ``neon_hpc.xrd`` (presets, splits), the episode adapter (:mod:`.env`: prompts, tools, answer
 reading, grading), its answer parser (:mod:`.answer`), the solver's demonstrations
-(:mod:`.demos`) and the LLM agent evaluation (:mod:`.eval_cli`, ``neon-hpc xrd eval --endpoint``).
-Its settings are the ``xrd:`` section (``neon_hpc/xrd/config.py``).
+(:mod:`.demos`) and the LLM agent evaluation (:mod:`.eval_cli`, ``neon-hpc xrd eval --endpoint``,
+with its report :mod:`.report`).
+Its settings are the ``xrd:`` section (``neon_hpc/xrd/config.py``): the task set (preset, split,
+number, seed), the toolset (``xrd.tools``) and the prompt style (``xrd.prompt_style``).
 """
 
 from __future__ import annotations
@@ -44,14 +46,9 @@ class XRDTasks:
         return load_tasks(self.settings.preset, split, seed=seed, n=n)
 
 
-def environment(task: Any, rollout_cfg: Any) -> XRDEnv:
-    return XRDEnv(task, tools=rollout_cfg.tools, style=getattr(rollout_cfg, "prompt_style", "auto"),
-                  max_tool_chars=getattr(rollout_cfg, "max_tool_chars", 2000))
-
-
 def write_demos(*args, **kwargs) -> dict:
     return demos.write_demos(*args, **kwargs)
 
 
-PLUGIN = EnvPlugin(name="xrd", about="powder X-ray diffraction", tasks=XRDTasks, environment=environment,
+PLUGIN = EnvPlugin(name="xrd", about="powder X-ray diffraction", tasks=XRDTasks, environment=XRDEnv.configured,
                    section="xrd", write_demos=write_demos, cli="neon_hpc.envs.xrd.cli")

@@ -4,7 +4,8 @@
 trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``xrd.preset``,
 ``split=train``, ``xrd.seed``): one conversation per task, rendered by the agent loop's
 :func:`~neon_hpc.rollout.agent.demos.render_demo` with the same chat template
-(:mod:`~neon_hpc.rollout.agent.template`), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
+(:mod:`~neon_hpc.rollout.agent.template`), tools and prompt style (``xrd.tools``,
+``xrd.prompt_style``), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
 the tools really run, their results clipped as in an episode) and answer format the agent
 loop uses, so a demonstration is token for token what :class:`~neon_hpc.rollout.agent.episode.Episode`
 records when the model emits the same actions (``tests/test_demos.py``). ``loss_mask`` is 1 on
@@ -77,23 +78,23 @@ def demo_kinds(n: int, imperfect: float, seed: int) -> list[str]:
     return [rng.choice(KINDS[1:]) if i in picks else "solver" for i in range(n)]
 
 
-def make_demos(tasks: list, tokenizer: Any, cfg: Any, imperfect: float = 0.0, seed: int = 0) -> list:
-    """One demonstration per task (train split only: a test task is refused)."""
+def make_demos(tasks: list, tokenizer: Any, settings: Any, cfg: Any, imperfect: float = 0.0, seed: int = 0) -> list:
+    """One demonstration per task (train split only: a test task is refused); ``settings`` is the
+    ``xrd`` section (tools, prompt style), ``cfg`` the rollout section."""
     held = [t.id for t in tasks if t.split != "train"]
     if held:
         raise ValueError(f"demonstrations are for train-split tasks only; got {held[0]} (split of a test set)")
     kinds = demo_kinds(len(tasks), imperfect, seed)
     out = []
     for i, (task, kind) in enumerate(zip(tasks, kinds)):
-        env = XRDEnv(task, tools=cfg.tools, style=getattr(cfg, "prompt_style", "auto"),
-                     max_tool_chars=getattr(cfg, "max_tool_chars", 2000))
+        env = XRDEnv.configured(task, settings, cfg)
         sol = baseline.solve(env.ctx).phases
         demo = plan_demo(env, cfg, kind, random.Random(f"{seed}-{i}"), sol)
         out.append(render_demo(env, tokenizer, cfg, demo))
     return out
 
 
-def write_demos(out_dir: str | Path, tasks: list, tokenizer: Any, cfg: Any, imperfect: float, seed: int,
-                per_shard: int = 64) -> dict:
+def write_demos(out_dir: str | Path, tasks: list, tokenizer: Any, settings: Any, cfg: Any, imperfect: float,
+                seed: int, per_shard: int = 64) -> dict:
     """Demonstrations as shards ``demos-NNNN.h5`` in ``out_dir`` (each published by rename); a summary."""
-    return write_demo_shards(out_dir, make_demos(tasks, tokenizer, cfg, imperfect, seed), per_shard)
+    return write_demo_shards(out_dir, make_demos(tasks, tokenizer, settings, cfg, imperfect, seed), per_shard)

@@ -15,9 +15,10 @@ Two prompt styles:
   number must be a listed candidate's position: an answer with any other number names nothing
   and scores 0, so a constant answer is right only on the tasks where it is (issue 31: with the
   nearest candidate instead, one constant answer scored 0.47 on the eval set).  A name (formula
-  or id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.
+  or id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.  The config key
+is ``xrd.prompt_style`` (``neon-hpc xrd eval --prompt-style``).
 
-Tools are ``neon_hpc.xrd.tools`` (``--tools full|minimal``); their errors come back as
+Tools are ``neon_hpc.xrd.tools`` (``xrd.tools``, ``--tools full|minimal``); their errors come back as
 ``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.xrd.grader.grade``.
 """
 
@@ -54,6 +55,12 @@ class XRDEnv:
         self.max_tool_chars = max_tool_chars if self.style == "full" else min(max_tool_chars, 240)
         self.ctx = make_context(task)
         self._candidates: list[tuple[str, str, float]] | None = None   # (id, formula, strongest 2theta)
+
+    @classmethod
+    def configured(cls, task: Any, settings: Any, rollout_cfg: Any) -> "XRDEnv":
+        """The episode environment as the config sets it: tools and prompt style from the ``xrd``
+        section (``settings``), the tool text clip from the rollout section."""
+        return cls(task, tools=settings.tools, style=settings.prompt_style, max_tool_chars=rollout_cfg.max_tool_chars)
 
     # --- prompts -----------------------------------------------------------------------
     def system_text(self) -> str:

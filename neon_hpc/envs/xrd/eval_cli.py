@@ -33,15 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from neon_hpc.constraints import errors
+from neon_hpc.envs.base import ConfiguredEnv
 from neon_hpc.envs.xrd import PLUGIN
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
 from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
 from neon_hpc.rollout.agent.group import as_environment, run_episode
-from neon_hpc.rollout.agent.report import markdown_table, summarize
+from neon_hpc.envs.xrd.report import markdown_table, summarize
 from neon_hpc.rollout.config import RolloutConfig
 from neon_hpc.xrd import evaluate
 from neon_hpc.xrd.baseline import THRESHOLD_GRID
+from neon_hpc.xrd.config import XRDConfig
 from neon_hpc.xrd.real import load_real_tasks
 from neon_hpc.xrd.tasks import load_tasks
 
@@ -84,18 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rollout_config(args) -> RolloutConfig:
-    cfg = RolloutConfig(tools=args.tools, temperature=args.temperature, replay_mode="off",
-                        request_retries=args.retries)
+    cfg = RolloutConfig(temperature=args.temperature, replay_mode="off", request_retries=args.retries)
     if args.preset != "tiny":   # real models need room: more turns, longer outputs
-        cfg = replace(cfg, max_turns=12, max_new_tokens=1024, max_total_tokens=32768, prompt_style="full")
+        cfg = replace(cfg, max_turns=12, max_new_tokens=1024, max_total_tokens=32768)
     for field, value in (("max_turns", args.max_turns), ("max_new_tokens", args.max_new_tokens),
-                         ("max_total_tokens", args.max_total_tokens), ("prompt_style", args.prompt_style)):
-        if value is not None and value != "auto":
+                         ("max_total_tokens", args.max_total_tokens)):
+        if value is not None:
             cfg = replace(cfg, **{field: value})
-    errs = errors(cfg)
+    return _checked(cfg)
+
+
+def xrd_settings(args) -> XRDConfig:
+    """The ``xrd`` section the episodes are built with: ``--tools``, and ``--prompt-style`` (auto:
+    compact for the tiny preset, full for any other ``--preset``, whatever a task's own preset)."""
+    style = args.prompt_style if args.prompt_style != "auto" else ("auto" if args.preset == "tiny" else "full")
+    return _checked(XRDConfig(tools=args.tools, prompt_style=style))
+
+
+def _checked(section):
+    errs = errors(section)
     if errs:
         raise SystemExit(f"neon-hpc xrd eval: {errs[0][0]}: {errs[0][1]}")
-    return cfg
+    return section
 
 
 def detect_api(endpoint: str) -> str:
@@ -175,9 +187,9 @@ def protocol_thresholds(args, tasks: list, cache: dict) -> tuple[list[dict | Non
     return rows, info
 
 
-def environment(task, cfg, threshold: dict | None):
+def environment(task, xrd: ConfiguredEnv, cfg, threshold: dict | None):
     """The task's XRDEnv, its fit_phases at the protocol's threshold (None: the a-priori one)."""
-    env = PLUGIN.environment(task, cfg)
+    env = xrd.environment(task, cfg)
     if threshold is not None:
         env.ctx.detection_z_min = threshold["z_min"]
     return env
@@ -234,7 +246,8 @@ def truth_text(task: Any) -> str:
         return repr(truth)
 
 
-def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None = None) -> tuple[list[dict], dict]:
+def run_split(args, split: str, cfg: RolloutConfig, xrd: ConfiguredEnv, api: str,
+              cache: dict | None = None) -> tuple[list[dict], dict]:
     tasks = load_split_tasks(args, split)
     thresholds, info = protocol_thresholds(args, tasks, {} if cache is None else cache)
     threshold_of = {id(t): th for t, th in zip(tasks, thresholds)}
@@ -250,7 +263,7 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None
     def one(task):
         threshold = threshold_of[id(task)]
         try:
-            rec = work(environment(task, cfg, threshold))
+            rec = work(environment(task, xrd, cfg, threshold))
         except Exception as e:  # noqa: BLE001 - one failed episode is a recorded failure, not a crash
             rec = {"task_id": str(getattr(task, "task_id", getattr(task, "id", "?"))), "success": 0.0,
                    "dense": 0.0, "turns": 0, "tokens": 0, "gen_tokens": 0, "phase_f1": None,
@@ -281,7 +294,7 @@ def run_split(args, split: str, cfg: RolloutConfig, api: str, cache: dict | None
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = rollout_config(args)
+    cfg, xrd = rollout_config(args), PLUGIN.bind(xrd_settings(args))
     splits = [s.strip() for s in args.split.split(",") if s.strip()]
     for s in splits:
         if s not in SPLITS + ("real",):
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries, records, protocol = {}, [], {}
     cache: dict = {}
     for split in splits:
-        recs, protocol[split] = run_split(args, split, cfg, api, cache)
+        recs, protocol[split] = run_split(args, split, cfg, xrd, api, cache)
         summaries[split] = summarize(recs)
         records += recs
     out = Path(args.out)

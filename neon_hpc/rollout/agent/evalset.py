@@ -1,13 +1,13 @@
 """A fixed eval set on published weights: greedy episodes of held-out tasks, graded.
 
-``evaluate_weights(weights_dir, tasks, tokenizer, rollout_cfg, model_cfg, env=plugin)`` serves the folder
-(``weights/v_N``, HF safetensors as the trainer publishes them) on an embedded engine in this
-process and plays one episode per task through the agent loop (:func:`run_episode`: the same
+``evaluate_weights(weights_dir, tasks, tokenizer, rollout_cfg, model_cfg, env=envs.configured(cfg))``
+serves the folder (``weights/v_N``, HF safetensors as the trainer publishes them) on an embedded
+engine in this process and plays one episode per task through the agent loop (:func:`run_episode`: the same
 template, tools, limits and forced answer as the RL rollouts) at temperature 0, so the same
 weights on the same tasks give the same answers. Routes are not requested (nothing trains on
 these episodes). The tasks come from the environment's task source (``env.kind``'s plugin,
-``neon_hpc/envs/``): ``eval.num_tasks`` held-out tasks of ``eval.split`` (a test split: never the
-train tasks RL samples) with ``eval.seed`` (:func:`eval_tasks`; XRD: of ``xrd.preset``).
+``neon_hpc/envs/``): ``eval.num_tasks`` held-out tasks of ``eval.split`` (one of the environment's
+held-out splits: never the train tasks RL samples) with ``eval.seed`` (:func:`eval_tasks`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from neon_hpc.envs.base import EnvPlugin, TaskSource
+from neon_hpc.envs.base import ConfiguredEnv, TaskSource
 from neon_hpc.rollout.agent.group import run_episode
 from neon_hpc.rollout.engines.client import EngineClient
 
@@ -36,7 +36,7 @@ def greedy(rollout_cfg: Any) -> Any:
 
 
 def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollout_cfg: Any, model_cfg: Any,
-                     *, env: EnvPlugin, concurrency: int = 16) -> dict:
+                     *, env: ConfiguredEnv, concurrency: int = 16) -> dict:
     """Success and dense reward of greedy episodes of ``tasks`` (environments by ``env``) on the weights in
     ``weights_dir``."""
     # deferred: heavy (neon_hpc.rollout.engines.embedded: torch; importing this module does not load it)

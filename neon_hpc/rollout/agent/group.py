@@ -6,24 +6,26 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from neon_hpc.envs.base import EnvPlugin
+from neon_hpc.envs.base import ConfiguredEnv
 from neon_hpc.rollout.agent.episode import Episode
 
 
-def as_environment(task: Any, cfg: Any, env: EnvPlugin | None = None):
+def as_environment(task: Any, cfg: Any, env: ConfiguredEnv | None = None):
     """The episode's environment: an object that already is one passes; a task becomes one through
-    its plugin ``env`` (:func:`neon_hpc.envs.get` of the config's ``env.kind``)."""
+    its plugin bound to the plugin's config section, ``env`` (:func:`neon_hpc.envs.configured` of the
+    experiment config: ``env.kind`` and, for XRD, the ``xrd`` section)."""
     if hasattr(task, "run_tool") and hasattr(task, "grade"):
         return task
     if env is None:
         raise TypeError(f"{type(task).__name__} {getattr(task, 'id', '')!s} is a task, not an environment: "
-                        f"pass env=neon_hpc.envs.get(KIND) (the config's env.kind) to build its environment")
+                        f"pass env=neon_hpc.envs.configured(cfg) (the config's env.kind and its section) "
+                        f"to build its environment")
     return env.environment(task, cfg)
 
 
 def run_episode(client: Any, task: Any, tokenizer: Any, cfg: Any,
                 version_of: Callable[[str], int] = int, group_id: str = "", seed: int | None = None,
-                env: EnvPlugin | None = None):
+                env: ConfiguredEnv | None = None):
     """Run one episode against an SGLang-compatible engine client; returns a ``Trajectory``."""
     ep = Episode(client, as_environment(task, cfg, env), tokenizer, cfg, version_of=version_of, seed=seed).run()
     return ep.trajectory(group_id=group_id, reward_key=getattr(cfg, "reward", "dense"))
@@ -31,7 +33,7 @@ def run_episode(client: Any, task: Any, tokenizer: Any, cfg: Any,
 
 def run_group(client: Any, task: Any, tokenizer: Any, cfg: Any, group_size: int | None = None,
               version_of: Callable[[str], int] = int, seed: int | None = None,
-              env: EnvPlugin | None = None) -> list:
+              env: ConfiguredEnv | None = None) -> list:
     """``group_size`` episodes of one task, concurrently (the engine batches them), one group id."""
     g = cfg.group_size if group_size is None else group_size
     if g < 1:

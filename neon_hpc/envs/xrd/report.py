@@ -1,4 +1,5 @@
-"""Evaluation report: success rate with a 95% interval, phase F1, weight MAE, cost per solve.
+"""The XRD agent evaluation's report (``neon-hpc xrd eval --endpoint``, :mod:`.eval_cli`): success
+rate with a 95% interval, phase F1, weight MAE, cost per solve.
 
 Pure arithmetic over per-episode records (dicts), so it is tested on plain numbers.  A record
 has: ``success`` (0/1), ``dense``, ``turns``, ``tokens`` (total), ``gen_tokens``,
