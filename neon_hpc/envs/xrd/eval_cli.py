@@ -45,9 +45,8 @@ from neon_hpc.xrd import evaluate
 from neon_hpc.xrd.baseline import THRESHOLD_GRID
 from neon_hpc.xrd.config import XRDConfig
 from neon_hpc.xrd.real import load_real_tasks
-from neon_hpc.xrd.tasks import load_tasks
+from neon_hpc.xrd.tasks import SPLITS, load_tasks
 
-SPLITS = ("train", "test_id", "test_ood", "test_temporal")
 PROTOCOLS = ("fixed", "loo", "fit-on-train")
 
 
