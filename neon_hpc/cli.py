@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
     "xrd": ("neon_hpc.envs.xrd.cli", "the XRD environment: library, tasks, baseline solver, agent evaluation"),
     "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
-    "balance": ("neon_hpc.balance.cli", "cost model calibration and planner dry runs"),
+    "balance": ("neon_hpc.balance.cli", "cost model calibration and balancing dry runs"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
     "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
 }

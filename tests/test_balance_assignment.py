@@ -1,4 +1,4 @@
-"""The planner: packing under the cap, exact coverage, split placement, CP zigzag,
+"""The balancer (assign_step): packing under the cap, exact coverage, split placement, CP zigzag,
 determinism across processes, the baselines and the pipeline time model."""
 
 import json
@@ -35,10 +35,10 @@ def coverage(asg):
     return {s: sorted(v) for s, v in out.items()}
 
 
-@pytest.mark.parametrize("planner", ["cost", "tokenkk", "flopkk", "sequential"])
-def test_every_token_assigned_exactly_once(planner):
+@pytest.mark.parametrize("method", ["cost", "tokenkk", "flopkk", "sequential"])
+def test_every_token_assigned_exactly_once(method):
     L = mixture(300, seed=1)
-    asg = assign_step(L, dp=16, pp_microbatches=4, token_cap=131072, cost=KIMI_COST, planner=planner)
+    asg = assign_step(L, dp=16, pp_microbatches=4, token_cap=131072, cost=KIMI_COST, method=method)
     cov = coverage(asg)
     assert sorted(cov) == list(range(len(L)))
     for s, spans in cov.items():
@@ -177,7 +177,7 @@ def test_cost_planner_beats_token_kk_on_the_long_tail():
 
 def test_sequential_baseline_keeps_contiguous_blocks():
     L = [10] * 12
-    asg = assign_step(L, dp=3, token_cap=1000, planner="sequential", shadow=False)
+    asg = assign_step(L, dp=3, token_cap=1000, method="sequential", shadow=False)
     assert [[p.seq for mb in mbs for p in mb] for mbs in asg.ranks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert asg.shadow == {}
 
@@ -208,8 +208,8 @@ def test_check_assignment_catches_a_missing_and_a_doubled_token():
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="dp"):
         assign_step([1, 2], dp=0)
-    with pytest.raises(ValueError, match="unknown planner 'greedy'"):
-        assign_step([1, 2], dp=1, planner="greedy")
+    with pytest.raises(ValueError, match="unknown method 'greedy'"):
+        assign_step([1, 2], dp=1, method="greedy")
     with pytest.raises(ValueError, match=r"lengths\[1\] is negative"):
         assign_step([1, -2], dp=1)
 

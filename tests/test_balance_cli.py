@@ -68,7 +68,7 @@ SHAPE = ["--set", "model.hidden_size=256", "--set", "model.head_dim=64", "--set"
 
 def test_calibrate_times_the_trainers_step_and_measures_its_memory(tmp_path):
     """The real trainer step (megatron-core, CPU here): positive coefficients, the device and
-    kernels recorded, a memory block the planner then uses."""
+    kernels recorded, a memory block the capacity planner then uses."""
     out = tmp_path / "cost.json"
     r = run("balance", "calibrate", "--lengths", "64,256,512,1024", "--repeats", "1", "--out", str(out), *SHAPE,
             check=False)
@@ -91,7 +91,7 @@ def test_calibrate_times_the_trainers_step_and_measures_its_memory(tmp_path):
     assert peak[(4, 1024)] > peak[(2, 1024)] > peak[(2, 256)]
     assert mem["bytes_per_token_per_layer"] > 0 and mem["per_hidden"] == mem["bytes_per_token_per_layer"] / 256
     assert mem["element_bytes"] == 4 and mem["recompute"] == "none" and "RSS" in mem["method"]
-    # the planner reads it: measured coefficients, and they decide the fit (a GPU sized between
+    # the capacity planner reads it: measured coefficients, and they decide the fit (a GPU sized between
     # the states plus half the measured activations and the states plus all of them)
     from neon_hpc.plan import report
     from neon_hpc.plan.params import from_experiment
@@ -133,7 +133,7 @@ def test_setup_extras_are_the_configs_precision_and_recompute():
     assert setup_extras(t) == {"precision": "bf16", "recompute": "full"}
 
 
-def test_dry_run_prints_every_planner_and_json_assignment(tmp_path):
+def test_dry_run_prints_every_method_and_json_assignment(tmp_path):
     r = run("balance", "dry-run", "--lengths", "900,12000,300,4000,70000,2500", "--dp", "2",
             "--token-cap", "65536")
     for name in ("cost", "tokenkk", "flopkk", "sequential"):

@@ -1,4 +1,4 @@
-"""The planner's pipeline time model (balance/pipeline.py): 1F1B and megatron's interleaved
+"""The balancer's pipeline time model (balance/pipeline.py): 1F1B and megatron's interleaved
 schedule, checked against a closed form and an event-by-event play of the schedule's order,
 whose order is checked against megatron-core's own schedule table and warm-up counts."""
 
@@ -88,7 +88,7 @@ def test_interleaving_shortens_the_bubble_and_the_floor_holds():
     assert 0.9 <= min(ratios[2]) and max(ratios[2]) <= 2.0
 
 
-def test_planner_scores_with_virtual_stages():
+def test_assign_step_scores_with_virtual_stages():
     lens = [300, 500, 800, 1200, 2500, 4000, 700, 900, 350, 6000, 450, 1500]
     plain = assign_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True)
     inter = assign_step(lens, dp=2, pp_microbatches=4, pp_stages=4, cost=COST, token_cap=8192, shadow=True, vpp=2)

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neon_hpc.balance import CostModel, check_assignment, assign_step
-from neon_hpc.balance.planners import REFINE_TOLERANCE
+from neon_hpc.balance.methods import REFINE_TOLERANCE
 
 COSTS = [CostModel(a=1.9e11, b=3.75e6),        # Kimi-K2 class: crossover at ~51k tokens
          CostModel(a=1.0, b=1e-3),             # attention-heavy: crossover at 1k tokens
@@ -41,7 +41,7 @@ def test_never_worse_than_token_kk_and_always_a_valid_assignment(args):
     asg = assign_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost)
     check_assignment(asg)
     tokenkk = assign_step(lens, dp=dp, pp_microbatches=pp, cp=cp, token_cap=cap, cost=cost,
-                        planner="tokenkk", shadow=False)
+                        method="tokenkk", shadow=False)
     assert tokenkk.makespan == asg.shadow["tokenkk"]
     if len(tokenkk.oversize) <= len(asg.oversize):
         assert asg.makespan <= tokenkk.makespan * (1 + 1e-9)
@@ -58,7 +58,7 @@ def test_never_worse_than_token_kk_and_always_a_valid_assignment(args):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 50000), min_size=1, max_size=60), st.sampled_from([1, 2, 5, 8]))
 def test_core_planner_alone_never_loses_to_token_kk_when_it_has_enough_sequences(lens, dp):
-    # with at least two sequences per rank the core planner (splits + LPT + moves) is compared
+    # with at least two sequences per rank the core method (splits + LPT + moves) is compared
     # directly, without falling back to the KK candidates
     if len(lens) < 2 * dp:
         lens = lens * (2 * dp // len(lens) + 1)

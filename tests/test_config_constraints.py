@@ -285,6 +285,24 @@ def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
     assert "tools" not in config.to_dict(cfg)["rollout"] and "tools: minimal" in config.dump(cfg)
 
 
+def test_balance_planner_is_refused_naming_balance_method(tmp_path):
+    """balance.planner became balance.method ("planner" is the capacity planner's, neon_hpc/plan):
+    an old config or run.yaml that still sets it is refused with the new key (BalanceConfig.MOVED)."""
+    old = yaml.safe_load(TINY.read_text())
+    old.setdefault("balance", {})["planner"] = "tokenkk"
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump(old))
+    with pytest.raises(config.ConfigError) as ei:
+        config.load(run_yaml)
+    assert f"{run_yaml}: balance.planner: moved to balance.method; set it there" in str(ei.value).splitlines()
+    with pytest.raises(config.ConfigError, match=r"\(with --set balance.planner=cost\): balance.planner: moved to "
+                                                 r"balance.method; set it there"):
+        config.load(TINY, ["balance.planner=cost"])
+    cfg = config.load(TINY, ["balance.method=tokenkk"])                  # the new home takes it
+    assert cfg.balance.method == "tokenkk" and not cfg.balance.splits
+    assert "planner" not in config.to_dict(cfg)["balance"] and "method: tokenkk" in config.dump(cfg)
+
+
 def test_moved_naming_a_field_is_a_programming_error():
     with pytest.raises(TypeError, match="MOVED names steps: still fields of Stays"):
         @constraints.section

@@ -32,7 +32,7 @@ def balanced_case() -> Sourced:
                   tool_tokens_per_turn=0, tail_fraction=0.0, decode_tokens_per_s=10.0, replay_mode="off",
                   model_bytes=0.0, trajectories_per_step=720, cost_a=2.5e7, cost_b=0.0, gpu_flops=1e9, mfu=1.0,
                   step_overhead_s=0.0, max_staleness=1000, backpressure_steps=2, steps=30,
-                  planner="sequential")
+                  balance_method="sequential")
     return Sourced(p)
 
 

@@ -9,7 +9,7 @@ run: 3 layers over PP=2 (2 + 1, like Kimi's 7 x 8 + 5), EP=2, TP=1, 4 ranks.  As
 it runs Kimi's architecture shrunk (the tiny DeepSeek-V3 of ``configs/tiny_dsv3_cpu.yaml``:
 MLA, a dense first layer on stage 0 beside a MoE layer, a shared expert) with the example's
 context parallelism (a CP pair cutting documents into early/late chunks when it has CP > 1,
-else a DP pair); a second case runs the tiny qwen3_moe with a DP pair (the cost planner may
+else a DP pair); a second case runs the tiny qwen3_moe with a DP pair (the cost method may
 cut a sequence across it) in the CP pair's place.
 Each trains the same data as one process to 1e-5 (losses and gradient norms), then its
 checkpoint resumes in one process (PP 2 -> 1, EP 2 -> 1, CP or DP 2 -> 1) and continues its
@@ -231,7 +231,7 @@ def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path
         assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5, abs=1e-7)
         assert got[s]["grad_norm"] == pytest.approx(want[s]["grad_norm"], rel=1e-5)
         assert got[s]["replay_docs_missing"] == 0 and got[s]["replayed_microbatches"] >= 1
-        assert got[s]["plan"]["cp"] == cp and got[s]["plan"]["pp_stages"] == 2
+        assert got[s]["assignment"]["cp"] == cp and got[s]["assignment"]["pp_stages"] == 2
         if cp > 1:
             assert got[s]["exchanged_microbatches"] >= 1    # documents cut over the CP pair
     # PP 2 -> 1, CP 2 -> 1, EP 2 -> 1: the torch_dist checkpoint reshards into one process

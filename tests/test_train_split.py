@@ -1,9 +1,9 @@
 """Split sequences and context parallelism in the real trainer (2 processes, gloo) against one process.
 
 The data set of ``test_train_loop`` (routes recorded, so router replay runs): CP=2 with
-zigzag-cut pieces, and DP=2 with the cost planner cutting sequences into uneven early/late
+zigzag-cut pieces, and DP=2 with the cost method cutting sequences into uneven early/late
 pieces across the two ranks, each train the same two steps as a 1-process run.  Plus the
-configured plan and the refusals: a planner that cannot split, a zigzag threshold below
+configured plan and the refusals: a method that cannot split, a zigzag threshold below
 ``2 * cp``, a balancer error stopping the step.
 """
 
@@ -49,7 +49,7 @@ def _records(run):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ("train.context_parallel=2", "balance.split_threshold_tokens=8"),      # zigzag pieces >= 8 tokens
-    ("train.data_parallel=2", "balance.tokens_per_microbatch=12"),          # cost planner splits across DP
+    ("train.data_parallel=2", "balance.tokens_per_microbatch=12"),          # cost method splits across DP
 ], ids=["cp2", "dp2_split"])
 def test_split_layouts_train_like_one_process(tmp_path, dataset, ref2, layout):  # noqa: F811
     run = new_run(tmp_path, dataset, "run", f"train.steps={STEPS}", *layout)
@@ -60,7 +60,7 @@ def test_split_layouts_train_like_one_process(tmp_path, dataset, ref2, layout): 
     assert all(r["exchanged_microbatches"] > 0 for r in recs), recs
     assert all(r["replay_docs_missing"] == 0 and r["replayed_microbatches"] > 0 for r in recs)
     if "train.data_parallel=2" in layout:
-        assert all(r["plan"]["split_sequences"] > 0 for r in recs)
+        assert all(r["assignment"]["split_sequences"] > 0 for r in recs)
     _assert_same_training(run, ref2)
 
 
@@ -85,8 +85,8 @@ def test_configured_plan_runs_split_pieces_on_the_ranks_it_names():
 
 
 @pytest.mark.parametrize("sets, key", [
-    (["balance.planner=tokenkk", "balance.split_sequences=true"], "balance.split_sequences"),
-    (["balance.planner=sequential", "balance.split_sequences=true"], "balance.split_sequences"),
+    (["balance.method=tokenkk", "balance.split_sequences=true"], "balance.split_sequences"),
+    (["balance.method=sequential", "balance.split_sequences=true"], "balance.split_sequences"),
     (["train.context_parallel=2", "balance.split_threshold_tokens=3"], "balance.split_threshold_tokens"),
     (["balance.split_threshold_tokens=64"], "balance.split_threshold_tokens"),
 ])
@@ -97,14 +97,14 @@ def test_config_check_refuses_what_the_trainer_cannot_run(sets, key):
 
 def test_split_default_follows_the_planner():
     assert C.load(None).balance.splits is True
-    assert C.load(None, ["balance.planner=tokenkk"]).balance.splits is False
+    assert C.load(None, ["balance.method=tokenkk"]).balance.splits is False
     assert C.load(None, ["balance.split_sequences=false"]).balance.splits is False
 
 
 def test_a_balancer_error_stops_the_step(tmp_path):
     from neon_hpc.train.loop import TrainerError, _assign
     cfg = C.load(None, [f"balance.cost_file={tmp_path / 'missing.json'}"])
-    with pytest.raises(TrainerError, match=r"balance\.planner='cost'.*missing\.json"):
+    with pytest.raises(TrainerError, match=r"balance\.method='cost'.*missing\.json"):
         _assign([5, 9, 3], 1, cfg)
     cfg = C.load(None, ["train.context_parallel=2", "train.data_parallel=1"])
     with pytest.raises(TrainerError, match=r"train\.context_parallel=2 does not divide"):

@@ -10,7 +10,7 @@ run asks for 3 micro-batches per step, which megatron's default group size (PP) 
 the group-size choice of ``balance.pipeline.microbatch_group_size`` is exercised.  Its step-2
 checkpoint resumes bit-exactly at PP=2 x V=2 and on the reference's losses at PP=1 and at
 PP=2 x V=1 (torch_dist resharding); its step-3 checkpoint reshards to the same HF bytes as
-its direct export.  With two data ranks per stage (world 4), split pieces (the cost planner
+its direct export.  With two data ranks per stage (world 4), split pieces (the cost method
 cutting sequences across DP=2, or zigzag pieces over CP=2) train the same losses and gradient
 norms inside the interleaved schedule.  Layouts that cannot interleave are refused by
 ``neon-hpc config check`` naming the key.
@@ -229,7 +229,7 @@ def test_reshard_reads_a_pp2_vpp2_checkpoint(tmp_path, runs):
 # interleaving with split sequences / CP (4 processes: PP=2 x V=2 x 2 data ranks)
 
 SPLIT_LAYOUTS = {
-    # the cost planner cuts the sequences over the 12-token cap into pieces on both DP ranks
+    # the cost method cuts the sequences over the 12-token cap into pieces on both DP ranks
     "dp2_split": ("train.data_parallel=2", "balance.tokens_per_microbatch=12"),
     # every piece of >= 8 tokens zigzagged over the CP pair
     "cp2": ("train.context_parallel=2", "balance.split_threshold_tokens=8"),
@@ -252,4 +252,4 @@ def test_pp2_vpp2_with_split_pieces_trains_the_reference(tmp_path, data, runs, n
         # summed over the two data ranks (a rank's empty slot replays nothing)
         assert r["replay_docs_missing"] == 0 and r["replayed_microbatches"] >= r["microbatches"], r
         if name == "dp2_split":
-            assert r["plan"]["split_sequences"] > 0 and r["plan"]["vpp"] == 2, r["plan"]
+            assert r["assignment"]["split_sequences"] > 0 and r["assignment"]["vpp"] == 2, r["assignment"]

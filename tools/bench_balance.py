@@ -5,8 +5,8 @@
    ``mixture``: 94% in 2k-8k with 6% in 64k-128k) for DP in {8, 64, 1024} and PP in
    {1, 4, 8}, ``--seqs-per-rank`` sequences per DP rank, a Kimi-K2-class cost model from the
    architecture (a = 1.9e11, b = 3.75e6 FLOPs), token cap 131072 (every sequence fits whole,
-   so the baselines are feasible).  Prints each planner's makespan relative to ours, ours'
-   imbalance (max/mean rank time) and planner wall time.
+   so the baselines are feasible).  Prints each method's makespan relative to ours, ours'
+   imbalance (max/mean rank time) and method wall time.
 2. Planner speed: 10k sequences (mixture) over 1,024 DP ranks, ours alone (no shadow).
 3. Measured: the mixture scaled down by ``--scale`` (default 32: 64-256 tokens with a 6% tail
    of 2k-4k, token cap 4096) over ``--measure-dp`` ranks, planned with a cost model
@@ -19,7 +19,7 @@
    (attention weighs somewhat more here than there).
 
 Last line: ``RESULT balance_predicted_speedup_vs_tokenkk=... balance_measured_speedup_vs_tokenkk=...
-balance_imbalance=... planner_s_10k_1024=...`` (predicted numbers: mixture, DP=64, PP=1).
+balance_imbalance=... method_s_10k_1024=...`` (predicted numbers: mixture, DP=64, PP=1).
 """
 
 from __future__ import annotations
@@ -72,14 +72,14 @@ def predicted(args, cost: CostModel) -> dict:
                 ratios = {b: asg.shadow[b] / asg.makespan for b in BASELINES}
                 tk_imb = asg.shadow_imbalance["tokenkk"]
                 rows[(kind, dp, pp)] = dict(imbalance=asg.imbalance, ratios=ratios,
-                                            tokenkk_imbalance=tk_imb, planner_s=asg.planner_s)
+                                            tokenkk_imbalance=tk_imb, method_s=asg.method_s)
                 say(f"{kind:<10}{dp:>5}{pp:>3}  {asg.imbalance:>8.4f}  "
                     + "".join(f"{ratios[b]:>10.3f}x" for b in BASELINES)
-                    + f"  {tk_imb:>11.3f}{len(asg.split_sequences()):>7}{asg.planner_s:>8.3f}")
+                    + f"  {tk_imb:>11.3f}{len(asg.split_sequences()):>7}{asg.method_s:>8.3f}")
     return rows
 
 
-def planner_speed(args, cost: CostModel) -> tuple[float, float, float]:
+def method_speed(args, cost: CostModel) -> tuple[float, float, float]:
     """Wall and CPU seconds (best of 3) for 10k sequences over 1024 ranks, ours alone."""
     L = lengths("mixture", 10_000, args.seed + 1)
     wall = cpu = float("inf")
@@ -88,7 +88,7 @@ def planner_speed(args, cost: CostModel) -> tuple[float, float, float]:
         asg = assign_step(L, dp=1024, pp_microbatches=1, token_cap=131072, cost=cost, shadow=False)
         wall = min(wall, time.perf_counter() - t0)
         cpu = min(cpu, time.process_time() - c0)
-    say(f"== planner: 10k sequences over 1024 DP ranks in {wall:.3f} s wall, {cpu:.3f} s CPU "
+    say(f"== cost method: 10k sequences over 1024 DP ranks in {wall:.3f} s wall, {cpu:.3f} s CPU "
         f"(best of 3, shadow off); imbalance {asg.imbalance:.4f}")
     return wall, cpu, asg.imbalance
 
@@ -114,10 +114,10 @@ def measured(args) -> dict:
         f"dp={dp}, cap={cap}")
     out = {}
     for pp in args.measure_pps:
-        asgs = {name: assign_step(L, dp=dp, pp_microbatches=pp, token_cap=cap, cost=cm, planner=name,
+        asgs = {name: assign_step(L, dp=dp, pp_microbatches=pp, token_cap=cap, cost=cm, method=name,
                                  shadow=False) for name in ("cost", "tokenkk", "flopkk")}
         mb_times = {name: [[0.0] * p.num_microbatches for _ in range(dp)] for name, p in asgs.items()}
-        # interleave planners rank by rank so that drift on a shared machine hits all alike
+        # interleave methods rank by rank so that drift on a shared machine hits all alike
         for r in range(dp):
             for name, asg in asgs.items():
                 for j, mb in enumerate(asg.ranks[r]):
@@ -163,14 +163,14 @@ def main(argv=None) -> int:
     cost = CostModel.from_model_config(ModelConfig(**KIMI), **KIMI_MLA)
     say(f"Kimi-K2-class cost model: a={cost.a:.3g} FLOPs/token, b={cost.b:.3g} FLOPs/pair")
     rows = predicted(args, cost)
-    speed, speed_cpu, imb_10k = planner_speed(args, cost)
+    speed, speed_cpu, imb_10k = method_speed(args, cost)
     head = rows.get(("mixture", 64, 1)) or rows[next(k for k in rows if k[0] == "mixture")]
     worst_imb = max(r["imbalance"] for r in rows.values())
     say(f"ours: worst imbalance over all predicted configs {worst_imb:.4f}")
     result = dict(balance_predicted_speedup_vs_tokenkk=head["ratios"]["tokenkk"],
                   balance_measured_speedup_vs_tokenkk=float("nan"),
-                  balance_imbalance=head["imbalance"], planner_s_10k_1024=speed,
-                  planner_cpu_s_10k_1024=speed_cpu, balance_imbalance_10k_1024=imb_10k,
+                  balance_imbalance=head["imbalance"], method_s_10k_1024=speed,
+                  method_cpu_s_10k_1024=speed_cpu, balance_imbalance_10k_1024=imb_10k,
                   balance_imbalance_worst=worst_imb)
     if not args.skip_measure:
         m = measured(args)

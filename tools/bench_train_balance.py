@@ -7,14 +7,14 @@
 piece attention with the K/V exchange, megatron DDP and optimizer) on one long-tail step:
 most sequences ``--short`` tokens, about 6% of ``--long`` tokens.  Both layouts are the same
 N processes (CP ranks are megatron DP ranks; only the plan differs), so every
-(layout, planner) pair runs the same data on the same weights, interleaved, ``--reps`` times.
+(layout, method) pair runs the same data on the same weights, interleaved, ``--reps`` times.
 
 1. Calibrate: the trainer's step on single sequences and packed short documents (every
    rank the same micro-batch), fitted with ``balance.calibrate.fit_microbatches``; written
    as a cost file that every plan then reads through ``balance.cost_file``.
-2. Measure: per (layout, planner, rep) one ``train_step``; the step time is the slowest
+2. Measure: per (layout, method, rep) one ``train_step``; the step time is the slowest
    rank's forward/backward time from the trainer's own timers, the median over reps is
-   reported; the planner's predicted makespan is printed beside it.  ``--clock cpu``
+   reported; the method's predicted makespan is printed beside it.  ``--clock cpu``
    (default) takes the CPU-time timer (``fwd_bwd_cpu_s_max``: on a shared machine wall time
    mostly measures the neighbours); ``--clock wall`` the wall-clock one (``fwd_bwd_s_max``,
    which also counts a rank waiting for its peer in the K/V exchange).  Both tables print.
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-PLANNERS = ("cost", "tokenkk", "sequential")
+METHODS = ("cost", "tokenkk", "sequential")
 
 
 def layouts(ranks: int) -> dict[str, list[str]]:
@@ -142,21 +142,21 @@ def worker(args) -> None:
     import torch.distributed as dist
     dist.barrier()
 
-    # 2. the step, every (layout, planner) interleaved, reps times
+    # 2. the step, every (layout, method) interleaved, reps times
     lengths = step_lengths(args.seqs, args.seed, scale=args.scale)
     trajs = trajectories(lengths, seed=args.seed)
     rows = []
     for rep in range(args.reps):
         for lay_name, lay_sets in lays.items():
-            for planner in PLANNERS[rep % 3:] + PLANNERS[:rep % 3]:   # rotate: no planner always first
-                split = "true" if planner == "cost" else "false"
-                cfg = C.load(None, base + lay_sets + [f"balance.planner={planner}",
+            for method in METHODS[rep % 3:] + METHODS[:rep % 3]:   # rotate: no method always first
+                split = "true" if method == "cost" else "false"
+                cfg = C.load(None, base + lay_sets + [f"balance.method={method}",
                                                        f"balance.split_sequences={split}",
                                                        f"balance.tokens_per_microbatch={args.cap}",
                                                        f"balance.cost_file={cost_file}"])
                 data = prepare_step(trajs, be.layout.dp, TrainerSections.of(cfg))
                 m = train_step(be, data, lcfg)
-                rows.append(dict(rep=rep, layout=lay_name, planner=planner, wall_s=m["fwd_bwd_s_max"],
+                rows.append(dict(rep=rep, layout=lay_name, method=method, wall_s=m["fwd_bwd_s_max"],
                                  wall_mean_s=m["fwd_bwd_s_mean"], cpu_s=m["fwd_bwd_cpu_s_max"],
                                  cpu_mean_s=m["fwd_bwd_cpu_s_mean"], predicted_s=data.balance["makespan"],
                                  predicted_imbalance=data.balance["imbalance"],
@@ -164,7 +164,7 @@ def worker(args) -> None:
                                  exchanged=m["exchanged_microbatches"]))
                 if rank == 0:
                     r = rows[-1]
-                    say(f"rep {rep} {lay_name:4s} {planner:10s} wall {r['wall_s']:.3f}s (mean rank "
+                    say(f"rep {rep} {lay_name:4s} {method:10s} wall {r['wall_s']:.3f}s (mean rank "
                         f"{r['wall_mean_s']:.3f}s) cpu {r['cpu_s']:.3f}s (mean {r['cpu_mean_s']:.3f}s) "
                         f"predicted {r['predicted_s']:.3f}s "
                         f"mbs {r['microbatches']} split {r['split']} exchanged {r['exchanged']}")
@@ -180,20 +180,20 @@ def worker(args) -> None:
 def summarise(res: dict, clock: str = "cpu") -> str:
     rows = [dict(r, measured_s=r[f"{clock}_s"], mean_s=r[f"{clock}_mean_s"]) for r in res["rows"]]
 
-    def med(layout, planner, key):
-        return float(np.median([r[key] for r in rows if r["layout"] == layout and r["planner"] == planner]))
+    def med(layout, method, key):
+        return float(np.median([r[key] for r in rows if r["layout"] == layout and r["method"] == method]))
 
-    lines = ["| layout | planner | measured step (s) | predicted (s) | measured vs cost | predicted vs cost "
+    lines = ["| layout | method | measured step (s) | predicted (s) | measured vs cost | predicted vs cost "
              "| slowest/mean rank |", "|---|---|---|---|---|---|---|"]
     result, extra = {}, {}
     ranks = res.get("ranks", 2)
     lays = layouts(ranks)
     for layout in lays:
         c_meas, c_pred = med(layout, "cost", "measured_s"), med(layout, "cost", "predicted_s")
-        for planner in PLANNERS:
-            m, p = med(layout, planner, "measured_s"), med(layout, planner, "predicted_s")
-            imb = m / med(layout, planner, "mean_s")
-            lines.append(f"| {layout} | {planner} | {m:.3f} | {p:.3f} | {m / c_meas:.2f}x | {p / c_pred:.2f}x "
+        for method in METHODS:
+            m, p = med(layout, method, "measured_s"), med(layout, method, "predicted_s")
+            imb = m / med(layout, method, "mean_s")
+            lines.append(f"| {layout} | {method} | {m:.3f} | {p:.3f} | {m / c_meas:.2f}x | {p / c_pred:.2f}x "
                          f"| {imb:.3f} |")
         pre = "" if layout == f"dp{ranks}" else f"{layout}_"
         sp_tk = med(layout, "tokenkk", "measured_s") / c_meas

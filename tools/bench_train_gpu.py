@@ -129,7 +129,7 @@ class Trainer:
         from neon_hpc.train.sections import TrainerSections
 
         exp = C.load(REPO / "configs" / "tiny_cpu.yaml")
-        # one micro-batch per step, as the reference runs it (the cost planner keeps headroom under the cap)
+        # one micro-batch per step, as the reference runs it (the cost method keeps headroom under the cap)
         exp = dataclasses.replace(exp, model=cfg,
                                   balance=dataclasses.replace(exp.balance, tokens_per_microbatch=2 * max_tokens,
                                                               min_microbatches=1, shadow=False))

@@ -50,7 +50,7 @@ Microbatch = list  # list[Piece]
 
 @dataclass
 class StepAssignment:
-    planner: str
+    method: str
     lengths: tuple[int, ...]
     cost: CostModel
     dp: int
@@ -62,11 +62,11 @@ class StepAssignment:
     rank_time: list[float] = field(default_factory=list)
     makespan: float = 0.0
     imbalance: float = 1.0
-    shadow: dict[str, float] = field(default_factory=dict)          # other planner -> makespan
-    shadow_imbalance: dict[str, float] = field(default_factory=dict)  # other planner -> max/mean
+    shadow: dict[str, float] = field(default_factory=dict)          # other method -> makespan
+    shadow_imbalance: dict[str, float] = field(default_factory=dict)  # other method -> max/mean
     oversize: list[int] = field(default_factory=list)   # sequences in a micro-batch over the cap
-    chosen_from: str = ""                                # which candidate won (cost planner)
-    planner_s: float = 0.0
+    chosen_from: str = ""                                # which candidate won (cost method)
+    method_s: float = 0.0
     images: tuple[int, ...] | None = None
     vpp: int = 1                                         # virtual pipeline stages (model chunks per stage)
 
@@ -104,19 +104,19 @@ class StepAssignment:
         from neon_hpc.balance.cp import cp_shards  # deferred: cycle (neon_hpc.balance.cp imports this module)
         return cp_shards(self.ranks[r][j], self.cost, self.cp, self.cp_split_threshold, self.images)
 
-    def speedup_vs(self, planner: str) -> float:
-        return self.shadow[planner] / self.makespan if self.makespan else 1.0
+    def speedup_vs(self, method: str) -> float:
+        return self.shadow[method] / self.makespan if self.makespan else 1.0
 
     def summary(self) -> dict:
         """Small JSON-able record for metrics.jsonl."""
         return {
-            "planner": self.planner, "chosen_from": self.chosen_from, "dp": self.dp,
+            "method": self.method, "chosen_from": self.chosen_from, "dp": self.dp,
             "pp_stages": self.pp_stages, "vpp": self.vpp, "cp": self.cp, "token_cap": self.token_cap,
             "microbatches": self.num_microbatches, "sequences": len(self.lengths),
             "split_sequences": len(self.split_sequences()), "oversize": list(self.oversize),
             "makespan": self.makespan, "imbalance": self.imbalance,
             "shadow": dict(self.shadow), "shadow_imbalance": dict(self.shadow_imbalance),
-            "planner_s": self.planner_s,
+            "method_s": self.method_s,
         }
 
     def to_dict(self) -> dict:

@@ -4,7 +4,7 @@
                                [--no-memory] [--stand-in]
     neon-hpc balance dry-run [CONFIG] [--set k=v] (--lengths 900,12000,... | --lengths-file F |
                              --synthetic mixture:512) [--dp N --pp N --cp N --token-cap N]
-                             [--planner cost] [--cost-file cost.json] [--json]
+                             [--method cost] [--cost-file cost.json] [--json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv: list[str], trainer_step=None) -> int:
     """``trainer_step()`` -> the module that runs the trainer's own step
     (``neon_hpc.train.calibrate``), handed in by ``neon_hpc/cli.py``: a service must not import
     the trainer (tests/test_layers.py)."""
-    p = argparse.ArgumentParser(prog="neon-hpc balance", description="cost model calibration and planner dry runs")
+    p = argparse.ArgumentParser(prog="neon-hpc balance", description="cost model calibration and balancing dry runs")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("calibrate", help="fit a and b to measured forward+backward times of the model's shape")
@@ -43,7 +43,7 @@ def main(argv: list[str], trainer_step=None) -> int:
                    help="time the plain-torch stand-in of the model's shape (balance/measure.py) instead of the "
                         "trainer's step (seconds on CPU; no memory block)")
 
-    d = sub.add_parser("dry-run", help="assign one step from lengths and print every planner's prediction")
+    d = sub.add_parser("dry-run", help="assign one step from lengths and print every method's prediction")
     _config_args(d)
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="comma-separated sequence lengths")
@@ -54,7 +54,7 @@ def main(argv: list[str], trainer_step=None) -> int:
     d.add_argument("--pp", type=int, help="pipeline stages (and fewest micro-batches per rank)")
     d.add_argument("--cp", type=int)
     d.add_argument("--token-cap", type=int)
-    d.add_argument("--planner", choices=["cost", "tokenkk", "flopkk", "sequential"])
+    d.add_argument("--method", choices=["cost", "tokenkk", "flopkk", "sequential"])
     d.add_argument("--cost-file", help="calibration JSON from `neon-hpc balance calibrate --out`")
     d.add_argument("--json", action="store_true", help="print the whole assignment as JSON")
 
@@ -190,7 +190,7 @@ def _dry_run(a) -> int:
     else:
         lengths = synthetic_lengths(a.synthetic, a.seed)
     over = {k: v for k, v in (("dp", a.dp), ("cp", a.cp), ("token_cap", a.token_cap),
-                              ("planner", a.planner)) if v is not None}
+                              ("method", a.method)) if v is not None}
     if a.pp is not None:
         over.update(pp_stages=a.pp, pp_microbatches=a.pp)
     cost = load_cost_file(a.cost_file) if a.cost_file else None
@@ -206,13 +206,13 @@ def _print_assignment(asg) -> None:
     print(f"{len(asg.lengths)} sequences, {sum(asg.lengths)} tokens; dp={asg.dp} pp_stages={asg.pp_stages} "
           f"cp={asg.cp} token_cap={asg.token_cap}; {asg.num_microbatches} micro-batches per rank; "
           f"cost source: {asg.cost.source}")
-    print(f"{'planner':<12}{'makespan':>14}{'vs ' + asg.planner:>12}")
-    rows = {asg.planner: asg.makespan, **asg.shadow}
+    print(f"{'method':<12}{'makespan':>14}{'vs ' + asg.method:>12}")
+    rows = {asg.method: asg.makespan, **asg.shadow}
     for name, ms in rows.items():
         print(f"{name:<12}{ms:>14.4g}{ms / asg.makespan:>11.3f}x")
-    print(f"chosen: {asg.planner} (from {asg.chosen_from}); imbalance max/mean {asg.imbalance:.4f}; "
+    print(f"chosen: {asg.method} (from {asg.chosen_from}); imbalance max/mean {asg.imbalance:.4f}; "
           f"split sequences {len(asg.split_sequences())}; oversize {asg.oversize}; "
-          f"planned in {asg.planner_s * 1e3:.1f} ms")
+          f"planned in {asg.method_s * 1e3:.1f} ms")
     worst = int(np.argmax(asg.rank_time))
     print(f"slowest rank {worst}: " + "; ".join(
         f"mb{j}: {asg.microbatch_tokens(worst, j)} tok" for j in range(asg.num_microbatches)))

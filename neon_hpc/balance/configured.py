@@ -1,8 +1,8 @@
-"""The planner as an experiment config sets it up: what the trainer and the CLI call.
+"""The balancer as an experiment config sets it up: what the trainer and the CLI call.
 
     assignment = assignment_for_config(lengths, cfg)        # cfg: neon_hpc.config.ExperimentConfig
 
-DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and planner from ``cfg.balance``, the cost
+DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and method from ``cfg.balance``, the cost
 model from ``balance.cost_a/cost_b``, else ``balance.cost_file`` (a calibration), else
 the architecture in ``cfg.model``.
 """
@@ -15,7 +15,7 @@ from typing import Sequence
 
 from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.assignment import StepAssignment
-from neon_hpc.balance.planners import assign_step
+from neon_hpc.balance.methods import assign_step
 
 
 def load_cost_file(path: str | Path) -> CostModel:
@@ -45,7 +45,7 @@ def assignment_for_config(lengths: Sequence[int], cfg, cost: CostModel | None = 
     t, b = cfg.train, cfg.balance
     kw = dict(dp=t.data_parallel, pp_microbatches=max(1, b.min_microbatches or t.pipeline_parallel),
               pp_stages=t.pipeline_parallel, cp=t.context_parallel,
-              token_cap=b.tokens_per_microbatch, planner=b.planner, shadow=b.shadow,
+              token_cap=b.tokens_per_microbatch, method=b.method, shadow=b.shadow,
               cp_split_threshold=b.split_threshold_tokens, split=b.splits,
               vpp=t.virtual_pipeline_stages)
     kw.update(overrides)

@@ -18,7 +18,7 @@ it costs ``a*(e-s) + b*(e**2 - s**2)``, and the chunks of a sequence add up to t
 whole.
 
 Units are whatever ``a`` and ``b`` are in: FLOPs from :meth:`CostModel.from_model_config`,
-seconds from ``neon-hpc balance calibrate``.  The planner only compares costs, so either
+seconds from ``neon-hpc balance calibrate``.  The balancer only compares costs, so either
 works; predicted step times are in the same unit.  A calibrated model also carries
 ``mb_overhead`` (per micro-batch) and ``piece_overhead`` (per document or piece: one
 attention call per layer), which make packing many tiny documents, and cutting, cost

@@ -18,7 +18,7 @@ import numpy as np
 
 
 # from this many parts on, partial solutions are numpy arrays. The lists' merge has fast paths for
-# what dominates a planner's packing (one subset joining a full partition, a concatenation already
+# what dominates a balancing method's packing (one subset joining a full partition, a concatenation already
 # in order), so below this they are faster: 1,952 FLOP costs into 316 parts 6.5 ms vs 18.6 ms,
 # 8,192 uniform weights into 1,024 41 vs 56 ms, 16,384 into 4,096 152 vs 216 ms (the same partitions)
 VECTOR_FROM_K = 4096

@@ -15,7 +15,7 @@ non-negative least squares on relative errors to::
 * ``e`` bytes per token outside the layers (embedding output, logits, loss);
 * ``c`` a fixed part (allocator, the optimizer step's temporaries).
 
-So that the figure carries over to another model shape (the planner's), each coefficient is
+So that the figure carries over to another model shape (the capacity planner's), each coefficient is
 also written per unit of what it scales with: ``k / hidden_size``, ``q / num_attention_heads``,
 ``e / vocab_size``.  That scaling is an approximation: a layer's activations also grow with
 its experts' width x top-k and its attention projection widths, which the measured model's
@@ -50,7 +50,7 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class MeasuredActivations:
-    """The planner's view of a ``memory`` block: bytes per token per layer per hidden unit, ..."""
+    """The capacity planner's view of a ``memory`` block: bytes per token per layer per hidden unit, ..."""
 
     per_hidden: float            # bytes per token per layer per hidden unit
     per_head: float              # bytes per (query, key) pair per layer per attention head

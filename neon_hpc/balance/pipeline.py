@@ -1,6 +1,6 @@
-"""Pipeline step time of one DP rank: the planner's closed form and the schedule it models.
+"""Pipeline step time of one DP rank: the balancer's closed form and the schedule it models.
 
-The planner charges a DP rank with micro-batch costs ``t_j`` (the whole model's forward +
+The balancer charges a DP rank with micro-batch costs ``t_j`` (the whole model's forward +
 backward of micro-batch ``j``) on ``p`` stages with ``V`` model chunks per stage
 (``train.virtual_pipeline_stages``)::
 
@@ -51,7 +51,7 @@ def microbatch_group_size(n: int, pp: int) -> int:
     """Micro-batches per virtual-stage group for the interleaved schedule with ``n`` micro-batches.
 
     megatron-core 0.16.1 needs the group size ``g`` in ``[pp, n]`` and ``n % g`` either 0 or
-    ``>= pp``; its default ``g = pp`` then needs ``n % pp == 0``.  The planner's micro-batch
+    ``>= pp``; its default ``g = pp`` then needs ``n % pp == 0``.  The balancer's micro-batch
     count is whatever the step's data gives (at least ``pp``), so this picks the smallest valid
     ``g`` (``pp`` whenever ``n % pp == 0``: megatron's depth-first schedule; always some ``g <= n``).
     """

@@ -39,7 +39,7 @@ ALIASES = {
     "gpu_matmul_tflops": ("gpu_flops", 1e12),
 }
 NOT_INPUTS = {
-    "balance_": "a balancer ratio; the simulator runs the balancer's planner itself",
+    "balance_": "a balancer ratio; the simulator runs the balancer itself",
     "plan_": "an output of this planner, not an input",
     "replay_bytes_": "a ratio; bytes per token come from the model config",
     "replay_export_time_": "a ratio; export cost per byte comes from kimi_dp_stall_* or replay_cost_per_byte_ns",
@@ -50,7 +50,8 @@ NOT_INPUTS = {
                      "(decode_tokens_per_s)",
     "sequential_tok_s": "the embedded engine's one-request baseline; set decode_tokens_per_s for a per-request rate",
     "delta_export_": "a flatness check of the replay benchmark",
-    "planner_s": "the balancer's own wall time; the simulator runs the planner itself",
+    "method_s_": "the balancing method's own wall time; the simulator runs the balancer itself",
+    "method_cpu_s_": "the balancing method's own CPU time; the simulator runs the balancer itself",
     "speedup": "a ratio of the embedded engine's batched vs sequential throughput",
     "max_batch": "the embedded engine's batch size in its benchmark",
 }

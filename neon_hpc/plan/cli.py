@@ -121,12 +121,12 @@ def _print_inputs(path: str, cfg, sourced, cal) -> None:
 def _print_policies(variants, steps: int) -> None:
     print(f"\npolicies, {steps} simulated trainer steps each (step time: {variants[0].result.step_time_source}):")
     print(report.table([(v.label, v.result) for v in variants]))
-    sync, async_, other_replay, other_planner = (variants[i].result for i in (0, 2, 3, 4))
+    sync, async_, other_replay, other_method = (variants[i].result for i in (0, 2, 3, 4))
     print(f"  async over sync throughput: {async_.samples_per_hour / max(sync.samples_per_hour, 1e-9):.2f}x; "
           f"{variants[3].label.split()[2]} over {variants[2].label.split()[2]} time/step: "
           f"{other_replay.time_per_step_s / max(async_.time_per_step_s, 1e-9):.3f}x; "
           f"{variants[4].label.split()[-1]} over {variants[2].label.split()[-1]} compute/step: "
-          f"{_ratio(other_planner, async_):.3f}x")
+          f"{_ratio(other_method, async_):.3f}x")
 
 
 def _ratio(a, b) -> float:

@@ -88,7 +88,7 @@ class SimParams:
     vpp: Annotated[int, From("train.virtual_pipeline_stages")] = 1
     cp: Annotated[int, From("train.context_parallel")] = 1
     token_cap: Annotated[int, From("balance.tokens_per_microbatch")] = 4096
-    planner: Annotated[Literal["cost", "tokenkk", "flopkk", "sequential"], From("balance.planner")] = "cost"
+    balance_method: Annotated[Literal["cost", "tokenkk", "flopkk", "sequential"], From("balance.method")] = "cost"
     cost_a: float = 0.0                 # FLOPs per token
     cost_b: float = 0.0                 # FLOPs per token pair
     gpu_flops: Annotated[float, From("plan.gpu_flops")] = 989e12

@@ -32,18 +32,18 @@ def policy_variants(sourced: Sourced) -> list[Variant]:
     p = sourced.params
     replay = p.replay_mode if p.replay_mode != "off" else "delta"
     other_replay = "full" if replay == "delta" else "delta"
-    other_planner = "tokenkk" if p.planner == "cost" else "cost"
+    other_method = "tokenkk" if p.balance_method == "cost" else "cost"
     out = [
-        Variant(f"sync {replay} {p.planner}", dict(policy="sync", replay_mode=replay)),
-        Variant(f"one_step_off {replay} {p.planner}", dict(policy="one_step_off", replay_mode=replay)),
-        Variant(f"async S={p.max_staleness} {replay} {p.planner}", dict(policy="async", replay_mode=replay)),
-        Variant(f"async S={p.max_staleness} {other_replay} {p.planner}",
+        Variant(f"sync {replay} {p.balance_method}", dict(policy="sync", replay_mode=replay)),
+        Variant(f"one_step_off {replay} {p.balance_method}", dict(policy="one_step_off", replay_mode=replay)),
+        Variant(f"async S={p.max_staleness} {replay} {p.balance_method}", dict(policy="async", replay_mode=replay)),
+        Variant(f"async S={p.max_staleness} {other_replay} {p.balance_method}",
                 dict(policy="async", replay_mode=other_replay)),
-        Variant(f"async S={p.max_staleness} {replay} {other_planner}",
-                dict(policy="async", replay_mode=replay, planner=other_planner)),
+        Variant(f"async S={p.max_staleness} {replay} {other_method}",
+                dict(policy="async", replay_mode=replay, balance_method=other_method)),
     ]
     if p.slot_mode == "worker" and not p.queued:   # (abort_stale is not modelled with the engines' queue)
-        out.append(Variant(f"async S={p.max_staleness} {replay} {p.planner} abort-stale",
+        out.append(Variant(f"async S={p.max_staleness} {replay} {p.balance_method} abort-stale",
                            dict(policy="async", replay_mode=replay, abort_stale=not p.abort_stale)))
         if p.abort_stale:
             out[-1].label = out[-1].label.replace("abort-stale", "no-abort")
@@ -188,9 +188,9 @@ def simulate_point(sourced: Sourced, r_nodes: int, t_nodes: int, S: int, tps: in
     if lay.dp:   # the layout this many trainer nodes give (it decides the step time's cells)
         changes.update(dp=lay.dp, cp=lay.cp, pp=lay.pp)
     q = sourced.replace(**changes).params
-    planned = min(tps, RATIO_BATCH)   # the planner plans at most trainer.RATIO_BATCH sequences (see there),
+    planned = min(tps, RATIO_BATCH)   # the balancer plans at most trainer.RATIO_BATCH sequences (see there),
     key = (q.dp, q.pp, q.cp, planned)  # so batches of that size and more share one ratio
-    if key not in ratios:   # one planner call per layout and planned batch size, on a batch of the workload
+    if key not in ratios:   # one balancer call per layout and planned batch size, on a batch of the workload
         batch = sample_episodes(q, planned, np.random.default_rng(q.seed + 7)).seq_len
         ratios[key] = StepTimeModel(q).planned_ratio(np.asarray(batch, dtype=np.float64))
     res = simulate(q, StepTimeModel(q, ratio=ratios[key]))

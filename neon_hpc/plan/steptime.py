@@ -1,7 +1,7 @@
 """Trainer step time for one batch of trajectory lengths.
 
 The work of a step is the balancer's cost model (``a*n + b*n^2`` FLOPs per sequence) laid out
-over DP x PP x CP by the balancer's planner (``neon_hpc.balance.assign_step``), whose makespan
+over DP x PP x CP by the balancer (``neon_hpc.balance.assign_step``), whose makespan
 is the slowest DP rank's 1F1B pipeline time with each micro-batch shared by its CP group:
 FLOPs that one (pipeline stage, CP rank) cell does, bubbles included.  Such a cell is
 ``train_gpus / (dp * pp * cp)`` GPUs (its TP/EP width), so the makespan becomes seconds at
@@ -9,9 +9,9 @@ that many GPUs x ``gpu_flops * mfu``.  The perfect-balance, bubble-free bound is
 ``sum(cost) / (dp * pp * cp)`` in the same unit.  Plus a fixed per-step overhead
 (optimizer, gradient reduction) and, outside this class, the weight publish.
 
-Running the planner on every one of 10,000 simulated steps of 512 trajectories would cost
+Running the balancer on every one of 10,000 simulated steps of 512 trajectories would cost
 more than the whole simulation, so with ``planner_every = N`` it runs on every N-th step and
-the steps between use the perfect-balance bound ``sum(cost) / dp`` times the planner's last
+the steps between use the perfect-balance bound ``sum(cost) / dp`` times the balancer's last
 makespan/bound ratio.  Without the balancer in this checkout a local fallback uses the same
 cost formula and the bound alone (perfect balance for ``cost``; the longest whole sequence
 (split over CP) as a floor for ``tokenkk``/``sequential``), plus the 1F1B bubble.
@@ -25,7 +25,7 @@ import numpy as np
 
 from neon_hpc.plan.params import SimParams
 
-# The planner plans at most this many sequences of a batch (the first ones) for its makespan/bound
+# The balancer plans at most this many sequences of a batch (the first ones) for its makespan/bound
 # ratio: a larger batch balances at least as well, so its step is overestimated a little (Kimi tp8
 # pp8 cp4: 1.047 planned on 2,048, 1.025 on 4,096), and a call stays ~2 s instead of ~8 s at 4,096.
 RATIO_BATCH = 2048
@@ -42,7 +42,7 @@ def _balancer() -> tuple[Any, Any] | None:
 
 class StepTimeModel:
     def __init__(self, p: SimParams, use_balancer: bool = True, ratio: float | None = None):
-        """``ratio``: a makespan/bound ratio the planner already gave for this layout and batch
+        """``ratio``: a makespan/bound ratio the balancer already gave for this layout and batch
         size (a sweep reuses it instead of planning again)."""
         self.p = p
         self.cells = max(p.dp, 1) * max(p.pp, 1) * max(p.cp, 1)
@@ -53,7 +53,7 @@ class StepTimeModel:
         self._cost = bal[0](a=p.cost_a, b=p.cost_b, source="plan") if bal else None
         self._ratio = 1.0 if ratio is None else float(ratio)
         self._calls = 0
-        self._fixed = ratio is not None             # a given ratio: the planner is not run
+        self._fixed = ratio is not None             # a given ratio: the balancer is not run
         self.planner_calls = 0
 
     def bound_flops(self, lengths: np.ndarray) -> float:
@@ -77,7 +77,7 @@ class StepTimeModel:
         return self._fallback_flops(lengths, bound) / self.flops_per_s_per_cell
 
     def planned_ratio(self, lengths: np.ndarray) -> float:
-        """The planner's makespan/bound ratio for one batch (1 without the balancer), planned on
+        """The balancer's makespan/bound ratio for one batch (1 without the balancer), planned on
         its first :data:`RATIO_BATCH` sequences."""
         if self._assign_step is None:
             return 1.0
@@ -87,7 +87,7 @@ class StepTimeModel:
 
     @property
     def ratio(self) -> float:
-        """The planner's last makespan/bound ratio (1 before it ran, or without it)."""
+        """The balancer's last makespan/bound ratio (1 before it ran, or without it)."""
         return self._ratio
 
     def step_seconds(self, lengths: np.ndarray) -> float:
@@ -97,7 +97,7 @@ class StepTimeModel:
         p = self.p
         self.planner_calls += 1
         asg = self._assign_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
-                               token_cap=p.token_cap, cost=self._cost, planner=p.planner,
+                               token_cap=p.token_cap, cost=self._cost, method=p.balance_method,
                                shadow=False, check=False, vpp=p.vpp if p.pp > 1 else 1)
         return float(asg.makespan)
 
@@ -105,7 +105,7 @@ class StepTimeModel:
         p = self.p
         n = np.asarray(lengths, dtype=np.float64)
         work = bound
-        if p.planner != "cost" and len(n):
+        if p.balance_method != "cost" and len(n):
             longest = float(p.cost_a * n.max() + p.cost_b * n.max() ** 2) / max(p.cp, 1)
             work = max(work, longest)
         if p.pp > 1:

@@ -7,7 +7,7 @@ and optimizer as the trainer does, and every :meth:`~TrainerStepRunner.step` is 
 synthetic trajectories): zero the grads, build the packed micro-batch, forward + backward
 through megatron's schedule, finalize the grads, the optimizer step.  The balancing part of
 ``loop.prepare_step`` is skipped on purpose (the calibration chooses the micro-batch; the
-planner would re-pack it).
+balancer would re-pack it).
 
 What one step reports (:class:`StepMeasure`):
 

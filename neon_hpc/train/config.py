@@ -57,7 +57,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # activation recomputation: full = each layer recomputed in backward from its input;
     # selective = the MoE layer and the norms (train/backend.recompute_overrides); the
-    # planner's memory term reads it (plan/memory.py)
+    # capacity planner's memory term reads it (plan/memory.py)
     recompute: Literal["none", "selective", "full"] = "none"
 
     CHECKS = {

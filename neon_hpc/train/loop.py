@@ -12,7 +12,7 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    the committed claim (the same call returns the recorded trajectories);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
-   configured planner, cost model and split policy; an error stops the step), sharded over
+   configured method, cost model and split policy; an error stops the step), sharded over
    each CP group; every rank runs the same number;
 4. per micro-batch: packed forward with router replay, the off-policy loss
    (:mod:`neon_hpc.train.loss`), backward; then megatron's grad finalisation and optimizer step;
@@ -144,13 +144,13 @@ class StepData:
     trajectories: list
     advantages: np.ndarray
     pieces: list                       # pieces[data_rank][microbatch] = [(seq, start, end), ...] (see rank_pieces)
-    planner: str
+    method: str
     global_tokens: int               # generated label tokens in the whole step
     waited_s: float = 0.0
     dropped_stale: int = 0
     quarantined: int = 0
     shards: list = field(default_factory=list)
-    balance: dict = field(default_factory=dict)   # StepAssignment.summary(): predicted makespan, shadow planners
+    balance: dict = field(default_factory=dict)   # StepAssignment.summary(): predicted makespan, shadow methods
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
@@ -201,10 +201,10 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
 def _assign(lengths: list[int], dp: int, cfg: TrainerSections):
     """The configured assignment (``balance.configured.assignment_for_config``) for ``dp`` data ranks.
 
-    ``dp`` is the number of data ranks the world gives (DP x CP); the planner sees
+    ``dp`` is the number of data ranks the world gives (DP x CP); the balancer sees
     ``dp / context_parallel`` DP ranks and each of their micro-batches is sharded over the CP
-    group (``StepAssignment.cp_shards``).  A planner error stops the step: it is raised as a
-    :class:`TrainerError` naming the planner, never replaced by another packing.
+    group (``StepAssignment.cp_shards``).  A method error stops the step: it is raised as a
+    :class:`TrainerError` naming the method, never replaced by another packing.
     """
     cp = cfg.train.context_parallel
     if dp % cp:
@@ -213,7 +213,7 @@ def _assign(lengths: list[int], dp: int, cfg: TrainerSections):
     try:
         return assignment_for_config(lengths, cfg, dp=dp // cp)
     except (ValueError, OSError) as e:
-        raise TrainerError(f"balance.planner={cfg.balance.planner!r} could not balance this step "
+        raise TrainerError(f"balance.method={cfg.balance.method!r} could not balance this step "
                            f"({len(lengths)} sequences, longest {max(lengths, default=0)} tokens): {e}") from e
 
 
@@ -243,7 +243,7 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
     lengths = input_lengths(trajs)
     asg = _assign(lengths, dp, cfg)
     tokens = int(sum(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs))
-    return StepData(trajs, adv, rank_pieces(asg, cfg.train.context_parallel), cfg.balance.planner, tokens,
+    return StepData(trajs, adv, rank_pieces(asg, cfg.train.context_parallel), cfg.balance.method, tokens,
                     balance=asg.summary())
 
 
@@ -516,7 +516,7 @@ def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepD
                masked_stale_tokens=res.masked_stale_tokens, dropped_stale_tokens=res.dropped_stale_tokens,
                claimed_gen_tokens=res.generated_tokens, wasted_rollout_tokens=res.wasted_rollout_tokens,
                version_spans=version_span_histogram(np.asarray(t.versions) for t in trajs),
-               planner=data.planner, plan=data.balance, **m)
+               method=data.method, assignment=data.balance, **m)
     log.metrics(**rec)
     log.info("step %d: loss %.4f reward %.3f tokens %d (%.0f/s) staleness mean %.2f max %d, tis clip %.3f, "
              "mismatch %.4f, grad %.3f, %.2fs (waited %.2fs)", step, m.get("loss", float("nan")),

@@ -2,7 +2,7 @@
 
 ``launch/roles.py`` (and ``python -m neon_hpc.train``) build ``TrainerSections.of(cfg)`` and
 hand the trainer that, never the whole :class:`~neon_hpc.config.ExperimentConfig`. It holds the
-trainer's sections whole (its layout rules, the balance planner and the model builders read
+trainer's sections whole (its layout rules, the balancer and the model builders read
 them by the same names, so they take the view as they take the config) and the two values its
 claim borrows from the rollout section, named as borrowed. The rollout roles' views are
 ``neon_hpc/rollout/sections.py``; ``tests/test_role_sections.py`` fails if a module of

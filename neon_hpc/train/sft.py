@@ -1,6 +1,6 @@
 """Supervised fine-tuning / mid-training in the RL trainer (``train.mode: sft``).
 
-The same megatron model, parallel layout, planner, micro-batches and optimizer as the RL step
+The same megatron model, parallel layout, balancer, micro-batches and optimizer as the RL step
 loop (:mod:`neon_hpc.train.loop`): only the data source and the loss differ.
 
 - Data: every HDF5 trajectory shard (``*.h5``, the store's schema) in ``train.sft_data``,

@@ -1,6 +1,6 @@
 """``assign_step``: one step's sequences -> a :class:`~neon_hpc.balance.assignment.StepAssignment`.
 
-Planners (all deterministic, metadata only):
+Methods (all deterministic, metadata only):
 
 ``sequential``  Megatron-style: contiguous, equal-count blocks of sequences per DP rank, each
                 block cut into equal-count consecutive micro-batches (more of them until each
@@ -37,8 +37,8 @@ from neon_hpc.balance.cp import auto_threshold, zigzag_pairs
 from neon_hpc.balance.kk import karmarkar_karp
 from neon_hpc.balance.pipeline import combine
 
-PLANNERS = ("cost", "tokenkk", "flopkk", "sequential")
-# the cost planner also scores the KK assignments as candidates when len(lengths) * dp is at most this
+METHODS = ("cost", "tokenkk", "flopkk", "sequential")
+# the cost method also scores the KK assignments as candidates when len(lengths) * dp is at most this
 # (KK on 10k sequences x 1024 ranks takes seconds; at that size ours wins anyway)
 CANDIDATE_LIMIT = 200_000
 DEFAULT_TOKEN_CAP = 4096
@@ -50,7 +50,7 @@ MAX_EXTRA_SLOTS = 3
 
 def assign_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: int = 1,
               token_cap: int = DEFAULT_TOKEN_CAP, cost: CostModel | None = None,
-              planner: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
+              method: str = "cost", shadow: bool = True, *, pp_stages: int | None = None,
               images: Sequence[int] | None = None, cp_split_threshold: int = 0,
               split: bool = True, check: bool = True, vpp: int = 1) -> StepAssignment:
     """Plan one training step.
@@ -62,14 +62,14 @@ def assign_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: i
     context-parallel ranks per micro-batch; ``cp_split_threshold`` the piece length from
     which a piece is zigzagged across them (0 = auto).  ``token_cap``: tokens per
     micro-batch of a DP rank (across its CP group).  ``cost``: defaults to the embedded
-    model's FLOP cost.  ``shadow``: also run the other planners and report their
-    predicted makespans in ``assignment.shadow``.  ``split=False``: the cost planner keeps every
+    model's FLOP cost.  ``shadow``: also run the other methods and report their
+    predicted makespans in ``assignment.shadow``.  ``split=False``: the cost method keeps every
     sequence whole (for a trainer that cannot run split pieces yet).  ``vpp``: model chunks
     per pipeline stage (``train.virtual_pipeline_stages``; the interleaved schedule's shorter
     bubbles, :mod:`neon_hpc.balance.pipeline`).
     """
     t0 = time.perf_counter()
-    lens = _validate(lengths, dp, pp_microbatches, cp, token_cap, planner, pp_stages, images)
+    lens = _validate(lengths, dp, pp_microbatches, cp, token_cap, method, pp_stages, images)
     cost = cost or _default_cost()
     p = pp_stages if pp_stages is not None else pp_microbatches
     if isinstance(vpp, bool) or not isinstance(vpp, (int, np.integer)) or vpp < 1:
@@ -82,7 +82,7 @@ def assign_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: i
                imgs, split, int(vpp))
 
     assignments: dict[str, StepAssignment] = {}
-    names = [planner] + [n for n in PLANNERS if n != planner and shadow]
+    names = [method] + [n for n in METHODS if n != method and shadow]
     want_candidates = "cost" in names and len(lens) * dp <= CANDIDATE_LIMIT
     if want_candidates:
         names += [n for n in ("flopkk", "tokenkk") if n not in names]
@@ -90,16 +90,16 @@ def assign_step(lengths: Sequence[int], dp: int, pp_microbatches: int = 1, cp: i
         assignments[name] = _BUILDERS[name](ctx)
     if want_candidates:
         assignments["cost"] = _best_candidate(assignments["cost"], [assignments["flopkk"], assignments["tokenkk"]])
-    assignment = assignments[planner]
+    assignment = assignments[method]
     if shadow:
-        assignment.shadow = {n: q.makespan for n, q in assignments.items() if n != planner}
-        assignment.shadow_imbalance = {n: q.imbalance for n, q in assignments.items() if n != planner}
+        assignment.shadow = {n: q.makespan for n, q in assignments.items() if n != method}
+        assignment.shadow_imbalance = {n: q.imbalance for n, q in assignments.items() if n != method}
     else:
         assignment.shadow, assignment.shadow_imbalance = {}, {}
-    assignment.planner = planner
+    assignment.method = method
     if check:
         check_assignment(assignment)
-    assignment.planner_s = time.perf_counter() - t0
+    assignment.method_s = time.perf_counter() - t0
     return assignment
 
 
@@ -115,7 +115,7 @@ class _Ctx:
         self.active = [i for i in range(len(lens)) if lens[i] > 0]
 
     def make_assignment(self, name: str, ranks, oversize=()) -> StepAssignment:
-        assignment = StepAssignment(planner=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
+        assignment = StepAssignment(method=name, lengths=tuple(int(x) for x in self.lens), cost=self.cost,
                     dp=self.dp, pp_stages=self.p, cp=self.cp, token_cap=self.cap,
                     cp_split_threshold=self.thr, ranks=ranks, oversize=sorted(oversize),
                     chosen_from=name, images=self.images, vpp=self.vpp)
@@ -127,14 +127,14 @@ def _default_cost() -> CostModel:
     return CostModel.from_model_config(ModelConfig())
 
 
-def _validate(lengths, dp, m, cp, cap, planner, pp_stages, images) -> np.ndarray:
+def _validate(lengths, dp, m, cp, cap, method, pp_stages, images) -> np.ndarray:
     for name, v in (("dp", dp), ("pp_microbatches", m), ("cp", cp), ("token_cap", cap)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"assign_step: {name} must be an integer >= 1, got {v!r}")
     if pp_stages is not None and (not isinstance(pp_stages, (int, np.integer)) or pp_stages < 1):
         raise ValueError(f"assign_step: pp_stages must be an integer >= 1, got {pp_stages!r}")
-    if planner not in PLANNERS:
-        raise ValueError(f"assign_step: unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    if method not in METHODS:
+        raise ValueError(f"assign_step: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     lens = np.asarray(lengths)
     if lens.ndim != 1 or (lens.size and not np.issubdtype(lens.dtype, np.integer)):
         raise ValueError("assign_step: lengths must be a flat sequence of integers (tokens per sequence)")
@@ -212,7 +212,7 @@ def _best_candidate(ours: StepAssignment, others: list[StepAssignment]) -> StepA
         if len(q.oversize) <= len(ours.oversize) and q.makespan < best.makespan * (1 - 1e-12):
             best = q
     if best is not ours:
-        best = StepAssignment(**{**best.__dict__, "chosen_from": best.planner})
+        best = StepAssignment(**{**best.__dict__, "chosen_from": best.method})
     return best
 
 
@@ -234,7 +234,7 @@ def _cost(ctx: _Ctx) -> StepAssignment:
         if placed is not None:
             break
         if m >= m_max:
-            raise RuntimeError(f"cost planner: no packing found up to {m} micro-batches per rank "
+            raise RuntimeError(f"cost method: no packing found up to {m} micro-batches per rank "
                                f"(token_cap={ctx.cap}); raise the cap")
         m = min(m_max, m + max(1, m // 8))
     # when the cap, not the cost, holds the fastest rank back, one more slot may balance better
