@@ -33,7 +33,7 @@ A name in ``CHECKS`` or a ``Rule`` that is not a field is a programming error an
 ``TypeError`` when the class is defined.  Unknown keys are refused (``extra="forbid"``).
 
 The same blocks check the run directory's records (:func:`strict`, ``protocol/records.py``)
-and the planner's ``SimParams`` (a section too, ``plan/params.py``).
+and the capacity planner's ``SimParams`` (a section too, ``plan/params.py``).
 
 A section built in code (``TrainConfig(lr=...)``) is not validated until :func:`validate`
 (or the loader) sees it, as with any dataclass; the loader (:mod:`neon_hpc.config`) turns

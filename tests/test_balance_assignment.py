@@ -167,7 +167,7 @@ def test_pipeline_model_prefers_even_microbatches():
     assert asg.makespan < asg.shadow["flopkk"]
 
 
-def test_cost_planner_beats_token_kk_on_the_long_tail():
+def test_cost_method_beats_token_kk_on_the_long_tail():
     L = mixture(512, seed=5)
     asg = assign_step(L, dp=64, token_cap=65536, cost=KIMI_COST)
     assert asg.imbalance < 1.05

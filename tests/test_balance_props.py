@@ -57,7 +57,7 @@ def test_never_worse_than_token_kk_and_always_a_valid_assignment(args):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 50000), min_size=1, max_size=60), st.sampled_from([1, 2, 5, 8]))
-def test_core_planner_alone_never_loses_to_token_kk_when_it_has_enough_sequences(lens, dp):
+def test_core_method_alone_never_loses_to_token_kk_when_it_has_enough_sequences(lens, dp):
     # with at least two sequences per rank the core method (splits + LPT + moves) is compared
     # directly, without falling back to the KK candidates
     if len(lens) < 2 * dp:

@@ -95,7 +95,7 @@ def test_config_check_refuses_what_the_trainer_cannot_run(sets, key):
         C.load(None, sets)
 
 
-def test_split_default_follows_the_planner():
+def test_split_default_follows_the_method():
     assert C.load(None).balance.splits is True
     assert C.load(None, ["balance.method=tokenkk"]).balance.splits is False
     assert C.load(None, ["balance.split_sequences=false"]).balance.splits is False

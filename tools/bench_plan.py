@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10000, help="steps of the timed async simulation")
     ap.add_argument("--compare-steps", type=int, default=2000, help="steps of each policy-comparison run")
     ap.add_argument("--planner-every", type=int, default=100,
-                    help="run the balancer's planner every N steps (bound x last ratio between)")
+                    help="run the balancer every N steps (bound x last ratio between)")
     ap.add_argument("--sweep-steps", type=int, default=300, help="steps per point of the layout search")
     ap.add_argument("--target-staleness", type=int, default=8, help="largest staleness bound the search tries")
     args = ap.parse_args(argv)
