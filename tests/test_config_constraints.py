@@ -301,6 +301,10 @@ def test_balance_planner_is_refused_naming_balance_method(tmp_path):
     cfg = config.load(TINY, ["balance.method=tokenkk"])                  # the new home takes it
     assert cfg.balance.method == "tokenkk" and not cfg.balance.splits
     assert "planner" not in config.to_dict(cfg)["balance"] and "method: tokenkk" in config.dump(cfg)
+    # the capacity planner's own key for how often it runs the balancer
+    with pytest.raises(config.ConfigError, match=r"plan.planner_every: moved to plan.balance_every; set it there"):
+        config.load(TINY, ["plan.planner_every=5"])
+    assert config.load(TINY, ["plan.balance_every=5"]).plan.balance_every == 5
 
 
 def test_moved_naming_a_field_is_a_programming_error():

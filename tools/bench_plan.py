@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the example layout the targets compare against (default: issue 18's)")
     ap.add_argument("--steps", type=int, default=10000, help="steps of the timed async simulation")
     ap.add_argument("--compare-steps", type=int, default=2000, help="steps of each policy-comparison run")
-    ap.add_argument("--planner-every", type=int, default=100,
+    ap.add_argument("--balance-every", type=int, default=100,
                     help="run the balancer every N steps (bound x last ratio between)")
     ap.add_argument("--sweep-steps", type=int, default=300, help="steps per point of the layout search")
     ap.add_argument("--target-staleness", type=int, default=8, help="largest staleness bound the search tries")
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     mine = config.load(args.config, args.set)
     configured = from_experiment(mine, args.config)
-    configured.set("planner_every", args.planner_every, "bench_plan --planner-every")
+    configured.set("balance_every", args.balance_every, "bench_plan --balance-every")
     cfg = config.load(args.config, args.set + args.example_set)
     sourced = from_experiment(cfg, args.config + " (example layout)")
-    sourced.set("planner_every", args.planner_every, "bench_plan --planner-every")
+    sourced.set("balance_every", args.balance_every, "bench_plan --balance-every")
     p = sourced.params
     ep = sample_episodes(p, 20000, np.random.default_rng(1))
     dur = ep.decode_s + ep.fixed_s

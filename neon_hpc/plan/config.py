@@ -44,7 +44,7 @@ class PlanConfig:
     # 0 = model bytes / (weight_load_bytes_per_s x rollout nodes per engine)
     weight_load_s: float = 0.0
     weight_load_bytes_per_s: float = 5e9   # per rollout node reading the weights (assumed: measure it)
-    planner_every: int = 20             # run the balance planner every N steps (bound x last ratio between)
+    balance_every: int = 20             # run the balancer every N simulated steps (bound x last ratio between)
     # policy and run
     policy: Literal["async", "one_step_off", "sync"] = "async"
     admission: Literal["steps_ahead", "oldest"] = "steps_ahead"   # see README: staleness admission rule
@@ -85,5 +85,7 @@ class PlanConfig:
         "train_memory_fraction": above(0, le=1.0, note="a fraction of the GPU's memory"),
         "gpu_memory_bytes": above(0),
         "dense_layers": at_least(-1, "-1 = the architecture's own count of dense first layers"),
-        **{k: at_least(1) for k in ("simulated_steps", "sweep_steps", "sweep_points", "planner_every")},
+        **{k: at_least(1) for k in ("simulated_steps", "sweep_steps", "sweep_points", "balance_every")},
     }
+    # "planner" is this package's name, not the balancer's: an old config that still sets it is told where
+    MOVED = {"planner_every": "plan.balance_every"}

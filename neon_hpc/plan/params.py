@@ -102,7 +102,7 @@ class SimParams:
     model_bytes: float = 0.0
     publish_bytes_per_s: float = 1e9
     publish_blocks_trainer: Annotated[bool, From("plan.publish_blocks_trainer")] = True
-    planner_every: Annotated[int, From("plan.planner_every")] = 1
+    balance_every: Annotated[int, From("plan.balance_every")] = 1
     # policy and run
     # trainer memory (plan.memory): config TP/PP/CP/EP, parameters split dense vs routed experts
     tp: Annotated[int, From("train.tensor_parallel")] = 1

@@ -10,7 +10,7 @@ that many GPUs x ``gpu_flops * mfu``.  The perfect-balance, bubble-free bound is
 (optimizer, gradient reduction) and, outside this class, the weight publish.
 
 Running the balancer on every one of 10,000 simulated steps of 512 trajectories would cost
-more than the whole simulation, so with ``planner_every = N`` it runs on every N-th step and
+more than the whole simulation, so with ``balance_every = N`` it runs on every N-th step and
 the steps between use the perfect-balance bound ``sum(cost) / dp`` times the balancer's last
 makespan/bound ratio.  Without the balancer in this checkout a local fallback uses the same
 cost formula and the bound alone (perfect balance for ``cost``; the longest whole sequence
@@ -54,7 +54,7 @@ class StepTimeModel:
         self._ratio = 1.0 if ratio is None else float(ratio)
         self._calls = 0
         self._fixed = ratio is not None             # a given ratio: the balancer is not run
-        self.planner_calls = 0
+        self.balance_calls = 0
 
     def bound_flops(self, lengths: np.ndarray) -> float:
         """Perfect balance, no pipeline bubble: sum of sequence costs / (dp * pp * cp)."""
@@ -70,7 +70,7 @@ class StepTimeModel:
             return 0.0
         bound = self.bound_flops(lengths)
         if self._assign_step is not None:
-            if not self._fixed and self._calls % p.planner_every == 0:
+            if not self._fixed and self._calls % p.balance_every == 0:
                 self._ratio = self.planned_ratio(lengths)
             self._calls += 1
             return bound * self._ratio / self.flops_per_s_per_cell
@@ -95,7 +95,7 @@ class StepTimeModel:
 
     def _planned_flops(self, lengths: np.ndarray) -> float:
         p = self.p
-        self.planner_calls += 1
+        self.balance_calls += 1
         asg = self._assign_step([int(x) for x in lengths], dp=p.dp, pp_microbatches=p.pp, cp=p.cp,
                                token_cap=p.token_cap, cost=self._cost, method=p.balance_method,
                                shadow=False, check=False, vpp=p.vpp if p.pp > 1 else 1)
