@@ -138,11 +138,13 @@ def test_dry_run_prints_every_method_and_json_assignment(tmp_path):
             "--token-cap", "65536")
     for name in ("cost", "tokenkk", "flopkk", "sequential"):
         assert name in r.stdout
+    assert any(line.split()[:2] == ["method", "makespan"] for line in r.stdout.splitlines() if line.strip())
     r = run("balance", "dry-run", "--synthetic", "mixture:64", "--dp", "4", "--pp", "2",
             "--token-cap", "131072", "--json")
     asg = json.loads(r.stdout)
     assert len(asg["ranks"]) == 4 and asg["pp_stages"] == 2
     assert asg["makespan"] <= asg["shadow"]["tokenkk"]
+    assert asg["method"] == "cost" and asg["method_s"] > 0 and "planner" not in asg
 
 
 def test_dry_run_errors_name_the_problem(tmp_path):
