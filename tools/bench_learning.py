@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = envs.configured(cfg)
     tasks = eval_tasks(config.load(a.config, sets + [f"eval.num_tasks={n_eval}"]).eval, env.tasks())
-    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
+    tok = load_tokenizer(cfg.model.tokenizer_source)
     points = _points(steps, a.points)
     per_step = cfg.train.trajectories_per_step
     variants = {"async": [], "sync": ["rollout.max_staleness=0"]}

@@ -66,6 +66,12 @@ class ModelConfig:
         Rule("arch", lambda c: not arch_errors(c), lambda c: "; ".join(f"model.{k}: {m}" for k, m in arch_errors(c))),
     )
 
+    @property
+    def tokenizer_source(self) -> str:
+        """What the rollout side loads its tokenizer from: ``tokenizer``, or where it is ``""``
+        the one saved beside ``init_checkpoint``."""
+        return self.tokenizer or self.init_checkpoint
+
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is ModelConfig:           # the architecture's own section
             cls = section_of(kwargs.get("arch") or registry.DEFAULT)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     source = env.tasks()
     tasks = source.demo(n)
-    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
+    tok = load_tokenizer(cfg.model.tokenizer_source)
     s = env.write_demos(a.out, tasks, tok, cfg.rollout, imperfect, source.seed)
     print(json.dumps(s))
     return 0

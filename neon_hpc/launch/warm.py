@@ -111,7 +111,7 @@ def ensure_demos(cfg: config.ExperimentConfig, wdir: Path, say: Callable[[str], 
     t0 = time.monotonic()
     source = env.tasks()
     tasks = source.demo(cfg.warm_start.demos)
-    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
+    tok = load_tokenizer(cfg.model.tokenizer_source)
     s = env.write_demos(wdir / "demos", tasks, tok, cfg.rollout, cfg.warm_start.imperfect, source.seed)
     s["wall_s"] = time.monotonic() - t0
     atomic_write_json(done, s)
@@ -187,7 +187,7 @@ def evaluate_run(cfg: config.ExperimentConfig, run: RunDir, say: Callable[[str],
     env = envs.configured(cfg)
     source = env.tasks()
     tasks = eval_tasks(cfg.eval, source)
-    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.init_checkpoint)
+    tok = load_tokenizer(cfg.model.tokenizer_source)
     out = {}
     for which, v in (("start", versions[0]), ("end", versions[-1])):
         path = run.root / "eval" / f"{which}.json"

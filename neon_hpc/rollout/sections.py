@@ -57,7 +57,7 @@ class WorkerSections:
         return cls(rollout=cfg.rollout, protocol=cfg.protocol, store=cfg.store, env=cfg.env,
                    env_settings=envs.settings(envs.get(cfg.env.kind), cfg),
                    train_trajectories_per_step=cfg.train.trajectories_per_step,
-                   model_tokenizer=cfg.model.tokenizer or cfg.model.init_checkpoint,
+                   model_tokenizer=cfg.model.tokenizer_source,
                    model_num_layers=cfg.model.num_layers, model_moe_router_topk=cfg.model.moe_router_topk)
 
 
