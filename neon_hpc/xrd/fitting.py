@@ -20,6 +20,14 @@ Model::
   directions (``TEXTURE_AXES``) by trial values of r (scales re-solved), then r refined; kept
   only where it pays (``TEXTURE_MIN_GAIN``).
 - Chebyshev background of degree ``BACKGROUND_DEGREE``.
+- Optionally (``refine(overall_b=True)``: the baseline's quantification refit of a measured
+  pattern) one intensity factor exp(-2 B s^2), s = sin t / lambda = 1 / 2d, common to every phase,
+  B refined in ``OVERALL_B_BOUNDS`` (A^2).  It carries what the sample does to the intensity's
+  angle dependence for all phases alike: surface roughness of a strongly absorbing powder lowers
+  the low-angle lines (B < 0), a thin layer of a weakly absorbing one the high-angle lines (B > 0),
+  and the atoms' own displacements (the library's structures have none).  A phase-independent
+  factor with value 1 at s = 0 leaves the Hill-Howard fractions' formula as it is; what it changes is
+  how a phase whose lines sit at low angles is weighed against one whose lines sit at high angles.
 
 Solver: ``scipy.optimize.least_squares`` (trust-region reflective, bounds: scales >= 0,
 lattice/width/texture boxes) on all parameters at once, with the *analytic* Jacobian: one pass
@@ -69,6 +77,7 @@ TEXTURE_AXES = ((0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1)
 TEXTURE_MIN_GAIN = 0.005                      # relative chi^2 drop a trial texture must bring to be refined
 TEXTURE_TRIAL_R = (0.75, 1.35)                # trial March-Dollase r per axis
 TEXTURE_SEARCH_R = (0.65, 0.8, 0.9, 1.15, 1.4)   # the trial's r grid with ``refine(texture_r_search=True)``
+OVERALL_B_BOUNDS = (-3.0, 3.0)                # A^2, the pattern's overall B with ``refine(overall_b=True)``
 WINDOW_FWHM = Instrument.window_fwhm          # peaks rendered over +- this many FWHM (as simulate.py renders)
 RENDER_CLASSES = 4                            # width classes, each with its own window
 MIN_REL_AREA = 2e-4                           # lines weaker than this (of the phase's strongest) are not rendered
@@ -114,6 +123,7 @@ class FitResult:
     displacement: float = 0.0
     caglioti_w: float = 0.0
     eta: float = 0.5
+    overall_b: float | None = None    # the pattern's overall B (A^2) when refined (``refine(overall_b=True)``)
     n_obs: int = 0
     n_params: int = 0
     refined: bool = False
@@ -126,6 +136,7 @@ class FitResult:
         out = {"rwp": round(self.rwp, 4), "rexp": round(self.rexp, 4), "gof": round(self.gof, 3),
                "zero_shift": round(self.zero_shift, 4), "displacement": round(self.displacement, 4),
                "caglioti_W": round(self.caglioti_w, 5), "eta": round(self.eta, 3),
+               **({} if self.overall_b is None else {"overall_B": round(self.overall_b, 3)}),
                "n_obs": self.n_obs, "n_params": self.n_params, "phases": []}
         for p in self.phases:
             row = {"phase_id": p.phase_id, "weight_fraction": round(p.weight_fraction, 4),
@@ -383,11 +394,16 @@ class _ParamIndex:
     n_bg: int
     n_lat: list[int]
     texture: list                      # axis or None per phase
+    overall_b: bool = False            # one more global parameter: the pattern's overall B
 
     def __post_init__(self):
         i = self.n_phase + self.n_bg
         self.g = {"zero": i, "disp": i + 1, "W": i + 2, "eta": i + 3}
         i += 4
+        if self.overall_b:
+            self.g["B"] = i
+            i += 1
+        self.n_global = len(self.g)
         self.ph = []
         for p in range(self.n_phase):
             d = {"lat": list(range(i, i + self.n_lat[p]))}
@@ -530,8 +546,9 @@ class Fitter:
             m = self._models[pid] = PhaseModel(pid, self.d_min, self.lib, self.dispersion_wavelength)
         return m
 
-    def _phase_peaks(self, m: PhaseModel, eps, Y, e, axis, r, zero, disp, W, derivs: bool):
-        """Centres, widths, areas of all lines of one phase, and d(centre)/d(eps_k), dH/d(...), dA/dr."""
+    def _phase_peaks(self, m: PhaseModel, eps, Y, e, axis, r, zero, disp, W, derivs: bool, b_overall: float = 0.0):
+        """Centres, widths, areas of all lines of one phase, and d(centre)/d(eps_k), dH/d(...), dA/dr, dA/dB
+        (``b_overall``: the overall intensity factor exp(-2 B s^2), s^2 = 1 / 4 d^2)."""
         Gs = np.linalg.inv(m.metric(eps))                  # reciprocal metric of the refined cell
         v = m.hkl @ Gs
         q2 = np.einsum("ij,ij->i", v, m.hkl)
@@ -543,6 +560,8 @@ class Fitter:
             f2, df2 = m.texture(axis, r)
         else:
             f2, df2 = m.f2, None
+        s2 = 0.25 * q2                                     # (sin t / lambda)^2 = 1 / 4 d^2
+        dw = np.exp(-2.0 * b_overall * s2) if b_overall else None
         cs, Hs, As, extra = [], [], [], []
         for lam, weight in self.lines:
             xx = lam / (2.0 * d)
@@ -555,6 +574,8 @@ class Fitter:
             tan, cos = np.tan(th), np.cos(th)
             lp = lorentz_polarization(np.degrees(2 * th))
             kv = 1.0 / m.volume0 ** 2 * weight
+            if dw is not None:
+                kv = kv * dw[sel]
             area = f2[sel] * lp * kv
             h_inst2 = np.maximum(self.inst.U * tan ** 2 + self.inst.V * tan + W, 1e-6)
             dsize = np.degrees(SCHERRER_K * lam / (10.0 * cos))
@@ -575,8 +596,12 @@ class Fitter:
                 dH_dth = np.where(h_inst2 > 1e-6, dH2_dth, 2 * hs * (Y * dsize * tan + e * np.degrees(4.0) * sec2)) \
                     / (2 * H)
                 dth_dp = 0.5 * d2t
+                # exp(-2 B s^2) moves with d too: d ln(factor) / d p_k = 4 B s^2 d ln d / d p_k
+                dA_deps = (area * dlnlp_dth)[:, None] * dth_dp
+                if dw is not None:
+                    dA_deps = dA_deps + (area * 4.0 * b_overall * s2[sel])[:, None] * dlnd_dp[sel]
                 extra.append({"dc_deps": dc_dp, "dH_deps": dH_dth[:, None] * dth_dp,
-                              "dA_deps": (area * dlnlp_dth)[:, None] * dth_dp,
+                              "dA_deps": dA_deps, "dA_dB": -2.0 * s2[sel] * area,
                               "cos": cos, "dH_dW": 0.5 / H, "dH_dY": hs * dsize / H,
                               "dH_de": hs * dstr / H,
                               "dA_dr": (df2[sel] * lp * kv) if df2 is not None else None})
@@ -600,11 +625,12 @@ class Fitter:
         n = len(self.x)
         g = lay.g
         zero, disp, W, eta = p[g["zero"]], p[g["disp"]], p[g["W"]], p[g["eta"]]
+        b_overall = p[g["B"]] if "B" in g else 0.0
         cols, J = [], (np.zeros((n, lay.n)) if jac else None)
         for i, pid in enumerate(pids):
             m = self.model(pid)
             eps, Y, e, r = self._unpack(lay, p, i)
-            c, H, A, ex = self._phase_peaks(m, eps, Y, e, lay.texture[i], r, zero, disp, W, jac)
+            c, H, A, ex = self._phase_peaks(m, eps, Y, e, lay.texture[i], r, zero, disp, W, jac, b_overall)
             prof, parts = _render(self.x, c, H, A, eta, jac)
             prof = prof / m.norm
             cols.append(prof)
@@ -625,6 +651,8 @@ class Fitter:
             J[:, g["disp"]] += k * _bincols(parts, n, ex["cos"], "c")
             J[:, g["W"]] += k * _bincols(parts, n, ex["dH_dW"], "H")
             J[:, g["eta"]] += k * _bincols(parts, n, None, "eta")
+            if "B" in g:
+                J[:, g["B"]] += k * _bincols(parts, n, ex["dA_dB"], "A")
         nb = lay.n_phase
         calc = self.bg @ p[nb:nb + lay.n_bg]
         for i, prof in enumerate(cols):
@@ -634,17 +662,19 @@ class Fitter:
         return calc, cols, J
 
     def refine(self, pids: list[str], strains=None, sizes=None, zero: float = 0.0, texture: bool = True,
-               max_nfev: int = MAX_NFEV, texture_r_search: bool = False) -> FitResult:
+               max_nfev: int = MAX_NFEV, texture_r_search: bool = False, overall_b: bool = False) -> FitResult:
         """Least-squares refinement of every parameter from a start (isotropic strain, size per phase).
 
         ``texture_r_search``: each trial texture axis is scored at its best r of ``TEXTURE_SEARCH_R``
         instead of ``TEXTURE_TRIAL_R`` (2.5x the renders of the texture trial; the baseline uses it for
-        the quantification refit of a measured pattern only).
+        the quantification refit of a measured pattern only).  ``overall_b``: refine the pattern's
+        overall B (module docstring; the same refit uses it).
         """
         with _one_blas_thread():
-            return self._refine(list(pids), strains, sizes, zero, texture, max_nfev, texture_r_search)
+            return self._refine(list(pids), strains, sizes, zero, texture, max_nfev, texture_r_search, overall_b)
 
-    def _refine(self, pids, strains, sizes, zero, texture, max_nfev, texture_r_search=False) -> FitResult:
+    def _refine(self, pids, strains, sizes, zero, texture, max_nfev, texture_r_search=False,
+                overall_b=False) -> FitResult:
         if not pids:
             rwp, coef, calc = self.linear([])
             rwp, rexp = rwp_rexp(self.y, calc, self.w, len(coef))
@@ -654,13 +684,13 @@ class Fitter:
         sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
         models = [self.model(pid) for pid in pids]
         axes = [None] * len(pids)
-        lay = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+        lay = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b)
         p0, lo, hi = self._start(pids, models, lay, strains, sizes, zero)
         p, J = self._solve(pids, lay, p0, lo, hi, max_nfev)
         if texture:
             axes = self._pick_texture(pids, lay, p, J, texture_r_search)
             if any(a is not None for a in axes):
-                lay2 = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes)
+                lay2 = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b)
                 p2, lo2, hi2 = self._extend(lay, lay2, p, lo, hi)
                 p2, J2 = self._solve(pids, lay2, p2, lo2, hi2, max_nfev)
                 if self._chi2(pids, lay2, p2) < self._chi2(pids, lay, p):
@@ -682,6 +712,8 @@ class Fitter:
         p0[g["disp"]], lo[g["disp"]], hi[g["disp"]] = 0.0, -DISP_BOUND, DISP_BOUND
         p0[g["W"]], (lo[g["W"]], hi[g["W"]]) = min(max(self.inst.W, W_BOUNDS[0]), W_BOUNDS[1]), W_BOUNDS
         p0[g["eta"]], lo[g["eta"]], hi[g["eta"]] = self.inst.eta, 0.0, 1.0
+        if "B" in g:
+            p0[g["B"]], (lo[g["B"]], hi[g["B"]]) = 0.0, OVERALL_B_BOUNDS
         for i, d in enumerate(lay.ph):
             for idx, v in zip(d["lat"], models[i].isotropic(strains[i])):
                 p0[idx], lo[idx], hi[idx] = v, v - LATTICE_BOUND, v + LATTICE_BOUND
@@ -696,7 +728,7 @@ class Fitter:
 
     def _extend(self, lay, lay2, p, lo, hi):
         p2, lo2, hi2 = np.zeros(lay2.n), np.zeros(lay2.n), np.zeros(lay2.n)
-        fixed = lay.n_phase + lay.n_bg + 4
+        fixed = lay.n_phase + lay.n_bg + lay.n_global
         p2[:fixed], lo2[:fixed], hi2[:fixed] = p[:fixed], lo[:fixed], hi[:fixed]
         for d, d2 in zip(lay.ph, lay2.ph):
             for k in ("lat", "Y", "e"):
@@ -767,7 +799,8 @@ class Fitter:
             best, best_rwp = None, base * math.sqrt(1.0 - TEXTURE_MIN_GAIN)
             for axis in TEXTURE_AXES:
                 def trial(r, axis=axis):
-                    c, H, A, _ = self._phase_peaks(m, eps, Y, e, axis, r, p[g["zero"]], p[g["disp"]], p[g["W"]], False)
+                    c, H, A, _ = self._phase_peaks(m, eps, Y, e, axis, r, p[g["zero"]], p[g["disp"]], p[g["W"]], False,
+                                                   p[g["B"]] if "B" in g else 0.0)
                     prof, _ = _render(self.x, c, H, A, p[g["eta"]], False)
                     return self.linear(others + [prof / m.norm])[0]
                 rwp = min(trial(r) for r in (TEXTURE_SEARCH_R if r_search else TEXTURE_TRIAL_R))
@@ -838,10 +871,11 @@ class Fitter:
         res = FitResult(phases=phases, rwp=rwp, zero_shift=float(p[g["zero"]]), background=self.bg @ bgc,
                         calc=calc, rexp=rexp, gof=gof, displacement=float(p[g["disp"]]),
                         caglioti_w=float(p[g["W"]]), eta=float(p[g["eta"]]), n_obs=len(self.y), n_params=n_par,
-                        refined=True)
+                        refined=True, overall_b=float(p[g["B"]]) if "B" in g else None)
         res.details["components"] = [p[i] * cols[i] for i in range(k)]
         res.details["wf_cov"] = cov_w                  # covariance of the Hill-Howard fractions
-        res.details["esd"] = {"zero_shift": float(esd[g["zero"]]), "displacement": float(esd[g["disp"]])}
+        res.details["esd"] = {"zero_shift": float(esd[g["zero"]]), "displacement": float(esd[g["disp"]]),
+                              **({"overall_B": float(esd[g["B"]])} if "B" in g else {})}
         return res
 
     # --- the entry point the tools and the baseline use --------------------------------------
