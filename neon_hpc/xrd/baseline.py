@@ -22,7 +22,8 @@ both thresholds.  Without stated precursors every candidate is expected (no prio
 Identification and quantification: for a real measurement (``Instrument.measured``) the search
 and the decision (steps 2-4) use form factors without anomalous scattering, as the thresholds
 were designed; the phases kept are then refined again with f', f'' at the anode line
-(:meth:`Trace.quant_fit`, which also refines the pattern's overall B: :mod:`neon_hpc.xrd.fitting`)
+(:meth:`Trace.quant_fit`, which also refines the pattern's overall B and a line shape per phase:
+:mod:`neon_hpc.xrd.fitting`)
 and their fractions come from that refit (Brindley correction and s.e. by :mod:`neon_hpc.xrd.quant`).
 
 Thresholds are parameters so that the ``loo`` evaluation protocol can fit them on the other
@@ -201,9 +202,10 @@ class Trace:
         """The fit the fractions come from: for a real measurement (``Instrument.measured``) the found
         phases refined again with anomalous scattering (f', f'' at the anode line), started from ``res``,
         each texture axis scored at its best r on ``fitting.TEXTURE_SEARCH_R`` (with the two trial r of
-        the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high: README), and the
+        the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high: README), with the
         pattern's overall B refined (the angle dependence the sample gives every phase alike: surface
-        roughness, a weakly absorbing layer's transparency, thermal motion; README); otherwise ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
+        roughness, a weakly absorbing layer's transparency, thermal motion) and a line shape (pseudo-Voigt
+        eta) per phase (README, issue 34's third pass); otherwise ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
         (see the module docstring); cached per phase set."""
         if res is None or not self.ctx.instrument.measured:
             return res
@@ -212,7 +214,7 @@ class Trace:
             self._fits[key] = self.ctx.fitter().refine([p.phase_id for p in res.phases],
                                                        [p.strain for p in res.phases],
                                                        [p.size_nm for p in res.phases], res.zero_shift,
-                                                       texture_r_search=True, overall_b=True)
+                                                       texture_r_search=True, overall_b=True, phase_eta=True)
         return self._fits[key]
 
     def quantify(self, res, quant: QuantModel) -> list:

@@ -20,6 +20,10 @@ Model::
   directions (``TEXTURE_AXES``) by trial values of r (scales re-solved), then r refined; kept
   only where it pays (``TEXTURE_MIN_GAIN``).
 - Chebyshev background of degree ``BACKGROUND_DEGREE``.
+- Optionally (``refine(phase_eta=True)``) the pseudo-Voigt mixing eta per phase instead of one for the
+  pattern: a phase whose lines are broadened by small crystallites (Lorentzian) and a sharp one
+  whose lines are the instrument's (mostly Gaussian) do not share one line shape, and a shape that
+  is wrong for a phase biases its area, hence its scale.
 - Optionally (``refine(overall_b=True)``: the baseline's quantification refit of a measured
   pattern) one intensity factor exp(-2 B s^2), s = sin t / lambda = 1 / 2d, common to every phase,
   B refined in ``OVERALL_B_BOUNDS`` (A^2).  It carries what the sample does to the intensity's
@@ -109,6 +113,7 @@ class PhaseFit:
     rietveld_scale: float = 0.0       # S_p (per |F|^2, for ZMV)
     detection_limit: float = 0.0      # weight fraction at which significance would reach the threshold
     rwp_without: float = float("nan")  # Rwp with this phase removed (others re-scaled)
+    eta: float | None = None          # the phase's own pseudo-Voigt mixing when refined (``refine(phase_eta=True)``)
 
 
 @dataclass
@@ -142,6 +147,8 @@ class FitResult:
             row = {"phase_id": p.phase_id, "weight_fraction": round(p.weight_fraction, 4),
                    "wf_esd": round(p.wf_esd, 4), "strain": round(p.strain, 5), "size_nm": round(p.size_nm, 1),
                    "microstrain": round(p.microstrain, 5), "significance": round(p.significance, 1)}
+            if p.eta is not None:
+                row["eta"] = round(p.eta, 3)
             if p.lattice:
                 row["lattice"] = [round(v, 5) for v in p.lattice[:3]] + [round(v, 3) for v in p.lattice[3:]]
                 row["lattice_esd"] = [round(v, 5) for v in p.lattice_esd]
@@ -395,6 +402,7 @@ class _ParamIndex:
     n_lat: list[int]
     texture: list                      # axis or None per phase
     overall_b: bool = False            # one more global parameter: the pattern's overall B
+    phase_eta: bool = False            # a pseudo-Voigt mixing eta per phase instead of the global one
 
     def __post_init__(self):
         i = self.n_phase + self.n_bg
@@ -410,6 +418,9 @@ class _ParamIndex:
             i += self.n_lat[p]
             d["Y"], d["e"] = i, i + 1
             i += 2
+            if self.phase_eta:
+                d["eta"] = i
+                i += 1
             if self.texture[p] is not None:
                 d["r"] = i
                 i += 1
@@ -631,14 +642,14 @@ class Fitter:
             m = self.model(pid)
             eps, Y, e, r = self._unpack(lay, p, i)
             c, H, A, ex = self._phase_peaks(m, eps, Y, e, lay.texture[i], r, zero, disp, W, jac, b_overall)
-            prof, parts = _render(self.x, c, H, A, eta, jac)
+            d = lay.ph[i]
+            prof, parts = _render(self.x, c, H, A, p[d["eta"]] if "eta" in d else eta, jac)
             prof = prof / m.norm
             cols.append(prof)
             if not jac:
                 continue
             J[:, i] = prof
             k = p[i] / m.norm
-            d = lay.ph[i]
             for j, idx in enumerate(d["lat"]):
                 J[:, idx] = k * (_bincols(parts, n, ex["dc_deps"][:, j], "c") +
                                  _bincols(parts, n, ex["dH_deps"][:, j], "H") +
@@ -650,7 +661,7 @@ class Fitter:
             J[:, g["zero"]] += k * _bincols(parts, n, None, "c")
             J[:, g["disp"]] += k * _bincols(parts, n, ex["cos"], "c")
             J[:, g["W"]] += k * _bincols(parts, n, ex["dH_dW"], "H")
-            J[:, g["eta"]] += k * _bincols(parts, n, None, "eta")
+            J[:, d["eta"] if "eta" in d else g["eta"]] += k * _bincols(parts, n, None, "eta")
             if "B" in g:
                 J[:, g["B"]] += k * _bincols(parts, n, ex["dA_dB"], "A")
         nb = lay.n_phase
@@ -662,7 +673,8 @@ class Fitter:
         return calc, cols, J
 
     def refine(self, pids: list[str], strains=None, sizes=None, zero: float = 0.0, texture: bool = True,
-               max_nfev: int = MAX_NFEV, texture_r_search: bool = False, overall_b: bool = False) -> FitResult:
+               max_nfev: int = MAX_NFEV, texture_r_search: bool = False, overall_b: bool = False,
+               phase_eta: bool = False) -> FitResult:
         """Least-squares refinement of every parameter from a start (isotropic strain, size per phase).
 
         ``texture_r_search``: each trial texture axis is scored at its best r of ``TEXTURE_SEARCH_R``
@@ -671,10 +683,11 @@ class Fitter:
         overall B (module docstring; the same refit uses it).
         """
         with _one_blas_thread():
-            return self._refine(list(pids), strains, sizes, zero, texture, max_nfev, texture_r_search, overall_b)
+            return self._refine(list(pids), strains, sizes, zero, texture, max_nfev, texture_r_search, overall_b,
+                                phase_eta)
 
     def _refine(self, pids, strains, sizes, zero, texture, max_nfev, texture_r_search=False,
-                overall_b=False) -> FitResult:
+                overall_b=False, phase_eta=False) -> FitResult:
         if not pids:
             rwp, coef, calc = self.linear([])
             rwp, rexp = rwp_rexp(self.y, calc, self.w, len(coef))
@@ -684,13 +697,13 @@ class Fitter:
         sizes = list(sizes) if sizes is not None else [0.0] * len(pids)
         models = [self.model(pid) for pid in pids]
         axes = [None] * len(pids)
-        lay = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b)
+        lay = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b, phase_eta)
         p0, lo, hi = self._start(pids, models, lay, strains, sizes, zero)
         p, J = self._solve(pids, lay, p0, lo, hi, max_nfev)
         if texture:
             axes = self._pick_texture(pids, lay, p, J, texture_r_search)
             if any(a is not None for a in axes):
-                lay2 = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b)
+                lay2 = _ParamIndex(len(pids), self.bg.shape[1], [m.n_lat for m in models], axes, overall_b, phase_eta)
                 p2, lo2, hi2 = self._extend(lay, lay2, p, lo, hi)
                 p2, J2 = self._solve(pids, lay2, p2, lo2, hi2, max_nfev)
                 if self._chi2(pids, lay2, p2) < self._chi2(pids, lay, p):
@@ -712,6 +725,9 @@ class Fitter:
         p0[g["disp"]], lo[g["disp"]], hi[g["disp"]] = 0.0, -DISP_BOUND, DISP_BOUND
         p0[g["W"]], (lo[g["W"]], hi[g["W"]]) = min(max(self.inst.W, W_BOUNDS[0]), W_BOUNDS[1]), W_BOUNDS
         p0[g["eta"]], lo[g["eta"]], hi[g["eta"]] = self.inst.eta, 0.0, 1.0
+        for d in lay.ph:
+            if "eta" in d:
+                p0[d["eta"]], lo[d["eta"]], hi[d["eta"]] = self.inst.eta, 0.0, 1.0
         if "B" in g:
             p0[g["B"]], (lo[g["B"]], hi[g["B"]]) = 0.0, OVERALL_B_BOUNDS
         for i, d in enumerate(lay.ph):
@@ -731,7 +747,7 @@ class Fitter:
         fixed = lay.n_phase + lay.n_bg + lay.n_global
         p2[:fixed], lo2[:fixed], hi2[:fixed] = p[:fixed], lo[:fixed], hi[:fixed]
         for d, d2 in zip(lay.ph, lay2.ph):
-            for k in ("lat", "Y", "e"):
+            for k in ("lat", "Y", "e") + (("eta",) if "eta" in d2 else ()):
                 p2[d2[k]], lo2[d2[k]], hi2[d2[k]] = p[d[k]], lo[d[k]], hi[d[k]]
             if "r" in d2:
                 p2[d2["r"]], (lo2[d2["r"]], hi2[d2["r"]]) = 1.0, TEXTURE_BOUNDS
@@ -747,6 +763,8 @@ class Fitter:
             held[lay.g["zero"]] = True
         if self.shift not in ("displacement", "both"):
             held[lay.g["disp"]] = True
+        if lay.phase_eta:
+            held[lay.g["eta"]] = True                  # each phase has its own
         return held
 
     def _solve(self, pids, lay: _ParamIndex, p0, lo, hi, max_nfev):
@@ -801,7 +819,7 @@ class Fitter:
                 def trial(r, axis=axis):
                     c, H, A, _ = self._phase_peaks(m, eps, Y, e, axis, r, p[g["zero"]], p[g["disp"]], p[g["W"]], False,
                                                    p[g["B"]] if "B" in g else 0.0)
-                    prof, _ = _render(self.x, c, H, A, p[g["eta"]], False)
+                    prof, _ = _render(self.x, c, H, A, p[lay.ph[i].get("eta", g["eta"])], False)
                     return self.linear(others + [prof / m.norm])[0]
                 rwp = min(trial(r) for r in (TEXTURE_SEARCH_R if r_search else TEXTURE_TRIAL_R))
                 if rwp < best_rwp:
@@ -865,7 +883,8 @@ class Fitter:
                                    microstrain=float(p[d["e"]]), lattice=tuple(float(v) for v in latt[i]),
                                    lattice_esd=latt_esd[i], texture_axis=lay.texture[i],
                                    texture_r=float(p[d["r"]]) if "r" in d else 1.0, significance=sig,
-                                   rietveld_scale=float(p[i] / (m.norm * m.volume0 ** 2))))
+                                   rietveld_scale=float(p[i] / (m.norm * m.volume0 ** 2)),
+                                   eta=float(p[d["eta"]]) if "eta" in d else None))
         g = lay.g
         bgc = p[k:k + lay.n_bg]
         res = FitResult(phases=phases, rwp=rwp, zero_shift=float(p[g["zero"]]), background=self.bg @ bgc,
