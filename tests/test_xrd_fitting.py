@@ -203,3 +203,60 @@ def test_texture_r_search_finds_the_real_li2co3_texture_axis_the_two_trials_miss
     assert li_grid.texture_axis != li_two.texture_axis
     assert grid.rwp < two.rwp - 3e-4
     assert abs(li_grid.weight_fraction - 0.2999) < abs(li_two.weight_fraction - 0.2999) - 0.01
+
+
+def test_analytic_jacobian_with_overall_b_and_an_eta_per_phase():
+    ids = ["cur:ZnO_zincite", "cur:TiO2_anatase"]
+    y = _mixture({ids[0]: 0.6, ids[1]: 0.4}, {}, 5e3, 3)
+    f = Fitter(X, y, INST)
+    for pid in ids:
+        f.model(pid).norm = 1e-3
+    lay = _ParamIndex(2, f.bg.shape[1], [f.model(p).n_lat for p in ids], [None, (0, 0, 1)],
+                      overall_b=True, phase_eta=True)
+    assert "B" in lay.g and all("eta" in d for d in lay.ph)
+    rng = np.random.default_rng(4)
+    p = np.zeros(lay.n)
+    p[:2] = [2.0, 1.5]
+    p[2:2 + lay.n_bg] = rng.normal(size=lay.n_bg)
+    g = lay.g
+    p[g["zero"]], p[g["W"]], p[g["eta"]], p[g["B"]] = 0.02, 0.004, 0.5, -0.7
+    for d, eta in zip(lay.ph, (0.25, 0.8)):
+        p[d["lat"]] = rng.uniform(-0.004, 0.004, len(d["lat"]))
+        p[d["Y"]], p[d["e"]], p[d["eta"]] = 0.02, 0.001, eta
+        if "r" in d:
+            p[d["r"]] = 0.85
+    _, _, J = f._model(ids, lay, p, True)
+    assert np.all(J[:, g["eta"]] == 0)          # each phase has its own eta: the pattern's is not used
+    for j in [g["B"]] + [d["eta"] for d in lay.ph] + [k for d in lay.ph for k in d["lat"]]:
+        h = 1e-7 * max(1.0, abs(p[j]))
+        up, dn = p.copy(), p.copy()
+        up[j] += h
+        dn[j] -= h
+        num = (f._model(ids, lay, up, False)[0] - f._model(ids, lay, dn, False)[0]) / (2 * h)
+        assert np.linalg.norm(J[:, j] - num) < 5e-3 * np.linalg.norm(num) + 1e-9, f"parameter {j}"
+
+
+def test_overall_b_and_an_eta_per_phase_recover_what_the_sample_did():
+    # every line of both phases weakened by exp(-2 B s^2) (B = 0.6 A^2: thermal motion the library's
+    # structures lack), ZnO's lines Gaussian-like and anatase's Lorentzian-like: the plain refinement
+    # (B = 0, one eta) biases the fractions; refining B and an eta per phase recovers them
+    a, b = "cur:ZnO_zincite", "cur:TiO2_anatase"
+    lib = load_library()
+    wf = {a: 0.6, b: 0.4}
+    vol = np.array([wf[p] / lib.get(p).density for p in wf])
+    vol /= vol.sum()
+    y = sum(v * phase_pattern(phase_reflections(p, D_MIN, 0.6), X, INST.with_(eta=eta), Microstructure(size_nm=80.0))
+            for p, v, eta in zip(wf, vol, (0.15, 0.85)))
+    y = np.random.default_rng(5).poisson((y / y.max() + 0.02) * 3e4).astype(float)
+    f = Fitter(X, y, INST)
+    start = f.fit([a, b])
+    args = ([a, b], [p.strain for p in start.phases], [p.size_nm for p in start.phases], start.zero_shift)
+    plain, full = f.refine(*args), f.refine(*args, overall_b=True, phase_eta=True)
+    assert plain.overall_b is None and full.overall_b == pytest.approx(0.6, abs=0.15)
+    by = {p.phase_id: p for p in full.phases}
+    assert by[a].eta == pytest.approx(0.15, abs=0.1) and by[b].eta == pytest.approx(0.85, abs=0.1)
+    assert full.rwp < plain.rwp
+    err_plain, err_full = (max(abs(r.fractions()[p] - w) for p, w in wf.items()) for r in (plain, full))
+    assert err_full < 0.01 and err_full < 0.5 * err_plain
+    assert "overall_B" in full.summary() and full.summary()["phases"][0]["eta"] is not None
+    assert "overall_B" not in plain.summary() and "eta" not in plain.summary()["phases"][0]
