@@ -205,8 +205,8 @@ class Trace:
         the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high: README), with the
         pattern's overall B refined (the angle dependence the sample gives every phase alike: surface
         roughness, a weakly absorbing layer's transparency, thermal motion) and a line shape (pseudo-Voigt
-        eta) per phase (README, issue 34's third pass); otherwise ``res`` itself.  Identification (the steps, :meth:`final_fit`) never uses f', f''
-        (see the module docstring); cached per phase set."""
+        eta) per phase (README, issue 34's third pass); otherwise ``res`` itself.  Identification (the
+        steps, :meth:`final_fit`) never uses f', f'' (see the module docstring); cached per phase set."""
         if res is None or not self.ctx.instrument.measured:
             return res
         key = ("quant",) + tuple(p.phase_id for p in res.phases)
