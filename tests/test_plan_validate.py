@@ -123,3 +123,15 @@ def test_real_tiny_run_within_bands(tmp_path):
     # the bands are the stated ones (a 30-step prediction is not noisy enough to widen them)
     assert all(r.band <= 1.5 * BANDS[r.name] for r in report.rows), report.text()
     assert report.ok, report.text()
+
+
+def test_a_maximum_is_compared_with_the_range_of_the_seeds_maxima():
+    from neon_hpc.plan.validate import BY_SEED_RANGE, Comparison
+    assert "staleness_max" in BY_SEED_RANGE
+    # seeds' maxima 3 (x7) and 4 (x1): mean 3.125; a real run's 2 is one draw within a version of a seed's
+    by_mean = Comparison("staleness_max", 2.0, 3.125, 1.0)
+    by_range = Comparison("staleness_max", 2.0, 3.125, 1.0, seed_range=(3.0, 4.0))
+    assert not by_mean.within and by_range.within
+    assert not Comparison("staleness_max", 1.0, 3.125, 1.0, seed_range=(3.0, 4.0)).within
+    assert not Comparison("staleness_max", 6.0, 3.125, 1.0, seed_range=(3.0, 4.0)).within
+    assert Comparison("staleness_max", 5.0, 3.125, 1.0, seed_range=(3.0, 4.0)).within

@@ -19,7 +19,11 @@ A worker runs one group at a time, so the simulation uses one slot per worker an
 group as one unit of work (its duration = its slowest episode).
 
 The band (stated, per quantity, in :data:`BANDS`) is widened to twice the spread of the
-prediction over seeds when a short run makes the prediction itself noisy.  Token-level
+prediction over seeds when a short run makes the prediction itself noisy.  A maximum
+(:data:`BY_SEED_RANGE`: staleness max) is one draw of an extreme value, so the measured one is
+within when it is within the band of the *range* of the seeds' maxima (the printed prediction
+is still their mean): with the tiny default the seeds give 3, sometimes 4 (mean 3.0-3.25), and a
+real 30-step run 2 or 3; a 2 against a mean of 3.125 failed a CI run.  Token-level
 staleness mean is estimated in the simulation from each group's version span (see
 ``SimResult.staleness_token_mean``).
 """
@@ -41,6 +45,9 @@ from neon_hpc.protocol.rundir import RunDir
 
 BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "staleness_max": 1.0,
          "wasted_tokens": 0.05}
+# extreme statistics: one run's maximum is one draw of a maximum, so it is compared with the range
+# of the simulated seeds' maxima (widened by the band), not with their mean
+BY_SEED_RANGE = ("staleness_max",)
 # every rollout-role event record with seconds is a worker waiting (the contract names
 # idle | backpressure | admission_wait; worker.py logs the reason it waited)
 NOT_WAITS = ("weights_loaded", "worker_restart")
@@ -63,10 +70,12 @@ class Comparison:
     predicted: float
     band: float
     spread: float = 0.0
+    seed_range: tuple[float, float] | None = None   # (min, max) over the seeds, for a BY_SEED_RANGE quantity
 
     @property
     def within(self) -> bool:
-        return abs(self.measured - self.predicted) <= self.band + 1e-9
+        lo, hi = self.seed_range or (self.predicted, self.predicted)
+        return lo - self.band - 1e-9 <= self.measured <= hi + self.band + 1e-9
 
 
 @dataclass
@@ -91,8 +100,9 @@ class ValidationReport:
                  f"{self.groups} groups measured",
                  f"  {'quantity':<16}{'measured':>10}{'predicted':>11}{'band':>8}  verdict"]
         for r in self.rows:
+            seeds = f"  (seeds {r.seed_range[0]:g}-{r.seed_range[1]:g})" if r.seed_range else ""
             lines.append(f"  {r.name:<16}{r.measured:>10.3f}{r.predicted:>11.3f}{'±' + format(r.band, '.2f'):>8}  "
-                         f"{'within' if r.within else 'OUTSIDE'}")
+                         f"{'within' if r.within else 'OUTSIDE'}{seeds}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -272,7 +282,8 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
             continue
         spread = statistics.pstdev(values) if len(values) > 1 else 0.0
         report.rows.append(Comparison(name, measured[name], statistics.fmean(values),
-                                      max(BANDS[name], 2 * spread), spread))
+                                      max(BANDS[name], 2 * spread), spread,
+                                      (min(values), max(values)) if name in BY_SEED_RANGE else None))
     if len(all_steps) < 20:
         report.notes.append(f"only {len(all_steps)} steps: short-run noise is large; the band widens with the "
                             f"prediction's spread over seeds")
