@@ -125,7 +125,10 @@ def test_a_renewer_that_lost_its_lease_says_so(tmp_path, monkeypatch):
     lost = []
     r = lease.Renewer(run, rec.token, "test", on_lost=lost.append)
     r.start()
-    time.sleep(0.3)
+    # wait for the first renewal (a fixed 0.3 s sleep missed it on a loaded machine: flaky)
+    deadline = time.monotonic() + 30
+    while not (lease.read(run).renewed_by or "").startswith("test@") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert lease.read(run).renewed_by.startswith("test@")
     atomic_write_json(lease.lease_path(run), dict(lease.read(run).to_json(), token="someone-else"))
     r.join(timeout=5)
