@@ -434,6 +434,22 @@ class _CostPacker:
     def _row_times(self, rows: np.ndarray) -> np.ndarray:
         return combine(rows.sum(axis=1), rows.max(axis=1), self.ctx.p, self.ctx.vpp)
 
+    def _best_transfer(self, hi: int, lo: int, slot_hi, taken, slot_lo, given, ok, times: np.ndarray,
+                       rel_tol: float) -> int | None:
+        """Candidate k takes ``taken[k]`` from ``hi``'s slot ``slot_hi[k]`` and gives ``given[k]`` to
+        ``lo``'s slot ``slot_lo[k]``: the candidate (among ``ok``) that leaves the slower of the two
+        ranks fastest, or None when it would not beat ``times[hi]`` by ``rel_tol``."""
+        k = len(taken)
+        ar = np.arange(k)
+        rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
+        rows_hi[ar, slot_hi] -= taken
+        rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
+        rows_lo[ar, slot_lo] += given
+        worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
+        worst[~ok] = np.inf
+        b = int(np.argmin(worst))
+        return b if worst[b] < times[hi] * (1 - rel_tol) else None
+
     def _best_move(self, hi: int, lo: int, times: np.ndarray) -> bool:
         """All items of ``hi`` evaluated at once (whole sequences into ``lo``'s lightest slot
         with room, split units into their own slot); the move that leaves the slower of
@@ -442,22 +458,14 @@ class _CostPacker:
             return False
         ctx = self.ctx
         idx, c, jh, n, whole = self._item_arrays(hi)
-        k = len(c)
-        ar = np.arange(k)
         toks_lo = self.toks[lo][None, :]
         room = np.where((n > ctx.cap)[:, None], toks_lo == 0, toks_lo + n[:, None] <= ctx.cap)
         own_slot = np.arange(self.m)[None, :] == jh[:, None]
         room &= whole[:, None] | own_slot
         ok = room.any(axis=1)
         j = np.argmin(np.where(room, self.load[lo][None, :], np.inf), axis=1)
-        rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
-        rows_hi[ar, jh] -= c
-        rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
-        rows_lo[ar, j] += c
-        worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
-        worst[~ok] = np.inf
-        b = int(np.argmin(worst))
-        if not worst[b] < times[hi] * (1 - 1e-9):
+        b = self._best_transfer(hi, lo, jh, c, j, c, ok, times, 1e-9)
+        if b is None:
             return False
         cost_b, seq_b, _j, pieces, _t, whole_b = self._take_item(hi, int(idx[b]))
         self._add_item(lo, int(j[b]), seq_b, pieces, cost_b, whole_b)
@@ -474,8 +482,6 @@ class _CostPacker:
         ctx = self.ctx
         a, b = ctx.cost.a, ctx.cost.b
         items = self.items[hi]
-        k = len(items)
-        ar = np.arange(k)
         jh = np.array([it[2] for it in items], dtype=np.int64)
         s = np.array([it[3][-1].start for it in items], dtype=np.float64)
         e = np.array([it[3][-1].end for it in items], dtype=np.float64)
@@ -488,14 +494,8 @@ class _CostPacker:
         ok = (x < e) & (room >= 1) & (e - s <= ctx.cap)
         tail = a * (e - x) + b * (e * e - x * x)             # what the head no longer computes
         tail_lo = tail + ctx.cost.piece_overhead              # the new piece's cost
-        rows_hi = np.repeat(self.load[hi][None, :], k, axis=0)
-        rows_hi[ar, jh] -= tail
-        rows_lo = np.repeat(self.load[lo][None, :], k, axis=0)
-        rows_lo[ar, jh] += tail_lo
-        worst = np.maximum(self._row_times(rows_hi), self._row_times(rows_lo))
-        worst[~ok] = np.inf
-        best = int(np.argmin(worst))
-        if not worst[best] < times[hi] * (1 - 1e-6):
+        best = self._best_transfer(hi, lo, jh, tail, jh, tail_lo, ok, times, 1e-6)
+        if best is None:
             return False
         xi, t = int(x[best]), float(tail[best])
         cost_i, i, j, pieces, _t, _w = self._take_item(hi, best)
