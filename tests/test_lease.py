@@ -130,9 +130,16 @@ def test_a_renewer_that_lost_its_lease_says_so(tmp_path, monkeypatch):
     while not (lease.read(run).renewed_by or "").startswith("test@") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lease.read(run).renewed_by.startswith("test@")
-    atomic_write_json(lease.lease_path(run), dict(lease.read(run).to_json(), token="someone-else"))
+    # another launch takes the lease. This test writes the record directly, so a renewal already between
+    # its read and its write can put our token back (a real takeover waits for the TTL to expire first):
+    # write again until the renewer reads the new holder
+    deadline = time.monotonic() + 30
+    while not lost and time.monotonic() < deadline:
+        atomic_write_json(lease.lease_path(run), dict(lease.read(run).to_json(), token="someone-else"))
+        r.join(timeout=0.5)
     r.join(timeout=5)
     assert lost and "someone-else" in lost[0]
+    assert not r.is_alive()
 
 
 def test_neon_hpc_run_and_the_sbatch_prepare_refuse_a_held_run_dir(tmp_path):
