@@ -29,11 +29,11 @@ from pydantic import ValidationError
 
 from neon_hpc import constraints
 from neon_hpc.constraints import section
-from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
+from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.balance.config import BalanceConfig
 from neon_hpc.envs.config import EnvConfig, eval_split_errors
 from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
-from neon_hpc.logsinks import LoggingConfig
+from neon_hpc.util.logsinks import LoggingConfig
 from neon_hpc.models.config import DefaultModelConfig, ModelSection, arch_experiment_errors
 from neon_hpc.plan.config import PlanConfig
 from neon_hpc.protocol.config import ProtocolConfig

@@ -26,7 +26,7 @@ from typing import Callable
 
 from neon_hpc import config, envs
 from neon_hpc.balance.configured import cost_model_for_config
-from neon_hpc.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.config import ConfigError, ExperimentConfig
 from neon_hpc.reshard.metadata import CheckpointError
 

@@ -38,7 +38,7 @@ and the capacity planner's ``SimParams`` (a section too, ``plan/params.py``).
 A section built in code (``TrainConfig(lr=...)``) is not validated until :func:`validate`
 (or the loader) sees it, as with any dataclass; the loader (:mod:`neon_hpc.config`) turns
 pydantic's errors into lines that name the file, the key, the bad value and what is allowed
-(:func:`explain`).  This module imports nothing of neon_hpc but :mod:`neon_hpc.bounded`, so
+(:func:`explain`).  This module imports nothing of neon_hpc but :mod:`neon_hpc.util.bounded`, so
 every section module can import it.
 """
 
@@ -60,7 +60,7 @@ from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Strict, 
     ValidationError, model_validator
 from pydantic.types import AllowInfNan
 
-from neon_hpc.bounded import REPR_CAP, clip_text, short_repr
+from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 

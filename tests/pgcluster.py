@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 
 def server_bin() -> Path | None:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 
 def run_ranks(world: int, args_of, timeout: float = 300) -> list[str]:

@@ -97,7 +97,7 @@ def _seal_on_rank0(ckpt: Path) -> None:
 def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2, 2)), seq: int = 8) -> Path:
     """Save one checkpoint per (tp, ep) layout from two gloo processes; returns ``out_dir``."""
     import torch.multiprocessing as mp
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_worker, args=(2, free_port(), str(out), [tuple(x) for x in layouts], seq),
@@ -124,7 +124,7 @@ def mla_hf_config() -> dict:
 
 def _mla_worker(rank: int, out: str, seq: int) -> None:
     from neon_hpc.models import megatron
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     _start(rank, 1, free_port())
     _mla_in_group(out, seq)
     megatron.destroy_parallel()
@@ -199,7 +199,7 @@ def build_all(out_dir: str | os.PathLike, synth, seq: int = 8) -> Path:
     import json
     from dataclasses import asdict
     import torch.multiprocessing as mp
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     out = Path(out_dir)
     if (out / "DONE").exists():
         return out

@@ -5,7 +5,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 
 class RecordingServer(ThreadingHTTPServer):

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

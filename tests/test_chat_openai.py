@@ -2,7 +2,7 @@
 
 The server (real HTTP, started here) answers ``/v1/chat/completions`` like OpenAI: a transient
 503 first, then native ``tool_calls``, then an answer.  The ``openai`` package is the client under
-test (its timeout, auth headers and errors, retried by ``neon_hpc.httpretry``); the episode runs
+test (its timeout, auth headers and errors, retried by ``neon_hpc.util.httpretry``); the episode runs
 the real XRD tools.
 """
 

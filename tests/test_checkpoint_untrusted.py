@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 pytestmark = pytest.mark.slow
 

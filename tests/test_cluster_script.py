@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("slurmctld") is None or shutil.which("mariadbd") is None,

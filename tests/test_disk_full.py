@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, StorageError, atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
 from mainjob import run_main_job
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
 from mainjob import run_main_job
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from neon_hpc.launch.config import parse_cpus, split_cpus, trainer_threads
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
 
 pytestmark = pytest.mark.slow

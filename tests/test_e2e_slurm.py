@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from neon_hpc import config
-from neon_hpc.logs import RoleLogger, read_metrics
-from neon_hpc.netutil import free_port
+from neon_hpc.util.logs import RoleLogger, read_metrics
+from neon_hpc.util.netutil import free_port
 from neon_hpc.rollout.engines.fleet import Fleet, FleetError, node_addresses, resolve
 from neon_hpc.rollout.engines.sglang_launch import layout, render_commands
 from neon_hpc.protocol.rundir import RunDir

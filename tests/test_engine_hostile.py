@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.bounded import MESSAGE_CAP
+from neon_hpc.util.bounded import MESSAGE_CAP
 from neon_hpc.models import hf
 from neon_hpc.models.config import ModelConfig
 

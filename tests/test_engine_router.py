@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.protocol import BadRequest, parse_generate

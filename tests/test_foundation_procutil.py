@@ -13,7 +13,7 @@ import pytest
 
 PARENT = r"""
 import subprocess, sys, time
-from neon_hpc.procutil import child_setup
+from neon_hpc.util.procutil import child_setup
 ignore = sys.argv[1] == "ignore"
 c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=child_setup(ignore_usr1=ignore))
 print(c.pid, flush=True)
@@ -45,7 +45,7 @@ def test_child_ends_when_its_parent_is_killed(mode):
 
 FORKER = r"""
 import os, sys, time
-from neon_hpc.procutil import forked_children_die_with_me
+from neon_hpc.util.procutil import forked_children_die_with_me
 forked_children_die_with_me()
 pid = os.fork()
 if pid == 0:

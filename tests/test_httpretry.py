@@ -1,4 +1,4 @@
-"""One error taxonomy and one retry policy (neon_hpc.httpretry) for the engine client, replay and chat.
+"""One error taxonomy and one retry policy (neon_hpc.util.httpretry) for the engine client, replay and chat.
 
 The errors classified are the real ones the clients raise: the engine client against a closed
 port and a server answering 503/400, and the openai client against a closed port.
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from neon_hpc import replay
-from neon_hpc.httpretry import RetryPolicy, is_transient, retryable_status
+from neon_hpc.util.httpretry import RetryPolicy, is_transient, retryable_status
 from neon_hpc.rollout.agent import chat
 from neon_hpc.rollout.engines.client import EngineClient, EngineError
 

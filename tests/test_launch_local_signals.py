@@ -89,7 +89,7 @@ def test_second_ctrl_c_kills_every_process_at_once(tmp_path):
 
 
 def test_stop_flag_calls_on_again_from_the_second_signal_on():
-    from neon_hpc.procutil import StopFlag
+    from neon_hpc.util.procutil import StopFlag
     first, again = [], []
     flag = StopFlag((signal.SIGUSR1,), on_signal=first.append, on_again=again.append).install()
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.local import LocalRun
-from neon_hpc.logs import MetricsTail, RoleLogger, metrics_path
+from neon_hpc.util.logs import MetricsTail, RoleLogger, metrics_path
 from neon_hpc.protocol.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]

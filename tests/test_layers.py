@@ -46,8 +46,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "xrd", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # architecture adapters, megatron and HF builders
-    ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "constraints", "bounded", "logs", "logsinks",
-                    "netutil", "procutil", "progress", "httpretry", "rankenv", "neon_hpc"}),
+    ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "constraints", "util", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
 # part -> parts it must not import even where the layers would allow it

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc import logsinks
-from neon_hpc.logs import RoleLogger, read_metrics
-from neon_hpc.logsinks import LoggingConfig
+from neon_hpc.util import logsinks
+from neon_hpc.util.logs import RoleLogger, read_metrics
+from neon_hpc.util.logsinks import LoggingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

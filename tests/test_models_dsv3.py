@@ -163,7 +163,7 @@ def _publish_worker(rank: int, world: int, port: int, out: str, tp: int, ep: int
 def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
     import torch.multiprocessing as mp
     from neon_hpc.models.parity import hf_logits
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     from neon_hpc.protocol.rundir import RunDir
     world = max(tp, ep)
     mp.start_processes(_publish_worker, args=(world, free_port(), str(tmp_path), tp, ep), nprocs=world,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc.logs import RoleLogger
+from neon_hpc.util.logs import RoleLogger
 from neon_hpc.ops import status as st
 from neon_hpc.ops.plot import plot_run
 from neon_hpc.ops.tail import tail

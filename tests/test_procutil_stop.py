@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.procutil import StopFlag, stop_tree
+from neon_hpc.util.procutil import StopFlag, stop_tree
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Progress bars draw on a terminal and stay out of logs and pipes (neon_hpc/progress.py)."""
+"""Progress bars draw on a terminal and stay out of logs and pipes (neon_hpc/util/progress.py)."""
 from __future__ import annotations
 
 import fcntl

@@ -26,7 +26,7 @@ import pytest
 import torch
 import xxhash
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.pipeline import ReshardError
 

@@ -105,7 +105,7 @@ def test_the_window_is_uid_window_steps(tmp_path):
 
 
 def test_status_shows_the_duplicates_the_trainer_reported(tmp_path):
-    from neon_hpc.logs import RoleLogger
+    from neon_hpc.util.logs import RoleLogger
     from neon_hpc.ops.status import collect, render
     run = RunDir(tmp_path / "run").create()
     log = RoleLogger.open(run.root, "trainer", 0, echo=False)

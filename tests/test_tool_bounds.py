@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.agent.chat import ChatEpisode
 from neon_hpc.rollout.agent.parse import MAX_TOOL_CALL_CHARS, Malformed, ToolCall, parse_action, parse_tool_call
 from neon_hpc.envs.xrd.env import XRDEnv
@@ -134,8 +134,8 @@ def test_hostile_calls_never_raise_nor_open_files_outside(ctx):
 
 
 def test_log_lines_quoting_input_are_capped(tmp_path):
-    from neon_hpc.bounded import LOG_LINE_CAP
-    from neon_hpc.logs import RoleLogger
+    from neon_hpc.util.bounded import LOG_LINE_CAP
+    from neon_hpc.util.logs import RoleLogger
     log = RoleLogger.open(tmp_path, "rollout", 0, echo=False)
     try:
         log.info("engine said: %s", "e" * (10 << 20))

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from neon_hpc.bounded import MESSAGE_CAP
+from neon_hpc.util.bounded import MESSAGE_CAP
 from neon_hpc.xrd.tools import TOOLS, ToolSpec, call_tool
 
 # keywords the earlier hand-written subset ignored (pattern, exclusiveMinimum, uniqueItems, const,

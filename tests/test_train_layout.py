@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from neon_hpc import config as C
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
 from test_train_loop import add_shards, start, wait_ok
 

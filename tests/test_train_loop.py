@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from neon_hpc import config as C
-from neon_hpc.logs import read_metrics
-from neon_hpc.netutil import free_port
+from neon_hpc.util.logs import read_metrics
+from neon_hpc.util.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, read_json
 
 STEPS, PER_STEP = 4, 8

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from test_train_loop import (add_shards, dataset, losses, new_run, reference, start,  # noqa: F401 (fixtures)
                              wait_ok, weights)
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 
 STEPS, PROMPTS, SAMPLES = 10, 8, 8
 CHANCE = 1 / 8

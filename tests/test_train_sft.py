@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.train.loss import sft_loss, sft_term_means
 
 REPO = Path(__file__).resolve().parents[1]

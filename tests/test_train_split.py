@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from neon_hpc import config as C
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from test_train_loop import PER_STEP, add_shards, dataset, losses, new_run, start, wait_ok, weights  # noqa: F401
 
 STEPS = 2

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from neon_hpc import config as C
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
 from test_train_loop import _trajectories as _loop_trajectories, add_shards, start, wait_ok, weights
 from test_train_pp import rewound_copy

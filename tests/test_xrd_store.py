@@ -142,7 +142,7 @@ def test_concurrent_writers_from_separate_processes(backend, tmp_path, request):
 
 
 def test_postgres_errors_name_the_server_and_the_fix(postgres):
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     dead = f"postgresql://neon:secret@127.0.0.1:{free_port()}/postgres"
     with pytest.raises(StoreError, match="cannot connect") as e:
         Store.open(dead)

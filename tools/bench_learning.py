@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from neon_hpc import config, envs
     from neon_hpc.launch.config import split_cpus
-    from neon_hpc.logs import read_metrics
+    from neon_hpc.util.logs import read_metrics
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.protocol.rundir import read_json
     from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights

@@ -92,7 +92,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sizes", default="tiny,medium")
     a = p.parse_args()
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     root = Path(tempfile.mkdtemp(prefix="bench_publish_"))
     results = []

@@ -131,7 +131,7 @@ dist.destroy_process_group()
 
 
 def run_baseline(ckpt: Path, out: Path) -> dict:
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     shutil.rmtree(out, ignore_errors=True)     # left by an interrupted run
     drop_cache(ckpt_files(ckpt))
     out.mkdir()

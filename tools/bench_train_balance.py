@@ -243,7 +243,7 @@ def main() -> int:
         return 0
     import tempfile
 
-    from neon_hpc.netutil import free_port
+    from neon_hpc.util.netutil import free_port
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_balance_"))
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()

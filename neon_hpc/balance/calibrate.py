@@ -24,7 +24,7 @@ import numpy as np
 
 from neon_hpc.balance.cost import CostModel, flops_breakdown
 from neon_hpc.balance.measure import Runner
-from neon_hpc.progress import bar
+from neon_hpc.util.progress import bar
 
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # packed micro-batches of short documents, fitted with the single sequences so that the

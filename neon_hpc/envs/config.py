@@ -7,7 +7,7 @@ own section (``xrd:`` for ``kind: xrd``).  ``eval.split`` must be one of its hel
 from dataclasses import dataclass
 
 from neon_hpc import envs
-from neon_hpc.bounded import short_repr
+from neon_hpc.util.bounded import short_repr
 from neon_hpc.constraints import Rule, section
 
 

@@ -30,9 +30,9 @@ from neon_hpc.launch import lease, warm as W
 from neon_hpc.launch.common import prepare_run, resolve_run_dir
 from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
 from neon_hpc.launch.config import parse_cpus, thread_env, trainer_threads
-from neon_hpc.logs import MetricsTail, RoleLogger
-from neon_hpc.netutil import free_port
-from neon_hpc.procutil import StopFlag, stop_tree
+from neon_hpc.util.logs import MetricsTail, RoleLogger
+from neon_hpc.util.netutil import free_port
+from neon_hpc.util.procutil import StopFlag, stop_tree
 from neon_hpc.protocol.records import Finished, mark_finished
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train.config import world_size

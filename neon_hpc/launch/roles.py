@@ -5,7 +5,7 @@
     python -m neon_hpc.launch.roles rollout-worker --config RUN/run.yaml --run-dir RUN --rank N --engine-url URL
 
 Under ``srun`` the rank comes from SLURM_PROCID; torch.distributed variables for the trainer
-are derived from Slurm's when absent (``neon_hpc.rankenv``; MASTER_ADDR is set by the sbatch
+are derived from Slurm's when absent (``neon_hpc.util.rankenv``; MASTER_ADDR is set by the sbatch
 script).
 
 Around every trainer and rollout node:
@@ -32,12 +32,13 @@ import sys
 import threading
 import time
 
-from neon_hpc import config, logsinks
+from neon_hpc import config
+from neon_hpc.util import logsinks
 from neon_hpc.launch.lease import join_launch
-from neon_hpc.procutil import forked_children_die_with_me
+from neon_hpc.util.procutil import forked_children_die_with_me
 from neon_hpc.protocol import RunDir, mark_finished as mark
 from neon_hpc.protocol.rundir import StorageError, storage_error
-from neon_hpc.rankenv import node_rank, trainer_rank_from_slurm
+from neon_hpc.util.rankenv import node_rank, trainer_rank_from_slurm
 from neon_hpc.rollout.node import RolloutNode
 from neon_hpc.rollout.sections import WorkerSections, NodeSections
 from neon_hpc.rollout.worker import run_worker

@@ -21,7 +21,7 @@ import shlex
 
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.launch.config import GroupConfig
-from neon_hpc.rankenv import MASTER_PORT_BASH
+from neon_hpc.util.rankenv import MASTER_PORT_BASH
 
 _BODY = r'''
 set -uo pipefail

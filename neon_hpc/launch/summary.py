@@ -6,7 +6,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.records import JobRecord
 from neon_hpc.protocol.rundir import RunDir
 

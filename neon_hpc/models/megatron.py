@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from neon_hpc.models import cpu_shim
 from neon_hpc.models.adapters import get_adapter
 from neon_hpc.models.config import ModelConfig
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 
 def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1, backend: str = "gloo",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, tp: int, ep: int, ids: np.ndarray, out: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from neon_hpc.launch.summary import trained_versions_and_waste, trainer_steps
 from neon_hpc.launch.slurmjob import SlurmUnavailable, query
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import run_store

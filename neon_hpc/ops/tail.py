@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from neon_hpc.logs import last_lines
+from neon_hpc.util.logs import last_lines
 from neon_hpc.protocol.rundir import RunDir
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from neon_hpc import config
-from neon_hpc.logs import read_metrics
+from neon_hpc.util.logs import read_metrics
 from neon_hpc.plan.params import Sourced, from_experiment
 from neon_hpc.plan.sim import simulate
 from neon_hpc.protocol.rundir import RunDir

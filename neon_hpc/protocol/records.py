@@ -31,7 +31,7 @@ from typing_extensions import NotRequired, Required, TypedDict   # pydantic need
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
 from neon_hpc import constraints
-from neon_hpc.bounded import short_repr
+from neon_hpc.util.bounded import short_repr
 from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
 from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
 from neon_hpc.protocol.rundir import OWNER as OWNER_NAME

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
-from neon_hpc.httpretry import RetryPolicy, is_transient
+from neon_hpc.util.httpretry import RetryPolicy, is_transient
 from neon_hpc.replay.cache import RouteCache, RouteMismatch, ReplayStats
 
 ReplayMode = Literal["delta", "full", "off"]
@@ -25,9 +25,9 @@ class ReplayConversation:
 
     ``mode``: ``delta`` (ask only the newest rows), ``full`` (ask everything every turn: the
     baseline) or ``off`` (no routes).  ``max_retries`` bounds retries of one turn after a
-    dropped response (transient by :func:`neon_hpc.httpretry.is_transient`) or a row mismatch;
+    dropped response (transient by :func:`neon_hpc.util.httpretry.is_transient`) or a row mismatch;
     each retry resamples the turn with a full export, after the delay of the project's one
-    :class:`~neon_hpc.httpretry.RetryPolicy` (exponential from ``backoff_s``, Retry-After honoured).
+    :class:`~neon_hpc.util.httpretry.RetryPolicy` (exponential from ``backoff_s``, Retry-After honoured).
     """
 
     def __init__(self, client: Any, mode: ReplayMode = "delta", max_retries: int = 2,

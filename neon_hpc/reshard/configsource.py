@@ -24,7 +24,7 @@ from pathlib import Path
 
 from neon_hpc.arch import ARCHES, ARCHITECTURES
 from neon_hpc.arch import get as get_architecture
-from neon_hpc.bounded import short_repr
+from neon_hpc.util.bounded import short_repr
 from neon_hpc.hfmap import hf_config_dict
 from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
 from neon_hpc.reshard.hfconfig import _num_layers, _shape, derive_hf_config

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.progress import bar
+from neon_hpc.util.progress import bar
 from neon_hpc.reshard.arch import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
 from neon_hpc.reshard.tasks import ConversionTasks, Task, intersects
@@ -223,7 +223,7 @@ class WriteBehind:
 
 
 class Progress:
-    """Rank 0's progress bar over the bytes of its share (``neon_hpc.progress``: terminals only)."""
+    """Rank 0's progress bar over the bytes of its share (``neon_hpc.util.progress``: terminals only)."""
 
     def __init__(self, total_bytes: int, enabled: bool, label: str = "reshard"):
         self._bar = bar(total=max(total_bytes, 1), desc=label, unit="B", unit_scale=True, show=enabled)

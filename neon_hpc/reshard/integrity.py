@@ -27,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from neon_hpc.bounded import short_repr
+from neon_hpc.util.bounded import short_repr
 from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
 
 DIGEST_FILE = "integrity.json"

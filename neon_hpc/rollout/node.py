@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from neon_hpc.logs import RoleLogger
-from neon_hpc.procutil import StopFlag, child_setup, stop_tree
-from neon_hpc.rankenv import node_count, node_rank
+from neon_hpc.util.logs import RoleLogger
+from neon_hpc.util.procutil import StopFlag, child_setup, stop_tree
+from neon_hpc.util.rankenv import node_count, node_rank
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
 from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat

@@ -31,9 +31,9 @@ import threading
 import time
 
 from neon_hpc import envs
-from neon_hpc.logs import RoleLogger, job_id
+from neon_hpc.util.logs import RoleLogger, job_id
 from neon_hpc.models.tokenizer import load_tokenizer
-from neon_hpc.procutil import StopFlag
+from neon_hpc.util.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.config import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat

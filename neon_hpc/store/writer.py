@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from neon_hpc.logs import job_id as current_job_id
+from neon_hpc.util.logs import job_id as current_job_id
 from neon_hpc.protocol.rundir import RunDir, fsync_dir, storage_error
 from neon_hpc.store import schema as S
 from neon_hpc.store.config import StoreConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from neon_hpc.procutil import forked_children_die_with_me
+from neon_hpc.util.procutil import forked_children_die_with_me
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
-    from neon_hpc import logsinks  # deferred: heavy (neon_hpc.logsinks: pydantic)
+    from neon_hpc.util import logsinks  # deferred: heavy (neon_hpc.util.logsinks: pydantic)
     logsinks.configure(cfg.logging)   # TensorBoard / W&B beside metrics.jsonl, when enabled
     from neon_hpc.train.loop import run_trainer  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
     from neon_hpc.train.sections import TrainerSections  # deferred: heavy (neon_hpc.train.sections: h5py, numpy)

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.netutil import free_port
+from neon_hpc.util.netutil import free_port
 from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
 
 

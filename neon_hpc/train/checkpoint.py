@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neon_hpc.bounded import REPR_CAP, clip_text
-from neon_hpc.procutil import die_with_parent
+from neon_hpc.util.bounded import REPR_CAP, clip_text
+from neon_hpc.util.procutil import die_with_parent
 from neon_hpc.reshard import integrity
 from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from neon_hpc.balance.configured import assignment_for_config
-from neon_hpc.logs import RoleLogger
+from neon_hpc.util.logs import RoleLogger
 from neon_hpc.models import cpu_shim
-from neon_hpc.netutil import free_port
-from neon_hpc.procutil import StopFlag
-from neon_hpc.rankenv import master_port, trainer_rank_from_slurm
+from neon_hpc.util.netutil import free_port
+from neon_hpc.util.procutil import StopFlag
+from neon_hpc.util.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.replay.rows import to_trainer_rows

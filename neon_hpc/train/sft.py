@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.logs import RoleLogger
+from neon_hpc.util.logs import RoleLogger
 from neon_hpc.protocol.records import Phase, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import read_shard

@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from neon_hpc.progress import bar
+from neon_hpc.util.progress import bar
 from neon_hpc.xrd import baseline       # baseline.trace looked up per call: tests replace it
 from neon_hpc.xrd.baseline import THRESHOLD_GRID, solve
 from neon_hpc.xrd.grader import MAJOR, STRICT_TOL, grade, phase_key

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.progress import bar
+from neon_hpc.util.progress import bar
 from neon_hpc.xrd.library import Library, load_library
 from neon_hpc.xrd.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
                                    poisson_counts)

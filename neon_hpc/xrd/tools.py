@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jsonschema
 import numpy as np
 
-from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.xrd.fitting import DETECTION_Z_MIN, Fitter, detection_stats
 from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
 from neon_hpc.xrd.plot import plot_fit

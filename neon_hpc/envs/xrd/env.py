@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from neon_hpc.bounded import clip_text, short_repr
+from neon_hpc.util.bounded import clip_text, short_repr
 from neon_hpc.envs.xrd.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
 from neon_hpc.xrd.grader import grade

@@ -3,7 +3,7 @@
 For evaluation only: a chat API returns text, not token ids, logprobs or routes, so these
 episodes have no token books.  The same environment, parser and limits as the token-level
 loop apply.  The client is the official ``openai`` package (its connection pool and timeout),
-retried by the project's one policy (``neon_hpc.httpretry``).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
+retried by the project's one policy (``neon_hpc.util.httpretry``).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
 a native call in ``message.tool_calls`` is answered with a ``tool`` message carrying its
 ``tool_call_id``.  A model that writes ``<tool_call>{...}</tool_call>`` in its text instead is
 read as before (the text protocol is the fallback), and its results go back as ``user``
@@ -19,8 +19,8 @@ from typing import Any
 
 import openai
 
-from neon_hpc.bounded import MESSAGE_CAP, clip_text
-from neon_hpc.httpretry import RetryPolicy, is_transient
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.util.httpretry import RetryPolicy, is_transient
 from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 
 FORMAT_HINT = ("Call a tool as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> (one per "
@@ -34,9 +34,9 @@ class ChatError(RuntimeError):
 
 class ChatClient:
     """OpenAI-compatible chat client: ``openai.OpenAI`` (pooled connections, ``timeout_s`` per
-    attempt) retried by the project's one policy (:class:`neon_hpc.httpretry.RetryPolicy`:
+    attempt) retried by the project's one policy (:class:`neon_hpc.util.httpretry.RetryPolicy`:
     ``retries`` retries, exponential backoff from ``backoff_s``, Retry-After honoured) on the
-    errors :func:`neon_hpc.httpretry.is_transient` calls transient (connection errors, timeouts,
+    errors :func:`neon_hpc.util.httpretry.is_transient` calls transient (connection errors, timeouts,
     408, 429, 5xx but 501/505).  ``native_tools=False`` never sends ``tools=`` (for servers that
     refuse it); the text protocol then carries every call."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from neon_hpc.bounded import short_repr
+from neon_hpc.util.bounded import short_repr
 from neon_hpc.rollout.agent.template import TAGS
 
 # a tool call longer than this is refused before it is parsed: a model (or an attacker

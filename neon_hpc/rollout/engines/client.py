@@ -13,7 +13,7 @@ from the payload size.  The payload is decoded in ``meta_info.routed_experts_dty
 
 Errors: :class:`EngineError` with ``.status`` (the HTTP status) for answers that are
 errors; connection trouble surfaces as ``ConnectionError``/``TimeoutError`` (``OSError``).
-Which of them are worth retrying is the project's one taxonomy, :mod:`neon_hpc.httpretry`
+Which of them are worth retrying is the project's one taxonomy, :mod:`neon_hpc.util.httpretry`
 (``EngineError.transient``; callers retry with its ``RetryPolicy``, as replay does).
 """
 
@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
-from neon_hpc.bounded import MESSAGE_CAP, clip_text
-from neon_hpc.httpretry import retryable_status
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
+from neon_hpc.util.httpretry import retryable_status
 from neon_hpc.rollout.engines import protocol
 
 

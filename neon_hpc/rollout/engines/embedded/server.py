@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.bounded import MESSAGE_CAP, clip_text, short_repr
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.engines import protocol
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.scheduler import PAUSE_MODES, REQUEST_TIME_BUDGET_S, Scheduler

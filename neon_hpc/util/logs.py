@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.bounded import LOG_LINE_CAP, clip_text
+from neon_hpc.util.bounded import LOG_LINE_CAP, clip_text
 
 
 def last_lines(path: Path, n: int) -> list[str]:
@@ -75,7 +75,7 @@ class RoleLogger:
         self.logger, self._ctx = logger, ctx
         self._metrics_path = metrics_path
         self._metrics_f = open(metrics_path, "a", buffering=1) if metrics_path else None
-        self._sinks = sinks   # TensorBoard / W&B (neon_hpc.logsinks), when the logging section enables them
+        self._sinks = sinks   # TensorBoard / W&B (neon_hpc.util.logsinks), when the logging section enables them
 
     @classmethod
     def open(cls, run_root: str | os.PathLike | None, role: str, rank: int | str,
@@ -100,7 +100,7 @@ class RoleLogger:
             metrics_path = d / "metrics.jsonl"
         sinks = None
         if run_root is not None:
-            from neon_hpc.logsinks import open_sinks  # deferred: heavy (neon_hpc.logsinks: pydantic)
+            from neon_hpc.util.logsinks import open_sinks  # deferred: heavy (neon_hpc.util.logsinks: pydantic)
             sinks = open_sinks(Path(run_root), role, rank)
         if echo:
             sh = logging.StreamHandler(sys.stderr)

@@ -1,6 +1,6 @@
 """Metrics where users look: TensorBoard event files and Weights & Biases, beside metrics.jsonl.
 
-Every metric record a role writes goes through :meth:`neon_hpc.logs.RoleLogger.metrics`;
+Every metric record a role writes goes through :meth:`neon_hpc.util.logs.RoleLogger.metrics`;
 ``metrics.jsonl`` stays the system of record (status, plots and the capacity planner read it), and the
 sinks configured in the ``logging:`` section receive the same record:
 
