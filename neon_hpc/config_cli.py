@@ -3,7 +3,7 @@
 from it: e.g. a ``# yaml-language-server: $schema=neon-hpc.schema.json`` line atop a config).
 
 Beyond the schema (types, declared ranges, cross-field rules: the pydantic model of
-:mod:`neon_hpc.config`, built from :mod:`neon_hpc.constraints`),
+:mod:`neon_hpc.config`, built from :mod:`neon_hpc.util.constraints`),
 it runs what every role checks when it starts, so a config that a role would refuse later
 (minutes into a Slurm job) is refused here:
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 TINY_DSV3_YAML = Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml"
 

@@ -58,7 +58,7 @@ def _layouts_in_group(out: str, layouts: list, seq: int) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from neon_hpc.models import hf, megatron
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
 
     cfg = ModelConfig()
     rank = dist.get_rank()

@@ -10,7 +10,7 @@ import pytest
 
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.rollout.agent import ToolCall, run_episode, run_group
-from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.config.rollout import RolloutConfig
 from test_replay_cache import oracle
 
 TOK = load_tokenizer()
@@ -169,7 +169,7 @@ def tiny_weights(seed: int = 3):
         import tempfile
         from pathlib import Path
 
-        from neon_hpc.models.config import ModelConfig
+        from neon_hpc.config.model import ModelConfig
         from neon_hpc.models.hf import build_hf_model, save_hf
         root = Path(tempfile.mkdtemp(prefix="neon-agent-tests-"))
         atexit.register(shutil.rmtree, root, True)

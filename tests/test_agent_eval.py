@@ -18,7 +18,7 @@ from neon_hpc import envs
 from neon_hpc.envs.xrd import eval_cli
 from neon_hpc.rollout.agent import run_group
 from neon_hpc.envs.xrd.env import sample_label
-from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.engines import protocol
 from neon_hpc.xrd.config import XRDConfig
 from neon_hpc.xrd.tasks import load_tasks

@@ -41,7 +41,7 @@ def held(*a, **k):                 # runs in each forked writer: announce, wait 
     return real(*a, **k)
 fa.FileSystemWriterAsync.write_preloaded_data = staticmethod(held)
 
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 be = B.setup(ModelConfig(), seed=1)
 run = RunDir(root / "run").create()
 def report(**kw):

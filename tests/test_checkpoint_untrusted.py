@@ -27,7 +27,7 @@ CHILD = r'''
 import json, os, pickle, shutil, sys
 from pathlib import Path
 import torch
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import backend as B, checkpoint as ckpt
 from neon_hpc.reshard.metadata import CheckpointError

@@ -1,4 +1,4 @@
-"""Every config field is range-checked by one pydantic model (neon_hpc.constraints).
+"""Every config field is range-checked by one pydantic model (neon_hpc.util.constraints).
 
 The table below is generated from the schema itself: every field of every section (nested
 sections included) gets a value just outside what it allows -- NaN and infinity for floats,
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from neon_hpc import config, constraints
-from neon_hpc.constraints import INT_MAX, Range, Rule, above, at_least
+from neon_hpc import config
+from neon_hpc.util import constraints
+from neon_hpc.util.constraints import INT_MAX, Range, Rule, above, at_least
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

@@ -51,7 +51,7 @@ def fill(fs: Path) -> Path:
 
 def test_a_shard_publish_on_a_full_disk_names_the_shard_and_succeeds_once_space_is_back(small_fs):
     from neon_hpc.store import ShardWriter
-    from neon_hpc.store.config import StoreConfig
+    from neon_hpc.config.store import StoreConfig
     from neon_hpc.store.reader import read_shard
     from neon_hpc.store.synthetic import make_trajectory
 
@@ -90,7 +90,7 @@ def test_a_state_write_on_a_read_only_filesystem_names_the_file(small_fs):
 TRAINER = r"""
 import json, os, sys
 from pathlib import Path
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import RunDir, StorageError
 from neon_hpc.train import backend as B, checkpoint as ckpt
 fs = Path(sys.argv[1])

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.launch.config import parse_cpus, split_cpus, trainer_threads
+from neon_hpc.config.launch import parse_cpus, split_cpus, trainer_threads
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from neon_hpc.models import hf
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.rollout.engines.client import EngineClient
 
 

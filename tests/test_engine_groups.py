@@ -33,7 +33,7 @@ def test_the_group_is_chosen_once_from_the_environment_and_the_config(tmp_path, 
 @pytest.fixture
 def weights(tmp_path):
     from neon_hpc.models import hf
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     cfg = ModelConfig()
     run = RunDir(tmp_path / "run").create()
     hf.save_hf(hf.build_hf_model(cfg, seed=1), cfg, run.weights_version(0))

@@ -25,7 +25,7 @@ import torch
 
 from neon_hpc.util.bounded import MESSAGE_CAP
 from neon_hpc.models import hf
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 pytestmark = pytest.mark.slow   # one engine process for the module (~40 s to start on 2 shared cores)
 

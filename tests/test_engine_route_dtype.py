@@ -84,7 +84,7 @@ def test_encode_refuses_ids_that_do_not_fit_the_dtype():
 def test_embedded_engine_sends_the_configured_dtype_and_the_client_decodes_it(tmp_path, monkeypatch):
     """Over HTTP: SGLANG_ROUTED_EXPERTS_DTYPE=uint8 on the (embedded) server -> a quarter of the
     int32 bytes, advertised in meta_info; the client's routes equal the int32 server's."""
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.rollout.engines.embedded import start_server
     cfg = ModelConfig()
@@ -102,7 +102,7 @@ def test_embedded_engine_sends_the_configured_dtype_and_the_client_decodes_it(tm
 
 
 def test_embedded_engine_refuses_a_dtype_too_narrow_for_its_experts(tmp_path, monkeypatch):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.rollout.engines.embedded import LoadedModel, Scheduler
     cfg = ModelConfig(num_experts=300, moe_router_topk=2, vocab_size=64, hidden_size=16, num_attention_heads=2,

@@ -86,7 +86,7 @@ def test_only_the_python_balancer_forwards_the_routed_experts_fields(router):
     else:
         assert got == {"return_routed_experts": None, "routed_experts_start_len": None}, (
             "sglang-router's Rust balancer now forwards the routed-experts fields: engine.router: rust "
-            "could be allowed with router replay (rollout/config.py)")
+            "could be allowed with router replay (config/rollout.py)")
 
 
 def test_engine_accepts_the_rust_routers_neutral_fields_and_refuses_active_ones():

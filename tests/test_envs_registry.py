@@ -16,7 +16,7 @@ import pytest
 from neon_hpc import config, envs
 from neon_hpc.rollout.agent import run_group
 from neon_hpc.rollout.agent.evalset import eval_tasks
-from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.sections import WorkerSections
 from test_agent_episode import TOK, ScriptedClient, check_books
 from throwaway_env import EVAL_SPLITS, PLUGIN as ECHO

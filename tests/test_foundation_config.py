@@ -96,7 +96,7 @@ def test_model_section_is_the_architectures_own():
     """`model.arch` chooses the section; a field of another architecture is refused with the fix."""
     from neon_hpc.arch.deepseek_v3.config import DeepSeekV3Config
     from neon_hpc.arch.qwen3_moe.config import Qwen3MoeConfig
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     assert type(config.load(REPO / "configs" / "tiny_cpu.yaml").model) is Qwen3MoeConfig
     dsv3 = config.load(REPO / "configs" / "tiny_dsv3_cpu.yaml").model
     assert type(dsv3) is DeepSeekV3Config and dsv3.kv_lora_rank >= 1 and dsv3.hidden_size > 0

@@ -144,3 +144,13 @@ def test_cli_help_and_config_check_stay_light():
         loaded[args[0]] = line[-1]
     assert loaded["--help"] == "LOADED []", loaded
     assert "megatron" not in loaded["config"], loaded
+
+
+def test_the_config_package_is_a_leaf():
+    """``import neon_hpc.config`` (every section, the cross rules, the loader) and loading the default
+    config load no h5py, numpy, torch or megatron: a launcher, a login node or ``config check``
+    reads a config without the science or the trainer's stack."""
+    code = ("import sys, neon_hpc.config as c; c.load(None)\n"
+            "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'h5py', 'numpy', 'torch', 'megatron'}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert "LOADED []" in r.stdout, r.stdout + r.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, write_run_yaml
-from neon_hpc.launch.config import thread_env, trainer_threads
+from neon_hpc.config.launch import thread_env, trainer_threads
 from neon_hpc.protocol.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pytest
 
 from neon_hpc.util import logsinks
 from neon_hpc.util.logs import RoleLogger, read_metrics
-from neon_hpc.util.logsinks import LoggingConfig
+from neon_hpc.config.logging import LoggingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

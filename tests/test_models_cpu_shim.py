@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(r"""
     r["fork_reproducible"] = a == b
     # torch norm under sequence parallelism
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     cfg = megatron.transformer_config(ModelConfig(), tp=1)
     cfg.sequence_parallel = True  # as at TP>1 (the constructor refuses SP at TP=1)
     norm = WrappedTorchNorm(cfg, 8, eps=1e-6)

@@ -182,7 +182,7 @@ def test_kimi_example_passes_the_adapter():
     HF config is Kimi-K2's architecture, and megatron accepts its config at TP=8 x EP=64."""
     from pathlib import Path
     from neon_hpc import config
-    from neon_hpc.models.config import arch_errors
+    from neon_hpc.config.model import arch_errors
     from neon_hpc.models.megatron import transformer_config
     cfg = config.load(Path(__file__).resolve().parents[1] / "configs" / "kimi_k2_1300xh200.yaml")
     ad = get_adapter(cfg.model.arch)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neon_hpc.models.adapters import RouteRowsError, get_adapter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 

@@ -173,7 +173,7 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
     (neon_hpc.hfmap): on the fields shapes can tell they agree, and the config passes the shape check."""
     from dataclasses import replace
     from neon_hpc.hfmap import hf_config_dict
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from model_fixtures import tiny_dsv3
     from neon_hpc.reshard import configsource
     cfg = {"qwen3_moe": ModelConfig(), "deepseek_v3": tiny_dsv3(),

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from neon_hpc import config
 from neon_hpc.models import megatron
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import backend as B, checkpoint as ckpt
 
@@ -118,7 +118,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trainer_checkpoint_carries_hf_config_and_digests(trained):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.reshard.configsource import hf_config_for_model
     step = trained["step"]
     assert json.loads((step / "config.json").read_text()) == json.loads(json.dumps(hf_config_for_model(ModelConfig())))

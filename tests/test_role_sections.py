@@ -39,12 +39,11 @@ GIVEN: list[tuple[str, set[str] | None]] = [
     ("rollout/worker.py", _given(WorkerSections)),
     ("rollout/node.py", _given(NodeSections)),
     ("rollout/engines/", _given(NodeSections)),         # the engine group gets the node's view
-    ("rollout/config.py", _given(NodeSections)),        # layout(): the engines' placement, from the node's view
     ("rollout/", set()),
     ("store/", set()),                                  # the store is handed values, never a config
     ("train/sections.py", None),                        # builds the trainer's view
     ("train/__main__.py", None),                        # an entry point: loads the config, builds the view
-    ("train/", _given(TrainerSections)),                # loop, layout rules (train/config.py), ...
+    ("train/", _given(TrainerSections)),                # loop, layout (config/cross.py's rules), ...
 ]
 
 # (module, expression) -> why it may read a section its role is not given
@@ -139,7 +138,7 @@ def test_the_views_hold_the_config_and_its_borrowed_values():
 def test_the_engine_group_and_layout_work_from_the_nodes_view(tmp_path):
     """The node hands its view, not the config, to rollout/engines: the layout and the SGLang
     command lines come out the same."""
-    from neon_hpc.rollout.config import layout
+    from neon_hpc.config.rollout import layout
     from neon_hpc.rollout.engines.sglang_launch import render_commands
     cfg = config.load(TINY, ["engine.kind=sglang", "engine.num_engines=2", "engine.tp_size=2"])
     view = NodeSections.of(cfg)

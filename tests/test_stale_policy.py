@@ -11,7 +11,7 @@ import torch
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.claim import CLAIM_FILE, stale_token_mask
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.train.loss import LossConfig, group_advantages, policy_loss, version_span_histogram
 

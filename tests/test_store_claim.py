@@ -14,7 +14,7 @@ from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 from neon_hpc.store import (ClaimConflict, ClaimTimeout, ShardWriter, claim_step, claimed_steps, ready_count,
                             staleness_stats)
 from neon_hpc.store.claim import CLAIM_FILE, DROPPED_FILE, OWNER_FILE
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 
 CFG = StoreConfig(fsync=False)

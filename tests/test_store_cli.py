@@ -9,7 +9,7 @@ import numpy as np
 
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.cli import main
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from neon_hpc.store import ShardWriter, Trajectory, read_shard, ready_count, shard_summary
 from neon_hpc.store import schema as S
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 from neon_hpc.store.writer import tmp_name
 

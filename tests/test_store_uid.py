@@ -20,7 +20,7 @@ from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store import claim as claim_mod
 from neon_hpc.store.claim import CLAIM_FILE
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 
 CFG = StoreConfig(fsync=False)

@@ -53,7 +53,7 @@ def _ref_row(doc: int, pos: int) -> int:
 
 
 def _model_config(arch: str):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     if arch == "qwen3_moe":
         return ModelConfig()
     from neon_hpc import config as C

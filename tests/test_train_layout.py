@@ -122,7 +122,7 @@ def _model(arch: str):
     """(config file the run starts from, its model section): the tiny qwen3_moe with 3 layers, or
     the tiny DeepSeek-V3 of configs/tiny_dsv3_cpu.yaml (Kimi-K2's architecture: MLA, a dense first
     layer, then MoE layers with a shared expert; 3 layers)."""
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from model_fixtures import TINY_DSV3_YAML, tiny_dsv3
     if arch == "deepseek_v3":
         return TINY_DSV3_YAML, tiny_dsv3()
@@ -133,7 +133,7 @@ def _dataset(root: Path, arch: str):
     from neon_hpc.models.hf import save_hf
     from model_fixtures import decisive_hf
     from neon_hpc.store import ShardWriter
-    from neon_hpc.store.config import StoreConfig
+    from neon_hpc.config.store import StoreConfig
 
     _, mcfg = _model(arch)
     assert mcfg.num_layers == LAYERS and mcfg.num_experts == E and mcfg.moe_router_topk == K
@@ -246,7 +246,7 @@ def test_reduced_kimi_layout_trains_like_one_process_and_resumes_in_one(tmp_path
 
 
 def test_each_pipeline_stage_replays_the_route_rows_of_its_own_layers():
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.train.backend import Backend, RankLayout
     from neon_hpc.train.layout import stage_layers
 

@@ -48,10 +48,10 @@ def _trajectories(step: int, rng: np.random.Generator, layers: int = L):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """Shard files per step (in claim order) and an HF folder of initial weights."""
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.store import ShardWriter
-    from neon_hpc.store.config import StoreConfig
+    from neon_hpc.config.store import StoreConfig
 
     root = tmp_path_factory.mktemp("train_data")
     init = save_hf(build_hf_model(ModelConfig(), seed=11), ModelConfig(), root / "init_hf")

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(r"""
     import dataclasses, json, sys
     import numpy as np
     from neon_hpc import config as C
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.store import Trajectory
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import prepare_step, train_step

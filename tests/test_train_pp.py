@@ -105,7 +105,7 @@ def test_pp2_checkpoint_resumes_at_pp1(tmp_path, pp2_run, reference):  # noqa: F
 
 
 def test_reshard_reads_a_pp2_checkpoint(tmp_path, pp2_run):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import hf_config, read_hf_state_dict
     from neon_hpc.reshard.pipeline import convert
 

@@ -207,7 +207,7 @@ NO_TE_ON_CUDA = textwrap.dedent(r"""
     # ... and a step runs with the no-TE implementations (on this CPU, with the CPU patches too)
     from megatron.core.transformer.moe import moe_utils
     from neon_hpc.train import backend as B
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     be = B.setup(ModelConfig(), seed=1, precision="bf16", recompute="selective")
     r["te_general_gemm"] = repr(moe_utils.te_general_gemm)
     r["expert_module"] = type(be.models[0].decoder.layers[0].mlp.experts).__name__

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.store import Trajectory
 
 CFG = ModelConfig()

@@ -42,10 +42,10 @@ def _trajectories(step: int, rng: np.random.Generator):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.store import ShardWriter
-    from neon_hpc.store.config import StoreConfig
+    from neon_hpc.config.store import StoreConfig
 
     root = tmp_path_factory.mktemp("vpp_data")
     mcfg = ModelConfig(num_layers=LAYERS)
@@ -212,7 +212,7 @@ def test_pp2_vpp2_checkpoint_resumes_in_another_layout(runs, resumed, name):
 
 @pytest.mark.slow
 def test_reshard_reads_a_pp2_vpp2_checkpoint(tmp_path, runs):
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import hf_config, read_hf_state_dict
     from neon_hpc.reshard.pipeline import convert
 

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from neon_hpc.balance import CostModel, assign_step
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 KIMI = dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,
             num_attention_heads=64, num_query_groups=64, head_dim=128, ffn_hidden_size=18432,

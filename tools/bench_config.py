@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from neon_hpc import config, constraints
+from neon_hpc import config
+from neon_hpc.util import constraints
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=16)
     a = p.parse_args(argv)
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
 
     with tempfile.TemporaryDirectory() as d:

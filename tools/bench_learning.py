@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from neon_hpc import config, envs
-    from neon_hpc.launch.config import split_cpus
+    from neon_hpc.config.launch import split_cpus
     from neon_hpc.util.logs import read_metrics
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.protocol.rundir import read_json

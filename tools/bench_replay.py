@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write per-turn measurements to this file")
     args = ap.parse_args(argv)
 
-    from neon_hpc.models.config import ModelConfig
+    from neon_hpc.config.model import ModelConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.rollout.engines.client import EngineClient
     from neon_hpc.rollout.engines.embedded import start_server

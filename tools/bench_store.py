@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from neon_hpc.store import ShardWriter, Trajectory, read_shard
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.writer import write_shard
 from benchlib import drop_cache  # tools/ is on sys.path when a script runs
 

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neon_hpc import config as C  # noqa: E402
 from neon_hpc.balance.cost import flops_breakdown  # noqa: E402
-from neon_hpc.models.config import ModelConfig  # noqa: E402
+from neon_hpc.config.model import ModelConfig  # noqa: E402
 from neon_hpc.store import Trajectory  # noqa: E402
 from neon_hpc.train.heap import PeakMemory  # noqa: E402
 

@@ -3,7 +3,7 @@
 Each architecture's folder subclasses it with its own fields and rules
 (``neon_hpc/arch/<name>/config.py``: the ``arch`` tag, MLA dims, dense layers, ...) and names the
 subclass in its :class:`~neon_hpc.arch.base.Architecture` (``config``, ``model_errors``,
-``experiment_errors``).  ``neon_hpc.models.config`` assembles the discriminated union the
+``experiment_errors``).  ``neon_hpc.config.model`` assembles the discriminated union the
 experiment config validates.  ``ModelConfig(arch=A, ...)`` builds architecture ``A``'s section
 (the registry's default without ``arch``).
 
@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import model_validator
 
 from neon_hpc import arch as registry            # partly initialised while the folders import: read at call time
-from neon_hpc.constraints import Rule, above, at_least
+from neon_hpc.util.constraints import Rule, above, at_least
 
 Errors = list[tuple[str, str]]
 

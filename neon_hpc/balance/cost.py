@@ -160,7 +160,7 @@ def flops_breakdown(cfg, *, num_dense_layers=None, num_shared_experts=None,
     shared_ffn = _pick(shared_expert_ffn_hidden_size, cfg,
                        ("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
                        cfg.moe_ffn_hidden_size)
-    # ModelConfig writes "not MLA" as 0 for these (models/config.py), other configs as absent
+    # ModelConfig writes "not MLA" as 0 for these (arch/model.py), other configs as absent
     q_lora = _pick(q_lora_rank, cfg, ("q_lora_rank",), None)
     kv_lora = _pick(kv_lora_rank, cfg, ("kv_lora_rank",), None) or None
     rope_d = _pick(qk_rope_head_dim, cfg, ("qk_rope_head_dim",), None) or None

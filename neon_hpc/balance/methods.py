@@ -123,7 +123,7 @@ class _Ctx:
 
 
 def _default_cost() -> CostModel:
-    from neon_hpc.models.config import ModelConfig  # deferred: heavy (neon_hpc.models.config: pydantic)
+    from neon_hpc.config.model import ModelConfig  # deferred: heavy (neon_hpc.config.model: pydantic)
     return CostModel.from_model_config(ModelConfig())
 
 

@@ -3,7 +3,7 @@
 A folder holds everything specific to its environment: its episode adapter (prompts, tools,
 answer reading, grading), its task source, optionally demonstrations and evaluation tools, and
 ``PLUGIN``: the :class:`~neon_hpc.envs.base.EnvPlugin` that ties them together.  The config key
-``env.kind`` chooses one (``neon_hpc/envs/config.py``); the rollout worker, the warm start and
+``env.kind`` chooses one (``neon_hpc/config/env.py``); the rollout worker, the warm start and
 the eval set ask :func:`get` and never name an environment.  ``neon-hpc env list`` prints them.
 
 The table below names each plugin's module; :func:`get` imports it when the environment is

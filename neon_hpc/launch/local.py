@@ -29,13 +29,13 @@ from neon_hpc import config
 from neon_hpc.launch import lease, warm as W
 from neon_hpc.launch.common import prepare_run, resolve_run_dir
 from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
-from neon_hpc.launch.config import parse_cpus, thread_env, trainer_threads
+from neon_hpc.config.launch import parse_cpus, thread_env, trainer_threads
 from neon_hpc.util.logs import MetricsTail, RoleLogger
 from neon_hpc.util.netutil import free_port
 from neon_hpc.util.procutil import StopFlag, stop_tree
 from neon_hpc.protocol.records import Finished, mark_finished
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.train.config import world_size
+from neon_hpc.config.train import world_size
 
 
 STOP_GRACE_S = 120.0   # after Ctrl-C/SIGTERM: how long the trainer gets to checkpoint and everyone to stop
@@ -91,7 +91,7 @@ class LocalRun:
         return cpus
 
     def _trainer_threads(self, world: int) -> int:
-        """:func:`~neon_hpc.launch.config.trainer_threads` for the trainer's CPUs: its own list, or
+        """:func:`~neon_hpc.config.launch.trainer_threads` for the trainer's CPUs: its own list, or
         the machine's, shared with the rollout node unless that has a disjoint list."""
         mine, theirs = self._cpus("trainer"), self._cpus("rollout-node")
         cpus = mine or os.sched_getaffinity(0)

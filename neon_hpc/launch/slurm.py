@@ -20,7 +20,7 @@ from __future__ import annotations
 import shlex
 
 from neon_hpc.config import ExperimentConfig
-from neon_hpc.launch.config import GroupConfig
+from neon_hpc.config.launch import GroupConfig
 from neon_hpc.util.rankenv import MASTER_PORT_BASH
 
 _BODY = r'''

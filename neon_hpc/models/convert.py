@@ -20,7 +20,7 @@ import torch
 
 from neon_hpc.models.adapters import EXPERT_RULES, get_adapter
 from neon_hpc.models.adapters.base import IGNORED_SUFFIXES, Rule, qkv_join, qkv_part, tp_shard
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.hf import to_disk_state_dict
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from neon_hpc.models.adapters import adapter_for_hf_config, get_adapter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
 
 WEIGHTS_FILE = "model.safetensors"

@@ -1,6 +1,6 @@
 """The policy model in its megatron-core home: GPTModel from the local layer spec.
 
-One :class:`~neon_hpc.models.config.ModelConfig` becomes a ``TransformerConfig`` (and layer
+One :class:`~neon_hpc.config.model.ModelConfig` becomes a ``TransformerConfig`` (and layer
 spec) that matches the HF model of its architecture number for number; the architecture's
 part (attention, router, dense layers) is its adapter's (:mod:`neon_hpc.models.adapters`).
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from neon_hpc.models import cpu_shim
 from neon_hpc.models.adapters import get_adapter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.util.netutil import free_port
 
 

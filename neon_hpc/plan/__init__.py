@@ -2,7 +2,7 @@
 
     from neon_hpc.plan import simulate, SimParams, from_experiment, compare_with_run
 
-Names are imported lazily: ``neon_hpc.config`` imports ``neon_hpc.plan.config`` and must not
+Names are imported lazily: ``neon_hpc.config`` imports ``neon_hpc.config.plan`` and must not
 pull in SimPy or NumPy with it.
 """
 import importlib

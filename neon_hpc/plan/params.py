@@ -9,7 +9,7 @@ sweep is ``dataclasses.replace(params, ...)``.  ``Sourced`` pairs it with a sour
 A field the experiment config gives as is declares its key beside it (``Annotated[int,
 From("rollout.group_size")]``): :func:`from_experiment` copies every such field in one loop;
 the functions below derive the rest.  ``SimParams`` is a config section
-(:func:`neon_hpc.constraints.section`): pydantic holds the parameters :func:`from_experiment`
+(:func:`neon_hpc.util.constraints.section`): pydantic holds the parameters :func:`from_experiment`
 builds to their types, enums and ranges (numbers finite and ``>= 0``).
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ValidationError
 
-from neon_hpc import constraints
+from neon_hpc.util import constraints
 from neon_hpc.arch import get as get_architecture
-from neon_hpc.constraints import section
-from neon_hpc.plan.config import PlanConfig
+from neon_hpc.util.constraints import section
+from neon_hpc.config.plan import PlanConfig
 from neon_hpc.plan.memory import FORMULA
 from neon_hpc.rollout.engines.sglang_launch import engine_roles
 

@@ -3,10 +3,10 @@
 * :mod:`neon_hpc.protocol.rundir`: every path of the run directory and the atomic publish;
 * :mod:`neon_hpc.protocol.records`: the typed records and their read and write functions;
 * :mod:`neon_hpc.protocol.admission`: the admission rule (worker and simulator);
-* :mod:`neon_hpc.protocol.config`: the ``protocol`` config section (poll intervals);
+* :mod:`neon_hpc.config.protocol`: the ``protocol`` config section (poll intervals);
 * ``python -m neon_hpc.protocol``: the same for shell scripts (the sbatch body).
 
-Imports nothing of the roles; only the standard library, pydantic and :mod:`neon_hpc.constraints`.
+Imports nothing of the roles; only the standard library, pydantic and :mod:`neon_hpc.util.constraints`.
 """
 
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401

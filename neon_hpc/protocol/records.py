@@ -30,7 +30,7 @@ from typing_extensions import NotRequired, Required, TypedDict   # pydantic need
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
-from neon_hpc import constraints
+from neon_hpc.util import constraints
 from neon_hpc.util.bounded import short_repr
 from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
 from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
@@ -56,7 +56,7 @@ class Phase(str, enum.Enum):
 
 
 # --------------------------------------------------------------------------------------
-# the generic part: dataclass <-> JSON, every field checked by pydantic (neon_hpc.constraints)
+# the generic part: dataclass <-> JSON, every field checked by pydantic (neon_hpc.util.constraints)
 
 @dataclass
 class Record:

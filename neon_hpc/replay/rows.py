@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from neon_hpc.models.adapters import RouteRowsError, get_adapter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 
 def to_trainer_rows(trajectories: Sequence[Any], model_cfg: ModelConfig) -> int:

@@ -53,7 +53,7 @@ def _num_layers(ckpt: Checkpoint) -> int:
 def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
     """A config.json from the checkpoint's shapes; returns it and the fields that were guessed.
 
-    The shapes give model fields (:class:`~neon_hpc.models.config.ModelConfig`'s names); their
+    The shapes give model fields (:class:`~neon_hpc.config.model.ModelConfig`'s names); their
     HF names, and what the architecture fixes, are the mapping's (:func:`neon_hpc.hfmap` ``hf_fields``),
     the same table the trainer's ``config.json`` is written from."""
     try:

@@ -8,7 +8,7 @@ from (``train_trajectories_per_step`` is ``train.trajectories_per_step``), so wh
 section boundary is written here and nowhere else. ``tests/test_role_sections.py`` fails if a
 module of ``neon_hpc/rollout`` reads a section of the config it is not given.
 
-The views live here, beside the roles that take them, rather than in ``config.py`` (which
+The views live here, beside the roles that take them, rather than in ``neon_hpc/config/`` (which
 composes and validates the file's sections and knows nothing of the roles) or in each role's
 module (the launcher builds them, and the rules for borrowed values, such as which tokenizer
 an empty ``model.tokenizer`` means, need one home). The trainer's view is
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from neon_hpc import envs
-from neon_hpc.envs.config import EnvConfig
-from neon_hpc.launch.config import LaunchConfig
-from neon_hpc.protocol.config import ProtocolConfig
-from neon_hpc.rollout.config import EngineConfig, RolloutConfig
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.env import EnvConfig
+from neon_hpc.config.launch import LaunchConfig
+from neon_hpc.config.protocol import ProtocolConfig
+from neon_hpc.config.rollout import EngineConfig, RolloutConfig
+from neon_hpc.config.store import StoreConfig
 
 if TYPE_CHECKING:
     from neon_hpc.config import ExperimentConfig

@@ -35,7 +35,7 @@ from neon_hpc.util.logs import RoleLogger, job_id
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.util.procutil import StopFlag
 from neon_hpc.protocol import admission as rule
-from neon_hpc.protocol.config import ProtocolConfig
+from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout.agent import run_group

@@ -3,7 +3,7 @@
 See README.md beside this file for the format and the semantics.
 """
 
-from neon_hpc.store.config import StoreConfig
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.store.reader import ShardError, read_shard, shard_summary
 from neon_hpc.store.writer import ShardInfo, ShardWriter, write_shard

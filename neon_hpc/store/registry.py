@@ -1,7 +1,7 @@
 """Trajectory stores by ``store.kind``: the one place a kind is mapped to its implementation.
 
 Adding a store: implement ``TrajectoryStore`` (``base.py``) in a module of its own, add its kind
-to ``StoreKind`` (``config.py``, so ``neon-hpc config check`` knows it) and to ``STORES`` below,
+to ``StoreKind`` (``neon_hpc/config/store.py``, so ``neon-hpc config check`` knows it) and to ``STORES`` below,
 and add it to the contract tests' fixture (``tests/test_store_contract.py``).
 """
 
@@ -11,7 +11,7 @@ import typing
 
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store.base import TrajectoryStore
-from neon_hpc.store.config import StoreConfig, StoreKind
+from neon_hpc.config.store import StoreConfig, StoreKind
 from neon_hpc.store.filesystem import FilesystemStore
 
 STORES: dict[str, type[TrajectoryStore]] = {FilesystemStore.kind: FilesystemStore}
@@ -39,7 +39,7 @@ def run_store(run_dir: str | RunDir) -> TrajectoryStore:
 def _check_registry() -> None:
     declared = set(typing.get_args(StoreKind))
     if declared != set(STORES):   # the config's Literal and the registry must name the same kinds
-        raise ImportError(f"neon_hpc/store/config.py StoreKind {sorted(declared)} != "
+        raise ImportError(f"neon_hpc/config/store.py StoreKind {sorted(declared)} != "
                           f"neon_hpc/store/registry.py STORES {sorted(STORES)}: add the kind to both")
 
 

@@ -46,12 +46,12 @@ from neon_hpc.balance.pipeline import microbatch_group_size
 from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.models.adapters import get_adapter
 from neon_hpc.models.adapters.base import tp_join
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
 from neon_hpc.train import cpu_optimizer
 from neon_hpc.train.batch import MicroBatch, replay_tensors
-from neon_hpc.train.config import TrainConfig
+from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
 from neon_hpc.train.loss import add_terms
 
@@ -196,7 +196,7 @@ def pipeline_overrides(pp: int, first_stage_layers: int = 0, last_stage_layers: 
                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
 
 
-# the values are the config's (train/config.py: TrainConfig.precision / .recompute), written once there
+# the values are the config's (config/train.py: TrainConfig.precision / .recompute), written once there
 PRECISIONS = tuple(p for p in get_args(get_type_hints(TrainConfig)["precision"]) if p != "auto")
 RECOMPUTE = get_args(get_type_hints(TrainConfig)["recompute"])
 

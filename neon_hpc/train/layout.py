@@ -1,5 +1,5 @@
 """The trainer's parallel layout: the rules (re-exported from the train section,
-:mod:`neon_hpc.train.config`, where they are written once: the config loader runs them too) and
+:mod:`neon_hpc.config.train`, where they are written once: the config loader runs them too) and
 which layers each model chunk holds.
 
 With ``train.virtual_pipeline_stages: V > 1`` (interleaved 1F1B) each stage's layers are split
@@ -9,7 +9,8 @@ into V model chunks of equal size, and chunk ``c`` of stage ``r`` holds the laye
 
 from __future__ import annotations
 
-from neon_hpc.train.config import Errors, launch_world_errors, layout_errors, stage_layers, world_size
+from neon_hpc.config.cross import Errors, launch_world_errors, layout_errors
+from neon_hpc.config.train import stage_layers, world_size
 
 __all__ = ["Errors", "chunk_layers", "launch_world_errors", "layout_errors", "stage_layers", "world_size"]
 

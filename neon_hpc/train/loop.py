@@ -53,7 +53,8 @@ from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
 from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
 from neon_hpc.train.batch import build_microbatch, input_lengths
-from neon_hpc.train.config import correction_errors, world_fix, world_size
+from neon_hpc.config.cross import correction_errors, world_fix
+from neon_hpc.config.train import world_size
 from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.publish import publish_weights

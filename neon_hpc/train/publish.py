@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import megatron_to_hf
 from neon_hpc.models.hf import save_hf, hf_config
 from neon_hpc.protocol.rundir import RunDir

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from neon_hpc.balance.config import BalanceConfig
-from neon_hpc.launch.config import LaunchConfig
-from neon_hpc.models.config import ModelConfig
-from neon_hpc.protocol.config import ProtocolConfig
-from neon_hpc.store.config import StoreConfig
-from neon_hpc.train.config import TrainConfig
+from neon_hpc.config.balance import BalanceConfig
+from neon_hpc.config.launch import LaunchConfig
+from neon_hpc.config.model import ModelConfig
+from neon_hpc.config.protocol import ProtocolConfig
+from neon_hpc.config.store import StoreConfig
+from neon_hpc.config.train import TrainConfig
 
 if TYPE_CHECKING:
     from neon_hpc.config import ExperimentConfig

@@ -65,7 +65,7 @@ def configure(write_timeout_s: float) -> None:
 def deadline_s() -> float:
     if _DEADLINE_S is not None:
         return _DEADLINE_S
-    from neon_hpc.train.config import TrainConfig  # deferred: heavy (neon_hpc.train.config: pydantic)
+    from neon_hpc.config.train import TrainConfig  # deferred: heavy (neon_hpc.config.train: pydantic)
     return float(TrainConfig.checkpoint_write_timeout_s)
 
 

@@ -2,7 +2,7 @@
 
 Every metric record a role writes goes through :meth:`neon_hpc.util.logs.RoleLogger.metrics`;
 ``metrics.jsonl`` stays the system of record (status, plots and the capacity planner read it), and the
-sinks configured in the ``logging:`` section receive the same record:
+sinks configured in the ``logging:`` section (``neon_hpc/config/logging.py``) receive the same record:
 
 - ``logging.tensorboard: true``: one event-file folder per role and rank,
   ``RUN/logs/tb/<role>.<rank>/``, scalars named ``<role>/<key>`` (nested dicts flattened
@@ -26,36 +26,12 @@ import atexit
 import hashlib
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from neon_hpc.constraints import Rule, section
+# the config is a neon_hpc.config.logging.LoggingConfig, named only (util imports nothing of neon_hpc)
+LoggingConfig = Any
 
-
-def _wandb_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    try:
-        return "api.wandb.ai" in netrc.read_text()
-    except OSError:
-        return False
-
-
-@section
-@dataclass
-class LoggingConfig:
-    tensorboard: bool = False                               # RUN/logs/tb/<role>.<rank>/ event files
-    wandb: Literal["off", "offline", "online"] = "off"      # offline: RUN/logs/wandb/, no network
-    wandb_project: str = "neon-hpc"
-    wandb_entity: str = ""                                  # "" = the account's default
-
-    RULES = (
-        Rule("wandb", lambda c: c.wandb != "online" or _wandb_credentials(),
-             "online: no W&B credentials found (set WANDB_API_KEY or run `wandb login`), or use "
-             "logging.wandb: offline and `wandb sync` later"),
-    )
 
 
 class SinkError(RuntimeError):

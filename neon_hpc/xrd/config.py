@@ -3,7 +3,7 @@ environment (``env.kind: xrd``, ``neon_hpc/envs/xrd/``): its task set, its tools
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import at_least, section
+from neon_hpc.util.constraints import at_least, section
 
 
 @section

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from neon_hpc.arch.model import Errors, ModelConfig
-from neon_hpc.constraints import section
+from neon_hpc.util.constraints import section
 
 
 @section

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from neon_hpc.arch.deepseek_v3 import hfmap as _map
 from neon_hpc.models.adapters.base import Adapter, _getter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 LAYER_RULES = _map.LAYER_RULES        # the rules live in hfmap.py beside this file (reshard reads them too)
 

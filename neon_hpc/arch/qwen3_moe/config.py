@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from neon_hpc.arch.model import Errors, ModelConfig
-from neon_hpc.constraints import section
+from neon_hpc.util.constraints import section
 
 
 @section

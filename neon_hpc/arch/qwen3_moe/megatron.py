@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from neon_hpc.arch.qwen3_moe import hfmap as _map
 from neon_hpc.models.adapters.base import Adapter, QKVShape, _getter
-from neon_hpc.models.config import ModelConfig
+from neon_hpc.config.model import ModelConfig
 
 LAYER_RULES = _map.LAYER_RULES        # the rules live in hfmap.py beside this file (reshard reads them too)
 _MOE_LAYER = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",

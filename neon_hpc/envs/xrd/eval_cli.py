@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.constraints import errors
+from neon_hpc.util.constraints import errors
 from neon_hpc.envs.base import ConfiguredEnv
 from neon_hpc.envs.xrd import PLUGIN
 from neon_hpc.models.tokenizer import load_tokenizer
@@ -40,7 +40,7 @@ from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
 from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
 from neon_hpc.rollout.agent.group import as_environment, run_episode
 from neon_hpc.envs.xrd.report import markdown_table, summarize
-from neon_hpc.rollout.config import RolloutConfig
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.xrd import evaluate
 from neon_hpc.xrd.baseline import THRESHOLD_GRID
 from neon_hpc.xrd.config import XRDConfig

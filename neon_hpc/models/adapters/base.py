@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from neon_hpc.hfmap.rules import (COMMON_LAYER_RULES, EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES,  # noqa: F401
                                   QKVShape, Rule, qkv_join, qkv_part, qkv_rows, tp_join, tp_shard)
 from neon_hpc.arch import get as get_architecture
-from neon_hpc.models.config import ModelConfig, arch_errors, arch_experiment_errors
+from neon_hpc.config.model import ModelConfig, arch_errors, arch_experiment_errors
 
 
 class RouteRowsError(ValueError):

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from neon_hpc.config import is_loopback
+from neon_hpc.config.cross import is_loopback
 from neon_hpc.util.logs import last_lines
 from neon_hpc.util.procutil import child_setup, stop_tree
 from neon_hpc.rollout.engines.client import EngineClient

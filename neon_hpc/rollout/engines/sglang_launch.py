@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import shlex
 
-from neon_hpc.rollout.config import layout   # placement is a function of the config (config check uses it)
+from neon_hpc.config.rollout import layout   # placement is a function of the config (config check uses it)
 
 BOOTSTRAP_PORT = 8998
 DIST_INIT_PORT = 20000
@@ -90,7 +90,7 @@ def _engine_command(cfg, i: int, role: str) -> list[str]:
 def _router_command(cfg, roles: list[str]) -> list[str]:
     cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     if cfg.engine.router == "mini_lb":
-        cmd += ["--mini-lb"]   # forwards the body as sent (engine.router in rollout/config.py says why)
+        cmd += ["--mini-lb"]   # forwards the body as sent (engine.router in config/rollout.py says why)
     for i, role in enumerate(roles):
         if role == "prefill":
             cmd += ["--prefill", engine_url(i, cfg), str(BOOTSTRAP_PORT)]

@@ -3,7 +3,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import Rule, above, at_least, between, section
+from neon_hpc.util.constraints import Rule, above, at_least, between, section
 
 
 @section
@@ -115,7 +115,7 @@ class EvalConfig:
     same ``num_tasks`` tasks (the environment's task set, e.g. XRD's ``xrd.preset``; this
     ``split`` and ``seed``), temperature 0, with the rollout section's turns and limits; 0 tasks =
     no eval.  ``split`` is one of the chosen environment's held-out splits (its registry line,
-    ``neon_hpc/envs/__init__.py``; checked by ``neon_hpc.envs.config.eval_split_errors``).
+    ``neon_hpc/envs/__init__.py``; checked by ``neon_hpc.config.env.eval_split_errors``).
     """
 
     num_tasks: int = 0

@@ -1,7 +1,10 @@
 """The experiment config: one pydantic v2 model, composed of one small section per component.
 
-Each component owns its section (``neon_hpc/<component>/config.py``, a dataclass marked
-:func:`neon_hpc.constraints.section`); this module composes them, loads YAML, applies ``--set
+A leaf package (pydantic and yaml; no h5py, numpy, torch or megatron: ``tests/test_imports.py``).
+Each section is one module here (``neon_hpc/config/<section>.py``, a dataclass marked
+:func:`neon_hpc.util.constraints.section`); an architecture's ``model:`` variant is its
+folder's (``neon_hpc/arch/<name>/config.py``), the rules across sections are
+``neon_hpc/config/cross.py``.  This module composes them, loads YAML, applies ``--set
 key.path=value`` overrides and validates with pydantic.  Types, ranges (``CHECKS``), enums
 (``Literal``) and cross-field rules (``RULES``) are declared beside the fields; the rules across
 sections are :attr:`ExperimentConfig.CROSS`, each written once.  Every error names the file, the
@@ -27,24 +30,21 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from neon_hpc import constraints
-from neon_hpc.constraints import section
+from neon_hpc.util import constraints
+from neon_hpc.util.constraints import section
 from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
-from neon_hpc.balance.config import BalanceConfig
-from neon_hpc.envs.config import EnvConfig, eval_split_errors
-from neon_hpc.launch.config import LaunchConfig, WarmStartConfig
-from neon_hpc.util.logsinks import LoggingConfig
-from neon_hpc.models.config import DefaultModelConfig, ModelSection, arch_experiment_errors
-from neon_hpc.plan.config import PlanConfig
-from neon_hpc.protocol.config import ProtocolConfig
-from neon_hpc.rollout.config import EngineConfig, EvalConfig, RolloutConfig, layout
-from neon_hpc.store.config import StoreConfig
-from neon_hpc.train.config import TrainConfig, correction_errors, launch_world_errors, layout_errors
+from neon_hpc.config.balance import BalanceConfig
+from neon_hpc.config.cross import cross_errors, is_loopback  # noqa: F401  (is_loopback: the engines' fleet asks)
+from neon_hpc.config.env import EnvConfig
+from neon_hpc.config.launch import LaunchConfig, WarmStartConfig
+from neon_hpc.config.logging import LoggingConfig
+from neon_hpc.config.model import DefaultModelConfig, ModelSection
+from neon_hpc.config.plan import PlanConfig
+from neon_hpc.config.protocol import ProtocolConfig
+from neon_hpc.config.rollout import EngineConfig, EvalConfig, RolloutConfig
+from neon_hpc.config.store import StoreConfig
+from neon_hpc.config.train import TrainConfig
 from neon_hpc.xrd.config import XRDConfig
-
-
-def _cross_checks(cfg: "ExperimentConfig") -> list[tuple[str, str]]:
-    return cross_errors(cfg)
 
 
 @section
@@ -68,56 +68,11 @@ class ExperimentConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    CROSS = (_cross_checks,)     # the rules across sections (cross_errors below), after every section passes
+    CROSS = (cross_errors,)     # the rules across sections (cross_errors below), after every section passes
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message says where and how to fix it."""
-
-
-def cross_errors(cfg: ExperimentConfig) -> list[tuple[str, str]]:
-    """``[(key path, message)]``: what the rules across sections refuse (empty = fine)."""
-    errs = []
-    if cfg.rollout.max_total_tokens > cfg.model.max_position_embeddings:
-        # the engines refuse prompt + generation beyond the context (embedded: engines.embedded.admit)
-        errs.append(("rollout.max_total_tokens",
-                     f"{cfg.rollout.max_total_tokens} is over model.max_position_embeddings "
-                     f"({cfg.model.max_position_embeddings}): episodes would grow past the context the "
-                     f"engines serve; lower it to at most {cfg.model.max_position_embeddings}"))
-    errs += correction_errors(cfg)
-    if cfg.train.expert_parallel > 1 and cfg.model.num_experts % cfg.train.expert_parallel:
-        errs.append(("train.expert_parallel",
-                     f"must divide model.num_experts ({cfg.model.num_experts})"))
-    if cfg.train.tensor_parallel > 1 and cfg.model.num_query_groups % cfg.train.tensor_parallel:
-        errs.append(("train.tensor_parallel",
-                     f"must divide model.num_query_groups ({cfg.model.num_query_groups})"))
-    errs += arch_experiment_errors(cfg)                  # what the architecture refuses elsewhere
-    errs += eval_split_errors(cfg)                       # a held-out split of the chosen environment
-    cp, thr = cfg.train.context_parallel, cfg.balance.split_threshold_tokens
-    if thr and (cp == 1 or thr < 2 * cp):
-        errs.append(("balance.split_threshold_tokens",
-                     f"{thr}: zigzags pieces into 2*train.context_parallel chunks, so it needs "
-                     f"context_parallel > 1 (now {cp}) and a threshold >= 2*context_parallel; set it "
-                     f"to 0 (auto) or raise it"))
-    errs += layout_errors(cfg) + launch_world_errors(cfg)   # the trainer's own rules (train section)
-    if cfg.engine.kind == "sglang":
-        lay = layout(cfg)
-        if cfg.launch.rollout.nodes < lay.nodes_needed:
-            errs.append(("launch.rollout.nodes",
-                         f"{cfg.engine.num_engines} engine(s) of {lay.gpus_per_engine} GPUs "
-                         f"(engine.tp_size x dp_size) need {lay.nodes_needed} node(s) of "
-                         f"{lay.gpus_per_node} GPUs, the rollout group has {cfg.launch.rollout.nodes}: "
-                         f"raise launch.rollout.nodes or lower engine.num_engines"))
-        if cfg.engine.pd_disaggregation and is_loopback(cfg.engine.host) and lay.nodes_needed > 1:
-            errs.append(("engine.host",
-                         f"{cfg.engine.host} is reachable from its own node only, but the PD router and "
-                         f"the engines of this layout are on {lay.nodes_needed} nodes: set engine.host: "
-                         f"0.0.0.0 (or the nodes' fabric address)"))
-    return errs
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, section
+from neon_hpc.util.constraints import above, at_least, section
 
 # the trajectory stores (neon_hpc/store/registry.py STORES maps each to its implementation)
 StoreKind = Literal["filesystem"]

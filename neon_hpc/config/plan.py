@@ -7,7 +7,7 @@ parameter came from).  Units are SI: seconds, bytes, FLOP/s.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import above, at_least, between, section
+from neon_hpc.util.constraints import above, at_least, between, section
 
 
 @section

@@ -4,7 +4,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from neon_hpc.constraints import Rule, above, at_least, between, section
+from neon_hpc.util.constraints import Rule, above, at_least, between, section
 
 _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 

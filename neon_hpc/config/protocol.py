@@ -7,7 +7,7 @@ protocol; the roles read them from here, and the simulator's validation
 """
 from dataclasses import dataclass
 
-from neon_hpc.constraints import Rule, above, section
+from neon_hpc.util.constraints import Rule, above, section
 
 
 @section

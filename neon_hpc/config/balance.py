@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from neon_hpc.constraints import Rule, at_least, section
+from neon_hpc.util.constraints import Rule, at_least, section
 
 
 @section

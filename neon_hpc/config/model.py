@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from neon_hpc import arch
 from neon_hpc.arch.model import Errors, ModelConfig, arch_errors, arch_experiment_errors, as_arch, section_of
-from neon_hpc.constraints import union_of
+from neon_hpc.util.constraints import union_of
 
 # model.arch -> its section; an alias (another model_type with the same weights) -> the same section
 SECTIONS: dict[str, type] = {a.name: a.config for a in arch.ARCHITECTURES.values()}
