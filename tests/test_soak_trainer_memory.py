@@ -28,11 +28,17 @@ from neon_hpc.train.heap import StepHeap, glibc, malloc_stats, smaps_rollup
 
 def churn():
     # 4 KiB blocks (malloc, not pymalloc); keep 1 in 64: the rest is free memory between live chunks
-    blocks = [bytearray(4096) for _ in range(6000)]
+    blocks = [bytearray(4096) for _ in range(BLOCKS)]
+    # every thread holds its blocks until all have allocated theirs: each then has an arena of its
+    # own (a thread that started after another ended would reuse that one's arena and its free
+    # chunks, as a loaded machine's scheduling made happen), so what is freed is the same every run
+    together.wait()
     keep.extend(blocks[::64])
 
+BLOCKS, THREADS = 6000, 8
 keep = []
-threads = [threading.Thread(target=churn) for _ in range(8)]
+together = threading.Barrier(THREADS)
+threads = [threading.Thread(target=churn) for _ in range(THREADS)]
 for t in threads: t.start()
 for t in threads: t.join()
 before = smaps_rollup()["Rss"]
@@ -40,7 +46,8 @@ stats = malloc_stats(glibc())
 mem = StepHeap.from_env(Path(sys.argv[1]), 0)
 mem.after_step(1, [5, 7])
 print(json.dumps({"before": before, "after": smaps_rollup()["Rss"], "free_kb": stats["free_kb"],
-                  "trim": mem.trim, "kept": len(keep)}))
+                  "trim": mem.trim, "kept": len(keep), "heaps": stats.get("heaps"),
+                  "freed_kb": (BLOCKS * THREADS - len(keep)) * 4096 // 1024}))
 """
 
 
@@ -52,17 +59,21 @@ def _run(tmp_path, **env) -> dict:
 
 
 def test_after_step_gives_freed_arena_memory_back_and_records_on_request(tmp_path):
+    # figures relative to what the child freed (~190 MB, the same every run): 4 in 5 of it is
+    # far below the ~99% seen and far above what a broken trim or a shared arena leaves
     on = _run(tmp_path, NEON_TRAIN_MEMDEBUG="1")
-    assert on["trim"] and on["free_kb"] > 50_000, on      # of ~190 MB freed, what free() could not give back
-    assert on["before"] - on["after"] > 50_000, f"malloc_trim gave back only {on['before'] - on['after']} kB: {on}"
+    most = 0.8 * on["freed_kb"]
+    assert on["trim"] and on["free_kb"] > most, on          # what free() could not give back
+    assert on["before"] - on["after"] > most, f"malloc_trim gave back only {on['before'] - on['after']} kB: {on}"
     rec = json.loads((tmp_path / "memdebug_0.jsonl").read_text().splitlines()[-1])
     assert rec["step"] == 1 and rec["trimmed"] and rec["max_seq"] == 7 and rec["packed_tokens"] == 12
     assert rec["malloc"]["heaps"] >= 2 and rec["threads"] >= 1 and rec["rss_kb"] > 0
-    assert rec["rss_kb"] < on["before"] - 50_000                  # recorded after the trim
+    assert rec["rss_kb"] < on["before"] - most                    # recorded after the trim
 
     off = _run(tmp_path, NEON_TRAIN_MALLOC_TRIM="0")
     assert not off["trim"]
-    assert off["before"] - off["after"] < 20_000, off               # untrimmed, RSS stays
+    assert off["free_kb"] > 0.8 * off["freed_kb"], off             # as much to give back ...
+    assert off["before"] - off["after"] < 0.1 * off["freed_kb"], off  # ... untrimmed, RSS stays
 
 
 def test_a_bad_setting_is_refused_naming_the_variable(tmp_path):
