@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from neon_hpc import envs     # the registry alone: reading the entries imports no environment
+from neon_hpc.util import extras
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
+        if extras.hint(e):
+            print(f"neon-hpc {name}: {extras.hint(e)}", file=sys.stderr)
+            return 3
         if e.name and module_name.startswith(e.name):
             print(f"neon-hpc {name}: not built yet ({module_name} is missing in this checkout).", file=sys.stderr)
             return 3
@@ -92,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     from neon_hpc.config import ConfigError  # deferred: heavy (neon_hpc.config: pydantic)
     try:
         return int(module.main(rest, **HANDED_IN.get(name, {})) or 0)
+    except ModuleNotFoundError as e:
+        fix = extras.hint(e)
+        if fix is None:
+            raise
+        print(f"neon-hpc {name}: {fix}", file=sys.stderr)
+        return 3
     except ConfigError as e:
         print(f"neon-hpc {name}: config error: {e}", file=sys.stderr)
         return 2
