@@ -52,7 +52,7 @@ if ! ls "$SGLANG_WHEEL_DIR"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
   "$VENV/bin/pip" download -q --no-deps -d "$SGLANG_WHEEL_DIR" "sglang==0.5.23"
 fi
 log "installing neon-hpc (editable) and its dependencies"
-"$VENV/bin/pip" install -q -e "$ROOT[test]"
+"$VENV/bin/pip" install -q -e "$ROOT[all,test]"
 # Every module of the package imports in this venv, which pyproject.toml alone made on a fresh
 # machine (CI clones afresh, so .venv is new there): an undeclared dependency fails here.
 "$VENV/bin/python" - <<'PY'

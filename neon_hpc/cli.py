@@ -10,6 +10,9 @@ import difflib
 import importlib
 import sys
 
+from neon_hpc import envs     # the registry alone: reading the entries imports no environment
+from neon_hpc.util import extras
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("neon_hpc.launch.local", "run the whole async loop as local processes (laptop, CI, one node)"),
@@ -22,7 +25,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reshard": ("neon_hpc.reshard.cli", "Megatron torch_dist checkpoint -> HF safetensors (same as tools/reshard.py)"),
     "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
-    "xrd": ("neon_hpc.envs.xrd.cli", "the XRD environment: library, tasks, baseline solver, agent evaluation"),
     "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
     "balance": ("neon_hpc.balance.cli", "cost model calibration and balancing dry runs"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
@@ -49,9 +51,18 @@ HANDED_IN: dict[str, dict] = {
 }
 
 
+def commands() -> dict[str, tuple[str, str]]:
+    """The library's commands, then each installed environment's (its entry's ``cli``: ``neon-hpc xrd``)."""
+    out = dict(COMMANDS)
+    for e in envs.entries():
+        if e.cli and e.name not in out:      # an environment cannot shadow a library command
+            out[e.name] = (e.cli, e.cli_help or e.about)
+    return out
+
+
 def _usage() -> str:
     lines = ["usage: neon-hpc COMMAND [ARGS...]", "", "commands:"]
-    for name, (_mod, desc) in COMMANDS.items():
+    for name, (_mod, desc) in commands().items():
         lines.append(f"  {name:<9} {desc}")
     lines.append("")
     lines.append("`neon-hpc COMMAND --help` for a command's options.")
@@ -64,23 +75,33 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+    table = commands()
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=1)
         print(f"neon-hpc: unknown command {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
               file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
-    module_name = COMMANDS[name][0]
+    module_name = table[name][0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
+        if extras.hint(e):
+            print(f"neon-hpc {name}: {extras.hint(e)}", file=sys.stderr)
+            return 3
         if e.name and module_name.startswith(e.name):
             print(f"neon-hpc {name}: not built yet ({module_name} is missing in this checkout).", file=sys.stderr)
             return 3
         raise
-    from neon_hpc.config import ConfigError  # deferred: heavy (neon_hpc.config: h5py, numpy)
+    from neon_hpc.config import ConfigError  # deferred: heavy (neon_hpc.config: pydantic)
     try:
         return int(module.main(rest, **HANDED_IN.get(name, {})) or 0)
+    except ModuleNotFoundError as e:
+        fix = extras.hint(e)
+        if fix is None:
+            raise
+        print(f"neon-hpc {name}: {fix}", file=sys.stderr)
+        return 3
     except ConfigError as e:
         print(f"neon-hpc {name}: config error: {e}", file=sys.stderr)
         return 2

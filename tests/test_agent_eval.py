@@ -20,8 +20,8 @@ from neon_hpc.rollout.agent import run_group
 from neon_hpc.envs.xrd.env import sample_label
 from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.engines import protocol
-from neon_hpc.xrd.config import XRDConfig
-from neon_hpc.xrd.tasks import load_tasks
+from neon_hpc.envs.xrd.config import XRDConfig
+from neon_hpc.envs.xrd.science.tasks import load_tasks
 
 TOK = load_tokenizer()
 
@@ -208,8 +208,8 @@ def _fit_run(scripted, tmp_path, *args):
 
 @pytest.mark.slow
 def test_protocol_fit_on_train_uses_the_threshold_fitted_on_train_tasks(scripted, tmp_path, monkeypatch):
-    from neon_hpc.xrd import evaluate
-    from neon_hpc.xrd.fitting import DETECTION_Z_MIN
+    from neon_hpc.envs.xrd.science import evaluate
+    from neon_hpc.envs.xrd.science.fitting import DETECTION_Z_MIN
     # the run's own fit (fitting it again here would double the test's time), recorded with its arguments
     calls, fit = [], evaluate.thresholds_fitted_on_train
 
@@ -246,11 +246,11 @@ def test_protocol_refuses_splits_it_cannot_score_before_any_request(tmp_path, ca
 
 @pytest.mark.slow
 def test_protocol_loo_fits_each_mixture_on_the_others(scripted, tmp_path, monkeypatch):
-    from neon_hpc.xrd import evaluate
-    from neon_hpc.xrd.baseline import THRESHOLD_GRID
-    from neon_hpc.xrd.evaluate import choose_thresholds, mixture_of
-    from neon_hpc.xrd.grader import grade
-    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    from neon_hpc.envs.xrd.science import evaluate
+    from neon_hpc.envs.xrd.science.baseline import THRESHOLD_GRID
+    from neon_hpc.envs.xrd.science.evaluate import choose_thresholds, mixture_of
+    from neon_hpc.envs.xrd.science.grader import grade
+    from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         pytest.skip("shared/data/xrd-real not found (set NEON_XRD_REAL_DATA)")
     tasks = load_real_tasks("precursor_mixture")[:4]            # 2 mixtures x 2 scans

@@ -18,8 +18,8 @@ from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.envs.xrd.demos import demo_kinds, make_demos, write_demos
 from neon_hpc.rollout.agent.episode import Episode
 from neon_hpc.envs.xrd.env import XRDEnv
-from neon_hpc.xrd.grader import TOL
-from neon_hpc.xrd.tasks import load_tasks
+from neon_hpc.envs.xrd.science.grader import TOL
+from neon_hpc.envs.xrd.science.tasks import load_tasks
 
 TOK = load_tokenizer("xrd-tiny")
 CFG = config.load(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))

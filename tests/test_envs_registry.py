@@ -7,6 +7,7 @@ grades what the loop reads."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,32 +67,32 @@ def test_a_task_without_its_plugin_is_refused_by_the_agent_loop(echo):
 
 def test_an_unknown_kind_is_refused_naming_the_registered_ones(echo):
     with pytest.raises(config.ConfigError, match=r"env.kind: got 'nope'; allowed: a registered environment: "
-                                                 r"xrd, digits, echo \(neon-hpc env list\)"):
+                                                 r"digits, xrd, echo \(neon-hpc env list\)"):
         config.load(TINY, ["env.kind=nope"])
     with pytest.raises(ValueError, match="already registered"):
         envs.register(ECHO, EVAL_SPLITS)
-    with pytest.raises(ValueError, match="unknown environment 'nope'; registered: xrd, digits, echo"):
+    with pytest.raises(ValueError, match="unknown environment 'nope'; registered: digits, xrd, echo"):
         envs.get("nope")
 
 
 def test_unregistered_the_throwaway_is_refused_again():
     assert "echo" not in envs.kinds()
-    with pytest.raises(config.ConfigError, match=r"env.kind: got 'echo'; allowed: a registered environment: xrd, digits"):
+    with pytest.raises(config.ConfigError, match=r"env.kind: got 'echo'; allowed: a registered environment: digits, xrd"):
         config.load(TINY, ["env.kind=echo"])
-    with pytest.raises(ValueError, match="in the registry table"):
+    with pytest.raises(ValueError, match="is installed"):
         envs.unregister("xrd")
 
 
 def test_env_list_prints_the_registered_kinds_name_first():
     out = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "env", "list"], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout.splitlines()
-    assert [line.split()[0] for line in out] == list(envs.kinds()) == ["xrd", "digits"]
+    assert [line.split()[0] for line in out] == list(envs.kinds()) == ["digits", "xrd"]
     assert all(line.split(maxsplit=1)[1] == envs.REGISTRY[line.split()[0]].about for line in out)
 
 
 def test_the_default_is_xrd_and_its_worker_view_carries_the_xrd_section():
     cfg = config.load(TINY)
-    assert cfg.env.kind == "xrd" == envs.DEFAULT and WorkerSections.of(cfg).env_settings is cfg.xrd
+    assert cfg.env.kind == "xrd" and WorkerSections.of(cfg).env_settings is cfg.xrd
     assert "kind: xrd" in config.dump(cfg)
 
 
@@ -112,7 +113,7 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
 
 def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answer():
     import numpy as np
-    from neon_hpc.envs.digits import make_demos
+    from neon_hpc.envs.digits.plugin import make_demos
     from neon_hpc.rollout.agent import run_episode
     cfg = config.load(TINY).rollout
     tasks = envs.get("digits").tasks(None).demo(10)
@@ -158,3 +159,51 @@ def test_eval_split_is_one_of_the_chosen_environments_held_out_splits(echo, caps
         source = envs.configured(config.load(TINY, [f"env.kind={kind}"])).tasks()
         for split in envs.eval_splits(kind):
             assert len(source.held_out(split, 2, 0)) == 2, (kind, split)
+
+
+THIRD_PARTY = {
+    "echo_pkg/__init__.py": "",
+    "echo_pkg/settings.py": (
+        "from dataclasses import dataclass\n"
+        "from neon_hpc.util.constraints import at_least, section\n\n"
+        "@section\n@dataclass\nclass EchoSettings:\n    seed: int = 3\n    CHECKS = {'seed': at_least(0)}\n"),
+    "echo_pkg/entry.py": (
+        "from neon_hpc.envs.base import EnvEntry\nfrom echo_pkg.settings import EchoSettings\n"
+        "ENTRY = EnvEntry(name='echo3', plugin='echo_pkg.plugin', about='a third party echo', "
+        "eval_splits=('test_id',), section='echo3', settings=EchoSettings, cli='echo_pkg.cli', cli_help='echo3 cmd')\n"),
+    "echo_pkg/plugin.py": (
+        "import dataclasses\nfrom throwaway_env import PLUGIN as ECHO\n"
+        "PLUGIN = dataclasses.replace(ECHO, name='echo3', section='echo3')\n"),
+    "echo_pkg/cli.py": "def main(argv):\n    print('ECHO3', argv)\n    return 0\n",
+    "echo_pkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: echo-pkg\nVersion: 0.1\n",
+    "echo_pkg-0.1.dist-info/entry_points.txt": "[neon_hpc.envs]\necho3 = echo_pkg.entry:ENTRY\n",
+}
+
+
+def test_a_third_party_environment_is_added_by_installing_a_package(tmp_path):
+    """An environment from another distribution (its entry point in its own metadata; nothing of
+    neon_hpc edited): listed, its settings section composed into the config and validated, chosen by
+    env.kind, its tasks built from its section, its command on the top-level CLI."""
+    for rel, text in THIRD_PARTY.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "tests"), str(REPO)]))
+
+    def neon(*args, check=True):
+        return subprocess.run([sys.executable, "-m", "neon_hpc.cli", *args], capture_output=True, text=True,
+                              env=env, cwd=REPO, check=check)
+    assert "echo3  a third party echo" in neon("env", "list").stdout
+    assert "ECHO3 ['a', 'b']" in neon("echo3", "a", "b").stdout
+    neon("config", "check", TINY, "--set", "env.kind=echo3", "--set", "eval.split=test_id")
+    bad = neon("config", "check", TINY, "--set", "env.kind=echo3", "--set", "echo3.seed=-1", check=False)
+    assert bad.returncode != 0 and "echo3.seed" in bad.stderr + bad.stdout
+    code = ("from neon_hpc import config, envs\n"
+            f"cfg = config.load({TINY!r}, ['env.kind=echo3', 'echo3.seed=2', 'eval.split=test_id'])\n"
+            "bound = envs.configured(cfg)\n"
+            "print('SEED', bound.plugin.tasks(bound.settings).seed, type(cfg.echo3).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert "SEED 2 EchoSettings" in out.stdout, out.stdout + out.stderr
+    # without the package the kind is unknown again, naming the installed ones
+    plain = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", TINY, "--set", "env.kind=echo3"],
+                           capture_output=True, text=True, cwd=REPO)
+    assert plain.returncode != 0 and "digits, xrd" in plain.stderr + plain.stdout

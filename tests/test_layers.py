@@ -17,8 +17,9 @@ import each other (the foundation excepted: small shared helpers).  On top of th
   layer spec) is models code kept in its architecture's folder: it counts as ``models``;
 * library code imports nothing from ``tests/`` or ``tools/``.
 
-A section of the experiment config (``neon_hpc/<part>/config.py``: plain dataclasses the
-schema composes) belongs to the ``config`` part, not to its package.
+The experiment config (``neon_hpc/config/``, one module per section) is a leaf: it imports
+the helpers, the architectures' model sections and the environment registry only; an
+environment's settings section reaches it through the environment's entry point.
 
 Violations that exist today are listed in ``KNOWN`` with the issue item and the engineer who
 owns the fix; any other one fails the test, and so does a listed one that is gone (remove its
@@ -36,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
 
-# Top to bottom.  cli -> launch -> {rollout, train} -> {store, replay, balance, xrd} -> {protocol, config}
+# Top to bottom.  cli -> launch -> envs/<name> -> {rollout, train} -> {store, replay, balance} -> {protocol, config}
 # is the design's spine (README "Dependency direction"); the other parts are placed around it.
 LAYERS: list[tuple[str, set[str]]] = [
     ("entry points", {"cli", "config_cli"}),            # neon-hpc subcommands; config check
@@ -44,7 +45,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("launch", {"launch"}),                             # Slurm / local launcher, role entry
     ("environments", {"env_plugins"}),                  # neon_hpc/envs/<name>/: one folder per environment
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
-    ("services", {"store", "replay", "balance", "xrd", "reshard"}),   # what the roles use; reshard also stands alone
+    ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # architecture adapters, megatron and HF builders
     ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "util", "neon_hpc"}),
 ]
@@ -90,8 +91,6 @@ def part_of(module: str) -> str:
         return "env_plugins"
     if len(parts) == 4 and parts[1] == "arch" and parts[3] == "megatron":
         return "models"
-    if len(parts) == 3 and parts[2] == "config" and (LIB / parts[1]).is_dir():
-        return "config"
     return parts[1]
 
 
@@ -221,9 +220,10 @@ def test_one_mapping_object_for_the_models_and_reshard():
 
 
 def test_the_env_registry_names_only_environment_folders():
-    """The registry (foundation) imports its plugins by the module names of its table: each must be an
-    environment's folder (part ``env_plugins``), defining ``PLUGIN`` under its registered name."""
+    """The registry (foundation) reaches its plugins through their entry points only: each of this
+    distribution's names an environment's folder (part ``env_plugins``), whose ``PLUGIN`` carries
+    the registered name."""
     from neon_hpc import envs
-    for r in envs._REGISTERED:
-        assert part_of(r.module) == "env_plugins" and r.module == f"neon_hpc.envs.{r.name}", r
-        assert envs.get(r.name).name == r.name
+    for e in envs.entries():
+        assert part_of(e.plugin) == "env_plugins" and e.plugin.startswith(f"neon_hpc.envs.{e.name}."), e
+        assert envs.get(e.name).name == e.name

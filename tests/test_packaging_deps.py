@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
@@ -53,3 +54,44 @@ def test_every_imported_third_party_package_is_declared():
         elif not provided_by & _declared():
             missing.append(f"{mod} (imported in {where}; provided by {sorted(provided_by)})")
     assert not missing, "undeclared imports; add them to pyproject.toml dependencies:\n  " + "\n  ".join(missing)
+
+
+# blocks every module an optional extra provides, as on a node that installed `neon-hpc` alone
+_BLOCK = '''
+import sys
+from importlib.abc import MetaPathFinder
+from neon_hpc.util import extras
+BLOCKED = set(extras.extra_of())
+class Block(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0].replace("_", "-") in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+'''
+
+
+def _without_extras(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _BLOCK + code, *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_the_extras_are_the_optional_groups_of_pyproject():
+    from neon_hpc.util import extras
+    groups = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras.extra_of().values()) == set(groups) - {"all", "test"}
+    assert {"simpy", "pymatgen", "psycopg", "openai", "wandb", "tensorboard"} <= set(extras.extra_of())
+
+
+def test_a_trainer_or_rollout_node_needs_no_extra():
+    """The roles' modules, the launcher, reshard and the config load with every extra's module missing."""
+    r = _without_extras(
+        "import neon_hpc.train.loop, neon_hpc.train.__main__, neon_hpc.rollout.worker, neon_hpc.rollout.node, "
+        "neon_hpc.launch.roles, neon_hpc.launch.common, neon_hpc.reshard.cli\n"
+        "from neon_hpc import config\nfrom neon_hpc.train.sections import TrainerSections\n"
+        f"TrainerSections.of(config.load({str(REPO / 'configs' / 'tiny_cpu.yaml')!r}))\nprint('OK')\n")
+    assert r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
+def test_a_command_that_needs_an_extra_names_it():
+    r = _without_extras("from neon_hpc.cli import main\nraise SystemExit(main(sys.argv[1:]))\n",
+                        "plan", "simulate", str(REPO / "configs" / "tiny_cpu.yaml"))
+    assert r.returncode == 3 and "pip install 'neon-hpc[plan]'" in r.stderr, r.stdout + r.stderr

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from neon_hpc.util.bounded import MESSAGE_CAP
-from neon_hpc.xrd.tools import TOOLS, ToolSpec, call_tool
+from neon_hpc.envs.xrd.science.tools import TOOLS, ToolSpec, call_tool
 
 # keywords the earlier hand-written subset ignored (pattern, exclusiveMinimum, uniqueItems, const,
 # minLength, minProperties) or crashed on (a list of types, "null"), inside nested array items

@@ -48,7 +48,7 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     from neon_hpc.models.hf import read_hf_state_dict
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.envs.xrd.demos import write_demos
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
 
     cfg = config.load(CONFIG)
     write_demos(tmp_path / "demos", load_tasks("tiny", "train", 0, 8), load_tokenizer("xrd-tiny"), cfg.xrd, cfg.rollout,

@@ -1,10 +1,10 @@
 """The baseline solver clears measured floors (easy synthetic, tiny, and the real dev set)."""
 import pytest
 
-from neon_hpc.xrd.baseline import solve
-from neon_hpc.xrd.evaluate import evaluate, wilson_interval
-from neon_hpc.xrd.real import load_real_tasks, real_data_dir
-from neon_hpc.xrd.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.baseline import solve
+from neon_hpc.envs.xrd.science.evaluate import evaluate, wilson_interval
+from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
+from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
 
 # Measured on this code (seed 0): tiny test_ood 10/10, easy test_id 9/10 (misses: ~17 wt%
 # of a light-element phase, Li2O / Li2CO3, next to a strong scatterer).  Floors leave margin.
@@ -57,8 +57,8 @@ def test_baseline_on_real_precursor_mixtures():
 @pytest.mark.skipif(real_data_dir() is None, reason="shared/data/xrd-real not beside the repository "
                                                     "(set NEON_XRD_REAL_DATA)")
 def test_measured_scan_is_identified_without_and_quantified_with_anomalous_scattering():
-    from neon_hpc.xrd.baseline import trace
-    from neon_hpc.xrd.quant import QuantModel
+    from neon_hpc.envs.xrd.science.baseline import trace
+    from neon_hpc.envs.xrd.science.quant import QuantModel
     wanted = "NiO_0p2030-Li2CO3"
     plain_task = [t for t in load_real_tasks(scan="2min") if wanted in t.id][0]
     real_task = [t for t in load_real_tasks(scan="2min", measured=True) if wanted in t.id][0]

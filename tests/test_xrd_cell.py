@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from neon_hpc.xrd.fitting import Fitter, _ParamIndex, lattice_basis, metric_symmetry
-from neon_hpc.xrd.library import load_library
-from neon_hpc.xrd.simulate import Instrument, compute_reflections, phase_pattern
+from neon_hpc.envs.xrd.science.fitting import Fitter, _ParamIndex, lattice_basis, metric_symmetry
+from neon_hpc.envs.xrd.science.library import load_library
+from neon_hpc.envs.xrd.science.simulate import Instrument, compute_reflections, phase_pattern
 
 X = np.round(np.arange(15.0, 85.0, 0.02), 6)
 INST = Instrument(W=0.003)

@@ -4,7 +4,7 @@ import sys
 import types
 
 from neon_hpc.cli import main as neon_main
-from neon_hpc.xrd.cli import main
+from neon_hpc.envs.xrd.science.cli import main
 
 
 def test_library_summary_and_listing(capsys):
@@ -48,7 +48,7 @@ def test_endpoint_is_routed_to_the_agent_evaluator_by_the_xrd_plugin(monkeypatch
 
 def test_neon_hpc_xrd_is_the_plugins_command_and_the_top_cli_routes_nothing():
     from neon_hpc import cli, envs
-    assert cli.COMMANDS["xrd"][0] == envs.get("xrd").cli == "neon_hpc.envs.xrd.cli"
+    assert cli.commands()["xrd"][0] == envs.get("xrd").cli == "neon_hpc.envs.xrd.cli"
     assert not hasattr(cli, "ROUTES")
 
 
@@ -63,8 +63,8 @@ def test_xrd_never_imports_the_rollout_layer():
     import ast
     import subprocess
     from pathlib import Path
-    import neon_hpc.xrd
-    pkg = Path(neon_hpc.xrd.__file__).parent
+    import neon_hpc.envs.xrd.science
+    pkg = Path(neon_hpc.envs.xrd.science.__file__).parent
     for f in sorted(pkg.glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -72,7 +72,7 @@ def test_xrd_never_imports_the_rollout_layer():
             assert not any(n.startswith("neon_hpc.rollout") for n in names), f"{f.name} imports {names}"
             assert not (isinstance(node, ast.Constant) and isinstance(node.value, str)
                         and node.value.startswith("neon_hpc.rollout")), f"{f.name} names {node.value!r}"
-    mods = ", ".join(f"neon_hpc.xrd.{f.stem}" for f in sorted(pkg.glob("*.py")) if f.stem != "__init__")
+    mods = ", ".join(f"neon_hpc.envs.xrd.science.{f.stem}" for f in sorted(pkg.glob("*.py")) if f.stem != "__init__")
     code = (f"import sys, importlib\nfor m in '{mods}'.split(', '): importlib.import_module(m)\n"
             "bad = sorted(m for m in sys.modules if m.startswith('neon_hpc.rollout'))\n"
             "assert not bad, bad\n")

@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 
-from neon_hpc.xrd import baseline, evaluate as ev
-from neon_hpc.xrd.fitting import Fitter, _ParamIndex
-from neon_hpc.xrd.grader import grade
-from neon_hpc.xrd.library import load_library
-from neon_hpc.xrd.real import load_real_tasks, real_data_dir
-from neon_hpc.xrd.simulate import Instrument, Microstructure, phase_pattern, phase_reflections
+from neon_hpc.envs.xrd.science import baseline, evaluate as ev
+from neon_hpc.envs.xrd.science.fitting import Fitter, _ParamIndex
+from neon_hpc.envs.xrd.science.grader import grade
+from neon_hpc.envs.xrd.science.library import load_library
+from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
+from neon_hpc.envs.xrd.science.simulate import Instrument, Microstructure, phase_pattern, phase_reflections
 
 X = np.round(np.arange(15.0, 85.0, 0.02), 6)
 INST = Instrument(W=0.003)
@@ -96,8 +96,8 @@ def test_weight_fraction_esd_matches_the_scatter_over_noise_draws():
 
 
 def test_fit_phases_reports_an_absent_phase_as_not_detectable():
-    from neon_hpc.xrd.tasks import build_store
-    from neon_hpc.xrd.tools import TaskContext, call_tool
+    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tools import TaskContext, call_tool
     a, minor, absent = "cur:NiO_bunsenite", "cur:ZnO_zincite", "cur:CeO2_cerianite"
     y = _mixture({a: 0.95, minor: 0.05}, {}, 1e4, 3)
     ctx = TaskContext(X, y, "2100-01-01", build_store([], include_real=False), instrument=INST)
@@ -116,8 +116,8 @@ def test_fit_phases_reports_an_absent_phase_as_not_detectable():
 
 
 def test_plot_fit_writes_a_png_only_where_configured(tmp_path):
-    from neon_hpc.xrd.tasks import build_store
-    from neon_hpc.xrd.tools import TaskContext, call_tool, toolset
+    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tools import TaskContext, call_tool, toolset
     y = _mixture({"cur:NiO_bunsenite": 1.0}, {}, 5e3, 4)
     ctx = TaskContext(X, y, "2100-01-01", build_store([], include_real=False), instrument=INST, task_id="t/../x")
     assert "plotting is off" in call_tool("plot_fit", {"phases": ["cur:NiO_bunsenite"]}, ctx)["error"]
@@ -150,7 +150,7 @@ class _FakeTrace:
 
 
 def test_loo_never_chooses_thresholds_on_the_held_out_mixture(monkeypatch):
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = load_tasks("tiny", "test_id", n=4)
     for i, t in enumerate(tasks):
         t.id = f"mix{i}--8min"
@@ -169,7 +169,7 @@ def test_loo_never_chooses_thresholds_on_the_held_out_mixture(monkeypatch):
 
 
 def test_eval_protocol_loo_needs_the_real_data(capsys):
-    from neon_hpc.xrd.cli import main
+    from neon_hpc.envs.xrd.science.cli import main
     assert main(["eval", "--protocol", "loo", "--preset", "tiny"]) == 2
     assert "needs --data" in capsys.readouterr().err
     assert main(["eval", "--protocol", "fit-on-train", "--preset", "tiny", "--split", "train"]) == 2
@@ -179,8 +179,8 @@ def test_eval_protocol_loo_needs_the_real_data(capsys):
 @pytest.mark.skipif(real_data_dir() is None, reason="shared/data/xrd-real not beside the repository "
                                                     "(set NEON_XRD_REAL_DATA)")
 def test_refinement_of_a_real_fast_scan_matches_the_weighed_fractions():
-    from neon_hpc.xrd.tasks import build_store
-    from neon_hpc.xrd.tools import TaskContext
+    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tools import TaskContext
     task = next(t for t in load_real_tasks(scan="2min") if t.id.endswith("ZnO_0p4006-In2O3_0p6008--2min"))
     ctx = TaskContext.for_task(task, build_store([], include_real=False))
     res = ctx.fitter().fit([p for p, _, _ in task.truth])
@@ -196,8 +196,8 @@ def test_texture_r_search_finds_the_real_li2co3_texture_axis_the_two_trials_miss
     # NiO/Li2CO3/TiO2 (20/30/50 wt%), fast scan, measured physics: with the two trial r (0.75, 1.35)
     # Li2CO3's texture axis is 011 and its fraction ~0.36; scored at its best r on the denser grid
     # the axis is 101, Rwp lower and the fraction nearer the weighed 0.30
-    from neon_hpc.xrd.tasks import build_store
-    from neon_hpc.xrd.tools import TaskContext
+    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tools import TaskContext
     task = next(t for t in load_real_tasks(scan="2min", measured=True)
                 if t.id.endswith("NiO_0p2030-Li2CO3_0p2999-TiO2_0p5025--2min"))
     fitter = TaskContext.for_task(task, build_store([], include_real=False)).fitter()
@@ -264,7 +264,7 @@ def test_overall_b_and_an_eta_per_phase_recover_what_the_sample_did():
 def test_eta_restraint_holds_a_minor_phase_to_the_pattern_line_shape(monkeypatch):
     # one line shape (eta 0.5) for both phases, anatase at 3 wt%: its own eta is barely determined by
     # the data; restrained it stays near the pattern's, free it wanders further
-    from neon_hpc.xrd import fitting
+    from neon_hpc.envs.xrd.science import fitting
     a, b = "cur:ZnO_zincite", "cur:TiO2_anatase"
     y = _mixture({a: 0.97, b: 0.03}, {a: Microstructure(size_nm=60.0), b: Microstructure(size_nm=25.0)}, 4e3, 6)
     f = Fitter(X, y, INST)

@@ -1,7 +1,7 @@
 """The grader on hand-made cases."""
 import pytest
 
-from neon_hpc.xrd.grader import grade
+from neon_hpc.envs.xrd.science.grader import grade
 
 TRUTH = [("cur:NiO_bunsenite", "NiO", 0.60), ("cur:ZnO_zincite", "ZnO", 0.36), ("cur:LaOH3", "La(OH)3", 0.04)]
 
@@ -54,7 +54,7 @@ def test_formula_alone_cannot_pick_a_polymorph_but_formula_truth_takes_any():
 def test_isostructural_copies_within_the_strain_window_are_one_phase():
     import dataclasses
     import numpy as np
-    from neon_hpc.xrd.library import Library, load_library
+    from neon_hpc.envs.xrd.science.library import Library, load_library
     base = load_library()
     rutile = base.get("cur:TiO2_rutile")
     scaled = lambda f, pid: dataclasses.replace(rutile, id=pid, lattice=tuple(tuple(np.asarray(r) * f)

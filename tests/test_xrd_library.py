@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from neon_hpc.xrd.library import (ELEMENT_SYMBOLS, NOBLE_GASES, junk_reason, load_library, normalize_formula,
+from neon_hpc.envs.xrd.science.library import (ELEMENT_SYMBOLS, NOBLE_GASES, junk_reason, load_library, normalize_formula,
                                   parse_formula)
 
 # formula, space-group number, known X-ray density (g/cm3) of every phase in shared/data/xrd-real
@@ -86,11 +86,11 @@ def test_within_respects_elements_and_year(lib):
 
 def test_shipped_library_agrees_with_curated_entries(lib):
     """data/phases.json is a build product of curated.py: rebuild it when they disagree."""
-    from neon_hpc.xrd.curated import CURATED
+    from neon_hpc.envs.xrd.science.curated import CURATED
     for e in CURATED:
         p = lib.get(f"cur:{e['key']}")
         assert p.sg_number == e["sg_number"] and p.year == e["year"], e["key"]
         assert p.reference.startswith(e["ref"]), e["key"]
         a, b, c, al, be, ga = p.lattice_params
         assert sorted((a, b, c)) == pytest.approx(sorted(e["lattice"][:3]), rel=1e-4), \
-            f"{e['key']}: run `python -m neon_hpc.xrd.library` after editing curated.py"
+            f"{e['key']}: run `python -m neon_hpc.envs.xrd.science.library` after editing curated.py"

@@ -3,9 +3,9 @@ import dataclasses
 
 import numpy as np
 
-from neon_hpc.xrd import baseline
-from neon_hpc.xrd.fitting import FitResult, PhaseFit
-from neon_hpc.xrd.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science import baseline
+from neon_hpc.envs.xrd.science.fitting import FitResult, PhaseFit
+from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
 
 
 def _ctx(precursors):

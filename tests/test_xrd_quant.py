@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from neon_hpc.xrd import absorption as ab
-from neon_hpc.xrd import quant
-from neon_hpc.xrd.library import load_library
+from neon_hpc.envs.xrd.science import absorption as ab
+from neon_hpc.envs.xrd.science import quant
+from neon_hpc.envs.xrd.science.library import load_library
 
 CU = 1.540598
 
@@ -143,9 +143,9 @@ def test_choose_radius_follows_the_data_and_the_prior():
 
 
 def test_strict_report_has_both_tolerances_mae_and_time_per_scan_length():
-    from neon_hpc.xrd.evaluate import EvalReport, strict_lines
-    from neon_hpc.xrd.grader import grade
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.evaluate import EvalReport, strict_lines
+    from neon_hpc.envs.xrd.science.grader import grade
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     t = next(t for t in load_tasks("easy", "test_id", n=12) if len(t.truth) == 2)
     (p1, _, w1), (p2, _, w2) = t.truth
     rep = EvalReport("x")
@@ -213,15 +213,15 @@ class _QuantTrace:
                 quant.PhaseQuant(p2, w2 - d, w2, -d, 1.0, 1.0, 0.001, 0.01)]
 
     def decide(self, th, q=None):
-        from neon_hpc.xrd.baseline import Solution
+        from neon_hpc.envs.xrd.science.baseline import Solution
         qs = self.quantify(None, q or quant.QuantModel())
         return Solution([(x.phase_id, x.weight_fraction) for x in qs], 0.1, {"fit": {"phases": []}})
 
 
 def test_loo_never_chooses_the_radius_or_the_se_on_the_held_out_mixture(monkeypatch):
-    from neon_hpc.xrd import baseline
-    from neon_hpc.xrd import evaluate as ev
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science import baseline
+    from neon_hpc.envs.xrd.science import evaluate as ev
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
              and all(0.2 < w < 0.8 for _, _, w in t.truth)][:4]
     for i, t in enumerate(tasks):
@@ -241,8 +241,8 @@ def test_se_sys_is_calibrated_on_errors_at_radii_chosen_without_each_mixture():
     # two mixtures that want 0 and 2 um: on both, R = 1 leaves each 0.02 off; but a radius chosen
     # without a mixture (what the held-out one gets) is the other's, 0.5 or 2 um, and leaves it
     # 0.03-0.04 off.  se_sys must cover those, not the in-sample 0.02.
-    from neon_hpc.xrd import evaluate as ev
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science import evaluate as ev
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
              and all(0.2 < w < 0.8 for _, _, w in t.truth)][:2]
     for i, t in enumerate(tasks):
@@ -261,13 +261,13 @@ def test_se_sys_is_calibrated_on_errors_at_radii_chosen_without_each_mixture():
 def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line():
     table = ab.load_table()
     for el in {e for p in load_library().phases for e in p.elements}:
-        assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.xrd.absorption)"
+        assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.envs.xrd.science.absorption)"
         for line, lam in ab.LINES.items():
             assert table["mu_rho"][el][line] > 0, (el, line)
 
 
 def test_anomalous_scattering_of_nio_by_hand():
-    from neon_hpc.xrd.simulate import compute_reflections, form_factors
+    from neon_hpc.envs.xrd.science.simulate import compute_reflections, form_factors
     p = load_library().get("cur:NiO_bunsenite")
     disp = ab.dispersion(["Ni", "O"], CU)
     # Chantler at Cu K-alpha1, just below the Ni K edge: f'(Ni) ~ -3.05, f''(Ni) ~ 0.51
@@ -286,10 +286,10 @@ def test_anomalous_scattering_of_nio_by_hand():
 
 
 def test_measured_patterns_are_fitted_with_anomalous_scattering_and_synthetic_ones_without():
-    from neon_hpc.xrd.fitting import Fitter
-    from neon_hpc.xrd.simulate import Instrument, phase_reflections
-    from neon_hpc.xrd.tasks import load_tasks
-    from neon_hpc.xrd.tools import TaskContext
+    from neon_hpc.envs.xrd.science.fitting import Fitter
+    from neon_hpc.envs.xrd.science.simulate import Instrument, phase_reflections
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.tools import TaskContext
     x = np.linspace(20, 80, 3001)
     y = np.ones_like(x)
     plain, real = Fitter(x, y, Instrument()), Fitter(x, y, Instrument(measured=True))
@@ -300,14 +300,14 @@ def test_measured_patterns_are_fitted_with_anomalous_scattering_and_synthetic_on
     assert np.allclose(plain.model(pid).f2_unmerged, phase_reflections(pid, round(plain.d_min, 3)).f2)
     synthetic = load_tasks("easy", "test_id", n=1)[0]
     assert TaskContext.for_task(synthetic, None).instrument.measured is False
-    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
     if real_data_dir() is not None:
         assert TaskContext.for_task(load_real_tasks(scan="2min")[0], None).instrument.measured is False
         assert TaskContext.for_task(load_real_tasks(scan="2min", measured=True)[0], None).instrument.measured is True
 
 
 def test_default_quantification_corrects_real_measurements_only():
-    from neon_hpc.xrd.simulate import Instrument
+    from neon_hpc.envs.xrd.science.simulate import Instrument
     assert quant.default_model(Instrument()).radius_um == 0.0                    # the simulator has no microabsorption
     assert quant.default_model(Instrument(measured=True)).radius_um == quant.RADIUS_PRIOR_UM
 
@@ -325,14 +325,14 @@ class _TwoStageTrace:
         return self._frac(self.id_err[th.z_min])
 
     def decide(self, th, q=None):
-        from neon_hpc.xrd.baseline import Solution
+        from neon_hpc.envs.xrd.science.baseline import Solution
         return Solution(self._frac(0.03 - self.id_err[th.z_min]), 0.1, {})
 
 
 def test_loo_thresholds_are_fitted_on_identification_not_on_the_quantification_model():
-    from neon_hpc.xrd import baseline
-    from neon_hpc.xrd import evaluate as ev
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science import baseline
+    from neon_hpc.envs.xrd.science import evaluate as ev
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
              and all(0.2 < w < 0.8 for _, _, w in t.truth)][:3]
     for i, t in enumerate(tasks):

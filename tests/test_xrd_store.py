@@ -6,8 +6,8 @@ import sqlite3
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.xrd.library import load_library
-from neon_hpc.xrd.store import Store, StoreError, chemical_system, iso_date
+from neon_hpc.envs.xrd.science.library import load_library
+from neon_hpc.envs.xrd.science.records import Store, StoreError, chemical_system, iso_date
 
 ELEMENTS = ["Ni", "O", "Ti", "Zn", "La", "H", "Li", "C"]
 DAY0 = dt.date(2015, 1, 1)
@@ -154,7 +154,7 @@ def test_postgres_errors_name_the_server_and_the_fix(postgres):
 def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
     import subprocess
     import sys
-    from neon_hpc.xrd.tasks import open_task_set
+    from neon_hpc.envs.xrd.science.tasks import open_task_set
     dsn = postgres.create_db("taskset")
     out = tmp_path / "set"
     r = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "xrd", "tasks", "--preset", "tiny", "--split", "train",

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from neon_hpc.xrd.tasks import (PRESETS, TRAIN_DATES, build_store, is_held_out, load_tasks, make_context,
+from neon_hpc.envs.xrd.science.tasks import (PRESETS, TRAIN_DATES, build_store, is_held_out, load_tasks, make_context,
                                 open_task_set, read_tasks, write_tasks)
 
 

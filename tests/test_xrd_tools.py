@@ -4,8 +4,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.xrd.tasks import build_store, load_tasks, make_context
-from neon_hpc.xrd.tools import TOOLS, TaskContext, call_tool, toolset
+from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.tools import TOOLS, TaskContext, call_tool, toolset
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ REAL_PHASE_IDS = ["cur:Li2CO3_zabuyelite", "cur:ZrO2_baddeleyite", "cur:NiO_buns
 
 
 def _structures(n_extra: int):
-    from neon_hpc.xrd.library import load_library
+    from neon_hpc.envs.xrd.science.library import load_library
     lib = load_library()
     extra = [p.id for p in lib.phases if p.source == "aflow" and len(p.species) <= 40][:: 7][:n_extra]
     return [lib.get(pid) for pid in REAL_PHASE_IDS + extra]
@@ -53,7 +53,7 @@ def _structures(n_extra: int):
 def bench_simulation(repeat: int, n_extra: int) -> dict:
     warnings.filterwarnings("ignore")
     from pymatgen.analysis.diffraction.xrd import XRDCalculator
-    from neon_hpc.xrd.simulate import CU_KA_AVG, compute_reflections, stick_pattern
+    from neon_hpc.envs.xrd.science.simulate import CU_KA_AVG, compute_reflections, stick_pattern
     phases = _structures(n_extra)
     structures = [p.structure() for p in phases]
     arrays = [(np.asarray(p.lattice), list(p.species), np.asarray(p.frac_coords)) for p in phases]
@@ -89,8 +89,8 @@ def bench_simulation(repeat: int, n_extra: int) -> dict:
 
 
 def bench_baseline(preset: str, split: str, n: int) -> dict:
-    from neon_hpc.xrd.evaluate import evaluate
-    from neon_hpc.xrd.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.evaluate import evaluate
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
     rep = evaluate(load_tasks(preset, split, seed=0, n=n), name=f"{preset}/{split}",
                    progress=lambda m: print("  " + m, file=sys.stderr, flush=True))
     return rep.summary()
@@ -98,10 +98,10 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
 
 def bench_real(measured: bool = True) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
-    from neon_hpc.xrd.baseline import Thresholds
-    from neon_hpc.xrd.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
+    from neon_hpc.envs.xrd.science.baseline import Thresholds
+    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
                                        report_from_traces, scan_of, trace_all)
-    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
+    from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None
     tasks = load_real_tasks("precursor_mixture", measured=measured)
@@ -131,9 +131,9 @@ def bench_real(measured: bool = True) -> tuple[dict, dict] | None:
 
 def bench_refine(n: int = 6) -> float:
     """CPU seconds of one whole-pattern refinement of the true phases (real 8-minute scans, else synthetic)."""
-    from neon_hpc.xrd.real import load_real_tasks, real_data_dir
-    from neon_hpc.xrd.tasks import load_tasks
-    from neon_hpc.xrd.tools import TaskContext
+    from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
+    from neon_hpc.envs.xrd.science.tasks import load_tasks
+    from neon_hpc.envs.xrd.science.tools import TaskContext
     tasks = load_real_tasks(scan="8min")[:n] if real_data_dir() else load_tasks("realistic", "test_id", n=n)
     times = []
     for t in tasks:
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="quantify the real scans' found phases with anomalous scattering (Instrument.measured; "
                          "default on, identification never uses it; --no-measured: the earlier fits)")
     args = ap.parse_args(argv)
-    from neon_hpc.xrd.evaluate import strict_lines
+    from neon_hpc.envs.xrd.science.evaluate import strict_lines
 
     sim = bench_simulation(args.repeat, args.extra_structures)
     print(f"simulation: {sim['structures']} structures, {sim['peaks']} peaks; pymatgen {sim['pymatgen_s']:.3f} s, "

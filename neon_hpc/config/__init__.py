@@ -44,12 +44,13 @@ from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, EvalConfig, RolloutConfig
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.config.train import TrainConfig
-from neon_hpc.xrd.config import XRDConfig
+from neon_hpc import envs
 
 
-@section
 @dataclass
-class ExperimentConfig:
+class _CoreSections:
+    """The library's sections; :class:`ExperimentConfig` adds each installed environment's own."""
+
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
     mode: Literal["async", "sync"] = "async"
@@ -61,14 +62,36 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    xrd: XRDConfig = field(default_factory=XRDConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    CROSS = (cross_errors,)     # the rules across sections (cross_errors below), after every section passes
+
+
+def _compose() -> type:
+    """The experiment config: the core sections, then one section per installed environment that
+    has settings (its entry's ``section``: ``xrd:``), supplied by the environment's entry point."""
+    core = {f.name for f in dataclasses.fields(_CoreSections)}
+    extra = []
+    for e in envs.entries():
+        if e.section is None:
+            continue
+        if e.section in core or e.settings is None:
+            raise RuntimeError(f"environment {e.name}: its settings section {e.section!r} "
+                               + ("is a core section's name; pick another" if e.section in core
+                                  else "has no settings class (EnvEntry.settings)"))
+        extra.append((e.section, e.settings, field(default_factory=e.settings)))
+    cls = dataclasses.make_dataclass(
+        "ExperimentConfig", extra, bases=(_CoreSections,),
+        namespace={"__module__": __name__, "__doc__": _compose.__doc__,
+                   # the rules across sections (config/cross.py), after every section passes
+                   "CROSS": (cross_errors,)})
+    return section(cls)
+
+
+ExperimentConfig = _compose()
 
 
 class ConfigError(ValueError):

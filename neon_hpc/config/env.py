@@ -13,7 +13,7 @@ from neon_hpc.util.constraints import Rule, section
 @section
 @dataclass
 class EnvConfig:
-    kind: str = envs.DEFAULT
+    kind: str = "xrd"          # the mission's environment; any installed one (neon-hpc env list)
 
     RULES = (
         Rule("kind", lambda c: c.kind in envs.kinds(),

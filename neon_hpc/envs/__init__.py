@@ -1,52 +1,61 @@
-"""Environments: one folder each (``neon_hpc/envs/<name>/``), registered here by name.
+"""Environments: one folder each (``neon_hpc/envs/<name>/``, or another distribution's package),
+found by entry point.
 
-A folder holds everything specific to its environment: its episode adapter (prompts, tools,
-answer reading, grading), its task source, optionally demonstrations and evaluation tools, and
-``PLUGIN``: the :class:`~neon_hpc.envs.base.EnvPlugin` that ties them together.  The config key
-``env.kind`` chooses one (``neon_hpc/config/env.py``); the rollout worker, the warm start and
-the eval set ask :func:`get` and never name an environment.  ``neon-hpc env list`` prints them.
+An environment registers itself with one entry point of the group ``neon_hpc.envs`` whose value
+is its :class:`~neon_hpc.envs.base.EnvEntry` (name, the module of its ``PLUGIN``, one line for
+``neon-hpc env list``, its held-out splits, its settings section and command)::
 
-The table below names each plugin's module; :func:`get` imports it when the environment is
-used (an environment's folder sits above the agent loop it plugs into: tests/test_layers.py),
-so listing or validating names imports no environment.
+    [project.entry-points."neon_hpc.envs"]
+    xrd = "neon_hpc.envs.xrd.entry:ENTRY"
 
-Adding an environment: a folder with ``PLUGIN`` in its ``__init__.py``, and its line in
-``_REGISTERED`` (neon_hpc/envs/README.md).
+so a third party adds an environment by installing a package, without editing this library.  The
+config key ``env.kind`` chooses one (``neon_hpc/config/env.py``); the rollout worker, the warm
+start and the eval set ask :func:`get` and never name an environment.  The entries are read on
+first use; :func:`get` imports the plugin when the environment is used (an environment's folder
+sits above the agent loop it plugs into: tests/test_layers.py), so listing or validating names
+imports no environment.  ``neon-hpc env list`` prints them.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from importlib import metadata
 
-from neon_hpc.envs.base import ConfiguredEnv, EnvPlugin, Environment, TaskSource
+from neon_hpc.envs.base import ConfiguredEnv, EnvEntry, EnvPlugin, Environment, TaskSource
 
+GROUP = "neon_hpc.envs"
 
-@dataclass(frozen=True)
-class Registered:
-    name: str
-    module: str          # defines PLUGIN
-    about: str           # one line for `neon-hpc env list`
-    # the held-out splits its task source's held_out() takes: what `eval.split` may be (the
-    # config checks it here, without importing the environment); the first is the usual one
-    eval_splits: tuple[str, ...]
-
-
-_REGISTERED: tuple[Registered, ...] = (
-    Registered("xrd", "neon_hpc.envs.xrd", "powder X-ray diffraction: phases and weight fractions of a pattern, with tools",
-               ("test_id", "test_ood", "test_temporal")),
-    Registered("digits", "neon_hpc.envs.digits", "add two digits, no tools: a task the tiny model learns on CPU",
-               ("test_id",)),
-)
-
-REGISTRY: dict[str, Registered] = {r.name: r for r in _REGISTERED}
+REGISTRY: dict[str, EnvEntry] = {}       # name -> entry: the installed ones, then run-time ones (tests)
+_INSTALLED: set[str] = set()
 _LOADED: dict[str, EnvPlugin] = {}
-DEFAULT = _REGISTERED[0].name
+
+
+def _discover() -> dict[str, EnvEntry]:
+    """Read the installed entry points once (sorted by name, so every process sees one order)."""
+    if _INSTALLED:
+        return REGISTRY
+    found = sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name)
+    if not found:
+        raise RuntimeError(f"no environment is installed (entry point group {GROUP!r} is empty): "
+                           f"install neon-hpc (`pip install -e .` in the checkout, or `bash env/setup.sh`)")
+    for ep in found:
+        entry = ep.load()
+        if not isinstance(entry, EnvEntry) or entry.name != ep.name:
+            raise RuntimeError(f"entry point {ep.name} = {ep.value!r} (group {GROUP}) must name an EnvEntry "
+                               f"called {ep.name!r}; got {entry!r:.200}")
+        REGISTRY.setdefault(entry.name, entry)
+        _INSTALLED.add(entry.name)
+    return REGISTRY
+
+
+def entries() -> tuple[EnvEntry, ...]:
+    """Every registered environment's entry, installed ones first (sorted by name)."""
+    return tuple(_discover().values())
 
 
 def kinds() -> tuple[str, ...]:
-    """The registered names, the table's first, then any registered at run time (tests)."""
-    return tuple(REGISTRY)
+    """The registered names, the installed ones first, then any registered at run time (tests)."""
+    return tuple(_discover())
 
 
 def known() -> str:
@@ -55,34 +64,34 @@ def known() -> str:
 
 def get(kind: str) -> EnvPlugin:
     """The plugin of ``kind`` (config ``env.kind``); ValueError naming the registered ones otherwise."""
-    if kind not in REGISTRY:
+    if kind not in _discover():
         raise ValueError(f"unknown environment {kind!r}; registered: {known()} (neon-hpc env list)")
     if kind not in _LOADED:
-        plugin = importlib.import_module(REGISTRY[kind].module).PLUGIN
+        plugin = importlib.import_module(REGISTRY[kind].plugin).PLUGIN
         if plugin.name != kind:
-            raise ValueError(f"{REGISTRY[kind].module}.PLUGIN is named {plugin.name!r}, registered as {kind!r}")
+            raise ValueError(f"{REGISTRY[kind].plugin}.PLUGIN is named {plugin.name!r}, registered as {kind!r}")
         _LOADED[kind] = plugin
     return _LOADED[kind]
 
 
 def eval_splits(kind: str) -> tuple[str, ...]:
     """The held-out splits of a registered environment (``eval.split``); () for an unknown kind."""
-    return REGISTRY[kind].eval_splits if kind in REGISTRY else ()
+    return REGISTRY[kind].eval_splits if kind in _discover() else ()
 
 
 def register(plugin: EnvPlugin, eval_splits: tuple[str, ...]) -> None:
     """Register ``plugin`` at run time (a test's throwaway environment) with its held-out splits;
     a taken name is refused."""
-    if plugin.name in REGISTRY:
+    if plugin.name in _discover():
         raise ValueError(f"environment {plugin.name!r} is already registered")
-    REGISTRY[plugin.name] = Registered(plugin.name, "", plugin.about, tuple(eval_splits))
+    REGISTRY[plugin.name] = EnvEntry(plugin.name, "", plugin.about, tuple(eval_splits), plugin.section)
     _LOADED[plugin.name] = plugin
 
 
 def unregister(name: str) -> None:
-    """Remove a run-time registration (the table's entries stay)."""
-    if any(r.name == name for r in _REGISTERED):
-        raise ValueError(f"environment {name!r} is in the registry table; it cannot be removed")
+    """Remove a run-time registration (the installed entries stay)."""
+    if name in _INSTALLED:
+        raise ValueError(f"environment {name!r} is installed (an entry point); it cannot be removed")
     REGISTRY.pop(name, None)
     _LOADED.pop(name, None)
 
@@ -98,5 +107,5 @@ def configured(cfg) -> ConfiguredEnv:
     return plugin.bind(settings(plugin, cfg))
 
 
-__all__ = ["DEFAULT", "ConfiguredEnv", "EnvPlugin", "Environment", "REGISTRY", "Registered", "TaskSource",
-           "configured", "eval_splits", "get", "kinds", "known", "register", "settings", "unregister"]
+__all__ = ["GROUP", "ConfiguredEnv", "EnvEntry", "EnvPlugin", "Environment", "REGISTRY", "TaskSource",
+           "configured", "entries", "eval_splits", "get", "kinds", "known", "register", "settings", "unregister"]

@@ -56,8 +56,8 @@ class EnvPlugin:
     rollout_cfg, imperfect, seed) -> summary`` writes demonstration shards for the warm start
     (``None``: the environment has none, and the main job skips its warm start); ``cli``: the
     module of ``neon-hpc <name> ...`` ("" = none).  The held-out splits its task source takes
-    (``eval.split``) are declared in its registry line (``neon_hpc/envs/__init__.py``), so the
-    config is checked without importing the environment.
+    (``eval.split``) are declared in its :class:`EnvEntry`, so the config is checked without
+    importing the environment.
     """
 
     name: str
@@ -96,3 +96,25 @@ class ConfiguredEnv:
         if self.plugin.write_demos is None:
             raise ValueError(f"environment {self.name!r} provides no demonstrations")
         return self.plugin.write_demos(out_dir, tasks, tokenizer, self.settings, rollout_cfg, imperfect, seed)
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    """What the registry knows of an environment without importing it: the object an entry point of
+    the group ``neon_hpc.envs`` names (``xrd = "neon_hpc.envs.xrd.entry:ENTRY"``).
+
+    Its module imports the settings section and nothing heavy: the config composes ``settings``
+    under ``section`` (``xrd:``) and checks ``env.kind`` / ``eval.split`` from these fields alone;
+    ``plugin`` names the module whose ``PLUGIN`` (:class:`EnvPlugin`) is imported when the
+    environment is used; ``cli`` (a module with ``main(argv)``) becomes ``neon-hpc <name> ...``
+    with ``cli_help`` as its line in ``neon-hpc --help``.
+    """
+
+    name: str
+    plugin: str                          # module defining PLUGIN
+    about: str                           # one line for `neon-hpc env list`
+    eval_splits: tuple[str, ...]         # the held-out splits its task source takes; the first is the usual one
+    section: str | None = None           # its settings' key in the experiment config (None: no settings)
+    settings: type | None = None         # the section's dataclass (marked @section)
+    cli: str = ""                        # module of `neon-hpc <name> ...` ("" = none)
+    cli_help: str = ""

@@ -63,7 +63,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise SinkError(f"logging.tensorboard: true needs the tensorboard package ({e}); "
-                            f"run `bash env/setup.sh`") from None
+                            f"pip install 'neon-hpc[sinks]' (or run `bash env/setup.sh`)") from None
         self.dir = run_root / "logs" / "tb" / f"{role}.{rank}"
         self.writer = SummaryWriter(log_dir=str(self.dir), flush_secs=5)
         self.role = role
@@ -87,8 +87,8 @@ class WandbSink:
         try:
             import wandb  # deferred: optional (wandb: the W&B sink only)
         except ImportError as e:
-            raise SinkError(f"logging.wandb: {cfg.wandb} needs the wandb package ({e}); run `bash env/setup.sh`") \
-                from None
+            raise SinkError(f"logging.wandb: {cfg.wandb} needs the wandb package ({e}); "
+                            f"pip install 'neon-hpc[sinks]' (or run `bash env/setup.sh`)") from None
         d = run_root / "logs" / "wandb"
         d.mkdir(parents=True, exist_ok=True)
         # stable per run directory, role and rank: a requeued role resumes the same W&B run

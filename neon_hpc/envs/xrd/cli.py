@@ -2,7 +2,7 @@
 
 ``neon-hpc xrd eval --endpoint URL ...`` (an LLM agent through the agent loop) is this
 plugin's :mod:`~neon_hpc.envs.xrd.eval_cli`; every other subcommand (library, tasks, the
-baseline solver's evaluation) is the XRD package's own :mod:`neon_hpc.xrd.cli`, which imports
+baseline solver's evaluation) is the XRD package's own :mod:`neon_hpc.envs.xrd.science.cli`, which imports
 nothing of the rollout.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from neon_hpc.xrd import cli as xrd_cli
+from neon_hpc.envs.xrd.science import cli as xrd_cli
 
 
 def is_agent_eval(argv: list[str]) -> bool:

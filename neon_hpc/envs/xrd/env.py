@@ -18,8 +18,8 @@ Two prompt styles:
   or id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.  The config key
 is ``xrd.prompt_style`` (``neon-hpc xrd eval --prompt-style``).
 
-Tools are ``neon_hpc.xrd.tools`` (``xrd.tools``, ``--tools full|minimal``); their errors come back as
-``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.xrd.grader.grade``.
+Tools are ``neon_hpc.envs.xrd.science.tools`` (``xrd.tools``, ``--tools full|minimal``); their errors come back as
+``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.envs.xrd.science.grader.grade``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import numpy as np
 from neon_hpc.util.bounded import clip_text, short_repr
 from neon_hpc.envs.xrd.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
-from neon_hpc.xrd.grader import grade
-from neon_hpc.xrd.tasks import make_context
-from neon_hpc.xrd.tools import call_tool, observed_peaks, toolset
+from neon_hpc.envs.xrd.science.grader import grade
+from neon_hpc.envs.xrd.science.tasks import make_context
+from neon_hpc.envs.xrd.science.tools import call_tool, observed_peaks, toolset
 
 ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "
                  "library id (from search_phases) or as 'formula spacegroup', with weight fractions "
@@ -45,7 +45,7 @@ COMPACT_MAX_PHASES = 3
 
 
 class XRDEnv:
-    """One XRD task (``neon_hpc.xrd.tasks.Task``) for one episode."""
+    """One XRD task (``neon_hpc.envs.xrd.science.tasks.Task``) for one episode."""
 
     def __init__(self, task: Any, tools: str = "full", style: str = "auto", max_tool_chars: int = 2000):
         self.task = task

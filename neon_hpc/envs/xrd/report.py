@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from neon_hpc.xrd.evaluate import wilson_interval  # one interval for both reports
+from neon_hpc.envs.xrd.science.evaluate import wilson_interval  # one interval for both reports
 
 
 def _mean(xs: Iterable[float | None]) -> float | None:

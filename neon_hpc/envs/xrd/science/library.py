@@ -17,7 +17,7 @@ more than 4 distinct elements (alloy approximants), elements without X-ray form 
 atoms closer than 0.5 A.  Duplicates (same reduced formula and space-group number) keep the
 first by source priority curated > aflow > ase > substitution.
 
-The built library lives in ``data/phases.json`` (rebuild: ``python -m neon_hpc.xrd.library``);
+The built library lives in ``data/phases.json`` (rebuild: ``python -m neon_hpc.envs.xrd.science.library``);
 :func:`load_library` reads it in milliseconds.  Phase ids are stable strings:
 ``cur:<key>``, ``aflow:<aflow label>``, ``ase:<element>``, ``sub:<formula>:<prototype>``.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.xrd.curated import CURATED
+from neon_hpc.envs.xrd.science.curated import CURATED
 
 DATA_DIR = Path(__file__).with_name("data")
 LIBRARY_JSON = DATA_DIR / "phases.json"
@@ -224,7 +224,7 @@ def load_library(path: str | None = None) -> Library:
         raw = json.loads(p.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: phase library missing; rebuild it with "
-                                "`python -m neon_hpc.xrd.library`") from None
+                                "`python -m neon_hpc.envs.xrd.science.library`") from None
     return Library([Phase.from_json(d) for d in raw["phases"]])
 
 
@@ -385,7 +385,7 @@ def _sg_of(pid: str, base) -> int:
 def build_library(verbose: bool = False) -> tuple[list[Phase], list[tuple[str, str]]]:
     """All sources -> filtered, de-duplicated phases; also the (id, reason) of what was dropped."""
     warnings.filterwarnings("ignore")
-    from neon_hpc.xrd.simulate import form_factor_table  # deferred: cycle (neon_hpc.xrd.simulate imports this module)
+    from neon_hpc.envs.xrd.science.simulate import form_factor_table  # deferred: cycle (neon_hpc.envs.xrd.science.simulate imports this module)
     known_ff = set(form_factor_table())
     candidates = list(_curated_phases()) + list(_aflow_phases()) + list(_ase_phases())
     phases, dropped, seen, used = [], [], set(), set()
@@ -423,7 +423,7 @@ def _unique_id(pid: str, used: set[str]) -> str:
 def write_library(path: Path = LIBRARY_JSON) -> dict:
     phases, dropped = build_library()
     payload = {"format": "neon-hpc xrd phase library v1",
-               "sources": {"curated": "neon_hpc/xrd/curated.py", "aflow": "pymatgen AFLOW_PROTOTYPE_LIBRARY",
+               "sources": {"curated": "neon_hpc/envs/xrd/science/curated.py", "aflow": "pymatgen AFLOW_PROTOTYPE_LIBRARY",
                            "ase": "ase.data.reference_states", "substitution": "derived distractors"},
                "dropped": [{"id": i, "reason": r} for i, r in dropped],
                "phases": [p.to_json() for p in phases]}

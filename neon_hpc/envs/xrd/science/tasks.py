@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 
 from neon_hpc.util.progress import bar
-from neon_hpc.xrd.library import Library, load_library
-from neon_hpc.xrd.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
+from neon_hpc.envs.xrd.science.library import Library, load_library
+from neon_hpc.envs.xrd.science.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
                                    poisson_counts)
-from neon_hpc.xrd.store import Store, chemical_system, is_postgres, redact_dsn
-from neon_hpc.xrd.tools import TaskContext
+from neon_hpc.envs.xrd.science.records import Store, chemical_system, is_postgres, redact_dsn
+from neon_hpc.envs.xrd.science.tools import TaskContext
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
 TRAIN_DATES = ("2016-01-01", "2023-12-31")
@@ -371,7 +371,7 @@ def build_store(tasks: list[Task] = (), path: str | Path = ":memory:", include_r
     store.add_phases((library or load_library()).phases)
     records = [r for t in tasks for r in t.records()]
     if include_real:
-        from neon_hpc.xrd.real import real_records  # deferred: cycle (neon_hpc.xrd.real imports this module)
+        from neon_hpc.envs.xrd.science.real import real_records  # deferred: cycle (neon_hpc.envs.xrd.science.real imports this module)
         records += real_records()
     store.add_experiments(records)
     return store
@@ -390,7 +390,7 @@ def shared_store() -> Store:
 
 
 def make_context(task: Task, store: Store | None = None):
-    """The :class:`~neon_hpc.xrd.tools.TaskContext` of a task (its records are added to the store)."""
+    """The :class:`~neon_hpc.envs.xrd.science.tools.TaskContext` of a task (its records are added to the store)."""
     if store is None:
         store = shared_store()
         with _shared_lock:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.xrd.absorption import dispersion
-from neon_hpc.xrd.library import load_library
+from neon_hpc.envs.xrd.science.absorption import dispersion
+from neon_hpc.envs.xrd.science.library import load_library
 
 CU_KA1 = 1.540598
 CU_KA2 = 1.544426

@@ -6,7 +6,7 @@
    are matched against the observed peaks (within ``MATCH_TOL`` deg); the score is the
    intensity-weighted fraction matched, best over lattice strains in +-1 %.
 3. Greedy full-profile fitting: add the candidate that lowers Rwp most at fixed parameters,
-   then refine the new set (whole-pattern least squares, :mod:`neon_hpc.xrd.fitting`); the
+   then refine the new set (whole-pattern least squares, :mod:`neon_hpc.envs.xrd.science.fitting`); the
    steps are recorded (:class:`Trace`) down to a tiny gain.
 4. The decision (:meth:`Trace.decide`) under :class:`Thresholds`: keep steps while each added
    phase lowers the refined Rwp by ``min_gain`` (relative) and its refined scale is ``z_min``
@@ -23,11 +23,11 @@ Identification and quantification: for a real measurement (``Instrument.measured
 and the decision (steps 2-4) use form factors without anomalous scattering, as the thresholds
 were designed; the phases kept are then refined again with f', f'' at the anode line
 (:meth:`Trace.quant_fit`, which also refines the pattern's overall B and a line shape per phase:
-:mod:`neon_hpc.xrd.fitting`)
-and their fractions come from that refit (Brindley correction and s.e. by :mod:`neon_hpc.xrd.quant`).
+:mod:`neon_hpc.envs.xrd.science.fitting`)
+and their fractions come from that refit (Brindley correction and s.e. by :mod:`neon_hpc.envs.xrd.science.quant`).
 
 Thresholds are parameters so that the ``loo`` evaluation protocol can fit them on the other
-mixtures only (:func:`neon_hpc.xrd.evaluate.evaluate_loo`).
+mixtures only (:func:`neon_hpc.envs.xrd.science.evaluate.evaluate_loo`).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from neon_hpc.xrd.fitting import DETECTION_Z_MIN, Fitter
-from neon_hpc.xrd.library import normalize_formula
-from neon_hpc.xrd.quant import QuantModel, default_model, quantify, report
-from neon_hpc.xrd.tools import TaskContext, _sticks, observed_peaks
+from neon_hpc.envs.xrd.science.fitting import DETECTION_Z_MIN, Fitter
+from neon_hpc.envs.xrd.science.library import normalize_formula
+from neon_hpc.envs.xrd.science.quant import QuantModel, default_model, quantify, report
+from neon_hpc.envs.xrd.science.tools import TaskContext, _sticks, observed_peaks
 
 SCREEN_STRAINS = np.linspace(-0.01, 0.01, 21)
 SCREEN_ZEROS = np.linspace(-0.4, 0.4, 33)
@@ -193,7 +193,7 @@ class Trace:
 
     def identify(self, th: Thresholds = Thresholds()) -> list[tuple[str, float]]:
         """The phases ``th`` keeps with the identification fit's Hill-Howard fractions: what the
-        thresholds are fitted on (:func:`neon_hpc.xrd.evaluate.loo_folds`), independent of the
+        thresholds are fitted on (:func:`neon_hpc.envs.xrd.science.evaluate.loo_folds`), independent of the
         quantification model (f', f'', Brindley radius) chosen after them."""
         res = self.final_fit(th)[0]
         return [] if res is None else [(p.phase_id, p.weight_fraction) for p in res.phases]

@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 
 
-from neon_hpc.xrd.library import parse_formula
-from neon_hpc.xrd.readers import read_xrdml
-from neon_hpc.xrd.tasks import Pattern, Task
+from neon_hpc.envs.xrd.science.library import parse_formula
+from neon_hpc.envs.xrd.science.readers import read_xrdml
+from neon_hpc.envs.xrd.science.tasks import Pattern, Task
 
 ENV_VAR = "NEON_XRD_REAL_DATA"
 
@@ -118,7 +118,7 @@ def real_records(with_patterns: bool = True) -> list[dict]:
 
 def load_real_tasks(kind: str = "precursor_mixture", scan: str | None = None, data_dir: str | Path | None = None,
                     measured: bool = False):
-    """Real patterns as :class:`~neon_hpc.xrd.tasks.Task` (split ``real_dev`` or ``real_reactions``).
+    """Real patterns as :class:`~neon_hpc.envs.xrd.science.tasks.Task` (split ``real_dev`` or ``real_reactions``).
 
     ``measured``: mark them ``instrument["measured"]`` so that fits model anomalous scattering and
     (outside a protocol) the prior's Brindley radius (``Instrument.measured``).  The baseline then

@@ -32,7 +32,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from neon_hpc.xrd.library import Library, load_library, normalize_formula
+from neon_hpc.envs.xrd.science.library import Library, load_library, normalize_formula
 
 MAJOR = 0.05
 TOL = 0.10

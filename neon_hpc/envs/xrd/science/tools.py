@@ -4,7 +4,7 @@
 schema, an unknown or not-yet-published phase, or an internal failure all come back as
 ``{"error": "<readable message>"}`` so that one bad call never ends an episode.
 
-Every library or history look-up goes through ``ctx.view`` (:class:`~neon_hpc.xrd.store.DatedView`),
+Every library or history look-up goes through ``ctx.view`` (:class:`~neon_hpc.envs.xrd.science.records.DatedView`),
 which returns nothing dated on or after the task's date.  Outputs are small (peak lists,
 fractions, a down-sampled pattern) because they go into an LLM context.
 
@@ -25,12 +25,12 @@ import jsonschema
 import numpy as np
 
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
-from neon_hpc.xrd.fitting import DETECTION_Z_MIN, Fitter, detection_stats
-from neon_hpc.xrd.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
-from neon_hpc.xrd.plot import plot_fit
-from neon_hpc.xrd.quant import default_model, quantify, report
-from neon_hpc.xrd.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
-from neon_hpc.xrd.store import DatedView, Store
+from neon_hpc.envs.xrd.science.fitting import DETECTION_Z_MIN, Fitter, detection_stats
+from neon_hpc.envs.xrd.science.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
+from neon_hpc.envs.xrd.science.plot import plot_fit
+from neon_hpc.envs.xrd.science.quant import default_model, quantify, report
+from neon_hpc.envs.xrd.science.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
+from neon_hpc.envs.xrd.science.records import DatedView, Store
 
 MAX_FIT_PHASES = 6
 # what one call may carry, checked before its arguments are validated: a million-key object

@@ -23,7 +23,7 @@ chord density 3 L^2 / (8 R^3) on 0..2R, mean path 3R/2: Brindley's first-order t
 each Hill-Howard fraction by its tau and renormalises; mu_bar is the volume-fraction mean of the
 phases' mu, so the corrected fractions are found by fixed-point iteration.  R is the one
 parameter (one size for every phase, as Brindley's correction is used); the baseline's value is
-chosen on other mixtures (:mod:`neon_hpc.xrd.evaluate`).
+chosen on other mixtures (:mod:`neon_hpc.envs.xrd.science.evaluate`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.xrd.library import load_library
+from neon_hpc.envs.xrd.science.library import load_library
 
 TABLE_PATH = Path(__file__).parent / "data" / "mass_attenuation.json"
 # K-alpha1 lines (A) the table holds; a pattern's wavelength must be within LINE_TOL of one of them
@@ -95,7 +95,7 @@ def build_table(xraydb_sqlite: str, elements: list[str], out: Path = TABLE_PATH)
     table = {"units": "mu_rho: cm^2/g (total attenuation); molar_mass: g/mol; dispersion: [f', f''] electrons",
              "source": "mu_rho: Elam, Ravel & Sieber, Radiat. Phys. Chem. 63 (2002) 121; dispersion: Chantler, "
                        "J. Phys. Chem. Ref. Data 29 (2000) 597 (linear in energy between its points); both via "
-                       "XrayDB (MIT); built by neon_hpc.xrd.absorption.build_table",
+                       "XrayDB (MIT); built by neon_hpc.envs.xrd.science.absorption.build_table",
              "lines": LINES, "molar_mass": mass, "mu_rho": mu, "dispersion": disp}
     tmp = Path(str(out) + ".tmp")
     tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
@@ -109,7 +109,7 @@ def load_table(path: str = str(TABLE_PATH)) -> dict:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise AbsorptionError(f"{path}: mass attenuation table missing; rebuild it with "
-                              f"`python -m neon_hpc.xrd.absorption --build PATH/xraydb.sqlite`") from None
+                              f"`python -m neon_hpc.envs.xrd.science.absorption --build PATH/xraydb.sqlite`") from None
 
 
 def line_of(wavelength: float) -> str:
@@ -119,7 +119,7 @@ def line_of(wavelength: float) -> str:
         raise AbsorptionError(f"wavelength {wavelength} A is not a tabulated anode line "
                               f"({', '.join(f'{k} {v}' for k, v in LINES.items())}); add it to "
                               f"absorption.LINES and rebuild data/mass_attenuation.json with "
-                              f"python -m neon_hpc.xrd.absorption --build")
+                              f"python -m neon_hpc.envs.xrd.science.absorption --build")
     return best
 
 
@@ -130,7 +130,7 @@ def element_mass_attenuation(element: str, wavelength: float) -> float:
         return float(t["mu_rho"][element][line_of(wavelength)])
     except KeyError:
         raise AbsorptionError(f"element {element!r} is not in {TABLE_PATH.name}; rebuild it with the "
-                              f"library's elements (`python -m neon_hpc.xrd.absorption --build ...`)") from None
+                              f"library's elements (`python -m neon_hpc.envs.xrd.science.absorption --build ...`)") from None
 
 
 def dispersion(elements, wavelength: float) -> dict[str, complex]:
@@ -143,7 +143,7 @@ def dispersion(elements, wavelength: float) -> dict[str, complex]:
             f1, f2 = t["dispersion"][el][line]
         except KeyError:
             raise AbsorptionError(f"element {el!r} has no dispersion correction in {TABLE_PATH.name}; rebuild it "
-                                  f"(`python -m neon_hpc.xrd.absorption --build PATH/xraydb.sqlite`)") from None
+                                  f"(`python -m neon_hpc.envs.xrd.science.absorption --build PATH/xraydb.sqlite`)") from None
         out[el] = complex(f1, f2)
     return out
 

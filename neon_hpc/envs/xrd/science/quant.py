@@ -1,9 +1,9 @@
 """Weight fractions from a refinement: Hill-Howard, Brindley microabsorption, standard errors.
 
-:func:`quantify` takes a refined :class:`~neon_hpc.xrd.fitting.FitResult` (its Hill-Howard
+:func:`quantify` takes a refined :class:`~neon_hpc.envs.xrd.science.fitting.FitResult` (its Hill-Howard
 fractions and their covariance, ``details["wf_cov"]``) and returns per phase
 
-- ``weight_fraction``: corrected for microabsorption (:func:`neon_hpc.xrd.absorption.brindley_correct`)
+- ``weight_fraction``: corrected for microabsorption (:func:`neon_hpc.envs.xrd.science.absorption.brindley_correct`)
   with spheres of radius ``QuantModel.radius_um`` (0: no correction);
 - ``uncorrected`` and ``moved`` (corrected - uncorrected): how much the correction moved it;
 - ``se``: the standard error of the corrected fraction, sqrt(se_stat^2 + se_sys^2), where
@@ -12,7 +12,7 @@ fractions and their covariance, ``details["wf_cov"]``) and returns per phase
   sqrt(w (1 - w)) is the model error a single pattern cannot see (wrong structure details,
   microabsorption, particle statistics), largest at w = 0.5 and 0 for a pure phase.
 
-The two parameters are chosen on data by :mod:`neon_hpc.xrd.evaluate` (leave one mixture out):
+The two parameters are chosen on data by :mod:`neon_hpc.envs.xrd.science.evaluate` (leave one mixture out):
 ``radius_um`` by :func:`choose_radius` (the most probable radius under a log-normal prior
 given the other mixtures' true fractions), ``se_sys`` by :func:`calibrate_se` (the smallest
 value for which +-2 s.e. holds ``COVERAGE`` of the other mixtures' true fractions).  Outside a
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neon_hpc.xrd.absorption import brindley_correct, linear_attenuation
+from neon_hpc.envs.xrd.science.absorption import brindley_correct, linear_attenuation
 
 RADIUS_PRIOR_UM = 1.0           # log-normal prior of the Brindley radius: median 1 um (lab powders ~0.3-3 um)
 RADIUS_PRIOR_SIGMA_LN = math.log(3.0)

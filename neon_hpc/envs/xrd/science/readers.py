@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.xrd.simulate import CU_KA1, CU_KA2
+from neon_hpc.envs.xrd.science.simulate import CU_KA1, CU_KA2
 
 
 class PatternFormatError(ValueError):

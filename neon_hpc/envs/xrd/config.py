@@ -1,4 +1,4 @@
-"""XRD task section of the experiment config (owned by ``neon_hpc/xrd``): the settings of the XRD
+"""XRD task section of the experiment config (owned by ``neon_hpc/envs/xrd/science``): the settings of the XRD
 environment (``env.kind: xrd``, ``neon_hpc/envs/xrd/``): its task set, its tools and its prompts."""
 from dataclasses import dataclass
 from typing import Literal
