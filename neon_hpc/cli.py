@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if extras.hint(e):
-            print(f"neon-hpc {name}: {extras.hint(e)}", file=sys.stderr)
+        fix = extras.hint(e)
+        if fix:
+            print(f"neon-hpc {name}: {fix}", file=sys.stderr)
             return 3
         if e.name and module_name.startswith(e.name):
             print(f"neon-hpc {name}: not built yet ({module_name} is missing in this checkout).", file=sys.stderr)

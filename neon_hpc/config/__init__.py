@@ -34,7 +34,7 @@ from neon_hpc.util import constraints
 from neon_hpc.util.constraints import section
 from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.config.balance import BalanceConfig
-from neon_hpc.config.cross import cross_errors, is_loopback  # noqa: F401  (is_loopback: the engines' fleet asks)
+from neon_hpc.config.cross import cross_errors
 from neon_hpc.config.env import EnvConfig
 from neon_hpc.config.launch import LaunchConfig, WarmStartConfig
 from neon_hpc.config.logging import LoggingConfig
