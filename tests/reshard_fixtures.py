@@ -132,7 +132,7 @@ def _mla_worker(rank: int, out: str, seq: int) -> None:
 
 
 def _mla_in_group(out: str, seq: int) -> None:
-    """Build (``models.megatron.build_gpt_model``: the adapter's MLA config and local spec with
+    """Build (``models.megatron.build_gpt_model``: the architecture's MLA config and local spec with
     its SDPA core attention), run and save the MLA model on every rank of the group (TP=1:
     ranks are DP replicas)."""
     import torch
