@@ -117,9 +117,10 @@ def mla_model_config():
 
 
 def mla_hf_config() -> dict:
-    """Its HF ``config.json``: what the trainer writes for it (``neon_hpc.hfmap.hf_config_dict``)."""
-    from neon_hpc.hfmap import hf_config_dict
-    return hf_config_dict(mla_model_config())
+    """Its HF ``config.json``: what the trainer writes for it (the architecture's ``hf_config_dict``)."""
+    from neon_hpc import arch
+    cfg = mla_model_config()
+    return arch.get(cfg.arch).hf_config_dict(cfg)
 
 
 def _mla_worker(rank: int, out: str, seq: int) -> None:
@@ -131,7 +132,7 @@ def _mla_worker(rank: int, out: str, seq: int) -> None:
 
 
 def _mla_in_group(out: str, seq: int) -> None:
-    """Build (``models.megatron.build_gpt_model``: the adapter's MLA config and local spec with
+    """Build (``models.megatron.build_gpt_model``: the architecture's MLA config and local spec with
     its SDPA core attention), run and save the MLA model on every rank of the group (TP=1:
     ranks are DP replicas)."""
     import torch

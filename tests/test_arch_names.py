@@ -110,11 +110,10 @@ def test_an_unknown_architecture_is_refused_naming_the_registered_ones():
     assert "no_such_arch" in str(e.value) and all(a in str(e.value) for a in arch.ARCHES)
 
 
-def test_each_registered_architecture_has_its_folder_and_adapter():
-    from neon_hpc.models.adapters import get_adapter
+def test_each_registered_architecture_has_its_folder():
     for name, a in arch.ARCHITECTURES.items():
         folder = ARCH_DIR / type(a).__module__.split(".")[-1]
-        assert {"__init__.py", "hfmap.py", "megatron.py"} <= {p.name for p in folder.iterdir()}, folder
-        assert get_adapter(name).name == name and a.mapping.NAME == name
+        assert {"__init__.py", "config.py", "hfmap.py", "megatron.py"} <= {p.name for p in folder.iterdir()}, folder
+        assert a.name == name and a.mapping.NAME == name and a.megatron_module == f"{type(a).__module__}.megatron"
         for alias in a.aliases:
             assert arch.get(alias) is a

@@ -7,14 +7,15 @@ layer table below.  A part may import parts of a lower layer only; parts of one 
 import each other (the foundation excepted: small shared helpers).  On top of the layers:
 
 * ``reshard`` is a post-run tool and imports nothing of the trainer, the models or the rollout;
-* ``hfmap`` (the megatron <-> HF mapping both the models and reshard read) imports nothing of neon_hpc
-  but the architecture registry (``arch``: one folder per architecture, its facts and tables);
+  the megatron <-> HF mapping it shares with the models is the architectures' (``arch``: one
+  folder per architecture, its facts and tables, and the rule vocabulary ``arch/rules.py``);
 * an environment's folder (``neon_hpc/envs/<name>/``: its episode adapter, task source,
   demonstrations, evaluation) is a plugin (part ``env_plugins``) above the agent loop it plugs
   into; the registry and interfaces (``neon_hpc/envs/*.py``, part ``envs``) are foundation, and
   the registry reaches the plugins by the module names of its table only (checked below);
 * an architecture's ``megatron.py`` (``neon_hpc/arch/<name>/megatron.py``: megatron config and
-  layer spec) is models code kept in its architecture's folder: it counts as ``models``;
+  layer spec) is models code kept in its architecture's folder: it counts as ``models``, and the
+  models reach it by the name the architecture gives (``Architecture.megatron_module``);
 * library code imports nothing from ``tests/`` or ``tools/``.
 
 The experiment config (``neon_hpc/config/``, one module per section) is a leaf: it imports
@@ -46,8 +47,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("environments", {"env_plugins"}),                  # neon_hpc/envs/<name>/: one folder per environment
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
-    ("models", {"models"}),                             # architecture adapters, megatron and HF builders
-    ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "util", "neon_hpc"}),
+    ("models", {"models"}),                             # megatron and HF builders, arch/<name>/megatron.py
+    ("foundation", {"protocol", "config", "arch", "envs", "util", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
 # part -> parts it must not import even where the layers would allow it
@@ -56,7 +57,7 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 # parts that import nothing else of neon_hpc but the parts named: the helpers nothing; the config
 # (neon_hpc/config/, a leaf) the helpers, the architectures' model sections and the environment registry
-SELF_CONTAINED: dict[str, set[str]] = {"hfmap": {"arch"}, "util": set(), "config": {"util", "arch", "envs"}}
+SELF_CONTAINED: dict[str, set[str]] = {"util": set(), "config": {"util", "arch", "envs"}}
 
 # (importing file, imported module) -> "issue item, owner: what" for violations that exist now
 # (none left: the architectures' and the trainer's pure config rules are their sections'
@@ -200,7 +201,7 @@ def test_reshard_and_its_mapping_load_no_trainer_or_models():
     """At run time too: the converter's modules load the mapping, not neon_hpc.models/train/rollout
     (nor torch: ``--dry-run`` plans from metadata alone)."""
     code = ("import sys, neon_hpc.reshard.cli, neon_hpc.reshard.pipeline, neon_hpc.reshard.tasks, "
-            "neon_hpc.reshard.configsource, neon_hpc.hfmap; "
+            "neon_hpc.reshard.configsource, neon_hpc.arch, neon_hpc.arch.rules; "
             "import json; print(json.dumps([sorted({m.split('.')[1] for m in sys.modules "
             "if m.startswith('neon_hpc.')}), 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
@@ -210,13 +211,14 @@ def test_reshard_and_its_mapping_load_no_trainer_or_models():
 
 
 def test_one_mapping_object_for_the_models_and_reshard():
-    """The adapters' rule tables and reshard's are neon_hpc.hfmap's (the same objects)."""
-    from neon_hpc import hfmap
-    from neon_hpc.models.adapters import EXPERT_RULES, MODEL_TYPES, TOP_RULES, get_adapter
-    from neon_hpc.reshard import arch
-    for a in hfmap.ARCHES:
-        assert get_adapter(a).layer_rules is hfmap.LAYER_RULES[a] is arch.LAYER_RULES[a]
-    assert TOP_RULES is hfmap.TOP_RULES and EXPERT_RULES is hfmap.EXPERT_RULES and MODEL_TYPES is hfmap.MODEL_TYPES
+    """The rule tables the models' exporter and reshard read are the architecture's: its folder's
+    hfmap.py and neon_hpc.arch.rules (the same objects)."""
+    from neon_hpc import arch
+    from neon_hpc.arch import rules
+    from neon_hpc.reshard import slabs
+    for a in arch.ARCHITECTURES.values():
+        assert a.layer_rules is a.mapping.LAYER_RULES
+        assert a.top_rules is rules.TOP_RULES is slabs._TOP and a.expert_rules is rules.EXPERT_RULES
 
 
 def test_the_env_registry_names_only_environment_folders():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models.adapters import get_adapter
+from neon_hpc.arch import get as get_architecture
 from model_fixtures import decisive_hf, tiny_dsv3
 
 CFG = tiny_dsv3()
@@ -33,27 +33,28 @@ def hf_dir(tmp_path_factory):
     return save_hf(perturbed_hf(0), CFG, tmp_path_factory.mktemp("dsv3") / "v_0")
 
 
-def test_adapters_import_nothing_heavy():
-    code = ("import sys, neon_hpc.models.adapters as a, neon_hpc.reshard.arch, neon_hpc.reshard.tasks; "
-            "assert a.get_adapter('kimi_k2') is a.get_adapter('deepseek_v3'); "
+def test_architectures_import_nothing_heavy():
+    code = ("import sys, neon_hpc.arch as a, neon_hpc.reshard.slabs, neon_hpc.reshard.tasks; "
+            "assert a.get('kimi_k2') is a.get('deepseek_v3'); "
             "print(sorted(m for m in ('torch', 'transformers', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_one_mapping_for_export_and_reshard():
-    """reshard's per-architecture rule table is the adapter's (the same objects)."""
-    from neon_hpc.reshard import arch
-    assert arch.LAYER_RULES["deepseek_v3"] is get_adapter("deepseek_v3").layer_rules
-    assert arch.LAYER_RULES["qwen3_moe"] is get_adapter("qwen3_moe").layer_rules
+    """The per-architecture rule table is the folder's hfmap.py's (the same objects)."""
+    from neon_hpc.arch.deepseek_v3 import hfmap as dsv3_map
+    from neon_hpc.arch.qwen3_moe import hfmap as qwen_map
+    assert dsv3_map.LAYER_RULES is get_architecture("deepseek_v3").layer_rules
+    assert qwen_map.LAYER_RULES is get_architecture("qwen3_moe").layer_rules
 
 
-def test_hf_config_is_the_adapter_dict():
+def test_hf_config_is_the_architecture_dict():
     from neon_hpc.models.hf import hf_config, model_config_from_hf
     c = hf_config(CFG)
     assert type(c).__name__ == "DeepseekV3Config" and c.first_k_dense_replace == 1 and c.n_group == 2
     assert model_config_from_hf(c) == CFG
-    assert model_config_from_hf(get_adapter(CFG.arch).hf_config_dict(CFG)) == CFG
+    assert model_config_from_hf(get_architecture(CFG.arch).hf_config_dict(CFG)) == CFG
 
 
 def test_round_trip_is_bit_exact_and_extra_tensors_are_refused():
@@ -177,15 +178,15 @@ def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
         assert err < TOL, (via, err)
 
 
-def test_kimi_example_passes_the_adapter():
-    """configs/kimi_k2_1300xh200.yaml: the adapter's model rules and experiment rules hold, its
+def test_kimi_example_passes_the_architecture():
+    """configs/kimi_k2_1300xh200.yaml: the architecture's model rules and experiment rules hold, its
     HF config is Kimi-K2's architecture, and megatron accepts its config at TP=8 x EP=64."""
     from pathlib import Path
     from neon_hpc import config
     from neon_hpc.config.model import arch_errors
     from neon_hpc.models.megatron import transformer_config
     cfg = config.load(Path(__file__).resolve().parents[1] / "configs" / "kimi_k2_1300xh200.yaml")
-    ad = get_adapter(cfg.model.arch)
+    ad = get_architecture(cfg.model.arch)
     assert ad.name == "deepseek_v3" and arch_errors(cfg.model) == [] and ad.experiment_errors(cfg) == []
     hf = ad.hf_config_dict(cfg.model)
     assert (hf["n_routed_experts"], hf["num_experts_per_tok"], hf["first_k_dense_replace"], hf["n_shared_experts"],

@@ -1,6 +1,6 @@
 """DeepSeek-V3 routes from engine to trainer: SGLang's rows (one row per decoder layer,
 zeros for the dense first layer) from the real embedded engine over HTTP, mapped to the
-trainer's MoE layers through the adapter, replayed exactly by megatron; a wrong layer axis fails
+trainer's MoE layers through the architecture, replayed exactly by megatron; a wrong layer axis fails
 loudly.  The model: MLA, 1 dense + 2 MoE layers, a shared expert, sigmoid router with a
 non-zero expert-score bias and grouped top-k (2 groups, 1 chosen): configs/tiny_dsv3_cpu.yaml."""
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models.adapters import RouteRowsError, get_adapter
+from neon_hpc.arch import RouteRowsError, get as get_architecture
 from neon_hpc.config.model import ModelConfig
 from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 
 CFG = tiny_dsv3()
-ROUTE_ROWS = get_adapter(CFG.arch).route_rows(CFG)
+ROUTE_ROWS = get_architecture(CFG.arch).route_rows(CFG)
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +110,14 @@ def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
 def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
     """Teacher-forced HF routes (laid out as SGLang's) replay exactly, and with the same weights
     megatron's own sigmoid+bias grouped top-k picks the same experts without replay."""
-    from neon_hpc.models.adapters.base import RouteRows
+    from neon_hpc.arch.base import RouteRows
+    from neon_hpc.models.hf import hf_routers
     be, engine = trainer
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, CFG.vocab_size, 24).astype(np.int32)
     found = []
     hooks = [r.register_forward_hook(lambda _m, _i, o: found.append(o[2])) for _, r in
-             get_adapter(CFG.arch).hf_routers(engine)]
+             hf_routers(engine)]
     with torch.no_grad():
         engine(input_ids=torch.from_numpy(tokens.astype(np.int64))[None])
     for h in hooks:
@@ -152,6 +153,6 @@ def test_wrong_route_rows_fail_loudly(rows):
 
 def test_qwen3_routes_every_layer():
     q = ModelConfig()
-    lay = get_adapter("qwen3_moe").route_rows(q)
+    lay = get_architecture("qwen3_moe").route_rows(q)
     r = np.arange(2 * q.num_layers * 2).reshape(2, q.num_layers, 2)
     assert lay.rows == q.num_layers and lay.to_moe(r) is r

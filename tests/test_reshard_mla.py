@@ -3,7 +3,7 @@ and grouped top-k; per-layer keys because the layers are heterogeneous) saved by
 converted, and loaded by transformers' DeepseekV3ForCausalLM: logits equal (float32, tolerance 1e-4).
 
 The megatron model is the trainer's own build (``models.megatron.build_gpt_model``: the
-adapter's MLA config and local spec, whose core attention is ``models.core_attention``'s SDPA,
+architecture's MLA config and local spec, whose core attention is ``models.core_attention``'s SDPA,
 since megatron-core's local one cannot take MLA's separate k/v head dims); see
 ``tests/reshard_fixtures.py``.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.reshard.arch import MappingError, ModelSpec, Op, apply_op
+from neon_hpc.reshard.slabs import MappingError, ModelSpec, Op, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk, TensorMeta, read_checkpoint
 from neon_hpc.reshard.tasks import make_tasks
 
@@ -170,9 +170,9 @@ def _shapes_of(cfg) -> Checkpoint:
 @pytest.mark.parametrize("which", ["qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora"])
 def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_guess(which):
     """``--allow-guessed-config`` and the trainer's config.json describe an architecture once
-    (neon_hpc.hfmap): on the fields shapes can tell they agree, and the config passes the shape check."""
+    (its folder's hfmap.py): on the fields shapes can tell they agree, and the config passes the shape check."""
     from dataclasses import replace
-    from neon_hpc.hfmap import hf_config_dict
+    from neon_hpc import arch
     from neon_hpc.config.model import ModelConfig
     from model_fixtures import tiny_dsv3
     from neon_hpc.reshard import configsource
@@ -180,14 +180,14 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
            "deepseek_v3_no_q_lora": replace(tiny_dsv3(), q_lora_rank=0)}[which]
     ck = _shapes_of(cfg)
     derived, guessed = configsource._derive(ck, cfg.arch)
-    want = hf_config_dict(cfg)
+    want = arch.get(cfg.arch).hf_config_dict(cfg)
     told = {k: v for k, v in derived.items() if not any(g.split()[0] == k for g in guessed)}
     assert len(told) >= 10 and {k: want[k] for k in told} == told
     configsource.check_config_shapes(want, ck)
 
 
 def test_kimi_k2_is_accepted_as_deepseek_v3_everywhere_an_arch_is_named():
-    from neon_hpc.reshard.arch import canonical_arch
+    from neon_hpc.reshard.slabs import canonical_arch
     from neon_hpc.reshard.cli import parse_args
     assert canonical_arch("kimi_k2") == "deepseek_v3"
     assert ModelSpec.from_hf_config({"model_type": "qwen3_moe"}, arch="kimi_k2").arch == "deepseek_v3"

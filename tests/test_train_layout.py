@@ -46,11 +46,11 @@ def test_kimi_config_passes_config_check_with_the_trainer_rules(tmp_path):
     # there, so it is pointed at one holding the config.json this model implies (no weights)
     import json
 
-    from neon_hpc.models.adapters import get_adapter
+    from neon_hpc.arch import get as get_architecture
     hf = tmp_path / "kimi-hf"
     hf.mkdir()
     mcfg = C.load(KIMI).model
-    (hf / "config.json").write_text(json.dumps(get_adapter(mcfg.arch).hf_config_dict(mcfg)))
+    (hf / "config.json").write_text(json.dumps(get_architecture(mcfg.arch).hf_config_dict(mcfg)))
     out = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", str(KIMI),
                           "--set", f"model.init_checkpoint={hf}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -142,8 +142,8 @@ def _dataset(root: Path, arch: str):
     rng = np.random.default_rng(7)
     shards = []
     w = ShardWriter(scratch.root, "fixture", StoreConfig(flush_trajectories=10 * PER_STEP))
-    from neon_hpc.models.adapters import get_adapter
-    dense_rows = mcfg.num_layers - len(get_adapter(mcfg.arch).moe_layers(mcfg))   # the architecture says which
+    from neon_hpc.arch import get as get_architecture
+    dense_rows = mcfg.num_layers - len(get_architecture(mcfg.arch).moe_layers(mcfg))   # the architecture says which
     for step in range(1, STEPS + 1):
         for t in _trajectories(step, rng, dense_rows=dense_rows):
             w.add(t)

@@ -1,19 +1,21 @@
 """Architectures: one folder each (``neon_hpc/arch/<name>/``), registered here by name.
 
-A folder holds everything specific to its architecture: ``__init__.py`` (the
-:class:`~neon_hpc.arch.base.Architecture` facts: MoE / dense layers, shared experts, attention
-kind, the HF fields reshard derives and checks), ``hfmap.py`` (megatron <-> HF weight names and
-``config.json`` fields) and ``megatron.py`` (the megatron config and layer spec, the HF model
-class, the models' adapter ``ADAPTER``; imported by ``neon_hpc.models`` only).  Everything else
-asks :func:`get`; no other module spells an architecture's name (tests/test_arch_names.py).
+A folder holds everything specific to its architecture: ``__init__.py`` (``ARCH``, its
+:class:`~neon_hpc.arch.base.Architecture`: MoE / dense layers, shared experts, attention kind,
+megatron weight suffixes per layer, the HF fields reshard derives and checks), ``config.py`` (its
+``model:`` section and rules), ``hfmap.py`` (megatron <-> HF weight names and ``config.json``
+fields, both ways) and ``megatron.py`` (the megatron config and layer spec; imported by
+``neon_hpc.models`` only).  The rule vocabulary every folder's ``hfmap.py`` uses is
+:mod:`neon_hpc.arch.rules`.  Everything else asks :func:`get`; no other module spells an
+architecture's name (tests/test_arch_names.py).
 
-Adding an architecture: a new folder with those three files, and its line in ``_REGISTERED``.
+Adding an architecture: a new folder with those four files, and its line in ``_REGISTERED``.
 """
 
 from __future__ import annotations
 
 from neon_hpc.arch import deepseek_v3, qwen3_moe
-from neon_hpc.arch.base import Architecture, AttentionParams, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, AttentionParams, RouteRows, RouteRowsError, Shapes, ShapeError
 
 _REGISTERED: tuple[Architecture, ...] = (qwen3_moe.ARCH, deepseek_v3.ARCH)
 
@@ -40,5 +42,16 @@ def get(name: str) -> Architecture:
         raise ValueError(f"unknown architecture {name!r}; supported: {known()}") from None
 
 
-__all__ = ["ARCHES", "ARCHITECTURES", "Architecture", "AttentionParams", "DEFAULT", "MODEL_TYPES", "ShapeError", "Shapes", "get",
-           "known"]
+def for_hf_config(cfg: dict) -> Architecture:
+    """The architecture of an HF ``config.json`` (by ``model_type``; ``text_config`` unwrapped);
+    ValueError naming the supported model types otherwise."""
+    cfg = cfg.get("text_config", cfg)
+    mt = cfg.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise ValueError(f"config.json model_type={mt!r} is not a supported architecture "
+                         f"({', '.join(MODEL_TYPES)})")
+    return get(mt)
+
+
+__all__ = ["ARCHES", "ARCHITECTURES", "Architecture", "AttentionParams", "DEFAULT", "MODEL_TYPES", "RouteRows",
+           "RouteRowsError", "ShapeError", "Shapes", "for_hf_config", "get", "known"]

@@ -1,9 +1,10 @@
 """HF <-> megatron-core state dicts (full, unsharded: TP=1, EP=1), and one rank's slice.
 
-The name and slicing rules are the architecture adapter's (:mod:`neon_hpc.models.adapters`;
-the same tables the reshard tool reads); this module only applies them to in-memory tensors:
+The name and slicing rules are the architecture's (:mod:`neon_hpc.arch`: its folder's
+``hfmap.py`` and :mod:`neon_hpc.arch.rules`, the same tables the reshard tool reads); this module
+only applies them to in-memory tensors:
 
-- megatron per-layer keys ``decoder.layers.L.<suffix>`` (adapter ``layer_rules``), local experts
+- megatron per-layer keys ``decoder.layers.L.<suffix>`` (the architecture's ``layer_rules``), local experts
   ``decoder.layers.L.mlp.experts.local_experts.E.<suffix>`` (``EXPERT_RULES``), top-level keys
   (``TOP_RULES``);
 - HF on-disk spelling (per-expert keys); either HF spelling is accepted as input.
@@ -18,8 +19,8 @@ from typing import Mapping
 
 import torch
 
-from neon_hpc.models.adapters import EXPERT_RULES, get_adapter
-from neon_hpc.models.adapters.base import IGNORED_SUFFIXES, Rule, qkv_join, qkv_part, tp_shard
+from neon_hpc import arch
+from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, Rule, qkv_join, qkv_part, tp_shard
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.hf import to_disk_state_dict
 
@@ -43,7 +44,7 @@ def _split(rule: Rule, t: torch.Tensor, cfg: ModelConfig, key: str) -> list[torc
     if rule.split == "swiglu":
         return list(t.chunk(2, dim=0))
     if rule.split == "qkv":
-        s = get_adapter(cfg.arch).qkv_shape(cfg)
+        s = arch.get(cfg.arch).qkv_shape(cfg)
         return [qkv_part(t, p, s) for p in "qkv"]
     raise ValueError(f"{key}: unknown split {rule.split!r}")
 
@@ -54,30 +55,30 @@ def _join(rule: Rule, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tens
     if rule.split == "swiglu":
         return torch.cat(parts, dim=0)
     if rule.split == "qkv":
-        return qkv_join(*parts, get_adapter(cfg.arch).qkv_shape(cfg), torch.cat)
+        return qkv_join(*parts, arch.get(cfg.arch).qkv_shape(cfg), torch.cat)
     raise ValueError(f"unknown split {rule.split!r}")
 
 
 def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full megatron GPTModel state dict -> HF on-disk spelling (per-expert keys)."""
-    ad = get_adapter(cfg.arch)
+    a = arch.get(cfg.arch)
     out: dict[str, torch.Tensor] = {}
     for key, t in megatron_state_dict.items():
         if key.endswith(IGNORED_SUFFIXES):
             continue
-        if key in ad.top_rules:
-            rule, base = ad.top_rules[key], ""
+        if key in a.top_rules:
+            rule, base = a.top_rules[key], ""
         elif (m := _LAYER.match(key)):
             layer, suffix = int(m.group(1)), m.group(2)
             base = f"model.layers.{layer}."
             if (e := _LOCAL_EXPERT.match(suffix)):
                 rule, base = EXPERT_RULES.get(e.group(2)), f"{base}mlp.experts.{e.group(1)}."
             else:
-                rule = ad.layer_rules.get(suffix)
+                rule = a.layer_rules.get(suffix)
         else:
             rule = None
         if rule is None:
-            raise KeyError(f"megatron key {key!r} has no {ad.name} rule (neon_hpc/arch/{ad.name}/hfmap.py); "
+            raise KeyError(f"megatron key {key!r} has no {a.name} rule (neon_hpc/arch/{a.name}/hfmap.py); "
                            f"is model.arch right for this model?")
         for name, part in zip(rule.hf, _split(rule, t, cfg, key)):
             out[base + name] = part.clone()
@@ -87,8 +88,8 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: ModelCo
 def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF weights (either spelling) -> full megatron GPTModel state dict (no ``_extra_state``).
 
-    Every HF tensor must be used: one the adapter has no megatron home for is an error."""
-    ad = get_adapter(cfg.arch)
+    Every HF tensor must be used: one the architecture has no megatron home for is an error."""
+    a = arch.get(cfg.arch)
     hf = to_disk_state_dict(hf_state_dict)
     used: set[str] = set()
 
@@ -97,13 +98,13 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) 
         return _take(hf, name, "HF")
 
     out: dict[str, torch.Tensor] = {}
-    for key, rule in ad.top_rules.items():
+    for key, rule in a.top_rules.items():
         out[key] = _join(rule, [take(n) for n in rule.hf], cfg).clone()
-    moe = set(ad.moe_layers(cfg))
+    moe = set(a.moe_layers(cfg))
     for L in range(cfg.num_layers):
         hp, mp = f"model.layers.{L}.", f"decoder.layers.{L}."
-        for suffix in ad.layer_suffixes(cfg, L):
-            rule = ad.layer_rules[suffix]
+        for suffix in a.layer_suffixes(cfg, L):
+            rule = a.layer_rules[suffix]
             out[mp + suffix] = _join(rule, [take(hp + n) for n in rule.hf], cfg).clone()
         if L in moe:
             for e in range(cfg.num_experts):
@@ -112,7 +113,7 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) 
                         rule, [take(f"{hp}mlp.experts.{e}.{n}") for n in rule.hf], cfg).clone()
     unused = sorted(set(hf) - used)
     if unused:
-        raise KeyError(f"HF state dict has {len(unused)} tensor(s) the {ad.name} model does not have, e.g. "
+        raise KeyError(f"HF state dict has {len(unused)} tensor(s) the {a.name} model does not have, e.g. "
                        f"{unused[:3]}; does model: (num_layers, first_dense_layers, num_shared_experts, "
                        f"q_lora_rank) match the checkpoint?")
     return out
@@ -126,7 +127,7 @@ def shard_for_rank(full: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: 
     """This (tp_rank, ep_rank)'s slice of a full megatron state dict, with local expert indices."""
     if cfg.num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={cfg.num_experts}")
-    ad = get_adapter(cfg.arch)
+    a = arch.get(cfg.arch)
     per_rank = cfg.num_experts // ep
     out: dict[str, torch.Tensor] = {}
     for key, t in full.items():
@@ -138,7 +139,7 @@ def shard_for_rank(full: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: 
             if e // per_rank == ep_rank:
                 out[f"{m.group(1)}{e % per_rank}{m.group(3)}"] = t.clone()
         else:
-            out[key] = tp_shard(t, ad.tp_kind(key), tp_rank, tp).clone()
+            out[key] = tp_shard(t, a.tp_kind(key), tp_rank, tp).clone()
     return out
 
 

@@ -1,7 +1,8 @@
 """The policy model in its HF home: the ``transformers`` model of its architecture, built offline.
 
-The HF config, model class and router modules come from the architecture adapter
-(:mod:`neon_hpc.models.adapters`); this module does files and state-dict spellings.
+The HF config fields and model type come from the architecture (:mod:`neon_hpc.arch`, its
+folder's ``hfmap.py``); this module builds the transformers objects and does files and
+state-dict spellings.
 
 Two state-dict spellings exist and both are handled here and in :mod:`.convert`:
 
@@ -26,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from neon_hpc.models.adapters import adapter_for_hf_config, get_adapter
+from neon_hpc import arch
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
 
@@ -35,19 +36,40 @@ _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down
 
 
 def hf_config(cfg: ModelConfig):
-    """The transformers config that mirrors ``cfg`` (its adapter's ``hf_config_dict``)."""
-    return get_adapter(cfg.arch).hf_config(cfg)
+    """The transformers config that mirrors ``cfg`` (its architecture's ``hf_config_dict``)."""
+    from transformers import AutoConfig  # deferred: heavy (transformers)
+    a = arch.get(cfg.arch)
+    d = {k: v for k, v in a.hf_config_dict(cfg).items() if k != "model_type"}
+    return AutoConfig.for_model(a.hf_model_type, **d)
 
 
 def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
     """The :class:`ModelConfig` that :func:`hf_config` would have produced ``hf_cfg`` from."""
     d = hf_cfg if isinstance(hf_cfg, dict) else {"model_type": hf_cfg.model_type}
-    return adapter_for_hf_config(d).model_config_from_hf(hf_cfg)
+    return arch.for_hf_config(d).model_config_from_hf(hf_cfg)
+
+
+def hf_model_class(a: arch.Architecture):
+    """The transformers model class of architecture ``a``."""
+    import transformers  # deferred: heavy (transformers)
+    return getattr(transformers, a.hf_architecture)
 
 
 def build_hf_model(cfg: ModelConfig, seed: int | None = None):
     """A freshly initialised HF model of ``cfg.arch`` (float32, eval mode); no download."""
-    return get_adapter(cfg.arch).build_hf_model(cfg, seed)
+    torch.manual_seed(cfg.seed if seed is None else seed)
+    return hf_model_class(arch.get(cfg.arch))(hf_config(cfg)).eval()
+
+
+def hf_routers(model) -> list[tuple[int, Any]]:
+    """``(decoder layer, router module)`` of an HF model; each router's forward returns
+    ``(logits, weights, top-k indices)``."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        if gate is not None and hasattr(gate, "top_k"):
+            out.append((i, gate))
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -155,9 +177,9 @@ def load_hf(path: str | os.PathLike):
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}/config.json missing: not an HF model folder")
     hf_cfg = AutoConfig.from_pretrained(str(path))
-    ad = adapter_for_hf_config({"model_type": hf_cfg.model_type})
-    model = ad.hf_model_class()(hf_cfg)
-    sd = to_memory_state_dict(read_hf_state_dict(path), ad.model_config_from_hf(hf_cfg).num_experts)
+    a = arch.for_hf_config({"model_type": hf_cfg.model_type})
+    model = hf_model_class(a)(hf_cfg)
+    sd = to_memory_state_dict(read_hf_state_dict(path), a.model_config_from_hf(hf_cfg).num_experts)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise KeyError(f"{path}: weights do not match config.json: missing {missing[:3]}, "

@@ -2,7 +2,8 @@
 
 One :class:`~neon_hpc.config.model.ModelConfig` becomes a ``TransformerConfig`` (and layer
 spec) that matches the HF model of its architecture number for number; the architecture's
-part (attention, router, dense layers) is its adapter's (:mod:`neon_hpc.models.adapters`).
+part (attention, router, dense layers) is its folder's ``megatron.py``
+(``neon_hpc/arch/<name>/megatron.py``, named by :attr:`~neon_hpc.arch.base.Architecture.megatron_module`).
 
 Parallel layout: ``tp`` shards attention/embeddings, ``ep`` shards experts (expert TP is 1:
 each expert lives whole on one rank), sequence parallelism is on whenever ``tp > 1`` (megatron
@@ -12,6 +13,7 @@ requires it for MoE with TP).  On CPU everything runs on gloo with :mod:`.cpu_sh
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 from typing import Any
 
@@ -19,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from neon_hpc import arch
 from neon_hpc.models import cpu_shim
-from neon_hpc.models.adapters import get_adapter
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.util.netutil import free_port
 
@@ -81,14 +83,20 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def megatron_builders(name: str):
+    """The megatron module of architecture ``name`` (its folder's ``megatron.py``:
+    ``transformer_config``, ``layer_spec``)."""
+    return importlib.import_module(arch.get(name).megatron_module)
+
+
 def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
                        **overrides: Any):
     """The ``TransformerConfig`` equivalent to ``cfg``; ``overrides`` set any other field.
 
-    The fields every architecture shares are here; the adapter of ``cfg.arch`` adds its own
+    The fields every architecture shares are here; the megatron module of ``cfg.arch`` adds its own
     (attention kind, router, dense layers) and picks the config class."""
     cpu_shim.apply()
-    ad = get_adapter(cfg.arch)
+    builders = megatron_builders(cfg.arch)
     if cfg.num_experts % ep:
         raise ValueError(f"expert_parallel={ep} must divide model.num_experts={cfg.num_experts}")
     if cfg.vocab_size % tp:
@@ -129,13 +137,13 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
         sequence_parallel=tp > 1,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
-    return ad.transformer_config(cfg, tp, ep, routing_replay, base, overrides)
+    return builders.transformer_config(cfg, tp, ep, routing_replay, base, overrides)
 
 
 def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
     """The local-spec layer spec of ``cfg.arch`` (one spec, or a block spec with per-layer specs
     of model chunk ``vp_stage``'s layers under the interleaved schedule)."""
-    return get_adapter(cfg.arch).layer_spec(cfg, tcfg, vp_stage=vp_stage)
+    return megatron_builders(cfg.arch).layer_spec(cfg, tcfg, vp_stage=vp_stage)
 
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,

@@ -89,10 +89,9 @@ def megatron_logits(hf_dir: str | os.PathLike, ids: np.ndarray, tp: int = 1, ep:
 def hf_logits(hf_dir: str | os.PathLike, ids: np.ndarray, with_routes: bool = False):
     """HF logits ``[batch, seq, vocab]`` (and, with ``with_routes``, routes ``[batch, seq, moe layers, top_k]``)."""
     from neon_hpc.models import hf  # deferred: heavy (neon_hpc.models.hf: pydantic)
-    from neon_hpc.models.adapters import adapter_for_hf_config  # deferred: heavy (neon_hpc.models.adapters: pydantic)
     model = hf.load_hf(hf_dir)
     found: list[torch.Tensor] = []
-    routers = adapter_for_hf_config({"model_type": model.config.model_type}).hf_routers(model)
+    routers = hf.hf_routers(model)
     hooks = [m.register_forward_hook(lambda mod, i, o: found.append(o[2])) for _, m in routers]
     ids_t = torch.from_numpy(np.asarray(ids, np.int64))
     with torch.no_grad():

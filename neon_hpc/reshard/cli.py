@@ -10,7 +10,7 @@ import json
 import sys
 import traceback
 
-from neon_hpc.hfmap import MODEL_TYPES
+from neon_hpc.arch import MODEL_TYPES
 from neon_hpc.reshard.comm import get_comm, launched_under_mpi
 from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
 from neon_hpc.reshard.metadata import CheckpointError

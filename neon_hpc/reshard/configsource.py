@@ -22,11 +22,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.arch import ARCHES, ARCHITECTURES
+from neon_hpc.arch import ARCHES, ARCHITECTURES, MODEL_TYPES
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.util.bounded import short_repr
-from neon_hpc.hfmap import hf_config_dict
-from neon_hpc.reshard.arch import MODEL_TYPES, MappingError
+from neon_hpc.reshard.slabs import MappingError
 from neon_hpc.reshard.hfconfig import _num_layers, _shape, derive_hf_config
 from neon_hpc.reshard.metadata import Checkpoint, read_json_object
 
@@ -65,9 +64,9 @@ def hf_config_for_model(model_cfg) -> dict:
     """The HF ``config.json`` (a dict) that a ``model:`` section (a ModelConfig) implies.
 
     The trainer writes this into each checkpoint, and reshard derives it from a run's
-    ``run.yaml``: one function (:func:`neon_hpc.hfmap.hf_config_dict`, which the architecture
-    adapters' ``hf_config_dict`` is too), so both agree."""
-    return dict(hf_config_dict(model_cfg))
+    ``run.yaml``: one function (the architecture's ``hf_config_dict``, its folder's ``hfmap.py``),
+    so both agree."""
+    return dict(get_architecture(model_cfg.arch).hf_config_dict(model_cfg))
 
 
 def _read_json(path: Path) -> dict:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neon_hpc.util.progress import bar
-from neon_hpc.reshard.arch import Slab, apply_op
+from neon_hpc.reshard.slabs import Slab, apply_op
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
 from neon_hpc.reshard.tasks import ConversionTasks, Task, intersects
 

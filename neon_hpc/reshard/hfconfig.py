@@ -14,7 +14,7 @@ from pathlib import Path
 
 from neon_hpc.arch import ShapeError
 from neon_hpc.arch import get as get_architecture
-from neon_hpc.reshard.arch import MappingError
+from neon_hpc.reshard.slabs import MappingError
 from neon_hpc.reshard.metadata import Checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -54,7 +54,7 @@ def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
     """A config.json from the checkpoint's shapes; returns it and the fields that were guessed.
 
     The shapes give model fields (:class:`~neon_hpc.config.model.ModelConfig`'s names); their
-    HF names, and what the architecture fixes, are the mapping's (:func:`neon_hpc.hfmap` ``hf_fields``),
+    HF names, and what the architecture fixes, are the architecture's (``hf_fields``, its folder's ``hfmap.py``),
     the same table the trainer's ``config.json`` is written from."""
     try:
         facts = get_architecture(arch)

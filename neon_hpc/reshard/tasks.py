@@ -4,7 +4,7 @@ every rank (so ranks never exchange them), printable with ``--dry-run``.
 
 Steps:
 
-1. :func:`neon_hpc.reshard.arch.list_slabs` lists slabs (one source tensor at fixed layer /
+1. :func:`neon_hpc.reshard.slabs.list_slabs` lists slabs (one source tensor at fixed layer /
    expert indices) and the HF tensors each yields.
 2. Slabs that share a saved chunk join one *task* (a chunk is read once); usually a task is
    one slab and its handful of chunks (one expert's gate+up chunks, one layer's QKV chunks).
@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from math import prod
 
-from neon_hpc.reshard.arch import ModelSpec, OutTensor, Slab, list_slabs
+from neon_hpc.reshard.slabs import ModelSpec, OutTensor, Slab, list_slabs
 from neon_hpc.reshard.metadata import DTYPE_BYTES, Checkpoint, CheckpointError, Chunk, check_chunks_present
 
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",

@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 
 from neon_hpc.arch import get as get_architecture
+from neon_hpc.arch.rules import tp_join
 from neon_hpc.balance.pipeline import microbatch_group_size
 from neon_hpc.models import megatron as mm, recompute as rc
-from neon_hpc.models.adapters import get_adapter
-from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
@@ -570,7 +569,7 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
         dim = all_dims.get(key)
         if dim is None or lay.tp == 1:
             out[key] = v0
-        elif get_adapter(be.model_cfg.arch).tp_kind(key) == "swiglu":   # per rank [gate; up] (dense/shared MLPs)
+        elif get_architecture(be.model_cfg.arch).tp_kind(key) == "swiglu":   # per rank [gate; up] (dense/shared MLPs)
             out[key] = tp_join([by_tp[t][key] for t in range(lay.tp)], "swiglu")
         else:
             out[key] = torch.cat([by_tp[t][key] for t in range(lay.tp)], dim=dim)

@@ -1,7 +1,8 @@
 """DeepSeek-V3 (and Kimi-K2, the same weights): multi-latent attention, dense first layers,
 shared experts, a sigmoid router with expert-score bias and grouped top-k.
 
-``hfmap.py``: weight names and config.json fields; ``megatron.py``: megatron config and spec.
+``config.py``: its ``model:`` section; ``hfmap.py``: weight names and config.json fields;
+``megatron.py``: megatron config and spec.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ class DeepseekV3(Architecture):
 
     def dense_layers(self, cfg: Any) -> int:
         return cfg.first_dense_layers
+
+    def layer_suffixes(self, cfg: Any, layer: int) -> list[str]:
+        att = ["self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight",
+               "self_attention.kv_layernorm.weight", "self_attention.linear_proj.weight"]
+        att += (["self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
+                 "self_attention.q_layernorm.weight"] if cfg.q_lora_rank else ["self_attention.linear_q_proj.weight"])
+        if layer < cfg.first_dense_layers:
+            mlp = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        else:
+            mlp = ["mlp.router.weight", "mlp.router.expert_bias"]
+            if cfg.num_shared_experts:
+                mlp += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+        return ["input_layernorm.weight", "pre_mlp_layernorm.weight"] + att + mlp
 
     def shared_experts(self, cfg: Any) -> int:
         return cfg.num_shared_experts

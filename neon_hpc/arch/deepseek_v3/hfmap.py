@@ -1,5 +1,5 @@
 """DeepSeek-V3 (and Kimi-K2, the same weights): the megatron <-> HF weight names and the
-``config.json`` fields.
+``config.json`` fields, both ways (``hf_config_dict``, ``model_config_from_hf``).
 
 Multi-latent attention (query/KV LoRA projections and their norms), dense first layers
 (``first_k_dense_replace``), shared experts, a sigmoid router with an expert-score bias
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.hfmap.rules import COMMON_LAYER_RULES, Rule
+from neon_hpc.arch.model import ModelConfig
+from neon_hpc.arch.rules import COMMON_LAYER_RULES, Rule, hf_getter
 
 NAME = "deepseek_v3"
 HF_MODEL_TYPE = "deepseek_v3"
@@ -80,3 +81,27 @@ def hf_config_dict(cfg: Any) -> dict:
              rope_parameters=rope_parameters(cfg), tie_word_embeddings=False, attention_bias=False,
              num_nextn_predict_layers=0, initializer_range=0.02, dtype="float32")
     return d
+
+
+def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
+    """The ``model:`` section of an HF config (a dict or a transformers config object)."""
+    g = hf_getter(hf_cfg)
+    rope = g("rope_parameters") or g("rope_scaling") or {}
+    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+    heads = g("num_attention_heads")
+    return ModelConfig(
+        arch="deepseek_v3", vocab_size=g("vocab_size"), hidden_size=g("hidden_size"),
+        num_layers=g("num_hidden_layers"), num_attention_heads=heads, num_query_groups=heads,
+        ffn_hidden_size=g("intermediate_size"), moe_ffn_hidden_size=g("moe_intermediate_size"),
+        num_experts=g("n_routed_experts"), moe_router_topk=g("num_experts_per_tok"),
+        rope_theta=float(rope.get("rope_theta", g("rope_theta") or 10000.0)),
+        max_position_embeddings=g("max_position_embeddings"), norm_epsilon=g("rms_norm_eps"),
+        q_lora_rank=g("q_lora_rank") or 0, kv_lora_rank=g("kv_lora_rank"),
+        qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
+        v_head_dim=g("v_head_dim"), first_dense_layers=g("first_k_dense_replace") or 0,
+        num_shared_experts=g("n_shared_experts") or 0, router_groups=g("n_group") or 1,
+        router_group_topk=g("topk_group") or 1, routed_scaling_factor=float(g("routed_scaling_factor") or 1.0),
+        yarn_factor=float(rope.get("factor", 0.0)) if yarn else 0.0,
+        yarn_original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
+        yarn_beta_fast=float(rope.get("beta_fast", 32.0)), yarn_beta_slow=float(rope.get("beta_slow", 1.0)),
+        yarn_mscale=float(rope.get("mscale", 1.0)), yarn_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))

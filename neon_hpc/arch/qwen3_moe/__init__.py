@@ -1,6 +1,7 @@
 """Qwen3-MoE: every layer MoE, GQA attention with per-head q/k RMSNorm, no shared experts.
 
-``hfmap.py``: weight names and config.json fields; ``megatron.py``: megatron config and spec.
+``config.py``: its ``model:`` section; ``hfmap.py``: weight names and config.json fields;
+``megatron.py``: megatron config and spec.
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from typing import Any
 
 from neon_hpc.arch.base import Architecture, Shapes, ShapeError
 from neon_hpc.arch.qwen3_moe import config as section, hfmap
+from neon_hpc.arch.rules import QKVShape
+
+# every layer's megatron weights (every layer is MoE), experts aside
+_MOE_LAYER = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
+              "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight", "mlp.router.weight")
 
 
 class Qwen3Moe(Architecture):
@@ -22,6 +29,12 @@ class Qwen3Moe(Architecture):
 
     def model_errors(self, cfg: Any) -> list[tuple[str, str]]:
         return section.model_errors(cfg)
+
+    def qkv_shape(self, cfg: Any) -> QKVShape:
+        return QKVShape(cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim)
+
+    def layer_suffixes(self, cfg: Any, layer: int) -> list[str]:
+        return list(_MOE_LAYER)
 
     def fields_from_shapes(self, shapes: Shapes, proj, fc1) -> dict:
         """GQA shapes: k_layernorm = head_dim, linear_proj cols = heads x head_dim, linear_qkv rows =

@@ -1,4 +1,5 @@
-"""Qwen3-MoE: the megatron <-> HF weight names and the ``config.json`` fields.
+"""Qwen3-MoE: the megatron <-> HF weight names and the ``config.json`` fields, both ways
+(``hf_config_dict``, ``model_config_from_hf``).
 
 Every layer MoE, GQA attention with fused ``linear_qkv`` (per query group ``[q heads, k, v]``)
 and per-head q/k RMSNorm, softmax top-k router with renormalised weights.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.hfmap.rules import COMMON_LAYER_RULES, Rule
+from neon_hpc.arch.model import ModelConfig
+from neon_hpc.arch.rules import COMMON_LAYER_RULES, Rule, hf_getter
 
 NAME = "qwen3_moe"
 HF_MODEL_TYPE = "qwen3_moe"
@@ -50,3 +52,17 @@ def hf_config_dict(cfg: Any) -> dict:
              rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
              tie_word_embeddings=False, attention_bias=False, initializer_range=0.02, dtype="float32")
     return d
+
+
+def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
+    """The ``model:`` section of an HF config (a dict or a transformers config object)."""
+    g = hf_getter(hf_cfg)
+    rope = g("rope_parameters") or {}
+    return ModelConfig(
+        arch=NAME, vocab_size=g("vocab_size"), hidden_size=g("hidden_size"),
+        num_layers=g("num_hidden_layers"), num_attention_heads=g("num_attention_heads"),
+        num_query_groups=g("num_key_value_heads"), head_dim=g("head_dim"),
+        ffn_hidden_size=g("intermediate_size"), moe_ffn_hidden_size=g("moe_intermediate_size"),
+        num_experts=g("num_experts"), moe_router_topk=g("num_experts_per_tok"),
+        rope_theta=float(rope.get("rope_theta", g("rope_theta") or 10000.0)),
+        max_position_embeddings=g("max_position_embeddings"), norm_epsilon=g("rms_norm_eps"))

@@ -1,8 +1,8 @@
 """The served model with its routers observed: SGLang's route rows from the model's own routers.
 
-Routes are captured from the model's own routers (a forward hook on each router the
-architecture adapter names) during prefill and decode, never recomputed afterwards.  They
-are SGLang's: one row per decoder layer, zeros for layers that do not route (dense
+Routes are captured from the model's own routers (a forward hook on each router
+:func:`neon_hpc.models.hf.hf_routers` finds) during prefill and decode, never recomputed
+afterwards.  They are SGLang's: one row per decoder layer, zeros for layers that do not route (dense
 first layers); a shared expert is not a routed choice and has no column.
 """
 
@@ -33,22 +33,23 @@ class LoadedModel:
     """An HF MoE model plus hooks that record every router's top-k indices per forward."""
 
     def __init__(self, model: torch.nn.Module, path: str, version: str):
-        # deferred: heavy (neon_hpc.models.adapters: pydantic)
-        from neon_hpc.models.adapters import adapter_for_hf_config
+        # deferred: heavy (neon_hpc.arch, neon_hpc.models.hf: pydantic)
+        from neon_hpc.arch import for_hf_config
+        from neon_hpc.models.hf import hf_routers
         self.model, self.path, self.version = model, str(path), str(version)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.top_k = int(cfg.num_experts_per_tok)
         self.eos_ids = _as_list(getattr(cfg, "eos_token_id", None))
-        adapter = adapter_for_hf_config({"model_type": cfg.model_type})
+        a = for_hf_config({"model_type": cfg.model_type})
         # SGLang's route rows: one row per decoder layer, zeros where a layer does not route
-        mcfg = adapter.model_config_from_hf(cfg)
-        self.route_table = adapter.route_rows(mcfg)
+        mcfg = a.model_config_from_hf(cfg)
+        self.route_table = a.route_rows(mcfg)
         self.num_experts = int(mcfg.num_experts)
-        hooked = adapter.hf_routers(model)
+        hooked = hf_routers(model)
         if [layer for layer, _ in hooked] != list(self.route_table.moe_rows):
             raise RuntimeError(f"{path}: routers found at decoder layers {[l for l, _ in hooked]}, but the "
-                               f"{adapter.name} routes at {list(self.route_table.moe_rows)}")
+                               f"{a.name} routes at {list(self.route_table.moe_rows)}")
         self.routers = [r for _, r in hooked]
         self.num_moe_layers = len(self.routers)
         # the hook appends to this list, and holds nothing else: a hook bound to self would

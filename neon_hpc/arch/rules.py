@@ -1,5 +1,7 @@
-"""The mapping's vocabulary: a name :class:`Rule`, the tables every architecture shares, and
-the pure tensor helpers (fused QKV per query group, tensor-parallel slices).
+"""The megatron <-> HF mapping's vocabulary: a name :class:`Rule`, the tables every architecture
+shares, the pure tensor helpers (fused QKV per query group, tensor-parallel slices), and
+:func:`hf_getter` (one way to read an HF config, a dict or a transformers object).  Each
+architecture's own table is ``hfmap.py`` in its folder.
 
 **A rule** turns one megatron weight (at a fixed layer, and expert for expert weights) into
 HF weights:
@@ -21,7 +23,7 @@ import torch, when called.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -121,3 +123,10 @@ COMMON_LAYER_RULES: dict[str, Rule] = {
 
 # megatron state-dict entries that carry no HF tensor (TE extra state, routing statistics)
 IGNORED_SUFFIXES = ("_extra_state", "local_tokens_per_expert")
+
+
+def hf_getter(hf_cfg: Any) -> Callable:
+    """``g(name, default=None)`` for an HF config dict or a transformers config object."""
+    if isinstance(hf_cfg, dict):
+        return hf_cfg.get
+    return lambda k, d=None: getattr(hf_cfg, k, d)

@@ -1,6 +1,6 @@
-"""Megatron-core checkpoint keys -> HF tensors: the name rules of :mod:`neon_hpc.hfmap` (the
-same objects the trainer's adapters and exporter use) applied to torch_dist keys and shapes
-(pure, no I/O).
+"""Megatron-core checkpoint keys -> HF tensors: the architecture's name rules
+(:mod:`neon_hpc.arch`: its folder's ``hfmap.py`` and :mod:`neon_hpc.arch.rules`, the same objects
+the trainer's exporter uses) applied to torch_dist keys and shapes (pure, no I/O).
 
 A *slab* is one source tensor indexed by its leading layer / expert axes (``[L, E, 2I, H]``
 at ``(l, e)`` is one expert's ``[2I, H]``).  A rule turns one slab into HF tensors by an
@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
-from neon_hpc.hfmap import (ARCHES, EXPERT_RULES, IGNORED_SUFFIXES, LAYER_RULES, MODEL_TYPES, TOP_RULES, QKVShape,
-                            qkv_part, qkv_rows)
-from neon_hpc.arch import known as known_architectures
-from neon_hpc.hfmap import Rule as NameRule
+from neon_hpc import arch as registry
+from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES, QKVShape, qkv_part, qkv_rows
+from neon_hpc.arch.rules import Rule as NameRule
 from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
 
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).
@@ -68,10 +67,10 @@ def canonical_arch(arch: str | None, model_type: str | None = None) -> str:
     """The architecture of ``arch`` (``--arch``, a config ``model.arch``) or else of an HF
     ``model_type``, as a mapping name (an alias -> its architecture, :mod:`neon_hpc.arch`); MappingError
     naming both."""
-    resolved = MODEL_TYPES.get(arch or model_type or "")
-    if resolved not in ARCHES:
+    resolved = registry.MODEL_TYPES.get(arch or model_type or "")
+    if resolved not in registry.ARCHES:
         raise MappingError(f"unknown architecture {arch or model_type!r} (config model_type={model_type!r}); "
-                           f"supported: {known_architectures()}")
+                           f"supported: {registry.known()}")
     return resolved
 
 
@@ -123,7 +122,7 @@ def apply_op(op: Op, slab):
 
 
 # ---------------------------------------------------------------------------------------
-# an adapter rule at a slab's shape -> [(hf suffix, op)]
+# an architecture's name rule at a slab's shape -> [(hf suffix, op)]
 
 Rule = Callable[[ModelSpec, tuple[int, ...], str], list[tuple[str, Op]]]
 
@@ -177,7 +176,7 @@ def _layer_slabs(spec: ModelSpec, tm: TensorMeta, suffix: str, lead: tuple[int, 
                  layer_of: Callable[[tuple[int, ...]], int]) -> list[Slab]:
     """Slabs of a decoder-layer key; ``lead`` = leading axes already fixed by the key name."""
     is_expert = suffix in _EXPERT
-    rule = _rule(_EXPERT if is_expert else LAYER_RULES[spec.arch], suffix)
+    rule = _rule(_EXPERT if is_expert else registry.get(spec.arch).layer_rules, suffix)
     if rule is None:
         raise MappingError(f"checkpoint key {tm.key!r}: no {spec.arch} rule for '{suffix}'. Either the "
                            f"checkpoint is not a {spec.arch} model (pass --arch) or this layer type is unsupported.")
