@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -39,6 +41,23 @@ def test_the_plugin_entry_point_is_the_executor():
     ex = getattr(importlib.import_module(module), name)
     assert ex is HetJobExecutor and issubclass(ex, core.Executor) and ex.name() == "hetjob"
     assert ex.affinity() <= 0          # never what submitit.AutoExecutor picks by itself
+
+
+def test_submitit_finds_the_executor_through_the_entry_point(tmp_path):
+    """submitit's own plugin discovery, given the entry point pyproject.toml declares (a
+    distribution's metadata on sys.path, as an install writes it)."""
+    value = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["submitit"]["executor"]
+    info = tmp_path / "neon_hpc_probe-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neon-hpc-probe\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[submitit]\nexecutor = {value}\n")
+    code = ("import submitit\nfrom submitit.core import plugins\n"
+            "ex = plugins.get_executors()['hetjob']\n"
+            "auto = submitit.AutoExecutor(sys.argv[1], cluster='hetjob')\n"
+            "print(ex.__module__, ex.__name__, type(auto._executor).__name__)\n")
+    r = subprocess.run([sys.executable, "-c", "import sys\n" + code, str(tmp_path / "run")], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)])))
+    assert r.stdout.split() == ["neon_hpc.launch.hetjob", "HetJobExecutor", "HetJobExecutor"], r.stderr
 
 
 def test_a_function_is_refused_naming_launch(tmp_path):

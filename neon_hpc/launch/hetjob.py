@@ -1,5 +1,5 @@
 """submitit's executor for a run's heterogeneous Slurm job (submitit plugin: entry point group
-``submitit``, name ``executor``; ``submitit.AutoExecutor(folder, cluster="hetjob")`` finds it).
+``submitit``, name ``executor``: ``submitit.core.plugins.get_executors()["hetjob"]``).
 
     ex = HetJobExecutor("runs/exp")                 # folder: the run directory
     ex.update_parameters(config="configs/exp.yaml", overrides=["train.steps=3"])
