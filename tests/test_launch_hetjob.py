@@ -139,5 +139,5 @@ def test_a_job_that_completes_returns_its_state(slurm_cluster, tmp_path, monkeyp
     job = _launch(slurm_cluster, tmp_path, monkeypatch, sleep_s=1)
     js = job.result()
     assert js.state == "COMPLETED" and [s for _, s in js.components] == ["COMPLETED", "COMPLETED"], js
-    assert f"[neon-rl] done (exit 0)" in job.stdout()
+    assert "[neon-rl] done (exit 0)" in job.stdout()
     assert os.path.basename(job.log) == f"neon-rl-{job.job_id}.out"
