@@ -15,7 +15,7 @@ from neon_hpc.util import extras
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("neon_hpc.launch.local", "run the whole async loop as local processes (laptop, CI, one node)"),
+    "run": ("neon_hpc.ops.run", "run the whole async loop as local processes (laptop, CI, one node)"),
     "sft": ("neon_hpc.launch.warm", "the main job's warm start alone: demonstrations + SFT (train.mode: sft)"),
     "demos": ("neon_hpc.launch.demos_cli", "write demonstration conversations (solver actions) as trajectory shards"),
     "launch": ("neon_hpc.launch.submit", "submit the heterogeneous Slurm job (rollout group + trainer group)"),
@@ -32,21 +32,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _plot_run(run_dir: str):
-    from neon_hpc.ops.plot import plot_run  # deferred: heavy (neon_hpc.ops.plot: pydantic)
-    return plot_run(run_dir)
-
-
 def _trainer_step():
     from neon_hpc.train import calibrate  # deferred: heavy (neon_hpc.train.calibrate: numpy)
     return calibrate
 
 
 # command -> keyword arguments its main() takes from this layer: what a lower layer must not import
-# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn; `neon-hpc balance
-# calibrate` times the trainer's own step, which the balancer, a service, must not import)
+# (`neon-hpc balance calibrate` times the trainer's own step, which the balancer, a service, must not import)
 HANDED_IN: dict[str, dict] = {
-    "run": {"plot": _plot_run},
     "balance": {"trainer_step": _trainer_step},
 }
 

@@ -13,10 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_golden_sbatch_matches_renderer():
     cfg = config.load(REPO / "configs" / "tiny_cpu.yaml")
-    golden = (REPO / "sbatch" / "neon_rl.sbatch").read_text()
+    golden = (REPO / "sbatch" / "tiny_cpu.example.sbatch").read_text()
     rendered = render_sbatch(cfg, "configs/tiny_cpu.yaml")
-    assert rendered == golden, ("sbatch/neon_rl.sbatch is out of date; regenerate it with "
-                                "`neon-hpc launch configs/tiny_cpu.yaml --render > sbatch/neon_rl.sbatch` and review the diff")
+    assert rendered == golden, ("sbatch/tiny_cpu.example.sbatch is out of date; regenerate it with "
+                                "`neon-hpc launch configs/tiny_cpu.yaml --render > sbatch/tiny_cpu.example.sbatch` and review the diff")
 
 
 def test_cluster_example_renders_both_groups_and_signals():

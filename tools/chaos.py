@@ -76,7 +76,7 @@ from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 MOMENTS = ("claim", "checkpoint", "publish", "flush", "helper", "launcher", "trainer", "node", "worker",
            "engine", "all")
 SLURM_MOMENTS = ("scancel", "kill-node", "requeue")
-GROUPS = {0: "rollout", 1: "trainer"}      # het components of the job (sbatch/neon_rl.sbatch)
+GROUPS = {0: "rollout", 1: "trainer"}      # het components of the job (sbatch/tiny_cpu.example.sbatch)
 POLL_S = 0.02
 LAUNCHER_EXIT_S = 900.0     # a launch must end by itself this long after a fault (it may run to the end)
 ORPHAN_EXIT_S = 240.0       # processes of a launcher that was killed must stop by themselves

@@ -3,8 +3,8 @@ processes (a laptop, CI, or one node), with the same role processes a Slurm job 
 
 Processes: trainer rank(s) and one rollout node (engines + supervised rollout workers).
 The launcher shows progress per trainer step, and when the trainer has done its steps it
-stops the rollout side and prints a summary; then the plot is written by the ``plot`` that
-``neon-hpc run`` hands in (the operator tools sit a layer above the launcher). Ctrl-C (or
+stops the rollout side and prints a summary; :func:`run` returns how it ended, and
+``neon-hpc run`` (``neon_hpc.ops.run``, the operator tools a layer above) then draws the plot. Ctrl-C (or
 SIGTERM) makes the trainer checkpoint and every process stop, within :data:`STOP_GRACE_S`
 (then they are killed; a second Ctrl-C kills at once); running the same command again resumes.
 
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -194,9 +195,17 @@ class LocalRun:
             self.say(f"pid {pid} did not end 10s after SIGKILL (stuck in the kernel?)")
 
 
-def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
-    """``neon-hpc run``; ``plot(run_dir) -> PNG path`` draws the run at the end (unless --no-plot;
-    ``neon_hpc.cli`` hands in ``ops.plot.plot_run``)."""
+@dataclass(frozen=True)
+class Ended:
+    """How a local run ended: its exit code, the run directory to plot (None: no plot is due:
+    ``--no-plot``, no step done, or the run never started) and the launcher's ``say``."""
+    rc: int
+    plot: Path | None = None
+    say: Callable[[str], None] = print
+
+
+def run(argv: list[str]) -> Ended:
+    """``neon-hpc run``'s arguments: the whole loop to its end, the summary printed."""
     p = argparse.ArgumentParser(prog="neon-hpc run", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default=None,
                    help="experiment YAML (default: the embedded defaults of configs/tiny_cpu.yaml)")
@@ -213,7 +222,7 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
         run, cfg = prepare_run(cfg, a.run_dir, backend="local", lease_token=token)
     except lease.LeaseHeld as e:
         print(f"neon-hpc run: {e}", file=sys.stderr)
-        return 3
+        return Ended(3)
     lr = LocalRun(cfg, run, quiet=a.quiet, lease_token=token)
     lr.stop_flag.install()
     renewer = lease.Renewer(run, token, "launcher", on_lost=lr.lost_lease)
@@ -228,7 +237,7 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
                 warm = W.run_warm_start(cfg, run.root, lr.say)
             except W.WarmStartError as e:
                 lr.say(f"warm start failed: {e}")
-                return 2
+                return Ended(2, say=lr.say)
         lr.start()
         rc = lr.wait()
     finally:
@@ -238,7 +247,4 @@ def main(argv: list[str], plot: Callable[[str], Path] | None = None) -> int:
     ev = W.evaluate_run(cfg, run, lr.say) if rc == 0 else {}
     s = W.write_summary(run, s, ev, warm, W.cpu_seconds())
     lr.say(f"--- summary ({time.monotonic() - t0:.0f}s) ---\n" + render_summary(s))
-    if not a.no_plot and s["steps"]:
-        lr.say(f"plot: {plot(str(run.root))}" if plot is not None else
-               f"plot: none drawn (no plotter handed to the launcher); neon-hpc plot {run.root} draws it")
-    return rc
+    return Ended(rc, None if a.no_plot or not s["steps"] else run.root, lr.say)

@@ -4,8 +4,11 @@ Group 0 (rollout): one ``rollout-node`` task per node (engines + supervised work
 Group 1 (train): the trainer ranks, one task per GPU. Both groups are one job, so they
 start together, end together, and are accounted together; they meet in the run directory.
 
-The text that reaches Slurm is reviewed like code: ``sbatch/neon_rl.sbatch`` is this
-renderer's output for ``configs/tiny_cpu.yaml`` and a test keeps the two identical.
+The text that reaches Slurm is reviewed like code: ``sbatch/tiny_cpu.example.sbatch`` is this
+renderer's output for ``configs/tiny_cpu.yaml`` and a test keeps the two identical. It is an
+example, not an entry point: its ``#SBATCH`` lines are that config's launch section, so every
+config gets its own script (``neon-hpc launch CONFIG`` renders and submits it through
+``launch.hetjob``; ``--render`` prints it).
 
 Signals and requeue: ``--signal=USR1@<s>`` makes Slurm send SIGUSR1 to every job step
 ``<s>`` seconds before the time limit; the trainer checkpoints and exits 0 leaving the
@@ -22,6 +25,9 @@ import shlex
 from neon_hpc.config import ExperimentConfig
 from neon_hpc.config.launch import GroupConfig
 from neon_hpc.util.rankenv import MASTER_PORT_BASH
+
+# the batch script's own output, in the directory it is submitted from (%j: the job id)
+OUTPUT = "neon-rl-%j.out"
 
 _BODY = r'''
 set -uo pipefail
@@ -131,12 +137,14 @@ def render_sbatch(cfg: ExperimentConfig, config_path: str) -> str:
     L = cfg.launch
     head = ["#!/bin/bash",
             f"# neon-hpc heterogeneous RL job, rendered from {config_path} by `neon-hpc launch --render`.",
-            "# Usage: sbatch sbatch/neon_rl.sbatch [CONFIG] [RUN_DIR]   (NEON_PYTHON: the venv's python)",
+            f"# Its #SBATCH lines are {config_path}'s launch section: another config needs its own script",
+            "# (`neon-hpc launch OTHER.yaml` renders and submits it; `--render` prints it).",
+            "# Usage: sbatch THIS_SCRIPT [CONFIG] [RUN_DIR]   (NEON_PYTHON: the venv's python)",
             "# Group 0: rollout nodes (engines + rollout workers). Group 1: trainer ranks.",
             f"#SBATCH --job-name={L.job_name}",
             f"#SBATCH --time={L.time_limit}",
             f"#SBATCH --signal=USR1@{L.signal_before_s}",
-            "#SBATCH --output=neon-rl-%j.out",
+            f"#SBATCH --output={OUTPUT}",
             "#SBATCH --open-mode=append"]
     head.append("#SBATCH --requeue" if L.requeue else "#SBATCH --no-requeue")
     if L.account:

@@ -1,14 +1,19 @@
 """Slurm's view of one job: the only code that asks ``squeue`` and ``sacct`` about a job's state.
 
-``neon-hpc launch --wait``, ``neon-hpc status`` and the tests' cluster fixture all call
-:func:`query`.  A heterogeneous job has one record per component (``JOBID+0``,
+submitit's view of the run's job (``launch.hetjob``: its Job's watcher, so ``neon-hpc launch
+--wait``), ``neon-hpc status`` and the tests' cluster fixture all call :func:`query`.  A heterogeneous job has one record per component (``JOBID+0``,
 ``JOBID+1``, ...): every one of them is read, from ``squeue`` while any is live and from
 ``sacct`` once none is.  :attr:`JobState.state` folds them into one word:
 
 - live: ``RUNNING`` if any component runs, else the first component's state (``PENDING``);
 - ended: ``COMPLETED`` only if every component completed, else the first component state
-  that is not ``COMPLETED``; ``UNKNOWN`` when Slurm has no record (yet: slurmctld hands
-  records to slurmdbd asynchronously, so poll).
+  that is final (``FAILED``, ``CANCELLED``, ...), else the first that is not ``COMPLETED``;
+  ``UNKNOWN`` when Slurm has no record (yet: slurmctld hands records to slurmdbd
+  asynchronously, so poll).
+
+:attr:`JobState.final`: the job will not run again by itself. A component that sacct still
+lists as ``REQUEUED`` while squeue lists nothing of the job has ended too: a job cancelled
+after a requeue can keep that record, and a job squeue no longer lists is not coming back.
 
 :func:`in_queue` is the lease's question (is the job still in the queue at all?), with
 Slurm's answer kept apart from no answer.
@@ -45,11 +50,15 @@ class JobState:
         if self.live:
             return "RUNNING" if "RUNNING" in states else states[0]
         bad = [s for s in states if s != "COMPLETED"]
-        return bad[0] if bad else "COMPLETED"
+        ended = [s for s in bad if s in FINAL]
+        return (ended or bad or ["COMPLETED"])[0]
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL
+        if self.state in FINAL:
+            return True
+        gone = ("REQUEUED",) + FINAL     # out of squeue: a REQUEUED record is a requeue that was cancelled
+        return not self.live and bool(self.components) and all(s in gone for _, s in self.components)
 
     def describe(self) -> str:
         """``RUNNING`` for one component; ``FAILED (7+0 COMPLETED, 7+1 FAILED)`` for several."""
