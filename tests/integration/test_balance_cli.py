@@ -4,7 +4,6 @@ measured compute's attention and the config wiring."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,9 @@ from neon_hpc.balance import CostModel
 from neon_hpc.balance.calibrate import _features, fit, fit_microbatches
 from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, assignment_for_config
 from neon_hpc.balance.measure import attend
+from repo_paths import REPO
 
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args, check=True):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from neon_hpc.util.netutil import free_port
+from repo_paths import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +123,7 @@ def test_config_check_refuses_malicious_init_checkpoint(tmp_path):
     (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     r = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", "configs/tiny_cpu.yaml",
                         "--set", f"model.init_checkpoint={d}"], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[1], timeout=300)
+                       cwd=REPO, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "model.init_checkpoint" in r.stderr and "posix.system" in r.stderr, r.stderr
     assert not marker.exists()
@@ -169,7 +170,7 @@ def test_the_trainer_refuses_an_untrusted_init_checkpoint_in_one_line(tmp_path, 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "neon_hpc.train", "--config", "configs/tiny_cpu.yaml",
                         "--run-dir", str(tmp_path / "run"), "--set", f"model.init_checkpoint={d}"],
-                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env, timeout=300)
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if " ERROR " in ln]

@@ -16,8 +16,8 @@ import pytest
 
 from neon_hpc.util.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, StorageError, atomic_write_json
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"),
                                 reason="mounting a small tmpfs needs root on Linux")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-from pathlib import Path
 
 import pytest
 
@@ -24,8 +23,9 @@ from neon_hpc.util.netutil import free_port
 from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.protocol import BadRequest, parse_generate
+from repo_paths import REPO
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra: run `bash env/setup.sh`")
 
 

@@ -1,20 +1,20 @@
 """SGLang launch lines: the text that reaches the cluster is checked against golden files.
 
-Regenerate after an intended change with ``NEON_UPDATE_GOLDEN=1 pytest tests/test_engine_sglang_launch.py``
+Regenerate after an intended change with ``NEON_UPDATE_GOLDEN=1 pytest tests/integration/test_engine_sglang_launch.py``
 and review the diff like code.
 """
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout.engines.sglang_launch import endpoint_urls, format_commands, render_commands
+from repo_paths import REPO, TESTS
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden"
+ROOT = REPO
+GOLDEN = TESTS / "golden"
 
 CASES = {
     "sglang_kimi_k2_pd.txt": ("configs/kimi_k2_1300xh200.yaml", []),

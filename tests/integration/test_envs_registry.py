@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,8 @@ from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.sections import WorkerSections
 from test_agent_episode import TOK, ScriptedClient, check_books
 from throwaway_env import EVAL_SPLITS, PLUGIN as ECHO
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import time
 
 import psutil
 import pytest
+from repo_paths import REPO
 
 PARENT = r"""
 import subprocess, sys, time
@@ -25,7 +25,7 @@ time.sleep(120)
 @pytest.mark.parametrize("mode", ["plain", "ignore"])
 def test_child_ends_when_its_parent_is_killed(mode):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, mode], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              cwd=str(REPO))
     child = psutil.Process(int(parent.stdout.readline()))
     try:
         if mode == "ignore":
@@ -67,7 +67,7 @@ time.sleep(120)
 
 
 def _child_dies_with(cmd, env=None):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = str(REPO)
     parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
     child = psutil.Process(int(parent.stdout.readline()))
     try:

@@ -17,8 +17,8 @@ from neon_hpc import config
 from neon_hpc.launch.local import TERM_GRACE_S, LocalRun
 from neon_hpc.protocol.records import Finished
 from neon_hpc.protocol.rundir import RunDir
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 # a "trainer": says it is ready, then on SIGTERM either records it and exits 0 (it checkpointed)
 # or ignores it (stuck in a long save)

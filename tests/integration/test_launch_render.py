@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.slurm import render_sbatch
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_golden_sbatch_matches_renderer():

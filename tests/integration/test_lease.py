@@ -17,8 +17,8 @@ import pytest
 
 from neon_hpc.launch import lease
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 HOLDER = r"""
 import sys, time

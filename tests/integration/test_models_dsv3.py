@@ -17,6 +17,7 @@ import torch
 
 from neon_hpc.models.adapters import get_adapter
 from model_fixtures import decisive_hf, tiny_dsv3
+from repo_paths import REPO
 
 CFG = tiny_dsv3()
 
@@ -180,11 +181,10 @@ def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
 def test_kimi_example_passes_the_adapter():
     """configs/kimi_k2_1300xh200.yaml: the adapter's model rules and experiment rules hold, its
     HF config is Kimi-K2's architecture, and megatron accepts its config at TP=8 x EP=64."""
-    from pathlib import Path
     from neon_hpc import config
     from neon_hpc.config.model import arch_errors
     from neon_hpc.models.megatron import transformer_config
-    cfg = config.load(Path(__file__).resolve().parents[1] / "configs" / "kimi_k2_1300xh200.yaml")
+    cfg = config.load(REPO / "configs" / "kimi_k2_1300xh200.yaml")
     ad = get_adapter(cfg.model.arch)
     assert ad.name == "deepseek_v3" and arch_errors(cfg.model) == [] and ad.experiment_errors(cfg) == []
     hf = ad.hf_config_dict(cfg.model)
@@ -194,6 +194,6 @@ def test_kimi_example_passes_the_adapter():
     t = transformer_config(cfg.model, tp=cfg.train.tensor_parallel, ep=cfg.train.expert_parallel)
     assert t.multi_latent_attention and t.moe_layer_freq[:2] == [0, 1] and t.rope_type == "yarn"
     assert t.moe_router_score_function == "sigmoid" and t.moe_router_enable_expert_bias
-    bad = config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")
+    bad = config.load(REPO / "configs" / "tiny_dsv3_cpu.yaml")
     bad.train.tensor_parallel = 3           # divides neither the 4 heads nor q_lora_rank 32
     assert [k for k, _ in ad.experiment_errors(bad)] == ["train.tensor_parallel"] * 2

@@ -3,10 +3,6 @@
 Real transformers, real megatron-core on gloo in spawned processes (TP=1, then TP=2/EP=2 with
 sequence parallelism and the alltoall MoE dispatcher), real safetensors files.
 """
-import json
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,8 @@ from neon_hpc import config
 from neon_hpc.plan import calibrate
 from neon_hpc.plan.cli import main
 from neon_hpc.plan.params import from_experiment
+from repo_paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KIMI = str(ROOT / "configs" / "kimi_k2_1300xh200.yaml")
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 

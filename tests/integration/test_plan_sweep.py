@@ -6,7 +6,6 @@ the search must find the balanced split, and each side of it must be bound by it
 """
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,8 @@ from neon_hpc.plan.cli import main
 from neon_hpc.plan.memory import layout_for, layout_search, state_bytes_per_gpu
 from neon_hpc.plan.params import SimParams, Sourced
 from neon_hpc.plan.sim import simulate
+from repo_paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KIMI = str(ROOT / "configs" / "kimi_k2_1300xh200.yaml")
 
 

@@ -19,8 +19,8 @@ from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, E
                                        iter_records, mark_finished)
 from neon_hpc.protocol.rundir import FILE_NAMES, LATEST, RUN_YAML, RunDir, RunDirError
 from pyscan import docstring_ids
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from pathlib import Path
 from neon_hpc import config
 from neon_hpc.config_cli import role_problems
 from neon_hpc.protocol.rundir import RunDir
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
 

@@ -25,8 +25,8 @@ from neon_hpc.reshard.cli import main
 from neon_hpc.reshard.pipeline import ReshardError, build_tasks
 from reshard_fixtures import shared
 from neon_hpc.reshard.serial import materialize
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")
 

@@ -29,8 +29,8 @@ import xxhash
 from neon_hpc.util.netutil import free_port
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.pipeline import ReshardError
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
 PROG = r"""

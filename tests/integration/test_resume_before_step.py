@@ -21,7 +21,7 @@ from test_train_loop import (add_shards, beat, dataset, losses, new_run, referen
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_before_the_first_step_resumes_to_the_uninterrupted_run(tmp_path, dataset, reference):
+def test_a_checkpoint_from_before_the_first_step_resumes_to_the_uninterrupted_run(tmp_path, dataset, reference):  # noqa: F811
     run = new_run(tmp_path, dataset, "run", "train.steps=2", "train.publish_via=reshard")
     procs = start(run)   # no data yet: step_0 + v_0, then it waits for step 1's data
     wait_for(lambda: run.checkpoint_steps() == [0] and run.latest_weights() is not None

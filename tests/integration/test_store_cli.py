@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -11,6 +10,7 @@ from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.cli import main
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
+from repo_paths import REPO
 
 
 def _shard(run, n=3, writer="rollout-0"):
@@ -31,7 +31,7 @@ def test_inspect_prints_summary_table_and_one_trajectory(tmp_path, capsys):
 
 def test_inspect_json_and_the_tool_script(tmp_path):
     p = _shard(tmp_path)
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     out = subprocess.run([sys.executable, str(root / "tools" / "inspect_shard.py"), str(p), "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

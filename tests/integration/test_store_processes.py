@@ -70,7 +70,7 @@ def consumer_main(run, name, log_path, first_step, stride, want, done_marker):
 # --- helpers ------------------------------------------------------------------------------
 
 def _spawn(*args):
-    proc = subprocess.Popen([sys.executable, str(HERE), *map(str, args)], cwd=HERE.parent.parent)
+    proc = subprocess.Popen([sys.executable, str(HERE), *map(str, args)], cwd=HERE.parents[2])
     log_path = args[3]
     proc.ready_seq = 1 + sum(r["event"] == "ready" for r in _records(log_path))
     return proc

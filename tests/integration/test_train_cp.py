@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from ranks import run_ranks
+from repo_paths import REPO
 
 
 # documents (index -> length) and who holds what: doc 0 (16 tokens) in four chunks of 4
@@ -57,7 +58,7 @@ def _model_config(arch: str):
     if arch == "qwen3_moe":
         return ModelConfig()
     from neon_hpc import config as C
-    return C.load(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_dsv3_cpu.yaml")).model
+    return C.load(str(REPO / "configs" / "tiny_dsv3_cpu.yaml")).model
 
 
 def _worker(out: str, arch: str, slot: str = "mix") -> None:

@@ -32,8 +32,8 @@ from neon_hpc import config as C
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
 from test_train_loop import add_shards, start, wait_ok
+from repo_paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KIMI = ROOT / "configs" / "kimi_k2_1300xh200.yaml"
 LAYERS, K, E, PER_STEP, STEPS = 3, 2, 4, 8, 3
 

@@ -18,12 +18,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(r"""
     import dataclasses, json, sys

@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,8 +32,8 @@ import torch
 
 from neon_hpc import config as C
 from neon_hpc.store import Trajectory
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"qwen3_moe": REPO / "configs" / "tiny_cpu.yaml", "deepseek_v3": REPO / "configs" / "tiny_dsv3_cpu.yaml"}
 
 

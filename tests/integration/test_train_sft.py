@@ -18,8 +18,8 @@ import torch
 
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.train.loss import sft_loss, sft_term_means
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from neon_hpc import arch
 from pyscan import docstring_ids
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
 ARCH_DIR = LIB / "arch"
 
@@ -100,7 +100,7 @@ def test_no_architecture_name_outside_its_folder():
     assert not new, ("architecture names spelled outside neon_hpc/arch/<name>/ (ask neon_hpc.arch.get(...) "
                      "for the fact, or move the code into the architecture's folder):\n"
                      + "\n".join(h for hs in new.values() for h in hs))
-    assert not gone, f"listed in KNOWN but clean now (remove these lines from tests/test_arch_names.py): {gone}"
+    assert not gone, f"listed in KNOWN but clean now (remove these lines from tests/structure/test_arch_names.py): {gone}"
 
 
 def test_an_unknown_architecture_is_refused_naming_the_registered_ones():

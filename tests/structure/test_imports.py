@@ -29,11 +29,10 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from pyscan import in_function_imports
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
 KINDS = ("heavy", "cycle", "optional")
 MARKER = re.compile(r"#\s*deferred:\s*(?P<kind>\w+)\s*\((?P<what>[^)]+)\)")

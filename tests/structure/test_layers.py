@@ -33,8 +33,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
 
 # Top to bottom.  cli -> launch -> envs/<name> -> {rollout, train} -> {store, replay, balance} -> {protocol, config}
@@ -133,7 +133,7 @@ def library_files() -> list[Path]:
 def violations() -> dict[tuple[str, str], list[str]]:
     """(importing file, imported module) -> [why, with line numbers] for every edge the rules refuse."""
     layer = _layer_of()
-    outside = {p.stem for d in ("tests", "tools") for p in (REPO / d).glob("*.py")} | {"tests", "tools"}
+    outside = {p.stem for d in ("tests", "tools") for p in (REPO / d).rglob("*.py")} | {"tests", "tools"}
     found: dict[tuple[str, str], list[str]] = {}
     for path in library_files():
         rel = str(path.relative_to(REPO))
@@ -191,9 +191,9 @@ def test_imports_point_down_the_layers():
     new = {k: v for k, v in found.items() if k not in KNOWN}
     gone = sorted(k for k in KNOWN if k not in found)
     msg = "\n".join(w for ws in new.values() for w in ws)
-    assert not new, (f"imports against the layer table in tests/test_layers.py (fix the import, or move "
+    assert not new, (f"imports against the layer table in tests/structure/test_layers.py (fix the import, or move "
                      f"the code to the layer it belongs to):\n{msg}")
-    assert not gone, f"listed in KNOWN but fixed (remove these lines from tests/test_layers.py): {gone}"
+    assert not gone, f"listed in KNOWN but fixed (remove these lines from tests/structure/test_layers.py): {gone}"
 
 
 def test_reshard_and_its_mapping_load_no_trainer_or_models():

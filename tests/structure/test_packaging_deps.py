@@ -13,9 +13,8 @@ import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
-from pathlib import Path
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _declared() -> set[str]:

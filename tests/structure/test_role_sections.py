@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from neon_hpc import config
 from neon_hpc.rollout.sections import NodeSections, WorkerSections
 from neon_hpc.train.sections import TrainerSections
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "neon_hpc"
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

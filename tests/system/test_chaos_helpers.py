@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from neon_hpc.util.netutil import free_port
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 PROG = r"""
 import json, os, sys, time

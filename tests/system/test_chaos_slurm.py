@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_killed_rollout_node_fails_the_job_and_the_relaunch_completes(slurm_cluster, tmp_path):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from neon_hpc.util.netutil import free_port
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("slurmctld") is None or shutil.which("mariadbd") is None,
                                 reason="Slurm or MariaDB is not installed (run `bash env/setup.sh`)")
 

@@ -22,9 +22,9 @@ import pytest
 from neon_hpc.config.launch import parse_cpus, split_cpus, trainer_threads
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
+from repo_paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
 STEPS = 8
 
@@ -185,7 +185,7 @@ def test_trained_trajectories_span_versions_token_by_token(finished_run):
     # run's summary, not asserted here: full runs of the shipped config give 24-36% (README; an
     # earlier config gave 6-13%, and the first 8 steps of one CI-equivalent run near idle gave 2
     # of 128, below a 3% bound this test once had). What can be asserted is that weights do land inside trained trajectories;
-    # that two spans come from one response in flight is tests/test_weight_update_inplace.py's
+    # that two spans come from one response in flight is tests/unit/rollout/test_weight_update_inplace.py's
     assert trained_multi >= 1, dict(spans)
 
 

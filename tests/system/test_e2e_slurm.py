@@ -15,9 +15,9 @@ import pytest
 
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
+from repo_paths import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[1]
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
 STEPS = 4
 

@@ -24,8 +24,8 @@ from neon_hpc.util.netutil import free_port
 from neon_hpc.rollout.engines.fleet import Fleet, FleetError, node_addresses, resolve
 from neon_hpc.rollout.engines.sglang_launch import layout, render_commands
 from neon_hpc.protocol.rundir import RunDir
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
 KIMI = REPO / "configs" / "kimi_k2_1300xh200.yaml"
 TINY = REPO / "configs" / "tiny_cpu.yaml"

@@ -16,8 +16,8 @@ import pytest
 from neon_hpc.util import logsinks
 from neon_hpc.util.logs import RoleLogger, read_metrics
 from neon_hpc.config.logging import LoggingConfig
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def tb_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:

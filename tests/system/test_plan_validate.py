@@ -12,6 +12,7 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.plan.validate import BANDS, RunDataError, compare_with_run, group_durations
+from repo_paths import REPO
 
 
 def write_run(root, episode_s=10.0, steps=12, trainer_waits=True, staleness_mean=0.5, staleness_max=1):
@@ -94,9 +95,8 @@ def test_real_tiny_run_within_bands(tmp_path):
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     root = tmp_path / "run"
     out = tmp_path / "run.out"
     cmd = [sys.executable, "-m", "neon_hpc.cli", "run", str(repo / "configs" / "tiny_cpu.yaml"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,8 +19,8 @@ import yaml
 from neon_hpc import config
 from neon_hpc.util import constraints
 from neon_hpc.util.constraints import INT_MAX, Range, Rule, above, at_least
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 
 

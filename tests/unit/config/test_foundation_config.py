@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from neon_hpc import config
 from neon_hpc.cli import main as cli_main
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu.yaml", "kimi_k2_1300xh200.yaml"])

@@ -20,9 +20,10 @@ from neon_hpc.rollout.agent.episode import Episode
 from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.envs.xrd.science.grader import TOL
 from neon_hpc.envs.xrd.science.tasks import load_tasks
+from repo_paths import REPO
 
 TOK = load_tokenizer("xrd-tiny")
-CFG = config.load(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"))
+CFG = config.load(str(REPO / "configs" / "tiny_cpu.yaml"))
 
 
 class _Result:

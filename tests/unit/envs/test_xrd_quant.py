@@ -8,6 +8,7 @@ import pytest
 from neon_hpc.envs.xrd.science import absorption as ab
 from neon_hpc.envs.xrd.science import quant
 from neon_hpc.envs.xrd.science.library import load_library
+from repo_paths import REPO
 
 CU = 1.540598
 
@@ -170,8 +171,7 @@ def test_strict_report_has_both_tolerances_mae_and_time_per_scan_length():
 
 def test_bench_result_line_keeps_its_keys_and_adds_the_strict_ones():
     import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("bench_xrd", Path(__file__).parents[1] / "tools" / "bench_xrd.py")
+    spec = importlib.util.spec_from_file_location("bench_xrd", REPO / "tools" / "bench_xrd.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     block = {"success_5": 0.9, "wf_mae": 0.02, "seconds_per_pattern": 2.0}

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, write_run_yaml
 from neon_hpc.launch.summary import summarize
 from neon_hpc.protocol.rundir import staging_dir_for
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.local import LocalRun
 from neon_hpc.util.logs import MetricsTail, RoleLogger, metrics_path
 from neon_hpc.protocol.rundir import RunDir
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _line(step: int) -> bytes:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from neon_hpc import config
 from neon_hpc.launch.common import prepare_run, write_run_yaml
 from neon_hpc.config.launch import thread_env, trainer_threads
 from neon_hpc.protocol.rundir import read_json
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 
 

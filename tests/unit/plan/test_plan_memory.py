@@ -11,8 +11,8 @@ from neon_hpc.plan import report
 from neon_hpc.plan.cli import main
 from neon_hpc.plan.memory import FORMULA, ActivationTerm, layout_for
 from neon_hpc.plan.params import from_experiment
+from repo_paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 KIMI = str(ROOT / "configs" / "kimi_k2_1300xh200.yaml")
 

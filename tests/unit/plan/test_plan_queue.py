@@ -1,7 +1,6 @@
 """The engines' request queue (workers whose episodes outnumber the engines' request slots) and
 decode speed against the engine's batch (neon_hpc.plan.slots)."""
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +10,8 @@ from neon_hpc.plan import report
 from neon_hpc.plan.params import SimParams, from_experiment, kv_bytes_per_token_per_gpu
 from neon_hpc.plan.sim import simulate
 from neon_hpc.plan.slots import decode_speed_table
+from repo_paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KIMI = str(ROOT / "configs" / "kimi_k2_1300xh200.yaml")
 
 

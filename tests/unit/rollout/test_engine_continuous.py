@@ -12,7 +12,6 @@ import concurrent.futures as cf
 import time
 
 import numpy as np
-import pytest
 
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.embedded import start_server

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.rollout.engines import protocol
-from neon_hpc.rollout.engines.client import EngineClient, EngineError
+from neon_hpc.rollout.engines.client import EngineClient
 
 
 def test_routes_roundtrip_as_little_endian_int32():

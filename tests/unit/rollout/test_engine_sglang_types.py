@@ -18,9 +18,10 @@ import pytest
 
 from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
+from repo_paths import REPO
 
 SGLANG_VERSION = "0.5.23"
-WHEELS = Path(__file__).resolve().parents[1] / ".cache" / "wheels"
+WHEELS = REPO / ".cache" / "wheels"
 
 
 def _wheel() -> Path:

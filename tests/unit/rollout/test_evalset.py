@@ -12,8 +12,9 @@ from neon_hpc.launch.warm import write_summary
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import RunDir, read_json
 from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights, greedy
+from repo_paths import REPO
 
-CFG = config.load(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"),
+CFG = config.load(str(REPO / "configs" / "tiny_cpu.yaml"),
                   ["eval.num_tasks=4"])
 
 

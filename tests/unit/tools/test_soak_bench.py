@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(REPO / "tools"))
 import bench_soak  # noqa: E402
 
 

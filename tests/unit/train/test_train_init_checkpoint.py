@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from neon_hpc.train.backend import init_checkpoint_kind
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_metadata_decides_before_config_json(tmp_path):
