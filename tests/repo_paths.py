@@ -12,7 +12,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-def tests_on_pythonpath(env: dict[str, str]) -> dict[str, str]:
+def with_tests_on_pythonpath(env: dict[str, str]) -> dict[str, str]:
     """``env`` with ``tests/`` first on PYTHONPATH: a test file run as a script (its own ranks,
     a child measuring memory) imports the helpers of ``tests/`` from whichever tier folder it is in."""
     return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")])))

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import run_ranks
-from repo_paths import tests_on_pythonpath
+from repo_paths import with_tests_on_pythonpath
 
 
 # (query heads, KV groups, q/k head dim, v head dim)
@@ -259,7 +259,7 @@ def test_attention_memory_grows_linearly_with_length(tmp_path):
     for n in (4096, 8192, 16384):
         out = tmp_path / f"{n}.json"
         subprocess.run([sys.executable, __file__, "mem", str(n), str(out)], check=True, timeout=300,
-                       env=tests_on_pythonpath(dict(os.environ, OMP_NUM_THREADS="1")))
+                       env=with_tests_on_pythonpath(dict(os.environ, OMP_NUM_THREADS="1")))
         got[n] = json.loads(out.read_text())
     print({n: round(x["bytes"] / 2**20, 1) for n, x in got.items()}, "MiB")
     assert got[16384]["bytes"] <= 2.5 * got[8192]["bytes"], got
