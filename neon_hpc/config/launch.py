@@ -36,7 +36,7 @@ def trainer_threads(cpus: int, ranks: int, beside_rollout: bool) -> int:
 
     Torch otherwise starts one thread per CPU in every process: on the 2-core machine the
     trainer's two threads and the engine's one oversubscribe the cores, and under other load
-    a trainer step's forward-backward took 1.01 s instead of 0.13 s (docs/main_job.md); with
+    a trainer step's forward-backward took 1.01 s instead of 0.13 s (docs/results/2026-12-05-main-job.md); with
     one thread, 0.11 s under the same load. At least 1.
     """
     return max(1, (cpus - (1 if beside_rollout else 0)) // max(1, ranks))
