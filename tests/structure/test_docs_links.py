@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
