@@ -43,7 +43,7 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
   log "installing torch==2.13.0"
   "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
-# SGLang's wheel, for its request types only (tests/test_engine_sglang_types.py reads
+# SGLang's wheel, for its request types only (tests/unit/rollout/test_engine_sglang_types.py reads
 # GenerateReqInput & co. from its source): SGLang cannot be imported here (its io_struct pulls
 # in triton, a matching torchvision and its GPU scheduler), so it is downloaded, not installed.
 SGLANG_WHEEL_DIR="$ROOT/.cache/wheels"

@@ -16,6 +16,15 @@ from neon_hpc.launch.slurmjob import FINAL, query
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
+# The tiers (tests/README.md): a test module imports the helpers of tests/ (``repo_paths``,
+# ``ranks``, ...) and, by bare name, other test modules (``from test_train_loop import start``),
+# whichever tier folder either lives in. pytest's "prepend" import mode puts only the folder of
+# each module it collects on sys.path, so every folder that holds tests goes there up front
+# (test file names are unique across the tiers, as that import mode requires).
+for _d in sorted({Path(__file__).resolve().parent} | {p.parent for p in Path(__file__).resolve().parent.rglob("test_*.py")}):
+    if str(_d) not in sys.path:
+        sys.path.insert(1, str(_d))
+
 
 class Cluster:
     """Handle on the env/cluster.sh cluster: environment and small helpers for tests."""

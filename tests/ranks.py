@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from neon_hpc.util.netutil import free_port
+from repo_paths import with_tests_on_pythonpath
 
 
 def run_ranks(world: int, args_of, timeout: float = 300) -> list[str]:
@@ -16,8 +17,8 @@ def run_ranks(world: int, args_of, timeout: float = 300) -> list[str]:
     port = free_port()
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = with_tests_on_pythonpath(dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
         procs.append(subprocess.Popen([sys.executable, *args_of(r)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from neon_hpc.reshard.synthetic import SynthSpec  # noqa: E402  (no torch/megatron at import)
-from benchlib import drop_cache  # tools/ is on sys.path when a script runs
+from benchlib import drop_cache  # noqa: E402  (tools/ is on sys.path when a script runs)
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")

@@ -24,7 +24,7 @@ from neon_hpc.balance.memory import fit_activation_memory, memory_block
 def main(argv: list[str], trainer_step=None) -> int:
     """``trainer_step()`` -> the module that runs the trainer's own step
     (``neon_hpc.train.calibrate``), handed in by ``neon_hpc/cli.py``: a service must not import
-    the trainer (tests/test_layers.py)."""
+    the trainer (tests/structure/test_layers.py)."""
     p = argparse.ArgumentParser(prog="neon-hpc balance", description="cost model calibration and balancing dry runs")
     sub = p.add_subparsers(dest="cmd", required=True)
 

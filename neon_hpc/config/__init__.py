@@ -1,6 +1,6 @@
 """The experiment config: one pydantic v2 model, composed of one small section per component.
 
-A leaf package (pydantic and yaml; no h5py, numpy, torch or megatron: ``tests/test_imports.py``).
+A leaf package (pydantic and yaml; no h5py, numpy, torch or megatron: ``tests/structure/test_imports.py``).
 Each section is one module here (``neon_hpc/config/<section>.py``, a dataclass marked
 :func:`neon_hpc.util.constraints.section`); an architecture's ``model:`` variant is its
 folder's (``neon_hpc/arch/<name>/config.py``), the rules across sections are

@@ -12,7 +12,7 @@ so a third party adds an environment by installing a package, without editing th
 config key ``env.kind`` chooses one (``neon_hpc/config/env.py``); the rollout worker, the warm
 start and the eval set ask :func:`get` and never name an environment.  The entries are read on
 first use; :func:`get` imports the plugin when the environment is used (an environment's folder
-sits above the agent loop it plugs into: tests/test_layers.py), so listing or validating names
+sits above the agent loop it plugs into: tests/structure/test_layers.py), so listing or validating names
 imports no environment.  ``neon-hpc env list`` prints them.
 """
 

@@ -98,7 +98,7 @@ def has_te() -> bool:
 
 
 def _te_imports() -> bool:
-    try:   # by name: an optional package, not a dependency (tests/test_packaging_deps.py reads imports)
+    try:   # by name: an optional package, not a dependency (tests/structure/test_packaging_deps.py reads imports)
         importlib.import_module("transformer_engine.pytorch")
     except Exception:   # a broken TE install is "no TE": megatron's own import guard says the same
         return False

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
-from neon_hpc.reshard.slabs import MappingError, ModelSpec, canonical_arch
+from neon_hpc.reshard.slabs import ModelSpec, canonical_arch
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
 from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src

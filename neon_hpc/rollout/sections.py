@@ -5,7 +5,7 @@ A role's process builds its view once at its start (``launch/roles.py``:
 :class:`~neon_hpc.config.ExperimentConfig`. The view holds the role's own sections whole, and
 each value it borrows from a neighbour's section as one field named after where it comes
 from (``train_trajectories_per_step`` is ``train.trajectories_per_step``), so what crosses a
-section boundary is written here and nowhere else. ``tests/test_role_sections.py`` fails if a
+section boundary is written here and nowhere else. ``tests/structure/test_role_sections.py`` fails if a
 module of ``neon_hpc/rollout`` reads a section of the config it is not given.
 
 The views live here, beside the roles that take them, rather than in ``neon_hpc/config/`` (which

@@ -5,7 +5,7 @@ hand the trainer that, never the whole :class:`~neon_hpc.config.ExperimentConfig
 trainer's sections whole (its layout rules, the balancer and the model builders read
 them by the same names, so they take the view as they take the config) and the two values its
 claim borrows from the rollout section, named as borrowed. The rollout roles' views are
-``neon_hpc/rollout/sections.py``; ``tests/test_role_sections.py`` fails if a module of
+``neon_hpc/rollout/sections.py``; ``tests/structure/test_role_sections.py`` fails if a module of
 ``neon_hpc/train`` reads a section the view does not hold. The config file is unchanged.
 """
 

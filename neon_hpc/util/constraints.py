@@ -370,7 +370,6 @@ class _Where:
 
 
 def _walk(root: type, loc: tuple) -> _Where:
-    cls: Any = root
     key, name, tp, parent = "", None, root, None
     i = 0
     while i < len(loc):

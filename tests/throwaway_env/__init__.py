@@ -1,4 +1,4 @@
-"""A throwaway environment for tests/test_envs_registry.py: registered at run time, never in the table.
+"""A throwaway environment for tests/integration/test_envs_registry.py: registered at run time, never in the table.
 
 ``echo``: the task names a word; the ``peek`` tool returns it; the answer is the word.  Its
 settings would be the ``eval`` section (any section works: the plugin names it), read for

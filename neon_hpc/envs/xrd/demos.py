@@ -8,7 +8,7 @@ trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``xrd.pre
 ``xrd.prompt_style``), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
 the tools really run, their results clipped as in an episode) and answer format the agent
 loop uses, so a demonstration is token for token what :class:`~neon_hpc.rollout.agent.episode.Episode`
-records when the model emits the same actions (``tests/test_demos.py``). ``loss_mask`` is 1 on
+records when the model emits the same actions (``tests/unit/envs/test_demos.py``). ``loss_mask`` is 1 on
 the assistant's tokens only; ``rewards`` are the grader's.
 
 The actions (compact style, the tiny model's): turn 1 ``<tool_call>search_phases ELEMENTS</tool_call>``

@@ -6,7 +6,7 @@ environment with the same chat template (:mod:`~neon_hpc.rollout.agent.template`
 (the tools really run, their results formatted as in an episode) and answer format the agent
 loop uses, so a demonstration is token for token what
 :class:`~neon_hpc.rollout.agent.episode.Episode` records when the model emits the same actions
-(``tests/test_demos.py``); ``loss_mask`` is 1 on the assistant's tokens only, ``rewards`` are the
+(``tests/unit/envs/test_demos.py``); ``loss_mask`` is 1 on the assistant's tokens only, ``rewards`` are the
 environment's grade.  :func:`write_demo_shards` publishes them as trajectory shards (the SFT
 data of the warm start, ``neon_hpc/launch/warm.py``).  XRD's are ``neon_hpc/envs/xrd/demos.py``.
 """

@@ -30,7 +30,7 @@ import numpy as np
 
 from neon_hpc.envs.base import Environment
 from neon_hpc.replay import ReplayConversation
-from neon_hpc.rollout.agent.parse import Answer, Malformed, Nothing, ToolCall, parse_action
+from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action
 from neon_hpc.rollout.agent.template import ChatTemplate, make_template
 
 

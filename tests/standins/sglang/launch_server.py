@@ -91,9 +91,10 @@ def rendezvous(a: argparse.Namespace) -> socket.socket | None:
 
 def serve(a: argparse.Namespace) -> int:
     from neon_hpc.rollout.engines import embedded
+    from neon_hpc.rollout.engines.embedded.server import _Handler
 
     mode = a.disaggregation_mode
-    original = embedded._Handler._generate
+    original = _Handler._generate
 
     def generate(self, body):
         if isinstance(body, dict) and mode != "null":
@@ -111,7 +112,7 @@ def serve(a: argparse.Namespace) -> int:
             return self._error(400, "return_routed_experts needs --enable-return-routed-experts")
         return original(self, body)
 
-    embedded._Handler._generate = generate
+    _Handler._generate = generate
     srv = embedded.serve(a.model_path, a.host, a.port, a.max_running_requests or 16, a.weight_version)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=srv.shutdown, daemon=True).start())
     print(json.dumps({"stand_in": "sglang.launch_server", "mode": mode, "url": srv.url,

@@ -4,7 +4,7 @@ Each entry: space group (Hermann-Mauguin symbol as pymatgen reads it, plus its n
 lattice (a, b, c, alpha, beta, gamma in Angstrom / degrees), the asymmetric unit
 (element, x, y, z) and the publication the numbers come from.  ``ref_checked`` is False
 where the numbers are standard literature values but we could not re-check the exact
-citation offline; such entries still pass the geometry checks in ``tests/test_xrd_library.py``
+citation offline; such entries still pass the geometry checks in ``tests/unit/envs/test_xrd_library.py``
 (composition, density, shortest bonds).  Crystallographic facts are not copyrightable; the
 entries are ours (licence: the project's).
 

@@ -4,7 +4,7 @@ Schema (portable: only TEXT / INTEGER / DOUBLE PRECISION, JSON kept as TEXT, ISO
 TEXT 'YYYY-MM-DD' so string order is date order).  SQLite is the embedded default; the same
 DDL and the same statements run on PostgreSQL: :meth:`Store.connect` takes a file path or a
 ``postgresql://`` DSN (psycopg 3; placeholders are rewritten for its ``format`` paramstyle).
-Both are tested, including the date cutoff and concurrent writers (``tests/test_xrd_store.py``
+Both are tested, including the date cutoff and concurrent writers (``tests/integration/test_xrd_store.py``
 against a throwaway PostgreSQL cluster).  Tables:
 
 ``experiments``: sample_id (key), date, chemical_system ("La-Ni-O-Ti", sorted), elements
@@ -17,7 +17,7 @@ publication year as 'YYYY-01-01'.
 
 The only way tools read it is :class:`DatedView`: every query carries ``date < cutoff`` in SQL
 *and* each returned row is re-checked in Python, so nothing dated on or after the task's date is
-ever returned, whatever the arguments (``tests/test_xrd_store.py`` checks this with random
+ever returned, whatever the arguments (``tests/integration/test_xrd_store.py`` checks this with random
 queries).
 """
 from __future__ import annotations
