@@ -7,6 +7,9 @@ layer table below.  A part may import parts of a lower layer only; parts of one 
 import each other (the foundation excepted: small shared helpers).  On top of the layers:
 
 * ``reshard`` is a post-run tool and imports nothing of the trainer, the models or the rollout;
+* ``checkpoint`` (the torch_dist checkpoint format: ``.metadata`` read by an allowlist unpickler,
+  ``integrity.json``, the ``config.json`` a checkpoint carries) is what the trainer and reshard both
+  read; it sits below both (and below the models) and imports the foundation only;
 * ``hfmap`` (the megatron <-> HF mapping both the models and reshard read) imports nothing of neon_hpc
   but the architecture registry (``arch``: one folder per architecture, its facts and tables);
 * an environment's folder (``neon_hpc/envs/<name>/``: its episode adapter, task source,
@@ -47,6 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # architecture adapters, megatron and HF builders
+    ("checkpoint format", {"checkpoint"}),              # torch_dist: metadata, integrity, config.json; trainer + reshard
     ("foundation", {"protocol", "config", "hfmap", "arch", "envs", "util", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
@@ -200,7 +204,8 @@ def test_reshard_and_its_mapping_load_no_trainer_or_models():
     """At run time too: the converter's modules load the mapping, not neon_hpc.models/train/rollout
     (nor torch: ``--dry-run`` plans from metadata alone)."""
     code = ("import sys, neon_hpc.reshard.cli, neon_hpc.reshard.pipeline, neon_hpc.reshard.tasks, "
-            "neon_hpc.reshard.configsource, neon_hpc.hfmap; "
+            "neon_hpc.reshard.hfconfig, neon_hpc.checkpoint.metadata, neon_hpc.checkpoint.integrity, "
+            "neon_hpc.checkpoint.configsource, neon_hpc.hfmap; "
             "import json; print(json.dumps([sorted({m.split('.')[1] for m in sys.modules "
             "if m.startswith('neon_hpc.')}), 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

@@ -27,7 +27,7 @@ from neon_hpc.hfmap import (ARCHES, EXPERT_RULES, IGNORED_SUFFIXES, LAYER_RULES,
                             qkv_part, qkv_rows)
 from neon_hpc.arch import known as known_architectures
 from neon_hpc.hfmap import Rule as NameRule
-from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
+from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, TensorMeta
 
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
