@@ -4,7 +4,7 @@
 sweep is ``dataclasses.replace(params, ...)``.  ``Sourced`` pairs it with a source per field:
 ``default`` (a PlanConfig default), ``config <file>: <key>`` (the experiment config),
 ``derived (<formula>)``, or ``RESULT <file>:<line> <key>`` (a benchmark measurement, see
-``calibrate.py``).  Every table the planner prints carries these sources.
+``measured.py``).  Every table the planner prints carries these sources.
 
 A field the experiment config gives as is declares its key beside it (``Annotated[int,
 From("rollout.group_size")]``): :func:`from_experiment` copies every such field in one loop;
