@@ -26,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
     "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
-    "balance": ("neon_hpc.balance.cli", "cost model calibration and balancing dry runs"),
+    "balance": ("neon_hpc.balance.cli", "balancing dry runs: sequence lengths in, one step's assignment out"),
+    "costfit": ("neon_hpc.train.costfit.cli", "fit the balancer's cost model (balance.cost_file) to the trainer's timed step"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
     "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
 }
@@ -37,17 +38,10 @@ def _plot_run(run_dir: str):
     return plot_run(run_dir)
 
 
-def _trainer_step():
-    from neon_hpc.train import calibrate  # deferred: heavy (neon_hpc.train.calibrate: numpy)
-    return calibrate
-
-
 # command -> keyword arguments its main() takes from this layer: what a lower layer must not import
-# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn; `neon-hpc balance
-# calibrate` times the trainer's own step, which the balancer, a service, must not import)
+# (`neon-hpc run`: the launcher's run ends, then the operator tools' plot is drawn)
 HANDED_IN: dict[str, dict] = {
     "run": {"plot": _plot_run},
-    "balance": {"trainer_step": _trainer_step},
 }
 
 

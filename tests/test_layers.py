@@ -7,6 +7,8 @@ layer table below.  A part may import parts of a lower layer only; parts of one 
 import each other (the foundation excepted: small shared helpers).  On top of the layers:
 
 * ``reshard`` is a post-run tool and imports nothing of the trainer, the models or the rollout;
+* ``balance`` is metadata in, assignment out: it imports no torch (checked below); fitting its cost
+  model to the trainer's timed step is the trainer's (``neon_hpc/train/costfit/``);
 * ``checkpoint`` (the torch_dist checkpoint format: ``.metadata`` read by an allowlist unpickler,
   ``integrity.json``, the ``config.json`` a checkpoint carries) is what the trainer and reshard both
   read; it sits below both (and below the models) and imports the foundation only;
@@ -212,6 +214,15 @@ def test_reshard_and_its_mapping_load_no_trainer_or_models():
     parts, torch_loaded = json.loads(out.stdout)
     assert "reshard" in parts and not {"models", "train", "rollout", "launch"} & set(parts), parts
     assert not torch_loaded
+
+
+def test_the_balancer_imports_no_torch():
+    """``balance`` is metadata in, assignment out: no module of it imports torch or megatron, not even
+    lazily (timing the trainer's step and the plain-torch stand-in are the trainer's:
+    ``neon_hpc/train/costfit/``)."""
+    bad = [f"{p.relative_to(REPO)}:{line}: {m}" for p in sorted((LIB / "balance").rglob("*.py"))
+           for line, m in imports_of(p) if m.split(".")[0] in ("torch", "megatron")]
+    assert not bad, bad
 
 
 def test_one_mapping_object_for_the_models_and_reshard():
