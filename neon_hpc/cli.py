@@ -26,21 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
     "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
-    "balance": ("neon_hpc.balance.cli", "cost model calibration and balancing dry runs"),
+    "balance": ("neon_hpc.balance.cli", "balancing dry runs: sequence lengths in, one step's assignment out"),
+    "costfit": ("neon_hpc.train.costfit.cli", "fit the balancer's cost model (balance.cost_file) to the trainer's timed step"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
     "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
-}
-
-
-def _trainer_step():
-    from neon_hpc.train import calibrate  # deferred: heavy (neon_hpc.train.calibrate: numpy)
-    return calibrate
-
-
-# command -> keyword arguments its main() takes from this layer: what a lower layer must not import
-# (`neon-hpc balance calibrate` times the trainer's own step, which the balancer, a service, must not import)
-HANDED_IN: dict[str, dict] = {
-    "balance": {"trainer_step": _trainer_step},
 }
 
 
@@ -89,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     from neon_hpc.config import ConfigError  # deferred: heavy (neon_hpc.config: pydantic)
     try:
-        return int(module.main(rest, **HANDED_IN.get(name, {})) or 0)
+        return int(module.main(rest) or 0)
     except ModuleNotFoundError as e:
         fix = extras.hint(e)
         if fix is None:

@@ -28,7 +28,7 @@ from neon_hpc import config, envs
 from neon_hpc.balance.configured import cost_model_for_config
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.config import ConfigError, ExperimentConfig
-from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.checkpoint.metadata import CheckpointError
 
 Problem = tuple[str, str]   # (role: key, message)
 

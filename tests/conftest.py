@@ -123,7 +123,7 @@ def postgres():
     pg.stop()
 
 
-# What a test's in-process trainer (``init_parallel``, ``train.loop.dist_env``, calibrate's
+# What a test's in-process trainer (``init_parallel``, ``train.loop.dist_env``, costfit's
 # runner) writes into os.environ for its one-rank rendezvous must not reach the next test's
 # subprocesses: a child that inherits MASTER_PORT meets at a port nobody serves any more.
 _RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -87,7 +87,7 @@ def _seal_on_rank0(ckpt: Path) -> None:
     """Write the digests (``integrity.json``) every checkpoint neon-hpc saves carries: reshard
     refuses a checkpoint without them unless told ``--allow-unverified``."""
     import torch.distributed as dist
-    from neon_hpc.reshard import integrity
+    from neon_hpc.checkpoint import integrity
     dist.barrier()
     if dist.get_rank() == 0:
         integrity.seal(ckpt)

@@ -10,7 +10,7 @@ N processes (CP ranks are megatron DP ranks; only the plan differs), so every
 (layout, method) pair runs the same data on the same weights, interleaved, ``--reps`` times.
 
 1. Calibrate: the trainer's step on single sequences and packed short documents (every
-   rank the same micro-batch), fitted with ``balance.calibrate.fit_microbatches``; written
+   rank the same micro-batch), fitted with ``train.costfit.fit.fit_microbatches``; written
    as a cost file that every plan then reads through ``balance.cost_file``.
 2. Measure: per (layout, method, rep) one ``train_step``; the step time is the slowest
    rank's forward/backward time from the trainer's own timers, the median over reps is
@@ -100,7 +100,7 @@ def worker(args) -> None:
     import torch
     torch.set_num_threads(1)
     from neon_hpc import config as C
-    from neon_hpc.balance.calibrate import fit_microbatches
+    from neon_hpc.train.costfit.fit import fit_microbatches
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import StepData, prepare_step, train_step
     from neon_hpc.train.sections import TrainerSections

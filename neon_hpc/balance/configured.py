@@ -19,12 +19,12 @@ from neon_hpc.balance.methods import assign_step
 
 
 def load_cost_file(path: str | Path) -> CostModel:
-    """A calibration report (``neon-hpc balance calibrate --out``) or a bare cost-model dict."""
+    """A calibration report (``neon-hpc costfit --out``) or a bare cost-model dict."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{p}: cost file not found; write one with `neon-hpc balance calibrate --out {p}`") from None
+        raise ValueError(f"{p}: cost file not found; write one with `neon-hpc costfit --out {p}`") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(data, dict):

@@ -18,7 +18,7 @@ it costs ``a*(e-s) + b*(e**2 - s**2)``, and the chunks of a sequence add up to t
 whole.
 
 Units are whatever ``a`` and ``b`` are in: FLOPs from :meth:`CostModel.from_model_config`,
-seconds from ``neon-hpc balance calibrate``.  The balancer only compares costs, so either
+seconds from ``neon-hpc costfit``.  The balancer only compares costs, so either
 works; predicted step times are in the same unit.  A calibrated model also carries
 ``mb_overhead`` (per micro-batch) and ``piece_overhead`` (per document or piece: one
 attention call per layer), which make packing many tiny documents, and cutting, cost
@@ -54,7 +54,7 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
         if self.a == 0 and self.b == 0:
             raise ValueError("CostModel: a and b are both 0; every assignment would cost nothing. "
-                             "Derive them with CostModel.from_model_config or `neon-hpc balance calibrate`")
+                             "Derive them with CostModel.from_model_config or `neon-hpc costfit`")
 
     # ---- costs ------------------------------------------------------------------------
     def seq_cost(self, n: int, images: int = 0) -> float:

@@ -1,6 +1,6 @@
 """The cost file's ``memory`` block: activation bytes per token, measured on the trainer's own step.
 
-``neon-hpc balance calibrate`` runs the real trainer step (``neon_hpc.train.calibrate``) and,
+``neon-hpc costfit`` runs the real trainer step (``neon_hpc.train.costfit.step``) and,
 beside the times it fits the cost model to, records each step's **peak memory above what the
 model held before the step** (weights, gradient buffers, optimizer state are already there
 after a warm-up step; what the step adds is activations, the backward's working set and the
@@ -32,7 +32,7 @@ Block format (JSON, key ``memory`` of the cost file; :func:`memory_from_dict` ch
      "model": {"hidden_size", "num_attention_heads", "vocab_size", ...},
      "points": [{"layers", "tokens", "peak_bytes", "predicted_bytes"}], "rel_rms", "rel_max"}
 
-Pure arithmetic: no torch (the measurement is the trainer's, :mod:`neon_hpc.train.calibrate`).
+Pure arithmetic: no torch (the measurement is the trainer's, :mod:`neon_hpc.train.costfit.step`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class MeasuredActivations:
                 raise ValueError(f"{self.source}: memory.{name} must be a finite number >= 0, got {v!r}")
         if self.per_hidden <= 0:
             raise ValueError(f"{self.source}: memory.per_hidden is 0: a layer that keeps nothing for its "
-                             f"backward; the measurement is broken (re-run `neon-hpc balance calibrate`)")
+                             f"backward; the measurement is broken (re-run `neon-hpc costfit`)")
         if self.element_bytes not in (2, 4):
             raise ValueError(f"{self.source}: memory.element_bytes must be 2 (bf16) or 4 (fp32), "
                              f"got {self.element_bytes!r}")
@@ -126,24 +126,24 @@ def memory_block(fit: dict, model_cfg, *, element_bytes: int, recompute: str, me
 def memory_from_dict(d: dict, where: str) -> MeasuredActivations:
     missing = [k for k in ("per_hidden", "per_head", "per_vocab", "element_bytes", "recompute") if k not in d]
     if missing:
-        raise ValueError(f"{where}: the memory block lacks {missing}; write it with `neon-hpc balance calibrate --out`")
+        raise ValueError(f"{where}: the memory block lacks {missing}; write it with `neon-hpc costfit --out`")
     return MeasuredActivations(per_hidden=d["per_hidden"], per_head=d["per_head"], per_vocab=d["per_vocab"],
                                element_bytes=d["element_bytes"], recompute=d["recompute"],
                                source=f"{where} (memory: {d.get('method', '?')} on {d.get('device', '?')})")
 
 
 def load_memory(path: str | Path) -> MeasuredActivations:
-    """The ``memory`` block of a cost file (``neon-hpc balance calibrate --out``)."""
+    """The ``memory`` block of a cost file (``neon-hpc costfit --out``)."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{p}: activation file not found; write one with `neon-hpc balance calibrate --out {p}`") \
+        raise ValueError(f"{p}: activation file not found; write one with `neon-hpc costfit --out {p}`") \
             from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("memory"), dict):
-        raise ValueError(f"{p}: no 'memory' block (a cost file from `neon-hpc balance calibrate --out` "
+        raise ValueError(f"{p}: no 'memory' block (a cost file from `neon-hpc costfit --out` "
                          f"without --no-memory has one)")
     return memory_from_dict(data["memory"], str(p))
 

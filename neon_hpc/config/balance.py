@@ -14,7 +14,7 @@ class BalanceConfig:
     shadow: bool = True                 # also report the baselines' predicted step time
     cost_a: float = 0.0                 # per-token cost; 0 = derive from the model config (or cost_file)
     cost_b: float = 0.0                 # per-token-pair cost; 0 = derive from the model config (or cost_file)
-    cost_file: str = ""                 # JSON written by `neon-hpc balance calibrate` (its cost_model is used)
+    cost_file: str = ""                 # JSON written by `neon-hpc costfit` (its cost_model is used)
     split_threshold_tokens: int = 0     # pieces this long are zigzagged across CP ranks; 0 = auto
                                         # (only with train.context_parallel > 1)
     split_sequences: bool | None = None  # the cost method cuts long sequences across DP ranks (the

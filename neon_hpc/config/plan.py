@@ -66,7 +66,7 @@ class PlanConfig:
     gpu_memory_bytes: float = 141e9     # H200
     train_memory_fraction: float = 0.8
     # activation bytes per token measured on the trainer's step: a cost file with a memory block
-    # (`neon-hpc balance calibrate --out FILE`); "" = plan/memory.py's formula
+    # (`neon-hpc costfit --out FILE`); "" = plan/memory.py's formula
     activation_file: str = ""
     seed: int = 0
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from neon_hpc import config
-from neon_hpc.plan import calibrate, report
+from neon_hpc.plan import measured, report
 from neon_hpc.plan.params import from_experiment
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     cal = None
     if a.calibrate:
         try:
-            cal = calibrate.apply(sourced, calibrate.read_results(a.calibrate))
+            cal = measured.apply(sourced, measured.read_results(a.calibrate))
         except (OSError, ValueError) as e:
             print(f"neon-hpc plan: {e}", file=sys.stderr)
             return 2

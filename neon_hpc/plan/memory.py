@@ -27,7 +27,7 @@ tokens (one document of T tokens, the worst case), on the first pipeline stage, 
   layer) plus one layer's working set (the layer re-run in the backward).
 
 The coefficients are **measured** when ``plan.activation_file`` names a cost file with a
-``memory`` block (``neon-hpc balance calibrate --out``: the trainer's own step,
+``memory`` block (``neon-hpc costfit --out``: the trainer's own step,
 ``neon_hpc/balance/memory.py``), else the formula :data:`FORMULA`: per layer 34 bytes per
 token per hidden unit in bf16 (Korthikanti et al. 2022, "Reducing Activation Recomputation
 in Large Transformer Models", ``sbh(34 + 5as/h)`` per layer, the ``5as/h`` score term left

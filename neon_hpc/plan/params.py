@@ -4,7 +4,7 @@
 sweep is ``dataclasses.replace(params, ...)``.  ``Sourced`` pairs it with a source per field:
 ``default`` (a PlanConfig default), ``config <file>: <key>`` (the experiment config),
 ``derived (<formula>)``, or ``RESULT <file>:<line> <key>`` (a benchmark measurement, see
-``calibrate.py``).  Every table the planner prints carries these sources.
+``measured.py``).  Every table the planner prints carries these sources.
 
 A field the experiment config gives as is declares its key beside it (``Annotated[int,
 From("rollout.group_size")]``): :func:`from_experiment` copies every such field in one loop;
@@ -413,7 +413,7 @@ def _trainer(s: Sourced, cfg: Any, c) -> None:
 
 def _activations(s: Sourced, cfg: Any, c) -> None:
     """The activation term's shape and coefficients (plan/memory.py): measured when
-    ``plan.activation_file`` is set (the memory block of a ``neon-hpc balance calibrate`` cost
+    ``plan.activation_file`` is set (the memory block of a ``neon-hpc costfit`` cost
     file), else the documented formula."""
     pc, recompute = cfg.plan, cfg.train.recompute
     if pc.activation_file:
@@ -422,7 +422,7 @@ def _activations(s: Sourced, cfg: Any, c) -> None:
         if m.recompute != "none" and m.recompute != recompute or m.recompute == "full":
             raise ValueError(f"plan.activation_file={pc.activation_file}: measured with train.recompute="
                              f"{m.recompute!r}, planned with {recompute!r}; the planner derives selective and full "
-                             f"from a measurement without recomputation: re-run `neon-hpc balance calibrate` with "
+                             f"from a measurement without recomputation: re-run `neon-hpc costfit` with "
                              f"--set train.recompute=none")
         src = f"measured ({c('plan.activation_file')}: {m.source})"
         values = {"act_per_hidden": m.per_hidden, "act_per_head": m.per_head, "act_per_vocab": m.per_vocab,

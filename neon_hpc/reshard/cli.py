@@ -12,8 +12,8 @@ import traceback
 
 from neon_hpc.arch import MODEL_TYPES
 from neon_hpc.reshard.comm import get_comm, launched_under_mpi
-from neon_hpc.reshard.integrity import UNVERIFIED_WARNING
-from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.checkpoint.integrity import UNVERIFIED_WARNING
+from neon_hpc.checkpoint.metadata import CheckpointError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,9 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # deferred: heavy (neon_hpc.reshard.configsource and .pipeline: pydantic, torch when converting; --help stays light)
-    from neon_hpc.reshard.configsource import check_dst_outside_src
-    from neon_hpc.reshard.pipeline import ReshardError, convert, tasks_with_source
+    # deferred: heavy (neon_hpc.reshard.pipeline: pydantic, torch when converting; --help stays light)
+    from neon_hpc.reshard.pipeline import ReshardError, check_dst_outside_src, convert, tasks_with_source
     cap = int(args.shard_size_gb * 1e9)
     try:
         if args.dry_run:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from neon_hpc.util.progress import bar
 from neon_hpc.reshard.slabs import Slab, apply_op
-from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk
+from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, Chunk
 from neon_hpc.reshard.tasks import ConversionTasks, Task, intersects
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import shutil
 import sys
@@ -15,14 +16,13 @@ import traceback
 from pathlib import Path
 
 from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
-from neon_hpc.reshard.slabs import ModelSpec, canonical_arch
+from neon_hpc.reshard.slabs import MappingError, ModelSpec, canonical_arch
 from neon_hpc.reshard.comm import get_comm
 from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
-from neon_hpc.reshard.configsource import ConfigSource, check_config_shapes, check_dst_outside_src
-from neon_hpc.reshard.configsource import resolve as resolve_config
-from neon_hpc.reshard.hfconfig import write_hf_side
-from neon_hpc.reshard.integrity import DIGEST_FILE, UNVERIFIED_WARNING
-from neon_hpc.reshard.metadata import CheckpointError, read_checkpoint
+from neon_hpc.reshard.hfconfig import ConfigSource, check_config_shapes, write_hf_side
+from neon_hpc.reshard.hfconfig import resolve as resolve_config
+from neon_hpc.checkpoint.integrity import DIGEST_FILE, UNVERIFIED_WARNING
+from neon_hpc.checkpoint.metadata import CheckpointError, read_checkpoint
 from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, make_tasks
 from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
 
@@ -35,7 +35,7 @@ def build_tasks(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
                shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionTasks, dict, list[str]]:
     """Checkpoint metadata + HF config -> (tasks, config.json dict, guessed config fields).
 
-    The config comes from :func:`neon_hpc.reshard.configsource.resolve` (``--hf-config-dir``,
+    The config comes from :func:`neon_hpc.reshard.hfconfig.resolve` (``--hf-config-dir``,
     the checkpoint's own config.json, the run's run.yaml; else refused unless
     ``allow_guessed_config``) and must fit the checkpoint's shapes."""
     work, source = tasks_with_source(src, hf_config_dir, arch, ranks, hf_config, shard_cap, allow_guessed_config)
@@ -251,3 +251,17 @@ def _stats(work: ConversionTasks, mode: str, results: list[dict], final: dict, s
         "files": final.get("files"), "tensors": final.get("tensors"), "verified": final.get("verified"),
         "per_rank": per_rank,
     }
+
+
+# ---------------------------------------------------------------------------------------
+# --dst must stay out of the source
+
+
+def check_dst_outside_src(src, dst) -> None:
+    """Refuse a ``--dst`` equal to, inside, or containing ``--src`` (symlinks resolved)."""
+    s = Path(os.path.realpath(src))
+    d = Path(os.path.realpath(dst))
+    if d == s or s in d.parents or d in s.parents:
+        how = "is" if d == s else ("is inside" if s in d.parents else "contains")
+        raise MappingError(f"--dst {dst} ({d}) {how} --src {src} ({s}); the converter never writes into or around "
+                           f"the checkpoint it reads. Choose a --dst outside {s}.")

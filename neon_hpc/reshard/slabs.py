@@ -26,7 +26,7 @@ from typing import Callable
 from neon_hpc import arch as registry
 from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES, QKVShape, qkv_part, qkv_rows
 from neon_hpc.arch.rules import Rule as NameRule
-from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, TensorMeta
+from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, TensorMeta
 
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")

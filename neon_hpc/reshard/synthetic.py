@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.util.netutil import free_port
-from neon_hpc.reshard import integrity
+from neon_hpc.checkpoint import integrity
 
 
 @dataclass

@@ -9,7 +9,7 @@ renamed into place by rank 0 after every rank finished writing)::
     trainer_state.json                                   step, weight version, data cursor, layout
     rng/rank_R.pt                                        each rank's RNG states (tensors only)
     integrity.json                                       xxh3 digest per .distcp file and per blob
-                                                         (neon_hpc/reshard/integrity.py); checked on resume
+                                                         (neon_hpc/checkpoint/integrity.py); checked on resume
     config.json                                          the model's HF config (reshard needs nothing else)
 
 ``trainer_state.json``::
@@ -48,10 +48,10 @@ import torch.distributed as dist
 
 from neon_hpc.util.bounded import REPR_CAP, clip_text
 from neon_hpc.util.procutil import die_with_parent
-from neon_hpc.reshard import integrity
-from neon_hpc.reshard.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
+from neon_hpc.checkpoint import integrity
+from neon_hpc.checkpoint.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error
-from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
+from neon_hpc.checkpoint.metadata import CheckpointError, load_dcp_metadata, read_json_object
 from neon_hpc.train.backend import Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict, param_digest
 from neon_hpc.train import writers
 
@@ -189,7 +189,7 @@ def refuse_untrusted(ckpt_dir: str | Path) -> None:
     file whose ``__reduce__`` names ``os.system`` runs that command inside the trainer.  Every
     checkpoint the trainer loads (a resume's ``checkpoints/step_N``, ``model.init_checkpoint``)
     passes this first: ``.metadata`` through the allowlist unpickler of
-    :mod:`neon_hpc.reshard.metadata` (only DCP's own classes, as stand-ins), ``common.pt``
+    :mod:`neon_hpc.checkpoint.metadata` (only DCP's own classes, as stand-ins), ``common.pt``
     through ``torch.load(weights_only=True)``.  Raises ``CheckpointError`` (one line) naming
     the file, the global it refused, and what to do; returns the (stand-in) DCP metadata.
     """

@@ -48,7 +48,7 @@ from neon_hpc.util.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.replay.rows import to_trainer_rows
-from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.checkpoint.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
 from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights

@@ -1,4 +1,4 @@
-"""`neon-hpc balance calibrate|dry-run` as real processes, the calibration fit, the
+"""`neon-hpc costfit` and `neon-hpc balance dry-run` as real processes, the calibration fit, the
 measured compute's attention and the config wiring."""
 
 import json
@@ -11,9 +11,9 @@ import torch
 
 from neon_hpc import config
 from neon_hpc.balance import CostModel
-from neon_hpc.balance.calibrate import _features, fit, fit_microbatches
+from neon_hpc.train.costfit.fit import _features, fit, fit_microbatches
 from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, assignment_for_config
-from neon_hpc.balance.measure import attend
+from neon_hpc.train.costfit.standin import attend
 from repo_paths import REPO
 
 NEON = [sys.executable, "-m", "neon_hpc.cli"]
@@ -72,7 +72,7 @@ def test_calibrate_times_the_trainers_step_and_measures_its_memory(tmp_path):
     per-token-pair terms a 7-point fit puts the growth in depends on the machine's noise (a loaded
     machine gave a=0.0), that the step grows with its tokens does not."""
     out = tmp_path / "cost.json"
-    r = run("balance", "calibrate", "--lengths", "64,256,512,1024", "--repeats", "1", "--out", str(out), *SHAPE,
+    r = run("costfit", "--lengths", "64,256,512,1024", "--repeats", "1", "--out", str(out), *SHAPE,
             check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "fit: t =" in r.stdout and "device: cpu" in r.stdout and "B/token/layer" in r.stdout
@@ -126,22 +126,18 @@ def test_calibrate_times_the_trainers_step_and_measures_its_memory(tmp_path):
     assert report.trainer_layout(too_small.params, 1).fits
 
 
-def test_calibrate_stand_in_and_without_the_trainer_handed_in(tmp_path):
+def test_calibrate_stand_in(tmp_path):
     out = tmp_path / "cost.json"
-    r = run("balance", "calibrate", "--stand-in", "--lengths", "32,128,256,512", "--repeats", "1",
+    r = run("costfit", "--stand-in", "--lengths", "32,128,256,512", "--repeats", "1",
             "--out", str(out), check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert "stand-in" in rep["machine"]["runner"] and "memory" not in rep
     assert {c["case"].split()[0] for c in rep["checks"]} == {"6", "chunk", "zigzag"}
-    r = subprocess.run([sys.executable, "-c", "import sys; from neon_hpc.balance.cli import main; "
-                        "sys.exit(main(['calibrate', '--lengths', '32,64,128']))"],
-                       capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 2 and "neon-hpc balance calibrate" in r.stderr and "--stand-in" in r.stderr
 
 
 def test_setup_extras_are_the_configs_precision_and_recompute():
-    from neon_hpc.train.calibrate import setup_extras
+    from neon_hpc.train.costfit.step import setup_extras
     t = config.load(None, ["train.recompute=full", "train.precision=bf16"]).train
     assert setup_extras(t) == {"precision": "bf16", "recompute": "full"}
 
@@ -164,7 +160,7 @@ def test_dry_run_errors_name_the_problem(tmp_path):
     r = run("balance", "dry-run", "--lengths", "1,x", check=False)
     assert r.returncode == 2 and "--lengths" in r.stderr
     r = run("balance", "dry-run", "--lengths", "5", "--cost-file", str(tmp_path / "nope.json"), check=False)
-    assert r.returncode == 2 and "neon-hpc balance calibrate" in r.stderr
+    assert r.returncode == 2 and "neon-hpc costfit" in r.stderr
     r = run("balance", "dry-run", "--lengths-file", str(tmp_path / "missing.txt"), check=False)
     assert r.returncode == 2 and "cannot read it" in r.stderr
     (tmp_path / "l.json").write_text('[900, "x"]')

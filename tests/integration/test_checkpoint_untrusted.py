@@ -31,7 +31,7 @@ import torch
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.train import backend as B, checkpoint as ckpt
-from neon_hpc.reshard.metadata import CheckpointError
+from neon_hpc.checkpoint.metadata import CheckpointError
 
 root, marker = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from neon_hpc import config
-from neon_hpc.plan import calibrate
+from neon_hpc.plan import measured
 from neon_hpc.plan.cli import main
 from neon_hpc.plan.params import from_experiment
 from repo_paths import REPO as ROOT
@@ -44,7 +44,7 @@ def test_replay_stall_figures_invert_to_the_per_byte_cost_that_produced_them(tmp
     out.write_text("some table\nRESULT replay_bytes_full_over_delta=17.1 "
                    f"kimi_dp_stall_full_s={stall['full']:.6f} kimi_dp_stall_delta_s={stall['delta']:.6f}\n")
     s = from_experiment(config.load(KIMI), KIMI)
-    cal = calibrate.apply(s, calibrate.read_results([str(out)]))
+    cal = measured.apply(s, measured.read_results([str(out)]))
     assert s.params.export_bytes_per_s == pytest.approx(1 / per_byte, rel=1e-3)
     assert s.source("export_bytes_per_s").startswith(f"RESULT {out}:2 kimi_dp_stall")
     assert ("replay_bytes_full_over_delta", f"{out}:2") in [(k, w) for k, w, _ in cal.unused]
@@ -55,7 +55,7 @@ def test_direct_and_alias_keys_set_parameters_and_later_lines_win(tmp_path):
     f.write_text("RESULT decode_tokens_per_s=12 mfu=0.2 gpu_bf16_tflops=700 note=fast\n"
                  "RESULT gpu_decode_tokens_per_s=31.5 reshard_bytes_per_s=2e9\n")
     s = from_experiment(config.load(KIMI), KIMI)
-    cal = calibrate.apply(s, calibrate.read_results([str(f)]))
+    cal = measured.apply(s, measured.read_results([str(f)]))
     p = s.params
     assert p.decode_tokens_per_s == 31.5 and s.source("decode_tokens_per_s") == f"RESULT {f}:2 gpu_decode_tokens_per_s"
     assert p.mfu == 0.2 and p.gpu_flops == pytest.approx(700e12)
@@ -67,7 +67,7 @@ def test_a_file_without_result_lines_is_an_error_that_says_what_to_pass(tmp_path
     f = tmp_path / "empty.txt"
     f.write_text("no results here\n")
     with pytest.raises(ValueError, match="no 'RESULT k=v"):
-        calibrate.read_results([str(f)])
+        measured.read_results([str(f)])
 
 
 def test_cli_prints_sources_policies_sweep_and_writes_png(tmp_path, capsys):
@@ -108,7 +108,7 @@ def test_real_benchmark_result_lines_are_sorted_into_used_and_not_used(tmp_path)
                  "RESULT mfu=nan decode_tokens_per_s=-3\n")
     s = from_experiment(config.load(KIMI), KIMI)
     before = s.params.mfu
-    cal = calibrate.apply(s, calibrate.read_results([str(f)]))
+    cal = measured.apply(s, measured.read_results([str(f)]))
     assert cal.applied == []
     assert s.params.mfu == before and s.params.decode_tokens_per_s == 25.0
     reasons = {k: why for k, _, why in cal.unused}

@@ -26,7 +26,7 @@ def saved(tmp_path_factory):
 
 
 def test_mla_checkpoint_has_per_layer_keys_and_router_bias(saved):
-    from neon_hpc.reshard.metadata import read_checkpoint
+    from neon_hpc.checkpoint.metadata import read_checkpoint
     keys = set(read_checkpoint(saved / "ckpt").tensors)
     assert "decoder.layers.0.mlp.linear_fc1.weight" in keys            # dense first layer
     assert "decoder.layers.1.mlp.router.expert_bias" in keys

@@ -76,7 +76,7 @@ def resume(run_root):
 
 out = {"intact": resume(root / "run")}
 # flipped bytes in the middle of the first routed-expert fc1 blob
-from neon_hpc.reshard.metadata import read_checkpoint
+from neon_hpc.checkpoint.metadata import read_checkpoint
 ck = read_checkpoint(root / "run" / "checkpoints" / "step_1")
 key = sorted(k for k in ck.tensors if k.startswith("decoder.") and "experts" in k and "linear_fc1.weight" in k)[0]
 c = ck.tensors[key].chunks[0]
@@ -119,7 +119,7 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 def test_trainer_checkpoint_carries_hf_config_and_digests(trained):
     from neon_hpc.config.model import ModelConfig
-    from neon_hpc.reshard.configsource import hf_config_for_model
+    from neon_hpc.checkpoint.configsource import hf_config_for_model
     step = trained["step"]
     assert json.loads((step / "config.json").read_text()) == json.loads(json.dumps(hf_config_for_model(ModelConfig())))
     body = json.loads((step / "integrity.json").read_text())

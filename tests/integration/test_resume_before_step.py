@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.train import checkpoint as ckpt
-from neon_hpc.reshard.metadata import load_dcp_metadata
+from neon_hpc.checkpoint.metadata import load_dcp_metadata
 from test_train_loop import (add_shards, beat, dataset, losses, new_run, reference, start,  # noqa: F401 (fixtures)
                              wait_for, wait_ok, weights)
 

@@ -7,7 +7,12 @@ layer table below.  A part may import parts of a lower layer only; parts of one 
 import each other (the foundation excepted: small shared helpers).  On top of the layers:
 
 * ``reshard`` is a post-run tool and imports nothing of the trainer, the models or the rollout;
-  the megatron <-> HF mapping it shares with the models is the architectures' (``arch``: one
+* ``balance`` is metadata in, assignment out: it imports no torch (checked below); fitting its cost
+  model to the trainer's timed step is the trainer's (``neon_hpc/train/costfit/``);
+* ``checkpoint`` (the torch_dist checkpoint format: ``.metadata`` read by an allowlist unpickler,
+  ``integrity.json``, the ``config.json`` a checkpoint carries) is what the trainer and reshard both
+  read; it sits below both (and below the models) and imports the foundation only;
+* the megatron <-> HF mapping reshard shares with the models is the architectures' (``arch``: one
   folder per architecture, its facts and tables, and the rule vocabulary ``arch/rules.py``);
 * an environment's folder (``neon_hpc/envs/<name>/``: its episode adapter, task source,
   demonstrations, evaluation) is a plugin (part ``env_plugins``) above the agent loop it plugs
@@ -48,6 +53,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # megatron and HF builders, arch/<name>/megatron.py
+    ("checkpoint format", {"checkpoint"}),              # torch_dist: metadata, integrity, config.json; trainer + reshard
     ("foundation", {"protocol", "config", "arch", "envs", "util", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"
@@ -201,13 +207,23 @@ def test_reshard_and_its_mapping_load_no_trainer_or_models():
     """At run time too: the converter's modules load the mapping, not neon_hpc.models/train/rollout
     (nor torch: ``--dry-run`` plans from metadata alone)."""
     code = ("import sys, neon_hpc.reshard.cli, neon_hpc.reshard.pipeline, neon_hpc.reshard.tasks, "
-            "neon_hpc.reshard.configsource, neon_hpc.arch, neon_hpc.arch.rules; "
+            "neon_hpc.reshard.hfconfig, neon_hpc.checkpoint.metadata, neon_hpc.checkpoint.integrity, "
+            "neon_hpc.checkpoint.configsource, neon_hpc.arch, neon_hpc.arch.rules; "
             "import json; print(json.dumps([sorted({m.split('.')[1] for m in sys.modules "
             "if m.startswith('neon_hpc.')}), 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     parts, torch_loaded = json.loads(out.stdout)
     assert "reshard" in parts and not {"models", "train", "rollout", "launch"} & set(parts), parts
     assert not torch_loaded
+
+
+def test_the_balancer_imports_no_torch():
+    """``balance`` is metadata in, assignment out: no module of it imports torch or megatron, not even
+    lazily (timing the trainer's step and the plain-torch stand-in are the trainer's:
+    ``neon_hpc/train/costfit/``)."""
+    bad = [f"{p.relative_to(REPO)}:{line}: {m}" for p in sorted((LIB / "balance").rglob("*.py"))
+           for line, m in imports_of(p) if m.split(".")[0] in ("torch", "megatron")]
+    assert not bad, bad
 
 
 def test_one_mapping_object_for_the_models_and_reshard():

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from neon_hpc.balance import CostModel, attention_flops, flops_breakdown
-from neon_hpc.balance.measure import build_model
+from neon_hpc.train.costfit.standin import build_model
 from neon_hpc.config.model import ModelConfig
 
 KIMI = dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neon_hpc.reshard.slabs import MappingError, ModelSpec, Op, apply_op
-from neon_hpc.reshard.metadata import Checkpoint, CheckpointError, Chunk, TensorMeta, read_checkpoint
+from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, Chunk, TensorMeta, read_checkpoint
 from neon_hpc.reshard.tasks import make_tasks
 
 SPEC = ModelSpec("qwen3_moe", vocab_size=250, num_attention_heads=4, num_key_value_heads=2, head_dim=2)
@@ -175,15 +175,15 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
     from neon_hpc import arch
     from neon_hpc.config.model import ModelConfig
     from model_fixtures import tiny_dsv3
-    from neon_hpc.reshard import configsource
+    from neon_hpc.reshard import hfconfig
     cfg = {"qwen3_moe": ModelConfig(), "deepseek_v3": tiny_dsv3(),
            "deepseek_v3_no_q_lora": replace(tiny_dsv3(), q_lora_rank=0)}[which]
     ck = _shapes_of(cfg)
-    derived, guessed = configsource._derive(ck, cfg.arch)
+    derived, guessed = hfconfig._derive(ck, cfg.arch)
     want = arch.get(cfg.arch).hf_config_dict(cfg)
     told = {k: v for k, v in derived.items() if not any(g.split()[0] == k for g in guessed)}
     assert len(told) >= 10 and {k: want[k] for k in told} == told
-    configsource.check_config_shapes(want, ck)
+    hfconfig.check_config_shapes(want, ck)
 
 
 def test_kimi_k2_is_accepted_as_deepseek_v3_everywhere_an_arch_is_named():

@@ -1,4 +1,5 @@
-"""Calibration: benchmark ``RESULT k=v ...`` lines -> simulator parameters, with sources.
+"""Measured figures (``neon-hpc plan --calibrate``): benchmark ``RESULT k=v ...`` lines ->
+simulator parameters, with sources.
 
 Every benchmark (``tools/bench_*.py``) ends with one ``RESULT name=value ...`` line.  This
 module reads such lines from files (or stdin, ``-``) and maps the keys it understands onto

@@ -7,10 +7,10 @@ checks the fit on micro-batches it was not fitted on.  ``c0`` becomes the cost m
 ``mb_overhead``, ``d`` its ``piece_overhead``.
 
 What is timed is a *runner*: ``runner.best_of(pieces, repeats) -> seconds`` (and optionally
-``describe() -> dict``, ``can_split``, ``step_overheads``).  ``neon-hpc balance calibrate``
-hands in the trainer's own step (``neon_hpc.train.calibrate.TrainerStepRunner``: megatron-core
+``describe() -> dict``, ``can_split``, ``step_overheads``).  ``neon-hpc costfit``
+hands in the trainer's own step (``neon_hpc.train.costfit.step.TrainerStepRunner``: megatron-core
 model, the trainer's attention, DDP and optimizer, on CUDA when available); without one, the
-plain-torch stand-in of :mod:`neon_hpc.balance.measure` (the benchmark's measured compute).
+plain-torch stand-in of :mod:`neon_hpc.train.costfit.standin` (the benchmark's measured compute).
 A runner that cannot run a late chunk of a sequence alone (``can_split = False``: one trainer
 rank holds no other rank's prefix) is checked on packed mixes and an unfitted length instead.
 """
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from neon_hpc.balance.cost import CostModel, flops_breakdown
-from neon_hpc.balance.measure import Runner
+from neon_hpc.train.costfit.standin import Runner
 from neon_hpc.util.progress import bar
 
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -95,7 +95,7 @@ def calibrate(model_cfg, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int 
     if hasattr(runner, "describe"):
         machine = runner.describe()
     else:
-        machine = {"runner": "plain-torch stand-in of the model's shape (neon_hpc.balance.measure)",
+        machine = {"runner": "plain-torch stand-in of the model's shape (neon_hpc.train.costfit.standin)",
                    "device": "cpu", "device_type": "cpu", "platform": platform.platform(),
                    "processor": platform.processor(), "torch_threads": threads, "clock": clock}
     rep = {

@@ -28,7 +28,7 @@ from pathlib import Path
 import xxhash
 
 from neon_hpc.util.bounded import short_repr
-from neon_hpc.reshard.metadata import CheckpointError, load_dcp_metadata, read_json_object
+from neon_hpc.checkpoint.metadata import CheckpointError, load_dcp_metadata, read_json_object
 
 DIGEST_FILE = "integrity.json"
 ALGORITHM = "xxh3_64"
@@ -87,7 +87,7 @@ def digest_file(path: Path, items: list[tuple[int, int]]) -> dict:
 
 def storage_items(ckpt_dir: Path) -> dict[str, list[tuple[int, int]]]:
     """Per ``.distcp`` file, the ``(offset, length)`` of each storage item, from ``.metadata``
-    (read with reshard's allowlist unpickler, never ``pickle.load``)."""
+    (read with metadata.py's allowlist unpickler, never ``pickle.load``)."""
     meta = load_dcp_metadata(Path(ckpt_dir) / ".metadata")
     storage = getattr(meta, "storage_data", None)
     if not isinstance(storage, dict):

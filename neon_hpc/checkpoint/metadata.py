@@ -258,7 +258,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{ckpt / '.metadata'}: malformed DCP metadata ({type(e).__name__}: {e}); the file is "
                               f"damaged or foreign: restore it from another copy of the checkpoint") from None
     files = {c.file for t in tensors.values() for c in t.chunks}
-    from neon_hpc.reshard import integrity  # deferred: heavy (neon_hpc.reshard.integrity: xxhash)
+    from neon_hpc.checkpoint import integrity  # deferred: heavy (neon_hpc.checkpoint.integrity: xxhash)
     return Checkpoint(ckpt, tensors, sorted(others), _file_sizes(ckpt, files), integrity.load(ckpt))
 
 

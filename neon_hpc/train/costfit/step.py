@@ -1,4 +1,4 @@
-"""The trainer's own step, timed and its memory measured: what ``neon-hpc balance calibrate`` runs.
+"""The trainer's own step, timed and its memory measured: what ``neon-hpc costfit`` runs.
 
 :class:`TrainerStepRunner` is one trainer rank (world 1, TP = EP = PP = 1) on this machine's
 device (CUDA when available, else CPU): ``backend.setup`` builds the megatron-core model, DDP
@@ -173,7 +173,7 @@ class TrainerStepRunner:
         return StepMeasure(microbatch_s=self._mark[0] - t0, step_s=t1 - t0, peak_bytes=peak)
 
     def best_of(self, pieces: Sequence[tuple[int, int]], repeats: int) -> float:
-        """The fastest of ``repeats`` steps' micro-batch time (``balance.calibrate``'s runner interface);
+        """The fastest of ``repeats`` steps' micro-batch time (``costfit.fit``'s runner interface);
         each step's per-step part (finalize + optimizer) goes to ``step_overheads``."""
         runs = [self.step(pieces) for _ in range(max(1, repeats))]
         self.step_overheads.extend(r.step_s - r.microbatch_s for r in runs)
@@ -187,7 +187,7 @@ class TrainerStepRunner:
         model = self.be.models[0]
         dtype = next(model.parameters()).dtype
         d: dict[str, Any] = {
-            "runner": "trainer step (neon_hpc.train.calibrate: backend.setup + loop.train_step, world 1)",
+            "runner": "trainer step (neon_hpc.train.costfit.step: backend.setup + loop.train_step, world 1)",
             "device": torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})",
             "device_type": "cuda" if self.cuda else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda if self.cuda else None,
@@ -305,7 +305,7 @@ def measure_memory_process(config_path: str | None, sets: Sequence[str], lengths
     as the CLI got them); its progress goes to this process's stderr."""
     with tempfile.TemporaryDirectory(prefix="neon_memory_") as tmp:
         out = os.path.join(tmp, "memory.json")
-        cmd = [sys.executable, "-m", "neon_hpc.train.calibrate", "--out", out, "--repeats", str(repeats),
+        cmd = [sys.executable, "-m", "neon_hpc.train.costfit.step", "--out", out, "--repeats", str(repeats),
                "--lengths", ",".join(str(int(n)) for n in lengths)]
         cmd += (["--config", config_path] if config_path else []) + [f"--set={s}" for s in sets]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -319,12 +319,12 @@ def measure_memory_process(config_path: str | None, sets: Sequence[str], lengths
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m neon_hpc.train.calibrate --out F --lengths ... [--config C] [--set k=v]``: the
+    """``python -m neon_hpc.train.costfit.step --out F --lengths ... [--config C] [--set k=v]``: the
     memory measurement of :func:`measure_memory_process` (a fresh process)."""
 
     from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, pydantic)
     from neon_hpc.protocol.rundir import atomic_write_json  # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
-    ap = argparse.ArgumentParser(prog="python -m neon_hpc.train.calibrate",
+    ap = argparse.ArgumentParser(prog="python -m neon_hpc.train.costfit.step",
                                  description="peak memory of the trainer's step at two depths (JSON)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--lengths", required=True)
