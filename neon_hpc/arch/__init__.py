@@ -7,7 +7,7 @@ megatron weight suffixes per layer, the HF fields reshard derives and checks), `
 fields, both ways) and ``megatron.py`` (the megatron config and layer spec; imported by
 ``neon_hpc.models`` only).  The rule vocabulary every folder's ``hfmap.py`` uses is
 :mod:`neon_hpc.arch.rules`.  Everything else asks :func:`get`; no other module spells an
-architecture's name (tests/test_arch_names.py).
+architecture's name (tests/structure/test_arch_names.py).
 
 Adding an architecture: a new folder with those four files, and its line in ``_REGISTERED``.
 """

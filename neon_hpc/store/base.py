@@ -3,7 +3,7 @@ of the place trajectories pass through between rollout workers and the trainer.
 
 One implementation per module (``filesystem.py`` today), registered by its ``kind`` in
 ``registry.py`` and chosen by ``store.kind`` in the experiment config. Contract tests any
-implementation must pass: ``tests/test_store_contract.py`` (add the new kind to its fixture).
+implementation must pass: ``tests/unit/store/test_store_contract.py`` (add the new kind to its fixture).
 """
 
 from __future__ import annotations

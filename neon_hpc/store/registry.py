@@ -2,7 +2,7 @@
 
 Adding a store: implement ``TrajectoryStore`` (``base.py``) in a module of its own, add its kind
 to ``StoreKind`` (``neon_hpc/config/store.py``, so ``neon-hpc config check`` knows it) and to ``STORES`` below,
-and add it to the contract tests' fixture (``tests/test_store_contract.py``).
+and add it to the contract tests' fixture (``tests/unit/store/test_store_contract.py``).
 """
 
 from __future__ import annotations
