@@ -175,6 +175,7 @@ def _journalled(run, worker, group, n):
         ep.stop_event.set()
         with pytest.raises(EpisodeStopped):
             ep.run()
+    assert j.drain() and j.stats.writes == n
     return j
 
 
@@ -208,3 +209,19 @@ def test_records_go_only_when_the_shard_is_committed(tmp_path):
     j.added("gD")
     assert run.journal_group("w0", "gD").is_dir()      # in the writer's buffer: still journalled
     assert j.committed() == 1 and not run.journal_group("w0", "gD").exists()
+
+
+def test_the_writer_thread_coalesces_and_a_failure_reaches_the_episodes(tmp_path):
+    run = RunDir(tmp_path / "run")
+    j = jr.Journal(run, 0, fsync=True)
+    ep = Episode(ScriptedClient(SCRIPT), ToyEnv(), TOK, CFG6)
+    slot = jr.Slot("w0-x-0", "gE", 0, 1, "toy-1")
+    for _ in range(20):
+        j.write(ep, slot)
+    assert j.drain() and j.stats.writes + j.stats.coalesced == 20
+    assert read_record(run.journal_record("w0", "gE", 0)).meta["uid"] == "w0-x-0"
+    (run.journal_owner("w0") / "gF").write_text("a file where the group's directory goes")
+    j.write(ep, jr.Slot("w0-x-1", "gF", 0, 1, "toy-1"))
+    j.drain()
+    with pytest.raises(RuntimeError, match="the episode journal stopped writing"):
+        j.write(ep, slot)

@@ -107,7 +107,11 @@ def write_record(path: str | os.PathLike, record: JournalRecord, fsync: bool = T
 
     ``fsync=False`` skips the data and directory fsyncs (the rename stays atomic against a crash
     of this process, not of the node): the rollout config's ``journal_fsync``."""
-    data = record.encode()
+    return write_encoded(path, record.encode(), fsync)
+
+
+def write_encoded(path: str | os.PathLike, data: bytes, fsync: bool = True) -> int:
+    """:func:`write_record` of a record already encoded (:meth:`JournalRecord.encode`)."""
     if fsync:
         with atomic_file(path, "wb") as f:
             f.write(data)
@@ -142,3 +146,33 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 def is_record(path: Path) -> bool:
     """A published record's name (temporaries are hidden and end otherwise)."""
     return path.name.endswith(JOURNAL_SUFFIX) and not path.name.startswith(".")
+
+
+def journal_summary(run) -> dict[str, Any]:
+    """What the run's journal holds (``neon-hpc status``): episodes, groups, turns, tokens, the
+    oldest generated token's version, records quarantined. Headers only; a record that cannot be
+    read is counted as ``unreadable``."""
+    out = {"episodes": 0, "groups": 0, "done": 0, "turns": 0, "tokens": 0, "gen_tokens": 0,
+           "oldest_version": None, "unreadable": 0, "quarantined": 0}
+    root = Path(run.journal)
+    if not root.is_dir():
+        return out
+    q = Path(run.journal_quarantine)
+    out["quarantined"] = sum(1 for p in q.iterdir() if is_record(p)) if q.is_dir() else 0
+    for owner in (d for d in root.iterdir() if d.is_dir() and d != q):
+        for group in (g for g in owner.iterdir() if g.is_dir()):
+            out["groups"] += 1
+            for p in (p for p in group.iterdir() if is_record(p)):
+                try:
+                    m = read_meta(p)
+                except (OSError, JournalCorrupt):
+                    out["unreadable"] += 1
+                    continue
+                out["episodes"] += 1
+                out["done"] += bool(m.get("done"))
+                for k in ("turns", "tokens", "gen_tokens"):
+                    out[k] += int(m.get("turn" if k == "turns" else k) or 0)
+                v = m.get("version_min")
+                if v is not None and (out["oldest_version"] is None or v < out["oldest_version"]):
+                    out["oldest_version"] = v
+    return out
