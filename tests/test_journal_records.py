@@ -225,3 +225,40 @@ def test_the_writer_thread_coalesces_and_a_failure_reaches_the_episodes(tmp_path
     j.drain()
     with pytest.raises(RuntimeError, match="the episode journal stopped writing"):
         j.write(ep, slot)
+
+
+def test_a_group_published_before_its_records_went_never_trains_twice(tmp_path):
+    """A worker killed between its shard's commit and the removal of the group's records: the
+    restarted worker publishes the group again from the journal, under the same uids; the
+    store's uid window skips them (counted) and nothing trains twice."""
+    from neon_hpc.config.store import StoreConfig
+    from neon_hpc.store import ShardWriter, claim_step
+    run = RunDir(tmp_path / "run")
+    j = jr.Journal(run, 0, fsync=False)
+    slots = [jr.Slot(f"w0-dup-{i}", "gG", i, 2, "toy-1") for i in range(2)]
+    with ShardWriter(run, "w0-first", StoreConfig(fsync=False)) as w:
+        for s in slots:
+            ep = Episode(ScriptedClient(SCRIPT), ToyEnv(), TOK, CFG6)
+            ep.on_boundary = lambda e, s=s: j.write(e, s)
+            tr = ep.run().trajectory(group_id="gG")
+            tr.metadata["uid"] = s.uid
+            w.add(tr)
+    j.drain()
+    first = claim_step(run.root, 0, want=2, consumer="trainer-0", timeout_s=0)
+    assert sorted(t.metadata["uid"] for t in first.trajectories) == ["w0-dup-0", "w0-dup-1"]
+    # ... the worker died before j.committed(): its successor finds the finished group and publishes it
+    (r,), _ = jr.Journal(run, 0).take_over(1, Log())
+    group = jr.resumed_group(r, lambda: Episode(ScriptedClient([]), ToyEnv(), TOK, CFG6))
+    assert all(ep.done for ep, _ in group.episodes)
+    with ShardWriter(run, "w0-second", StoreConfig(fsync=False)) as w:
+        for ep, s in group.episodes:
+            tr = ep.trajectory(group_id=s.group_id)
+            tr.metadata["uid"] = s.uid
+            w.add(tr)
+        for i in range(2):       # the successor's fresh episodes after it
+            tr = Episode(ScriptedClient(SCRIPT), ToyEnv(), TOK, CFG6).run().trajectory(group_id="gH")
+            tr.metadata["uid"] = f"w0-fresh-{i}"
+            w.add(tr)
+    again = claim_step(run.root, 1, want=2, consumer="trainer-0", timeout_s=0)
+    assert [t.metadata["uid"] for t in again.trajectories] == ["w0-fresh-0", "w0-fresh-1"]
+    assert again.duplicates == 2
