@@ -9,8 +9,9 @@ processes and interrupts it while episodes are in flight:
    same command runs again, which resumes.
 2. **SIGKILL** of rollout worker 1 in the rerun, mid-turn: the journal is read just before and
    just after; the node restarts the worker, which resumes its episodes.
-3. **requeue** (``--slurm``, with ``NEON_CLUSTER_DIR`` set): ``scontrol requeue`` of the
-   heterogeneous job on the local cluster (not in this file yet: see the runbook).
+3. **requeue** (``--slurm``; ``NEON_CLUSTER_DIR``: the local cluster of ``env/cluster.sh``):
+   ``scontrol requeue`` of the heterogeneous job (``neon-hpc launch``) while episodes are mid-way;
+   the journal is read while the job waits to start again, then the job is released and resumes.
 
 When the rerun has finished, every episode journalled at an interruption is looked up in the
 shards (claimed or ready) and in the claims' uid lists: it must be published once, under the
@@ -23,6 +24,7 @@ flight at the interruptions that were later consumed with their prefix intact, o
 ``journal_overhead``: the episodes' time in the journal over the workers' time running groups).
 
     python tools/bench_requeue.py                    # ~5 min on 2 CPU cores
+    NEON_CLUSTER_DIR=/path/.cluster python tools/bench_requeue.py --slurm
     python tools/bench_requeue.py --steps 10 --keep  # keep the run directory
 """
 
@@ -247,14 +249,64 @@ def run_bench(root: Path, steps: int, log=print) -> dict:
             "journal_overhead": overhead(root)}
 
 
+def run_requeue(root: Path, steps: int, cluster_dir: Path, log=print) -> dict:
+    """The long-episode run as the heterogeneous Slurm job of the local cluster (``env/cluster.sh``,
+    through ``tools/chaos.py``'s harness): ``scontrol requeue`` while episodes are mid-way, the
+    journal read while the job waits to start again, then released; accounted when it completes."""
+    import random
+    import chaos
+    from neon_hpc.launch.slurmjob import FINAL
+    env = dict(chaos.slurm_env(cluster_dir), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    trial = chaos.SlurmTrial(root, steps, [], random.Random(0), log, env)
+    trial.cmd = [sys.executable, "-m", "neon_hpc.cli", "launch", str(CONFIG), "--run-dir", str(root),
+                 "--set", f"train.steps={steps}"]
+    problems: list[str] = []
+    job = trial.submit()
+    if job is None:
+        raise RuntimeError(f"neon-hpc launch of {root} was refused (lease held)")
+    try:
+        wait_until(lambda: trial.state(job) in FINAL or (trainer_steps(root) >= 1 and in_flight(root)), 900,
+                   "episodes mid-way in the Slurm job")
+        if trial.state(job) in FINAL:
+            raise RuntimeError(f"job {job} ended ({trial.state(job)}) before episodes were mid-way")
+        workers = [int(hb["pid"]) for hb in beats(root, "rollout").values()]
+        t0 = time.monotonic()
+        r = trial.slurm("scontrol", "requeue", job)
+        if r.returncode:
+            raise RuntimeError(f"scontrol requeue {job} failed: {r.stderr.strip()}")
+        wait_until(lambda: not any(alive(p) for p in workers), 120, "the workers to exit", poll_s=0.02)
+        stop_s = time.monotonic() - t0
+        trial.wait_state(job, lambda s: s in ("PENDING", "REQUEUED") or s in FINAL, 300, "the requeue", problems)
+        trial.wait_processes_gone()
+        requeued = journal(root)
+        log(f"requeue: workers out in {stop_s:.2f}s; {len(requeued)} episodes journalled")
+        trial.release_requeued(job, problems)
+        st = trial.wait_state(job, lambda s: s in FINAL, 1200, "job end", problems)
+    finally:
+        if trial.state(job) not in FINAL:
+            trial.slurm("scancel", job)
+    trajs, claims = published(root)
+    acc = account(requeued, trajs, claims)
+    return {"state": st, "problems": problems, "stop_s": stop_s, "requeue": acc, **{k: acc[k] for k in (
+        "in_flight_tokens", "kept_tokens", "duplicated_tokens", "lost_tokens", "resumed_episodes", "kept_fraction")},
+            "all_claims_once": max(claims.values(), default=0) <= 1, "journal_overhead": overhead(root)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
+    p.add_argument("--slurm", action="store_true",
+                   help="the scontrol requeue of the Slurm job instead (NEON_CLUSTER_DIR: the local cluster)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench_requeue."))
     try:
-        r = run_bench(tmp / "run", a.steps)
+        if a.slurm:
+            r = run_requeue(tmp / "run", a.steps, Path(os.environ.get("NEON_CLUSTER_DIR", REPO / ".cluster")))
+            r["rc"] = 0 if r["state"] == "COMPLETED" and not r["problems"] else 1
+        else:
+            r = run_bench(tmp / "run", a.steps)
         print(json.dumps({k: v for k, v in r.items()}, indent=1, default=str))
         print(f"RESULT in_flight_tokens={r['in_flight_tokens']} kept_fraction={r['kept_fraction']:.4f} "
               f"lost_tokens={r['lost_tokens']} duplicated_tokens={r['duplicated_tokens']} "
