@@ -249,6 +249,18 @@ def run_bench(root: Path, steps: int, log=print) -> dict:
             "journal_overhead": overhead(root)}
 
 
+def job_state(env: dict[str, str], job: str) -> str:
+    """The job's state: squeue/sacct (``slurmjob.query``), else ``scontrol show job`` (a cluster whose
+    accounting database is down answers UNKNOWN for a job no longer queued)."""
+    from neon_hpc.launch.slurmjob import query
+    st = query(job, env=env).state
+    if st != "UNKNOWN":
+        return st
+    r = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=60)
+    states = {w.split("=", 1)[1] for w in r.stdout.split() if w.startswith("JobState=")}
+    return states.pop() if len(states) == 1 else st
+
+
 def run_requeue(root: Path, steps: int, cluster_dir: Path, log=print) -> dict:
     """The long-episode run as the heterogeneous Slurm job of the local cluster (``env/cluster.sh``,
     through ``tools/chaos.py``'s harness): ``scontrol requeue`` while episodes are mid-way, the
@@ -259,6 +271,7 @@ def run_requeue(root: Path, steps: int, cluster_dir: Path, log=print) -> dict:
     env = dict(chaos.slurm_env(cluster_dir), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     root.parent.mkdir(parents=True, exist_ok=True)
     trial = chaos.SlurmTrial(root, steps, [], random.Random(0), log, env)
+    trial.state = lambda j: job_state(env, j)
     trial.cmd = [sys.executable, "-m", "neon_hpc.cli", "launch", str(CONFIG), "--run-dir", str(root),
                  "--set", f"train.steps={steps}"]
     problems: list[str] = []
@@ -277,12 +290,21 @@ def run_requeue(root: Path, steps: int, cluster_dir: Path, log=print) -> dict:
             raise RuntimeError(f"scontrol requeue {job} failed: {r.stderr.strip()}")
         wait_until(lambda: not any(alive(p) for p in workers), 120, "the workers to exit", poll_s=0.02)
         stop_s = time.monotonic() - t0
-        trial.wait_state(job, lambda s: s in ("PENDING", "REQUEUED") or s in FINAL, 300, "the requeue", problems)
-        trial.wait_processes_gone()
+        # the journal as the workers left it: the requeued job's workers start tens of seconds later
+        # (the job's prologue, the engines, the first weights)
         requeued = journal(root)
         log(f"requeue: workers out in {stop_s:.2f}s; {len(requeued)} episodes journalled")
-        trial.release_requeued(job, problems)
-        st = trial.wait_state(job, lambda s: s in FINAL, 1200, "job end", problems)
+        st, pending_since, end = trial.state(job), None, time.monotonic() + 1200
+        while st not in FINAL and time.monotonic() < end:
+            if st in ("PENDING", "REQUEUED"):     # held until its BeginTime: let it start
+                pending_since = pending_since or time.monotonic()
+                if time.monotonic() - pending_since > 20:
+                    trial.release_requeued(job, problems)
+                    pending_since = None
+            time.sleep(1.0)
+            st = trial.state(job)
+        if st not in FINAL:
+            problems.append(f"job {job} did not end within 1200 s of the requeue (state {st})")
     finally:
         if trial.state(job) not in FINAL:
             trial.slurm("scancel", job)
