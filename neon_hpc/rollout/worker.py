@@ -147,7 +147,7 @@ def run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str) 
 
 def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
     run = RunDir(run_dir)
-    stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
+    stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: journal, flush, exit
 
     tokenizer = load_tokenizer(sec.model_tokenizer)
     env = envs.get(sec.env.kind).bind(sec.env_settings)
@@ -175,7 +175,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
         return lambda: Episode(client, as_environment(task, sec.rollout, env), tokenizer, sec.rollout)
 
     resume = _take_over(journal, by_id, episode_of, sec, log, worker)
-    rollout_s = [0.0]     # seconds spent running groups (the journal's overhead is a share of it)
+    rollout_s = 0.0     # seconds spent running groups (the journal's overhead is a share of it)
     with open_store(run, sec.store).writer(writer_id) as writer:
         def committed():
             if writer.pending == 0:
@@ -191,7 +191,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
                 beater.beat(in_flight=sum(len(g.episodes) for g in [group] + resume) + writer.pending,
                             groups=groups, episodes=episodes, tokens=tokens, task=task.id)
                 trajs, dt = _run(group, journal, stop, sec)
-                rollout_s[0] += dt
+                rollout_s += dt
                 if trajs is None:
                     break
                 groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
@@ -229,7 +229,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             group = jr.new_group(episode_of(task), task.id, sec.rollout.group_size, new_uid)
             episodes += sec.rollout.group_size
             trajs, dt = _run(group, journal, stop, sec)
-            rollout_s[0] += dt
+            rollout_s += dt
             if trajs is None:
                 break
             groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
@@ -247,11 +247,11 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     beater.close()
     js = journal.stats
     log.metrics(event="journal", worker=worker, writes=js.writes, coalesced=js.coalesced, bytes=js.bytes,
-                seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s[0], stop=stop.name,
+                seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s, stop=stop.name,
                 stop_s=time.monotonic() - t_stop, drained=drained)
     log.info("rollout worker %d stopping (%s): %d groups, %d tokens; journal: %d records, %.1f MB, episodes "
              "spent %.2fs in it of %.1fs rolling out (%.2fs writing beside them)%s", worker,
-             stop.name or "run finished", groups, tokens, js.writes, js.bytes / 1e6, js.seconds, rollout_s[0],
+             stop.name or "run finished", groups, tokens, js.writes, js.bytes / 1e6, js.seconds, rollout_s,
              js.write_s, "" if drained else "; some records were still being written")
     return 0
 
