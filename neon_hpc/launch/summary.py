@@ -89,6 +89,7 @@ def journal_counts(events: list[dict[str, Any]]) -> dict[str, Any]:
             "resumed_tokens_kept": sum(int(r.get("tokens_kept", 0)) for r in resumes),
             "resumed_tokens_lost": sum(int(r.get("tokens_lost", 0)) for r in resumes),
             "resume_quarantined": sum(int(r.get("quarantined", 0)) for r in resumes),
+            "turns_dropped_at_stop": sum(int(r.get("turns_dropped", 0)) for r in ends),
             "resumes": [{k: r.get(k) for k in ("time", "worker", "episodes", "tokens_kept", "tokens_lost",
                                                 "quarantined")} for r in resumes],
             "journal_overhead": sum(float(r.get("seconds", 0.0)) for r in ends) / rollout_s if rollout_s else None}
@@ -121,7 +122,8 @@ def _journal_lines(s: dict[str, Any], f) -> list[str]:
     per = "; ".join(f"worker {r['worker']}: {r['episodes']} episodes, {r['tokens_kept']} tokens kept, "
                     f"{r['tokens_lost']} lost" for r in s.get("resumes", []))
     return [f"journal: {s.get('resumed_episodes', 0)} episodes resumed, {s.get('resumed_tokens_kept', 0)} tokens "
-            f"kept, {s.get('resumed_tokens_lost', 0)} lost ({s.get('resume_quarantined', 0)} records quarantined)"
+            f"kept, {s.get('resumed_tokens_lost', 0)} lost ({s.get('resume_quarantined', 0)} records quarantined, "
+            f"{s.get('turns_dropped_at_stop', 0)} turns in flight dropped at stops)"
             f"{' [' + per + ']' if per else ''}; overhead {f(s.get('journal_overhead'))} of rollout time"]
 
 

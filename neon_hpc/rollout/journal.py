@@ -297,6 +297,7 @@ class GroupRun:
 
     episodes: list[tuple[Episode, Slot]] = field(default_factory=list)
     resumed: bool = False
+    dropped: int = 0          # episodes stopped mid-turn (that turn is dropped; the record is at the boundary before)
 
     def run(self, journal: Journal, stop_requested: Callable[[], bool], poll_s: float = 0.05) -> list | None:
         """Run every unfinished episode concurrently (daemon threads: the engine batches them);
@@ -317,6 +318,7 @@ class GroupRun:
         while any(t.is_alive() for t in threads):
             if stop_requested():
                 stop.set()
+                self.dropped = sum(t.is_alive() for t in threads)
                 return None
             for t in threads:
                 t.join(poll_s / max(len(threads), 1))

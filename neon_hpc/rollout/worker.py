@@ -176,6 +176,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
 
     resume = _take_over(journal, by_id, episode_of, sec, log, worker)
     rollout_s = 0.0     # seconds spent running groups (the journal's overhead is a share of it)
+    dropped = 0         # episodes whose turn in flight a stop dropped
     with open_store(run, sec.store).writer(writer_id) as writer:
         def committed():
             if writer.pending == 0:
@@ -193,6 +194,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
                 trajs, dt = _run(group, journal, stop, sec)
                 rollout_s += dt
                 if trajs is None:
+                    dropped = group.dropped
                     break
                 groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
                 committed()
@@ -231,6 +233,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             trajs, dt = _run(group, journal, stop, sec)
             rollout_s += dt
             if trajs is None:
+                dropped = group.dropped
                 break
             groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
             committed()
@@ -247,12 +250,13 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     beater.close()
     js = journal.stats
     log.metrics(event="journal", worker=worker, writes=js.writes, coalesced=js.coalesced, bytes=js.bytes,
-                seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s, stop=stop.name,
+                seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s, stop=stop.name, turns_dropped=dropped,
                 stop_s=time.monotonic() - t_stop, drained=drained)
     log.info("rollout worker %d stopping (%s): %d groups, %d tokens; journal: %d records, %.1f MB, episodes "
-             "spent %.2fs in it of %.1fs rolling out (%.2fs writing beside them)%s", worker,
-             stop.name or "run finished", groups, tokens, js.writes, js.bytes / 1e6, js.seconds, rollout_s,
-             js.write_s, "" if drained else "; some records were still being written")
+             "spent %.2fs in it of %.1fs rolling out (%.2fs writing beside them); %d episodes journalled mid-group, "
+             "their turns in flight dropped%s", worker, stop.name or "run finished", groups, tokens, js.writes,
+             js.bytes / 1e6, js.seconds, rollout_s, js.write_s, dropped,
+             "" if drained else "; some records were still being written")
     return 0
 
 
