@@ -251,7 +251,7 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     js = journal.stats
     log.metrics(event="journal", worker=worker, writes=js.writes, coalesced=js.coalesced, bytes=js.bytes,
                 seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s, stop=stop.name, turns_dropped=dropped,
-                stop_s=time.monotonic() - t_stop, drained=drained)
+                exit_s=time.monotonic() - t_stop, drained=drained)
     log.info("rollout worker %d stopping (%s): %d groups, %d tokens; journal: %d records, %.1f MB, episodes "
              "spent %.2fs in it of %.1fs rolling out (%.2fs writing beside them); %d episodes journalled mid-group, "
              "their turns in flight dropped%s", worker, stop.name or "run finished", groups, tokens, js.writes,
