@@ -89,6 +89,8 @@ class RolloutConfig:
     max_tool_chars: int = 2000        # tool results are cut to this many characters
     request_retries: int = 2          # retries of one turn after a dropped response
     wait_for_weights_s: float = 600.0  # a rollout node waits this long for the trainer's first weights
+    journal: bool = True              # save unfinished episodes at every turn boundary; resume them on start
+    journal_fsync: bool = True        # fsync each record (False: atomic against a killed worker, not a lost node)
 
     CHECKS = {
         **{k: at_least(1) for k in ("num_workers", "group_size", "max_turns", "max_new_tokens",

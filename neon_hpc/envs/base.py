@@ -26,6 +26,26 @@ class Environment(Protocol):
     def format_result(self, result: dict) -> str: ...
 
 
+class Snapshotting(Protocol):
+    """An environment whose episode state can be saved and restored (the episode journal,
+    ``neon_hpc/rollout/journal.py``): ``snapshot()`` returns JSON-able data (no objects, no
+    pickle) and ``restore(state)``, called on a fresh environment of the same task, makes it
+    equal to the one snapshotted. An environment without them gets its recorded tool calls
+    replayed in order on resume instead (its :class:`EnvEntry` says ``resume="replay"``)."""
+
+    def snapshot(self) -> dict: ...
+    def restore(self, state: dict) -> None: ...
+
+
+def can_snapshot(env: Any) -> bool:
+    """Whether ``env`` saves its episode state itself (:class:`Snapshotting`)."""
+    return callable(getattr(env, "snapshot", None)) and callable(getattr(env, "restore", None))
+
+
+RESUME_MODES = {"snapshot": "resumes from a snapshot of its state",
+                "replay": "resumes by replaying its recorded tool calls"}
+
+
 class TaskSource(Protocol):
     """The tasks of one environment, as the environment's config section sets them.
 
@@ -118,3 +138,4 @@ class EnvEntry:
     settings: type | None = None         # the section's dataclass (marked @section)
     cli: str = ""                        # module of `neon-hpc <name> ...` ("" = none)
     cli_help: str = ""
+    resume: str = "replay"               # how a journalled episode's environment comes back (RESUME_MODES)

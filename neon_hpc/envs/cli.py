@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from neon_hpc import envs
+from neon_hpc.envs.base import RESUME_MODES
 
 
 def main(argv: list[str]) -> int:
@@ -12,5 +13,6 @@ def main(argv: list[str]) -> int:
     sub.add_parser("list", help="the registered environments (config env.kind), one per line")
     p.parse_args(argv)
     for name in envs.kinds():
-        print(f"{name}  {envs.REGISTRY[name].about}")
+        entry = envs.REGISTRY[name]
+        print(f"{name}  {entry.about} ({RESUME_MODES.get(entry.resume, entry.resume)})")
     return 0

@@ -74,7 +74,25 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
         "rollout_idle_fraction": rollout_wait / (wall * len(workers)) if wall > 0 else None,
         "wall_s": wall,
         **trained_versions_and_waste(trainer),
+        **journal_counts(events),
     }
+
+
+def journal_counts(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The episode journal across restarts (rollout ``resume`` and ``journal`` events): episodes
+    resumed, tokens kept and lost (quarantined records), each restart's counts, and the share of
+    rollout time the episodes spent in the journal."""
+    resumes = [r for r in events if r.get("event") == "resume"]
+    ends = [r for r in events if r.get("event") == "journal"]
+    rollout_s = sum(float(r.get("rollout_s", 0.0)) for r in ends)
+    return {"resumed_episodes": sum(int(r.get("episodes", 0)) for r in resumes),
+            "resumed_tokens_kept": sum(int(r.get("tokens_kept", 0)) for r in resumes),
+            "resumed_tokens_lost": sum(int(r.get("tokens_lost", 0)) for r in resumes),
+            "resume_quarantined": sum(int(r.get("quarantined", 0)) for r in resumes),
+            "turns_dropped_at_stop": sum(int(r.get("turns_dropped", 0)) for r in ends),
+            "resumes": [{k: r.get(k) for k in ("time", "worker", "episodes", "tokens_kept", "tokens_lost",
+                                                "quarantined")} for r in resumes],
+            "journal_overhead": sum(float(r.get("seconds", 0.0)) for r in ends) / rollout_s if rollout_s else None}
 
 
 def render_summary(s: dict[str, Any]) -> str:
@@ -95,7 +113,18 @@ def render_summary(s: dict[str, Any]) -> str:
         f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
         f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   max staleness {f(s['staleness_max'])}",
         f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
-    ] + _eval_lines(s, f))
+    ] + _journal_lines(s, f) + _eval_lines(s, f))
+
+
+def _journal_lines(s: dict[str, Any], f) -> list[str]:
+    if not s.get("resumes") and s.get("journal_overhead") is None:
+        return []
+    per = "; ".join(f"worker {r['worker']}: {r['episodes']} episodes, {r['tokens_kept']} tokens kept, "
+                    f"{r['tokens_lost']} lost" for r in s.get("resumes", []))
+    return [f"journal: {s.get('resumed_episodes', 0)} episodes resumed, {s.get('resumed_tokens_kept', 0)} tokens "
+            f"kept, {s.get('resumed_tokens_lost', 0)} lost ({s.get('resume_quarantined', 0)} records quarantined, "
+            f"{s.get('turns_dropped_at_stop', 0)} turns in flight dropped at stops)"
+            f"{' [' + per + ']' if per else ''}; overhead {f(s.get('journal_overhead'))} of rollout time"]
 
 
 def _eval_lines(s: dict[str, Any], f) -> list[str]:

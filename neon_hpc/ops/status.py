@@ -18,6 +18,7 @@ from neon_hpc.launch.summary import trained_versions_and_waste, trainer_steps
 from neon_hpc.launch.slurmjob import SlurmUnavailable, query
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
+from neon_hpc.protocol.journal import journal_summary
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import run_store
 
@@ -85,6 +86,7 @@ def collect(run_dir: str | os.PathLike) -> dict[str, Any]:
         "finished": (lambda f: f.to_json() if f else None)(Finished.read(run)),
         "errors": last_errors(run),
         "engines": [e.to_json() for e in EngineRecord.read_all(run)],
+        "journal": journal_summary(run),
     }
     return info
 
@@ -125,6 +127,13 @@ def render(info: dict[str, Any]) -> str:
     if info.get("wasted_rollout_tokens") is not None:
         lines.append(f"wasted    {info['wasted_rollout_tokens']:.3f} of generated tokens (stale: "
                      f"{info['masked_stale_tokens']} masked, {info['dropped_stale_tokens']} dropped)")
+    j = info.get("journal") or {}
+    if j.get("episodes") or j.get("quarantined") or j.get("unreadable"):
+        lines.append(f"journal   {j['episodes']} episodes in {j['groups']} groups ({j['done']} done, waiting for "
+                     f"their group): {j['turns']} turns, {j['tokens']} tokens ({j['gen_tokens']} generated), "
+                     f"oldest version v_{_fmt(j['oldest_version'])}"
+                     + (f"; {j['quarantined']} quarantined" if j.get("quarantined") else "")
+                     + (f"; {j['unreadable']} unreadable" if j.get("unreadable") else ""))
     serving = [(i, e) for i, e in enumerate(info.get("engines", [])) if e.get("urls")]
     if serving:
         lines.append("engines   " + "; ".join(

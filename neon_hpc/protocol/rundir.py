@@ -41,6 +41,9 @@ CLAIM = "CLAIM.json"                       # trajectories/claimed/step_N/CLAIM.j
 OWNER = "OWNER.json"                       # trajectories/claimed/step_N/OWNER.json
 DROPPED = "dropped_stale.json"             # trajectories/claimed/step_N/dropped_stale.json
 REASON_SUFFIX = ".reason.txt"              # trajectories/quarantine/<name>.reason.txt
+JOURNAL = "journal"                        # journal/<owner>/<group>/e<i>.jrec: unfinished episodes (protocol/journal.py)
+JOURNAL_QUARANTINE = "quarantine"          # journal/quarantine/<owner>.<group>.<file> + REASON_SUFFIX
+JOURNAL_SUFFIX = ".jrec"                   # one episode's record, replaced at every turn boundary
 # every name above, for the test that no other module spells one
 FILE_NAMES = (RUN_YAML, JOB, LEASE, LEASE_MEMBERS, LEASE_TAKEOVER, FINISHED, PREEMPTED, CLAIM, OWNER, DROPPED)
 
@@ -297,6 +300,10 @@ class RunDir:
     def preempted_file(self) -> Path: return self.state / PREEMPTED
     @property
     def logs(self) -> Path: return self.root / "logs"
+    @property
+    def journal(self) -> Path: return self.root / JOURNAL
+    @property
+    def journal_quarantine(self) -> Path: return self.journal / JOURNAL_QUARANTINE
 
     def claimed_step(self, step: int) -> Path: return self.traj_claimed / f"step_{step}"
     def checkpoint(self, step: int) -> Path: return self.checkpoints / f"step_{step}"
@@ -307,6 +314,10 @@ class RunDir:
     def owner_file(self, step: int) -> Path: return self.claimed_step(step) / OWNER
     def dropped_file(self, step: int) -> Path: return self.claimed_step(step) / DROPPED
     def log_dir(self, role: str) -> Path: return self.logs / role
+    def journal_owner(self, owner: str) -> Path: return self.journal / owner
+    def journal_group(self, owner: str, group: str) -> Path: return self.journal / owner / group
+    def journal_record(self, owner: str, group: str, index: int) -> Path:
+        return self.journal / owner / group / f"e{index}{JOURNAL_SUFFIX}"
     def lease_members_dir(self, token: str) -> Path: return self.lease_members_root / token
     def lease_takeover_file(self, gen: int) -> Path: return self.state / f"{LEASE_TAKEOVER}.{gen}"
 

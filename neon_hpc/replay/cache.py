@@ -73,6 +73,9 @@ class RouteCache:
         self.row_versions = np.zeros(0, dtype=np.int64)
         self.stats = ReplayStats()
         self._force_full = False
+        # rows [0, pinned) are kept as they are: a resumed episode's routes, received before it was
+        # saved (neon_hpc/rollout/journal.py); a later response never overwrites them
+        self.pinned = 0
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -112,17 +115,21 @@ class RouteCache:
         routes = self._check(routes, start, seqlen)
         self._count(start, routes)
         vers = np.broadcast_to(np.asarray(version, dtype=np.int64), (seqlen - start,))
-        if start > 0 and len(self.row_versions[:start]) and len(vers) and \
-                np.any(self.row_versions[:start] != vers[0]):   # vs the prefill's version
+        if start > self.pinned and len(vers) and \
+                np.any(self.row_versions[self.pinned:start] != vers[0]):   # vs the prefill's version
             self.invalidate("version_change")   # refresh policy: next request is a full export
         else:
             self._force_full = False
+        old_routes, old_versions = self.routes, self.row_versions
         head = self.routes[:start] if start > 0 else routes[:0]
         placeholder = routes[-1:] if len(routes) else (head[-1:] if len(head) else
                                                        np.zeros((1,) + routes.shape[1:], np.int32))
         self.routes = np.concatenate([head, routes, placeholder], axis=0)
         self.row_versions = np.concatenate([self.row_versions[:start],
                                             vers])
+        if start < self.pinned:     # a full export after a resume: the recorded rows stay
+            self.routes[:self.pinned] = old_routes[:self.pinned]
+            self.row_versions[:self.pinned] = old_versions[:self.pinned]
         self.tokens = np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)])
 
     def _check(self, routes: np.ndarray | None, start: int, seqlen: int) -> np.ndarray:

@@ -14,13 +14,14 @@ then, until told to stop:
   ``between_requests``: the load waits for running requests. Either way an episode of
   several turns continues on the new weights in its next turn;
 * restarts a worker that died (``rollout.restart_dead_workers``), logging the exit code;
-  the worker's flushed shards are already published, its unflushed group is lost (never a
+  the worker's flushed shards are already published, its unfinished groups resume from the
+  episode journal (``neon_hpc/rollout/journal.py``; at most each episode's turn in flight is lost, never a
   partial shard: the store publishes by rename);
 * fails (exit 1, which fails the job step) when one of its engine processes dies: the
   engines' state is gone, and the run resumes from the run directory when relaunched;
 * beats a heartbeat with the loaded version and worker states.
 
-SIGTERM/SIGUSR1 are forwarded to the workers (they flush and exit); then the engines stop.
+SIGTERM/SIGUSR1 are forwarded to the workers (they journal, flush finished groups and exit); then the engines stop.
 The node is given :class:`~neon_hpc.rollout.sections.NodeSections`, not the whole config.
 """
 

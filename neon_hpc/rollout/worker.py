@@ -20,7 +20,12 @@ intervals are the config's ``protocol`` section. The worker is given
 :class:`~neon_hpc.rollout.sections.WorkerSections`, not the whole config: the admission rule's
 ``trajectories_per_step`` and the tokenizer come through it, named as borrowed.
 Both waits are logged and written to metrics.jsonl as ``event`` records, never silent.
-SIGTERM/SIGUSR1 make the worker finish the current group, flush its shard and exit 0.
+
+Every episode is journalled at each turn boundary (:mod:`neon_hpc.rollout.journal`), under the
+uid it got when it started. SIGTERM/SIGUSR1 make the worker stop at once, not at the group's
+end: the turns in flight are dropped (each episode's record is current at its last turn
+boundary), finished groups are flushed, and it exits 0 within seconds. A worker that starts
+resumes its journalled groups before it admits new ones.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from neon_hpc.protocol import admission as rule
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.rollout.agent import run_group
+from neon_hpc.rollout import journal as jr
+from neon_hpc.rollout.agent.episode import Episode
+from neon_hpc.rollout.agent.group import as_environment
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.sections import WorkerSections
 from neon_hpc.store import StoreConfig, open_store
@@ -140,7 +147,7 @@ def run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str) 
 
 def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str, log: RoleLogger) -> int:
     run = RunDir(run_dir)
-    stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: flush and exit
+    stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: journal, flush, exit
 
     tokenizer = load_tokenizer(sec.model_tokenizer)
     env = envs.get(sec.env.kind).bind(sec.env_settings)
@@ -161,13 +168,43 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
              len(tasks), source.describe(), writer_id)
     poll = sec.protocol
     beater = _Beater(run, worker, poll.worker_heartbeat_s)
+    journal = jr.Journal(run, worker, fsync=sec.rollout.journal_fsync, enabled=sec.rollout.journal)
+    by_id = {t.id: t for t in tasks}
+
+    def episode_of(task):
+        return lambda: Episode(client, as_environment(task, sec.rollout, env), tokenizer, sec.rollout)
+
+    resume = _take_over(journal, by_id, episode_of, sec, log, worker)
+    rollout_s = 0.0     # seconds spent running groups (the journal's overhead is a share of it)
+    dropped = 0         # episodes whose turn in flight a stop dropped
     with open_store(run, sec.store).writer(writer_id) as writer:
+        def committed():
+            if writer.pending == 0:
+                journal.committed()
+
+        def new_uid(i):
+            return f"{writer_id}-{episodes + i}"
+
         while not stop.requested and not Finished.present(run):
+            if resume:      # journalled groups first: already in flight, they need no admission
+                group = resume.pop(0)
+                task = by_id[group.episodes[0][1].task_id]
+                beater.beat(in_flight=sum(len(g.episodes) for g in [group] + resume) + writer.pending,
+                            groups=groups, episodes=episodes, tokens=tokens, task=task.id)
+                trajs, dt = _run(group, journal, stop, sec)
+                rollout_s += dt
+                if trajs is None:
+                    dropped = group.dropped
+                    break
+                groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
+                committed()
+                continue
             lag = version_gap(run)
             verdict, ahead = admission(run, sec, sec.rollout.group_size, lag)
             if verdict != rule.OK:
                 reason, t0 = verdict, time.monotonic()
                 writer.flush()  # let the trainer have what we hold
+                committed()
                 beater.beat(in_flight=0, groups=groups, waiting=verdict)
                 key, checked = wake_key(run), time.monotonic()
                 while verdict != rule.OK and not stop.requested and not Finished.present(run):
@@ -189,36 +226,103 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             # in flight = the group about to run plus what the writer holds unpublished
             beater.beat(in_flight=sec.rollout.group_size + writer.pending, groups=groups,
                         episodes=episodes, tokens=tokens, task=task.id)
-            t0 = time.monotonic()
-            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=env)
-            dt = time.monotonic() - t0
-            for i, tr in enumerate(trajs):
-                # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory
-                tr.metadata["uid"] = f"{writer_id}-{episodes + i}"
-                tr.metadata["worker"] = worker
-                writer.add(tr)
-                gen = int(tr.loss_mask.sum())
-                vmin, vmax = _versions(tr)
-                tokens += len(tr.tokens)
-                log.metrics(worker=worker, task_id=tr.task_id, tokens=int(len(tr.tokens)), gen_tokens=gen,
-                            episode_s=float(tr.timings.get("episode_s", dt)), version_min=vmin,
-                            version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1))
+            # a run-wide unique id, given at the episode's start and kept across resumes:
+            # exactly-once consumption is checkable trajectory by trajectory
+            group = jr.new_group(episode_of(task), task.id, sec.rollout.group_size, new_uid)
+            episodes += sec.rollout.group_size
+            trajs, dt = _run(group, journal, stop, sec)
+            rollout_s += dt
+            if trajs is None:
+                dropped = group.dropped
+                break
+            groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
+            committed()
             # a hungry trainer gets what we hold now rather than at the next full shard:
             # trajectories in a writer's buffer are invisible to the trainer and to admission
             if ready_trajectories(run, sec.store) < sec.train_trajectories_per_step:
                 writer.flush()
-            episodes += len(trajs)
-            groups += 1
-            log.set(version=max((_versions(t)[1] for t in trajs), default=None))
-            log.info("group %d task %s: %d episodes in %.1fs, reward mean %.3f, versions %s", groups, task.id,
-                     len(trajs), dt, sum(t.reward for t in trajs) / max(len(trajs), 1),
-                     sorted({v for t in trajs for v in _versions(t)}))
+                committed()
+        t_stop = time.monotonic()
         writer.flush()
+        committed()
+    drained = journal.drain()     # the records handed over before the stop are on disk
     beater.beat(in_flight=0, groups=groups, episodes=episodes, tokens=tokens, stopped=True)
     beater.close()
-    log.info("rollout worker %d stopping (%s): %d groups, %d episodes, %d tokens", worker,
-             stop.name or "run finished", groups, episodes, tokens)
+    js = journal.stats
+    log.metrics(event="journal", worker=worker, writes=js.writes, coalesced=js.coalesced, bytes=js.bytes,
+                seconds=js.seconds, write_s=js.write_s, rollout_s=rollout_s, stop=stop.name, turns_dropped=dropped,
+                exit_s=time.monotonic() - t_stop, drained=drained)
+    log.info("rollout worker %d stopping (%s): %d groups, %d tokens; journal: %d records, %.1f MB, episodes "
+             "spent %.2fs in it of %.1fs rolling out (%.2fs writing beside them); %d episodes journalled mid-group, "
+             "their turns in flight dropped%s", worker, stop.name or "run finished", groups, tokens, js.writes,
+             js.bytes / 1e6, js.seconds, rollout_s, js.write_s, dropped,
+             "" if drained else "; some records were still being written")
     return 0
+
+
+def _take_over(journal: jr.Journal, by_id: dict, episode_of, sec: WorkerSections, log, worker: int) -> list:
+    """The journalled groups this worker resumes before admitting new ones (quarantined records:
+    logged, counted in the ``resume`` event)."""
+    found, bad = journal.take_over(sec.rollout.num_workers, log)
+    groups, kept, gen = [], 0, 0
+    for r in found:
+        task = by_id.get(r.task_id)
+        if task is None:
+            bad += journal.quarantine_group(r, f"task {r.task_id!r} is not in this run's task set (was the "
+                                               f"env section changed?)", log)
+            continue
+        try:
+            groups.append(jr.resumed_group(r, episode_of(task)))
+        except (KeyError, ValueError, TypeError) as e:
+            bad += journal.quarantine_group(r, f"cannot restore it: {e}", log)
+            continue
+        t, g = jr.kept_tokens(r)
+        kept, gen = kept + t, gen + g
+    if groups or bad:
+        eps = sum(len(g.episodes) for g in groups)
+        log.info("resuming %d journalled groups (%d episodes, %d tokens kept, %d generated); %d records "
+                 "quarantined", len(groups), eps, kept, gen, len(bad))
+        log.metrics(event="resume", worker=worker, groups=len(groups), episodes=eps, tokens_kept=kept,
+                    gen_tokens_kept=gen, quarantined=len(bad),
+                    tokens_lost=sum(b["tokens"] or 0 for b in bad))
+    return groups
+
+
+def _run(group: jr.GroupRun, journal: jr.Journal, stop: StopFlag, sec: WorkerSections) -> tuple[list | None, float]:
+    """The group's trajectories (None: a stop came first) and the seconds it took."""
+    t0 = time.monotonic()
+    eps = group.run(journal, lambda: stop.requested)
+    if eps is None:
+        return None, time.monotonic() - t0
+    reward = getattr(sec.rollout, "reward", "dense")
+    trajs = []
+    for ep, slot in group.episodes:
+        tr = ep.trajectory(group_id=slot.group_id, reward_key=reward)
+        tr.metadata["uid"] = slot.uid
+        tr.metadata["resumes"] = ep.resumes
+        trajs.append(tr)
+    return trajs, time.monotonic() - t0
+
+
+def _publish(trajs: list, dt: float, group: jr.GroupRun, writer, journal: jr.Journal, log, worker: int,
+             groups: int, tokens: int) -> tuple[int, int]:
+    for tr in trajs:
+        tr.metadata["worker"] = worker
+        writer.add(tr)
+        gen = int(tr.loss_mask.sum())
+        vmin, vmax = _versions(tr)
+        tokens += len(tr.tokens)
+        log.metrics(worker=worker, task_id=tr.task_id, tokens=int(len(tr.tokens)), gen_tokens=gen,
+                    episode_s=float(tr.timings.get("episode_s", dt)), version_min=vmin,
+                    version_max=vmax, reward=float(tr.reward), turns=int(len(tr.turn_offsets) - 1),
+                    uid=tr.metadata["uid"], resumed=int(tr.metadata["resumes"]))
+    journal.added(group.episodes[0][1].group_id)
+    groups += 1
+    log.set(version=max((_versions(t)[1] for t in trajs), default=None))
+    log.info("group %d task %s%s: %d episodes in %.1fs, reward mean %.3f, versions %s", groups, trajs[0].task_id,
+             " (resumed)" if group.resumed else "", len(trajs), dt, sum(t.reward for t in trajs) / max(len(trajs), 1),
+             sorted({v for t in trajs for v in _versions(t)}))
+    return groups, tokens
 
 
 def _versions(tr) -> tuple[int, int]:

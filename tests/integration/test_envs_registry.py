@@ -86,7 +86,10 @@ def test_env_list_prints_the_registered_kinds_name_first():
     out = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "env", "list"], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout.splitlines()
     assert [line.split()[0] for line in out] == list(envs.kinds()) == ["digits", "xrd"]
-    assert all(line.split(maxsplit=1)[1] == envs.REGISTRY[line.split()[0]].about for line in out)
+    # each line: the name, the about line, how a journalled episode resumes (snapshot or replay)
+    from neon_hpc.envs.base import RESUME_MODES
+    assert all(line.split(maxsplit=1)[1] == f"{envs.REGISTRY[line.split()[0]].about} "
+               f"({RESUME_MODES[envs.REGISTRY[line.split()[0]].resume]})" for line in out)
 
 
 def test_the_default_is_xrd_and_its_worker_view_carries_the_xrd_section():

@@ -89,6 +89,14 @@ class DigitsEnv:
     def run_tool(self, call: Any) -> dict:
         return {"error": "no tools here; answer with <answer>SUM</answer>"}
 
+    def snapshot(self) -> dict:
+        """The episode's state (the journal's): the task alone; no tool keeps any."""
+        return {"task_id": self.task_id}
+
+    def restore(self, state: dict) -> None:
+        if state.get("task_id") != self.task_id:
+            raise ValueError(f"snapshot of {state.get('task_id')!r} restored into digits task {self.task_id!r}")
+
     def format_result(self, result: dict) -> str:
         return str(result.get("error", result))[:96]
 

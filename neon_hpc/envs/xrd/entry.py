@@ -7,5 +7,6 @@ ENTRY = EnvEntry(
     about="powder X-ray diffraction: phases and weight fractions of a pattern, with tools",
     eval_splits=("test_id", "test_ood", "test_temporal"),
     section="xrd", settings=XRDConfig,
+    resume="snapshot",
     cli="neon_hpc.envs.xrd.cli", cli_help="the XRD environment: library, tasks, baseline solver, agent evaluation",
 )

@@ -36,7 +36,7 @@ from neon_hpc.envs.xrd.answer import parse_phase_answer
 from neon_hpc.rollout.agent.parse import ToolCall
 from neon_hpc.envs.xrd.science.grader import grade
 from neon_hpc.envs.xrd.science.tasks import make_context
-from neon_hpc.envs.xrd.science.tools import call_tool, observed_peaks, toolset
+from neon_hpc.envs.xrd.science.tools import call_tool, observed_peaks, refit, toolset
 
 ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "
                  "library id (from search_phases) or as 'formula spacegroup', with weight fractions "
@@ -123,6 +123,29 @@ class XRDEnv:
                 return {"error": f"{call.name}: {bound}"}
             args = {**bound, **args}
         return call_tool(call.name, args, self.ctx, self.tools)
+
+    # --- the journal's snapshot ---------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The episode's state, JSON-able: what the tools remember (the last fit's phases and
+        whether it refined, the plots made) and the candidates the prompt listed."""
+        last = self.ctx.cache.get("_last_fit_args")
+        return {"task_id": self.task_id, "tools": sorted(self.tools), "style": self.style,
+                "last_fit": list(last) if last else None, "plots": int(self.ctx.cache.get("_plots", 0)),
+                "candidates": [list(c) for c in self._candidates] if self._candidates is not None else None}
+
+    def restore(self, state: dict) -> None:
+        """Make this fresh environment of the same task equal to the one snapshotted: the last fit
+        is redone (deterministic: the same phases, the same refinement)."""
+        if state.get("task_id") != self.task_id or state.get("tools") != sorted(self.tools):
+            raise ValueError(f"snapshot of {state.get('task_id')!r} with tools {state.get('tools')} does not fit "
+                             f"XRD task {self.task_id!r} with tools {sorted(self.tools)}")
+        if state.get("candidates") is not None:
+            self._candidates = [(str(a), str(b), float(c)) for a, b, c in state["candidates"]]
+        if state.get("last_fit"):
+            ids, refine = state["last_fit"]
+            refit(self.ctx, list(ids), bool(refine))
+        if state.get("plots"):
+            self.ctx.cache["_plots"] = int(state["plots"])
 
     def format_result(self, result: dict) -> str:
         text = json.dumps(result, separators=(",", ":"), default=str)

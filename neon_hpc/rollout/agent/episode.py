@@ -67,6 +67,10 @@ class Ledger:
         self.turn_offsets.append(len(self.tokens))
 
 
+class EpisodeStopped(Exception):
+    """The worker is stopping: the episode ended at a turn boundary (its journal record is current)."""
+
+
 @dataclass
 class Counters:
     tool_calls: int = 0
@@ -96,26 +100,47 @@ class Episode:
         self.ledger, self.counts = Ledger(), Counters()
         self.finish, self.answer_text, self.texts = "max_turns", None, []
         self.timings = {"generate_s": 0.0, "tool_s": 0.0}
+        # where the episode stands (the journal saves and restores these: neon_hpc/rollout/journal.py)
+        self.started, self.turn, self.done, self.resumes = False, 0, False, 0
+        self.on_boundary: Callable[["Episode"], None] | None = None   # called at every turn boundary
+        self.stop_event: Any = None     # a threading.Event: set, the episode stops at the next boundary
 
     def run(self) -> "Episode":
-        t0 = time.monotonic()
-        self.ledger.add_env(self.template.opening(self.env.system_text(), self.env.task_text()))
-        for turn in range(self.cfg.max_turns):
+        """Run the episode to its end, from where it stands (a journalled one resumes its turn)."""
+        t0 = time.monotonic() - self.timings.get("elapsed_s", 0.0)
+        if not self.started:
+            self.ledger.add_env(self.template.opening(self.env.system_text(), self.env.task_text()))
+            self.started = True
+        while not self.done and self.turn < self.cfg.max_turns:
+            self._boundary(t0)
             stop = self._limit_reached(t0)
             if stop:
                 self.finish = stop
                 break
-            last = turn == self.cfg.max_turns - 1
+            last = self.turn == self.cfg.max_turns - 1
             forced = last and getattr(self.cfg, "force_answer", True)
             if forced:
                 self.ledger.add_env(self.template.force_answer())
             text = self._generate(getattr(self.cfg, "answer_max_new_tokens", 0) if forced else 0)
             if text is None:
                 break
-            if self._act(text, forced=forced):
+            ended = self._act(text, forced=forced)
+            self.turn += 1
+            if ended:
                 break
-        self.timings["episode_s"] = time.monotonic() - t0
+        self.done = True
+        self.timings["episode_s"] = self.timings["elapsed_s"] = time.monotonic() - t0
+        if self.on_boundary is not None:
+            self.on_boundary(self)
         return self
+
+    def _boundary(self, t0: float) -> None:
+        """A turn boundary: the books are whole; save them, then stop here if asked to."""
+        self.timings["elapsed_s"] = time.monotonic() - t0
+        if self.on_boundary is not None:
+            self.on_boundary(self)
+        if self.stop_event is not None and self.stop_event.is_set():
+            raise EpisodeStopped(self.env.task_id)
 
     def _limit_reached(self, t0: float) -> str | None:
         if time.monotonic() - t0 > self.cfg.episode_timeout_s:

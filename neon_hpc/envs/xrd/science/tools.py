@@ -372,8 +372,15 @@ def tool_simulate_phase(args: dict, ctx: TaskContext) -> dict:
 def _fit(ids: list[str], ctx: TaskContext, refine: bool = True):
     if len(set(ids)) != len(ids):
         raise ToolError("the same phase is listed twice")
+    return refit(ctx, ids, refine)
+
+
+def refit(ctx: TaskContext, ids: list[str], refine: bool = True):
+    """Fit ``ids`` and remember it as the task's last fit (also how a journalled episode's state
+    comes back: the fit is deterministic)."""
     res = ctx.fitter().fit(ids, refine=refine, passes=1 if refine else 0)
     ctx.cache["_last_fit"] = (list(ids), res)
+    ctx.cache["_last_fit_args"] = (list(ids), bool(refine))
     return res
 
 
