@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 sys.path.insert(0, str(REPO / "tools"))
 import bench_requeue as br  # noqa: E402
 

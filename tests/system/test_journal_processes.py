@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 sys.path.insert(0, str(REPO / "tools"))
 import bench_requeue as br  # noqa: E402
 
