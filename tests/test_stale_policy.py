@@ -1,4 +1,4 @@
-"""Per-token staleness (rollout.stale_policy): the claim masks tokens over the bound and drops a
+"""Per-token staleness (offpolicy.stale_policy): the claim masks tokens over the bound and drops a
 trajectory only when nothing of it is left to train; the loss then trains exactly the in-bound
 tokens (checked by hand, gradients of masked tokens are zero); waste is counted in tokens."""
 
@@ -13,7 +13,8 @@ from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.claim import CLAIM_FILE, stale_token_mask
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
-from neon_hpc.train.loss import LossConfig, group_advantages, policy_loss, version_span_histogram
+from neon_hpc.train.corrections import bind
+from neon_hpc.train.loss import group_advantages, policy_loss, version_span_histogram
 
 CFG = StoreConfig(fsync=False)
 
@@ -78,9 +79,9 @@ def test_loss_trains_only_in_bound_tokens_by_hand_and_masked_tokens_get_no_gradi
     logp = torch.tensor([0.0, -1.0, -0.4], dtype=torch.float64, requires_grad=True)
     behav = torch.tensor([0.0, -1.3, -0.4 - math.log(1.5)], dtype=torch.float64)
     adv = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
-    cfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.1)
+    cfg = dict(clip_eps=0.2, kl_coef=0.1, correction=bind("tis", {"cap": 2.0}))
     loss, terms = policy_loss(logp, logp.detach(), behav, adv, torch.tensor(train, dtype=torch.float64),
-                              denom=float(train.sum()), cfg=cfg)
+                              denom=float(train.sum()), **cfg)
     # the one trained token: w = min(exp(prox - behav), 2) = 1.5, rho = 1 -> pg = -1.5 * A;
     # k3 = exp(d) - d - 1 with d = logp - behav = log 1.5
     d = math.log(1.5)
@@ -94,7 +95,7 @@ def test_loss_trains_only_in_bound_tokens_by_hand_and_masked_tokens_get_no_gradi
     assert math.isclose(g[2], -1.5 + 0.1 * (1.5 - 1.0), rel_tol=1e-12)
     # had the stale token trained, the loss would differ (the mask is what makes the difference)
     loss_all, _ = policy_loss(logp.detach(), logp.detach(), behav, adv, torch.tensor(gen, dtype=torch.float64),
-                              denom=1.0, cfg=cfg)
+                              denom=1.0, **cfg)
     assert not math.isclose(float(loss_all), want)
 
 

@@ -8,10 +8,10 @@ for the trainer, except where the run asks it to:
   flight across all workers, over trajectories per step), plus how many versions its engines'
   weights are behind the version the trainer's next claim trains (engines load new weights
   between requests, some time after they are published; a step in progress is one more).
-  If the group's oldest token would then be more than ``rollout.max_staleness`` versions
+  If the group's oldest token would then be more than ``offpolicy.max_staleness`` versions
   behind, it waits. The trainer's claim still drops anything too stale (counted),
   so the bound holds even when the estimate is off.
-* **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
+* **backpressure**: when ``ready/`` holds more than ``offpolicy.backpressure_steps`` steps of
   data, the worker waits: producing more would only make it stale.
 
 The rule is :mod:`neon_hpc.protocol.admission`'s (the simulator calls the same function), and
@@ -79,8 +79,8 @@ def admission(run: RunDir, sec: WorkerSections, group: int, lag: int = 0) -> tup
     (:func:`neon_hpc.protocol.admission.admit`) over ready/, the workers' beats and ``lag``,
     the :func:`version_gap` between the trainer's next claim and the engines."""
     ready, inflight = pending_trajectories(run, sec.protocol.heartbeat_expiry_s, sec.store)
-    return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.rollout.backpressure_steps,
-                      sec.rollout.max_staleness, lag)
+    return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.offpolicy.backpressure_steps,
+                      sec.offpolicy.max_staleness, lag)
 
 
 def wake_key(run: RunDir, node: int | None = None) -> tuple:
@@ -190,7 +190,8 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             beater.beat(in_flight=sec.rollout.group_size + writer.pending, groups=groups,
                         episodes=episodes, tokens=tokens, task=task.id)
             t0 = time.monotonic()
-            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=env)
+            trajs = run_group(client, task, tokenizer, sec.rollout, sec.rollout.group_size, env=env,
+                              replay=sec.offpolicy.replay_engine)
             dt = time.monotonic() - t0
             for i, tr in enumerate(trajs):
                 # a run-wide unique id: exactly-once consumption is checkable trajectory by trajectory

@@ -36,7 +36,7 @@ from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import read_shard
 from neon_hpc.train import checkpoint as ckpt, writers
 from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
-from neon_hpc.train.loss import LossConfig, sft_loss, sft_term_means
+from neon_hpc.train.loss import sft_loss, sft_term_means
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 
@@ -87,7 +87,6 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
     last, _state = _startup(run, be, cfg, log)
     log.info("sft: %d trajectories from %s, %d steps of %d, layout tp=%d ep=%d dp=%d world=%d", len(data_set),
              t.sft_data, t.steps, t.trajectories_per_step, be.layout.tp, be.layout.ep, be.layout.dp, world)
-    lcfg = LossConfig()
     step, saved_at, preempted = last, last, False
     while step < t.steps:
         step += 1
@@ -97,7 +96,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         idx, epoch = step_indices(len(data_set), step, t.trajectories_per_step, t.seed)
         trajs = [copy.copy(data_set[i]) for i in idx]
         data = prepare_step(trajs, be.layout.dp, cfg)
-        m = train_step(be, data, lcfg, loss=_loss, means=sft_term_means)
+        m = train_step(be, data, None, loss=_loss, means=sft_term_means)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
         ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
