@@ -8,8 +8,9 @@ when those are absent).  Everything it knows comes from its view of the config
 Step N (numbered from 1) trains the weights of version N-1 and produces version N:
 
 1. rank 0 claims ``trajectories/claimed/step_N`` (``neon_hpc.store.claim_step``: whole
-   shards, staleness filter against version N-1, resumable); the other ranks then read
-   the committed claim (the same call returns the recorded trajectories);
+   shards, resumable, keeping what the stale policy against version N-1 keeps); every rank then
+   reads the committed claim (the same call returns the recorded trajectories) and applies the
+   stale policy it recorded (``neon_hpc.train.offpolicy``: masks the tokens over the bound);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured method, cost model and split policy; an error stops the step), sharded over
@@ -59,7 +60,7 @@ from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
-from neon_hpc.train import corrections
+from neon_hpc.train import corrections, offpolicy
 from neon_hpc.train.loss import (group_advantages, loss_settings, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
@@ -169,9 +170,9 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     """
 
     store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
+    # the claim keeps what the stale policy keeps (train/offpolicy.py), which masks after the claim
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
-                  trainer_version=step - 1, max_staleness=cfg.offpolicy.max_staleness,
-                  stale_policy=cfg.offpolicy.stale_policy, poll_s=cfg.protocol.claim_poll_s)
+                  admit=offpolicy.StalePolicy.of(cfg.offpolicy, step - 1), poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -200,7 +201,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
     if status["state"] == "claimed":
-        status["result"] = store.claim(step, timeout_s=0.0, **kwargs)
+        status["result"] = offpolicy.apply(store.claim(step, timeout_s=0.0, **kwargs))
     return status
 
 
