@@ -41,7 +41,7 @@ BAD = [
     ("train:\n  router_replay: replay\n", ["train.router_replay", "moved to offpolicy.replay_trainer"]),
     # route replay's two ends: the trainer replays only routes the engines export
     ("offpolicy:\n  replay_engine: 'off'\n", ["offpolicy.replay_trainer", "offpolicy.replay_engine: delta",
-                                             "offpolicy.replay_trainer: off"]),
+                                             "offpolicy.replay_trainer: 'off'"]),
     ("offpolicy:\n  correction: 'not a name'\n", ["offpolicy.correction", "pkg.mod:fn"]),
     ("model:\n  num_experts: 4\n  moe_router_topk: 6\n", ["model.moe_router_topk", "1..num_experts"]),
     ("launch:\n  rollout:\n    nodes: 0\n", ["launch.rollout.nodes", ">= 1"]),

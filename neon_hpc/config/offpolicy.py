@@ -44,7 +44,7 @@ class OffpolicyConfig:
     RULES = (
         Rule("replay_trainer", lambda c: c.replay_trainer == "off" or c.replay_engine != "off",
              "'off' while offpolicy.replay_engine is 'off': the trainer would replay routes the engines "
-             "never export; set offpolicy.replay_engine: delta (or full), or offpolicy.replay_trainer: off"),
+             "never export; set offpolicy.replay_engine: delta (or full), or offpolicy.replay_trainer: 'off'"),
         Rule("correction", lambda c: _correction_name_ok(c.correction),
              "a registered correction name (tis, none; neon_hpc/train/corrections.py) or an import path "
              "'pkg.mod:fn' of a function registered with @correction"),
