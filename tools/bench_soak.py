@@ -79,6 +79,7 @@ def claim_soak(root: Path, total_shards: int, per_step: int) -> dict:
     from neon_hpc.store import ShardWriter, claim_step
     from neon_hpc.config.store import StoreConfig
     from neon_hpc.store.synthetic import make_trajectory
+    from neon_hpc.train.offpolicy import StalePolicy
 
     run = RunDir(root).create()
     rng = np.random.default_rng(0)
@@ -91,8 +92,8 @@ def claim_soak(root: Path, total_shards: int, per_step: int) -> dict:
             writer.add(make_trajectory(rng, 64, version=step - 1))
         with count_metadata_ops() as c:
             t0 = time.perf_counter()
-            claim_step(run.root, step, want=per_step, consumer="soak", trainer_version=step - 1,
-                       max_staleness=4, timeout_s=60)
+            claim_step(run.root, step, want=per_step, consumer="soak", admit=StalePolicy(step - 1, 4, "drop"),
+                       timeout_s=60)
             lat.append(time.perf_counter() - t0)
         ops.append(c["n"])
         claimed.append(step * per_step)

@@ -104,14 +104,14 @@ def worker(args) -> None:
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import StepData, prepare_step, train_step
     from neon_hpc.train.sections import TrainerSections
-    from neon_hpc.train.loss import LossConfig
+    from neon_hpc.train.corrections import bind
 
     out = Path(args.out)
-    base = ["train.router_replay='off'", "train.lr=1e-6", "mode=sync", *MODEL]
+    base = ["offpolicy.replay_trainer='off'", "train.lr=1e-6", "mode=sync", *MODEL]
     lays = layouts(args.ranks)
     cfg0 = C.load(None, base + lays[f"dp{args.ranks}"])
     be = B.setup(cfg0.model, tp=1, ep=1, pp=1, lr=cfg0.train.lr, replay=False, seed=3)
-    lcfg = LossConfig(correction="none")
+    lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("none"))
     rank = be.layout.rank
 
     # 1. calibration: both ranks run the same micro-batch (single sequences, packed short docs)

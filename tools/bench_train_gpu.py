@@ -125,7 +125,7 @@ def step_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
 class Trainer:
     def __init__(self, cfg: ModelConfig, precision: str, recompute: str, max_tokens: int) -> None:
         from neon_hpc.train import backend as B
-        from neon_hpc.train.loss import LossConfig
+        from neon_hpc.train.corrections import bind
         from neon_hpc.train.sections import TrainerSections
 
         exp = C.load(REPO / "configs" / "tiny_cpu.yaml")
@@ -134,7 +134,7 @@ class Trainer:
                                   balance=dataclasses.replace(exp.balance, tokens_per_microbatch=2 * max_tokens,
                                                               min_microbatches=1, shadow=False))
         self.sec = TrainerSections.of(exp)
-        self.lcfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
+        self.lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
         self.be = B.setup(cfg, lr=1e-5, seed=3, precision=precision, recompute=recompute)
 
     def step(self, trajs: list[Trajectory]) -> float:

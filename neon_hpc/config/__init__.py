@@ -39,6 +39,7 @@ from neon_hpc.config.env import EnvConfig
 from neon_hpc.config.launch import LaunchConfig, WarmStartConfig
 from neon_hpc.config.logging import LoggingConfig
 from neon_hpc.config.model import DefaultModelConfig, ModelSection
+from neon_hpc.config.offpolicy import OffpolicyConfig
 from neon_hpc.config.plan import PlanConfig
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, EvalConfig, RolloutConfig
@@ -60,6 +61,7 @@ class _CoreSections:
     store: StoreConfig = field(default_factory=StoreConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    offpolicy: OffpolicyConfig = field(default_factory=OffpolicyConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

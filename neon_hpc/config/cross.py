@@ -67,8 +67,8 @@ def is_loopback(host: str) -> bool:
 
 def correction_errors(cfg: Any) -> Errors:
     """An async run needs an off-policy correction (the config loader and the trainer's start ask here)."""
-    if cfg.mode == "async" and cfg.train.off_policy_correction == "none":
-        return [("train.off_policy_correction",
+    if cfg.mode == "async" and cfg.offpolicy.correction == "none":
+        return [("offpolicy.correction",
                  "'none' in an async run trains on tokens of older weight versions without correction "
                  "(a silent bias); set it to 'tis' or mode: sync")]
     return []

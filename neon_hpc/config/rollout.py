@@ -75,13 +75,6 @@ class RolloutConfig:
     episode_timeout_s: float = 120.0
     temperature: float = 1.0
     top_p: float = 1.0
-    max_staleness: int = 2            # versions a token may lag the trainer
-    # What the trainer's claim does with tokens older than max_staleness: "mask" gives them
-    # loss weight 0 (they stay in the context) and drops a trajectory only when none of its
-    # generated tokens is within the bound; "drop" drops a trajectory whose oldest token is over
-    stale_policy: Literal["mask", "drop"] = "mask"
-    backpressure_steps: int = 4       # stop when ready/ holds more than this many steps of data
-    replay_mode: Literal["delta", "full", "off"] = "delta"
     restart_dead_workers: bool = True
     reward: Literal["success", "dense"] = "dense"   # which grader reward becomes Trajectory.reward
     force_answer: bool = True         # the last turn starts with <answer> (budget forcing)
@@ -98,14 +91,16 @@ class RolloutConfig:
         "episode_timeout_s": above(0, note="seconds"),
         "temperature": at_least(0, "0 = greedy"),
         "top_p": above(0, le=1.0),
-        "max_staleness": at_least(0, "0 = on-policy"),
         "max_tool_chars": at_least(16, "tool errors must stay readable"),
         "answer_max_new_tokens": at_least(0, "0 = max_new_tokens"),
         "request_retries": at_least(0),
         "wait_for_weights_s": above(0, note="seconds"),
     }
     # the XRD environment's settings, once here: an old config or run.yaml that sets one is told where
-    MOVED = {"tools": "xrd.tools", "prompt_style": "xrd.prompt_style"}
+    # and the off-policy settings (config/offpolicy.py)
+    MOVED = {"tools": "xrd.tools", "prompt_style": "xrd.prompt_style",
+             "max_staleness": "offpolicy.max_staleness", "stale_policy": "offpolicy.stale_policy",
+             "backpressure_steps": "offpolicy.backpressure_steps", "replay_mode": "offpolicy.replay_engine"}
 
 
 @section

@@ -34,11 +34,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_eps: float = 0.2                # PPO ratio clip
-    off_policy_correction: Literal["tis", "none"] = "tis"
-    tis_cap: float = 2.0                 # truncated importance sampling cap per token
     kl_coef: float = 0.0                 # k3 KL toward the behaviour (engine) policy, per token
     advantage_norm: Literal["std", "none"] = "std"   # GRPO: divide by the group's reward std, or only centre
-    router_replay: Literal["off", "replay"] = "replay"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1
@@ -67,7 +64,6 @@ class TrainConfig:
         "weight_decay": at_least(0),
         "grad_clip": at_least(0, "0 = no clipping"),
         "clip_eps": Range(gt=0, lt=1),
-        "tis_cap": at_least(1.0, "it truncates importance ratios from above"),
         "kl_coef": at_least(0),
         **{k: at_least(1) for k in ("trajectories_per_step", "checkpoint_every", "publish_every",
                                     "tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -75,6 +71,9 @@ class TrainConfig:
         "wait_for_data_s": above(0, note="seconds"),
         "checkpoint_write_timeout_s": above(0, note="seconds (train/writers.py: stuck checkpoint writers)"),
     }
+    # the off-policy settings (config/offpolicy.py): a config that sets one here is told where
+    MOVED = {"off_policy_correction": "offpolicy.correction", "tis_cap": "offpolicy.correction_params.cap",
+             "router_replay": "offpolicy.replay_trainer"}
     RULES = (
         Rule("sft_data", lambda c: c.mode != "sft" or bool(c.sft_data),
              "a folder of trajectory shards when train.mode is 'sft' (write demonstrations with "

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=0, help="simulated trainer steps per policy (default plan.simulated_steps)")
     p.add_argument("--sweep-steps", type=int, default=0, help="steps per sweep point (default plan.sweep_steps)")
     p.add_argument("--target-staleness", type=int, default=-1,
-                   help="the largest staleness bound the sweep searches (default max(rollout.max_staleness, 8))")
+                   help="the largest staleness bound the sweep searches (default max(offpolicy.max_staleness, 8))")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. plan.mfu=0.4")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
             return 1
         r = chosen.result
         print(f"  best layout: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes, "
-              f"rollout.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}, "
+              f"offpolicy.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}, "
               f"rollout.num_workers={chosen.num_workers}: {r.samples_per_hour:,.0f} samples/h, trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
               f"{r.rollout_idle_frac:.1%}, wasted rollout tokens {r.wasted_tokens_frac:.1%}, token staleness "
               f"mean {r.token_staleness_mean:.2f} / p95 {r.token_staleness_quantile(0.95)}")

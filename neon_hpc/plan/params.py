@@ -76,7 +76,7 @@ class SimParams:
     episode_seconds: tuple = ()
     episode_tokens: tuple = ()
     # router-data export
-    replay_mode: Annotated[Literal["delta", "full", "off"], From("rollout.replay_mode")] = "delta"
+    replay_mode: Annotated[Literal["delta", "full", "off"], From("offpolicy.replay_engine")] = "delta"
     route_bytes_per_token: float = 0.0
     export_bytes_per_s: Annotated[float, From("plan.export_bytes_per_s")] = 2.0e9
     # trainer
@@ -124,8 +124,8 @@ class SimParams:
     act_per_head: float = 0.0           # bytes per (query, key) pair per layer per attention head
     act_per_vocab: float = 0.0          # bytes per token per vocabulary entry (logits, loss)
     act_element_bytes: int = 2          # bytes of one activation element (what full recompute keeps per layer)
-    # staleness and weight updates (rollout.stale_policy, engine.weight_update)
-    stale_policy: Annotated[Literal["mask", "drop"], From("rollout.stale_policy")] = "mask"
+    # staleness and weight updates (offpolicy.stale_policy, engine.weight_update)
+    stale_policy: Annotated[Literal["mask", "drop"], From("offpolicy.stale_policy")] = "mask"
     weight_update: Annotated[Literal["in_place", "between_requests"], From("engine.weight_update")] = "in_place"
     policy: Annotated[Literal["async", "one_step_off", "sync"], From("plan.policy")] = "async"
     admission: Annotated[Literal["steps_ahead", "oldest"], From("plan.admission")] = "steps_ahead"
@@ -136,8 +136,8 @@ class SimParams:
     slot_mode: Annotated[Literal["worker", "episode"], From("plan.slot_mode")] = "worker"
     # stop in-flight groups once they are beyond the bound
     abort_stale: Annotated[bool, From("plan.abort_stale")] = False
-    max_staleness: Annotated[int, From("rollout.max_staleness")] = 2
-    backpressure_steps: Annotated[int, From("rollout.backpressure_steps")] = 4
+    max_staleness: Annotated[int, From("offpolicy.max_staleness")] = 2
+    backpressure_steps: Annotated[int, From("offpolicy.backpressure_steps")] = 4
     # polling latencies of the real processes (they poll the shared filesystem, no inotify):
     # a refused worker re-checks admission every admission_poll_s, a waiting trainer looks at
     # ready/ every claim_poll_s. Negligible at cluster scale (minute-long steps), not on a laptop.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from neon_hpc import envs
 from neon_hpc.config.env import EnvConfig
 from neon_hpc.config.launch import LaunchConfig
+from neon_hpc.config.offpolicy import OffpolicyConfig
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, RolloutConfig
 from neon_hpc.config.store import StoreConfig
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 class WorkerSections:
     """A rollout worker's inputs: its sections, and what it borrows from ``train`` and ``model``."""
 
-    rollout: RolloutConfig              # episodes, groups, the admission bounds
+    rollout: RolloutConfig              # episodes, groups
+    offpolicy: OffpolicyConfig          # the admission bounds, the routes the engines export
     protocol: ProtocolConfig            # heartbeat and admission poll intervals
     store: StoreConfig                  # the shard writer
     env: EnvConfig                      # which environment (env.kind: its plugin gives tasks and episodes)
@@ -54,8 +56,8 @@ class WorkerSections:
 
     @classmethod
     def of(cls, cfg: "ExperimentConfig") -> "WorkerSections":
-        return cls(rollout=cfg.rollout, protocol=cfg.protocol, store=cfg.store, env=cfg.env,
-                   env_settings=envs.settings(envs.get(cfg.env.kind), cfg),
+        return cls(rollout=cfg.rollout, offpolicy=cfg.offpolicy, protocol=cfg.protocol, store=cfg.store,
+                   env=cfg.env, env_settings=envs.settings(envs.get(cfg.env.kind), cfg),
                    train_trajectories_per_step=cfg.train.trajectories_per_step,
                    model_tokenizer=cfg.model.tokenizer_source,
                    model_num_layers=cfg.model.num_layers, model_moe_router_topk=cfg.model.moe_router_topk)

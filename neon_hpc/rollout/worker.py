@@ -8,10 +8,10 @@ for the trainer, except where the run asks it to:
   flight across all workers, over trajectories per step), plus how many versions its engines'
   weights are behind the version the trainer's next claim trains (engines load new weights
   between requests, some time after they are published; a step in progress is one more).
-  If the group's oldest token would then be more than ``rollout.max_staleness`` versions
+  If the group's oldest token would then be more than ``offpolicy.max_staleness`` versions
   behind, it waits. The trainer's claim still drops anything too stale (counted),
   so the bound holds even when the estimate is off.
-* **backpressure**: when ``ready/`` holds more than ``rollout.backpressure_steps`` steps of
+* **backpressure**: when ``ready/`` holds more than ``offpolicy.backpressure_steps`` steps of
   data, the worker waits: producing more would only make it stale.
 
 The rule is :mod:`neon_hpc.protocol.admission`'s (the simulator calls the same function), and
@@ -86,8 +86,8 @@ def admission(run: RunDir, sec: WorkerSections, group: int, lag: int = 0) -> tup
     (:func:`neon_hpc.protocol.admission.admit`) over ready/, the workers' beats and ``lag``,
     the :func:`version_gap` between the trainer's next claim and the engines."""
     ready, inflight = pending_trajectories(run, sec.protocol.heartbeat_expiry_s, sec.store)
-    return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.rollout.backpressure_steps,
-                      sec.rollout.max_staleness, lag)
+    return rule.admit(ready, inflight, group, sec.train_trajectories_per_step, sec.offpolicy.backpressure_steps,
+                      sec.offpolicy.max_staleness, lag)
 
 
 def wake_key(run: RunDir, node: int | None = None) -> tuple:
@@ -172,7 +172,8 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     by_id = {t.id: t for t in tasks}
 
     def episode_of(task):
-        return lambda: Episode(client, as_environment(task, sec.rollout, env), tokenizer, sec.rollout)
+        return lambda: Episode(client, as_environment(task, sec.rollout, env), tokenizer, sec.rollout,
+                               replay=sec.offpolicy.replay_engine)
 
     resume = _take_over(journal, by_id, episode_of, sec, log, worker)
     rollout_s = 0.0     # seconds spent running groups (the journal's overhead is a share of it)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Iterator, Protocol
 
 from neon_hpc.store.claim import ClaimResult
@@ -69,6 +70,18 @@ class TrajectoryStore(ABC):
     @abstractmethod
     def counts(self) -> StoreCounts:
         """Shard counts for operators (no shard is opened)."""
+
+    # fixed sets: trajectories in a folder of their own that no claim consumes (demonstrations,
+    # the SFT data of ``train.sft_data``); a store kind writes and reads its own
+    @classmethod
+    @abstractmethod
+    def write_set(cls, folder: str | Path, trajs: list[Trajectory], name: str, per_shard: int = 64) -> list[Path]:
+        """Write ``trajs`` as a fixed set in ``folder`` (each part published whole); returns the parts."""
+
+    @classmethod
+    @abstractmethod
+    def read_set(cls, folder: str | Path) -> list[Trajectory]:
+        """Every trajectory of the fixed set in ``folder``, in a stable order ([] when there is none)."""
 
     @abstractmethod
     def sweep_staging(self) -> int:

@@ -6,7 +6,7 @@ Protocol for step N (the README has the full argument)::
     claimed/step_N/OWNER.json     who is claiming (consumer name, pid, host, time)
     claimed/step_N/<shard>.h5     each moved from ready/ by one rename: whoever's rename
                                   succeeds owns the shard; a losing consumer gets ENOENT
-    claimed/step_N/dropped_stale.json   trajectories dropped for staleness (written before ...)
+    claimed/step_N/dropped_stale.json   trajectories the consumer's admission dropped (written before ...)
     claimed/step_N/CLAIM.json     ... the commit record, written last, atomically
 
 * CLAIM.json present: the claim is complete; a second call returns exactly the recorded
@@ -17,18 +17,13 @@ Protocol for step N (the README has the full argument)::
   them, claims more from ready/ if needed, and commits.
 * No file locks anywhere: rename and mkdir are atomic on POSIX filesystems, NFS, Lustre, GPFS.
 
-Staleness (with ``trainer_version`` and ``max_staleness`` given), per ``stale_policy``:
-
-* ``mask`` (the config's default): a generated token whose version is more than
-  ``max_staleness`` behind ``trainer_version`` gets loss weight 0: the trajectory the claim
-  hands out has it cleared in ``loss_mask`` (it stays in ``tokens``, so it is still context
-  for the tokens after it). A trajectory is dropped only when none of its generated tokens is
-  within the bound. The shard on disk keeps the engine's mask; a resumed claim re-applies
-  the rule from CLAIM.json, so the same tokens train.
-* ``drop``: a trajectory whose *oldest* generated token is over the bound is dropped whole.
-
-Either way the waste is counted in generated tokens (``masked_stale_tokens``,
-``dropped_stale_tokens`` over ``generated_tokens``, all in CLAIM.json).
+The claim is a pipe: it hands trajectories out as written, exactly once.  What a consumer keeps
+is its own rule (``admit``: the trainer's stale policy, ``neon_hpc/train/offpolicy.py``), asked
+for a :class:`Verdict` on each trajectory read: the claim keeps claiming until ``want`` are kept,
+and records the verdicts (dropped ones in ``dropped_stale.json``; ``generated_tokens``,
+``masked_stale_tokens``, ``dropped_stale_tokens`` in CLAIM.json) with the rule's own parameters
+(``admit.record()``: ``trainer_version``, ``max_staleness``, ``stale_policy``), which a resumed
+claim returns as ``ClaimResult.admission``, so the consumer applies the same rule again.
 
 Exactly once by trajectory uid (``metadata["uid"]``, a string): names make shards unique,
 not their content, so a valid shard published again under a new name (a copy put back into
@@ -48,8 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import Protocol
 
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.protocol.records import CLAIM_RECORD_NAMES, ClaimOwner, ClaimRecord, DroppedRecord
@@ -67,16 +61,25 @@ log = logging.getLogger("neon_hpc.store")
 
 # CLAIM_FILE, OWNER_FILE, DROPPED_FILE, REASON_SUFFIX: the record names, re-exported from neon_hpc.protocol
 DEFAULT_POLL_S = ProtocolConfig.claim_poll_s   # how often a waiting claim looks at ready/ (the trainer passes its config's)
-STALE_POLICIES = ("mask", "drop")
 DEFAULT_UID_WINDOW_STEPS = StoreConfig.uid_window_steps
+# what a claim records of its admission rule when it has none (CLAIM.json, dropped_stale.json)
+NO_ADMISSION = {"trainer_version": None, "max_staleness": None, "stale_policy": "drop"}
 
 
-def stale_token_mask(loss_mask, versions, trainer_version: int, max_staleness: int):
-    """The trainable tokens: generated (``loss_mask != 0``) and at most ``max_staleness``
-    versions behind ``trainer_version``. uint8, the shape of ``loss_mask``."""
-    gen = np.asarray(loss_mask) != 0
-    fresh = np.asarray(versions) >= trainer_version - max_staleness
-    return (gen & fresh).astype(np.uint8)
+@dataclass(frozen=True)
+class Verdict:
+    """What a consumer's admission rule says of one claimed trajectory."""
+
+    keep: bool
+    masked_tokens: int = 0                            # kept: generated tokens it gives loss weight 0
+    why: dict = field(default_factory=dict)           # dropped: recorded beside it in dropped_stale.json
+
+
+class Admission(Protocol):
+    """A consumer's rule over the trajectories it claims (the trainer's: ``train/offpolicy.StalePolicy``)."""
+
+    def verdict(self, t: Trajectory) -> Verdict: ...
+    def record(self) -> dict: ...                     # its parameters, recorded with the claim (NO_ADMISSION's keys)
 
 
 class ClaimTimeout(TimeoutError):
@@ -101,6 +104,7 @@ class ClaimResult:
     masked_stale_tokens: int = 0         # generated tokens of kept trajectories given loss weight 0
     dropped_stale_tokens: int = 0        # generated tokens of the dropped trajectories
     duplicates: int = 0                  # trajectories skipped: their uid was consumed already
+    admission: dict = field(default_factory=lambda: dict(NO_ADMISSION))   # the rule the claim recorded
 
     @property
     def wasted_rollout_tokens(self) -> float:
@@ -234,10 +238,8 @@ class _Claim:
     rd: RunDir
     step: int
     consumer: str
-    trainer_version: int | None
-    max_staleness: int | None
     quarantine_invalid: bool
-    stale_policy: str = "drop"
+    admit: Admission | None = None
     shards: list[Path] = field(default_factory=list)
     kept_index: dict[str, list[int]] = field(default_factory=dict)
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -329,38 +331,34 @@ class _Claim:
                 self.uids.append(uid)
             gen = t.num_generated
             self.generated += gen
-            stale = self._staleness(t)
-            masked = _apply_stale_policy(t, self.trainer_version, self.max_staleness, self.stale_policy)
-            if masked is None:
+            v = self.admit.verdict(t) if self.admit is not None else Verdict(True)
+            if not v.keep:
                 self.dropped.append({"shard": path.name, "index": i, "task_id": t.task_id,
-                                     "group_id": t.group_id, "version_min": t.version_min,
-                                     "staleness": stale, "tokens": gen})
+                                     "group_id": t.group_id, **v.why, "tokens": gen})
             else:
-                self.masked += masked
+                self.masked += v.masked_tokens
                 keep.append(i)
         self.shards.append(path)
         self.kept_index[path.name] = keep
         self.trajectories.extend(trajs[i] for i in keep)
 
-    def _staleness(self, t: Trajectory) -> int | None:
-        if self.trainer_version is None or self.max_staleness is None:
-            return None
-        return t.staleness(self.trainer_version)
+    @property
+    def admission(self) -> dict:
+        return {**NO_ADMISSION, **(self.admit.record() if self.admit is not None else {})}
 
     # --- commit -------------------------------------------------------------------------
     def commit(self, want: int, waited_s: float, claim_s: float) -> ClaimResult:
-        dropped_file = DroppedRecord(step=self.step, trainer_version=self.trainer_version,
-                                     max_staleness=self.max_staleness, stale_policy=self.stale_policy,
-                                     dropped=self.dropped).write_in(self.dir)
+        a = self.admission
+        dropped_file = DroppedRecord(step=self.step, **a, dropped=self.dropped).write_in(self.dir)
         dropped_tokens = sum(int(d.get("tokens", 0)) for d in self.dropped)
         ClaimRecord(
             step=self.step, consumer=self.consumer, time=time.time(), want=want,
-            trainer_version=self.trainer_version, max_staleness=self.max_staleness,
+            trainer_version=a["trainer_version"], max_staleness=a["max_staleness"],
             shards=[{"name": p.name, "kept": self.kept_index[p.name]} for p in self.shards],
             trajectories=len(self.trajectories),
             tokens=sum(t.num_tokens for t in self.trajectories),
             dropped_stale=len(self.dropped), quarantined=[p.name for p in self.quarantined],
-            waited_s=waited_s, claim_s=claim_s, stale_policy=self.stale_policy,
+            waited_s=waited_s, claim_s=claim_s, stale_policy=a["stale_policy"],
             generated_tokens=self.generated, masked_stale_tokens=self.masked,
             dropped_stale_tokens=dropped_tokens, uids=self.uids, duplicates=self.duplicates,
         ).write_in(self.dir)
@@ -370,31 +368,12 @@ class _Claim:
                         len(self.duplicates), self.duplicates[0]["uid"], self.duplicates[0]["shard"],
                         self.duplicates[0]["step"], self.dir / CLAIM_FILE)
         if self.dropped:
-            log.warning("step %d: dropped %d trajectories older than %d versions behind v%s (see %s)",
-                        self.step, len(self.dropped), self.max_staleness, self.trainer_version, dropped_file)
+            log.warning("step %d: dropped %d trajectories older than %s versions behind v%s (see %s)",
+                        self.step, len(self.dropped), a["max_staleness"], a["trainer_version"], dropped_file)
         return ClaimResult(self.step, self.trajectories, self.shards, len(self.dropped),
                            self.quarantined, waited_s, claim_s, generated_tokens=self.generated,
                            masked_stale_tokens=self.masked, dropped_stale_tokens=dropped_tokens,
-                           duplicates=len(self.duplicates))
-
-
-def _apply_stale_policy(t: Trajectory, trainer_version: int | None, max_staleness: int | None,
-                        policy: str) -> int | None:
-    """None: drop ``t``; else the number of its generated tokens masked (``t.loss_mask`` updated)."""
-    if trainer_version is None or max_staleness is None or t.num_generated == 0:
-        return 0
-    if policy == "drop":
-        return None if t.staleness(trainer_version) > max_staleness else 0
-    if policy != "mask":
-        raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {policy!r}")
-    train = stale_token_mask(t.loss_mask, t.versions, trainer_version, max_staleness)
-    kept = int(train.sum())
-    if kept == 0:
-        return None
-    masked = t.num_generated - kept
-    if masked:
-        t.loss_mask = train
-    return masked
+                           duplicates=len(self.duplicates), admission=a)
 
 
 def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
@@ -411,34 +390,28 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
         got = read_shard(path)
         trajs.extend(got[i] for i in entry["kept"])
         shards.append(path)
-    if record.stale_policy == "mask":   # the same tokens train as at the commit
-        for t in trajs:
-            _apply_stale_policy(t, record.trainer_version, record.max_staleness, record.stale_policy)
     q = [rd.traj_quarantine / n for n in record.quarantined]
     return ClaimResult(step, trajs, shards, record.dropped_stale, q, 0.0, 0.0, resumed=True,
                        generated_tokens=record.generated_tokens, masked_stale_tokens=record.masked_stale_tokens,
-                       dropped_stale_tokens=record.dropped_stale_tokens, duplicates=len(record.duplicates))
+                       dropped_stale_tokens=record.dropped_stale_tokens, duplicates=len(record.duplicates),
+                       admission={"trainer_version": record.trainer_version, "max_staleness": record.max_staleness,
+                                  "stale_policy": record.stale_policy})
 
 
-def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: int | None = None,
-               max_staleness: int | None = None, timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S,
-               allow_partial: bool = False, quarantine_invalid: bool = True,
-               stale_policy: str = "drop", uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS) -> ClaimResult:
+def claim_step(run_dir, step: int, want: int, consumer: str, admit: Admission | None = None,
+               timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S, allow_partial: bool = False,
+               quarantine_invalid: bool = True, uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS) -> ClaimResult:
     """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
 
     Blocks, polling ready/ every ``poll_s``, up to ``timeout_s``; then raises
     :class:`ClaimTimeout` (or, with ``allow_partial`` and something claimed, commits what it
     has). A step already committed returns the same trajectories again (``resumed=True``).
-    Invalid shards go to quarantine/ with a reason file; with ``trainer_version`` and
-    ``max_staleness`` set, ``stale_policy`` says what happens to tokens more than
-    ``max_staleness`` versions old (module docstring): ``drop`` drops their trajectory,
-    ``mask`` clears them from ``loss_mask`` and drops a trajectory only when nothing of it is
-    left to train; dropped ones are listed in ``dropped_stale.json``.  A trajectory whose uid a
+    Invalid shards go to quarantine/ with a reason file; with ``admit``, a trajectory its
+    :class:`Verdict` drops is not kept (listed in ``dropped_stale.json``), and the rule's
+    parameters come back as ``ClaimResult.admission`` (module docstring).  A trajectory whose uid a
     committed claim of the last ``uid_window_steps`` steps consumed is skipped and counted
     (``duplicates``).
     """
-    if stale_policy not in STALE_POLICIES:
-        raise ValueError(f"claim_step: stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
     rd = _rundir(run_dir)
     if step < 0 or want < 0:
         raise ValueError(f"claim_step: step ({step}) and want ({want}) must be >= 0")
@@ -450,7 +423,7 @@ def claim_step(run_dir, step: int, want: int, consumer: str, trainer_version: in
     remove_stale_tmp(rd.traj_claimed, older_than_s=3600.0)  # staging dirs of consumers that crashed
     if uid_window_steps < 1:
         raise ValueError(f"claim_step: uid_window_steps ({uid_window_steps}) must be >= 1")
-    claim = _Claim(rd, step, consumer, trainer_version, max_staleness, quarantine_invalid, stale_policy,
+    claim = _Claim(rd, step, consumer, quarantine_invalid, admit,
                    seen=consumed_uids(rd, step, uid_window_steps), uid_window_steps=uid_window_steps)
     claim.open()
     claim.absorb_existing()

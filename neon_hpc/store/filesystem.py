@@ -13,6 +13,7 @@ from neon_hpc.store.base import StoreCounts, TrajectoryStore
 from neon_hpc.store.claim import ClaimResult, claim_step, claimed_steps, ready_count
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.reader import read_shard
+from neon_hpc.store.writer import write_shard
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.store.writer import TMP_SUFFIX, ShardWriter
 
@@ -63,6 +64,27 @@ class FilesystemStore(TrajectoryStore):
             writing = 0
         return StoreCounts(ready=self.ready_count()[0], claimed=claimed,
                            quarantined=_count(self.run.traj_quarantine, S.SHARD_SUFFIX), writing=writing)
+
+    @classmethod
+    def write_set(cls, folder, trajs: list[Trajectory], name: str, per_shard: int = 64) -> list[Path]:
+        """Shards ``<name>-NNNN.h5`` of ``per_shard`` trajectories in ``folder``, each published by rename."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        parts = []
+        for j in range(0, len(trajs), per_shard):
+            final = out / f"{name}-{j // per_shard:04d}{S.SHARD_SUFFIX}"
+            tmp = out / f".{final.name}.tmp"
+            write_shard(tmp, trajs[j:j + per_shard], writer_id=name)
+            tmp.replace(final)
+            parts.append(final)
+        return parts
+
+    @classmethod
+    def read_set(cls, folder) -> list[Trajectory]:
+        """Every trajectory of every ``*.h5`` shard in ``folder``, shards sorted by file name."""
+        p = Path(folder)
+        shards = sorted(p.glob(f"*{S.SHARD_SUFFIX}")) if p.is_dir() else []
+        return [t for s in shards for t in read_shard(s)]
 
     def sweep_staging(self) -> int:
         return remove_stale_tmp(self.run.traj_tmp)

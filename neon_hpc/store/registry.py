@@ -17,13 +17,18 @@ from neon_hpc.store.filesystem import FilesystemStore
 STORES: dict[str, type[TrajectoryStore]] = {FilesystemStore.kind: FilesystemStore}
 
 
+def store_kind(kind: str = StoreConfig.kind) -> type[TrajectoryStore]:
+    """The implementation of ``store.kind`` (its class: fixed sets are written and read through it)."""
+    cls = STORES.get(kind)
+    if cls is None:
+        raise ValueError(f"store.kind: unknown trajectory store {kind!r}; registered: "
+                         f"{', '.join(sorted(STORES))} (set store.kind in the config to one of them)")
+    return cls
+
+
 def open_store(run_dir: str | RunDir, cfg: StoreConfig = StoreConfig()) -> TrajectoryStore:
     """The store ``cfg.kind`` names, for the run directory ``run_dir``."""
-    cls = STORES.get(cfg.kind)
-    if cls is None:
-        raise ValueError(f"store.kind: unknown trajectory store {cfg.kind!r}; registered: "
-                         f"{', '.join(sorted(STORES))} (set store.kind in the config to one of them)")
-    return cls(run_dir, cfg)
+    return store_kind(cfg.kind)(run_dir, cfg)
 
 
 def run_store(run_dir: str | RunDir) -> TrajectoryStore:

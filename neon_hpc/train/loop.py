@@ -8,8 +8,9 @@ when those are absent).  Everything it knows comes from its view of the config
 Step N (numbered from 1) trains the weights of version N-1 and produces version N:
 
 1. rank 0 claims ``trajectories/claimed/step_N`` (``neon_hpc.store.claim_step``: whole
-   shards, staleness filter against version N-1, resumable); the other ranks then read
-   the committed claim (the same call returns the recorded trajectories);
+   shards, resumable, keeping what the stale policy against version N-1 keeps); every rank then
+   reads the committed claim (the same call returns the recorded trajectories) and applies the
+   stale policy it recorded (``neon_hpc.train.offpolicy``: masks the tokens over the bound);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured method, cost model and split policy; an error stops the step), sharded over
@@ -59,7 +60,8 @@ from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
-from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
+from neon_hpc.train import corrections, offpolicy
+from neon_hpc.train.loss import (group_advantages, loss_settings, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
 
 ROLE = "trainer"
@@ -124,6 +126,10 @@ def _any_rank(flag: bool, world: int) -> bool:
 def check_config(cfg: TrainerSections) -> None:
     for key, msg in correction_errors(cfg) + layout_errors(cfg):
         raise TrainerError(f"{key}: {msg}")
+    try:
+        corrections.check(cfg.offpolicy)      # offpolicy.correction: importable, registered, the right shape
+    except corrections.CorrectionError as e:
+        raise TrainerError(str(e)) from None
 
 
 def check_world(cfg: TrainerSections, world: int) -> None:
@@ -164,9 +170,9 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
     """
 
     store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
+    # the claim keeps what the stale policy keeps (train/offpolicy.py), which masks after the claim
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
-                  trainer_version=step - 1, max_staleness=cfg.rollout_max_staleness,
-                  stale_policy=cfg.rollout_stale_policy, poll_s=cfg.protocol.claim_poll_s)
+                  admit=offpolicy.StalePolicy.of(cfg.offpolicy, step - 1), poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
     while True:
@@ -195,7 +201,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
     if status["state"] == "claimed":
-        status["result"] = store.claim(step, timeout_s=0.0, **kwargs)
+        status["result"] = offpolicy.apply(store.claim(step, timeout_s=0.0, **kwargs))
     return status
 
 
@@ -251,9 +257,10 @@ def prepare_step(trajs: list, dp: int, cfg: TrainerSections, log: RoleLogger | N
 # --------------------------------------------------------------------------------------
 # one optimizer step
 
-def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means) -> dict[str, float]:
+def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_means) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank, then one optimizer step; returns metrics.
 
+    ``settings``: :func:`~neon_hpc.train.loss.loss_settings` (the policy loss's keyword arguments);
     ``loss(logp, mb, denom) -> (loss, terms)`` replaces the policy loss (the SFT step,
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
@@ -287,7 +294,7 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
         if loss is not None:
             return loss(logp, mb, denom)
         return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
-                           mb.loss_mask.to(dev), denom, lcfg)
+                           mb.loss_mask.to(dev), denom, **settings)
 
     # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
     sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: piece_map(alays[j]))
@@ -416,10 +423,10 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     t = cfg.train
     writers.configure(t.checkpoint_write_timeout_s)   # the deadline of a save's megatron writers
     TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
-    be = setup_backend(cfg, replay=t.router_replay == "replay", log=log)
+    be = setup_backend(cfg, replay=cfg.offpolicy.replay_trainer == "replay", log=log)
     last, _state = _startup(run, be, cfg, log)
     log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s, precision=%s, recompute=%s",
-             be.layout.tp, be.layout.ep, be.layout.dp, world, be.replay, t.off_policy_correction, be.precision,
+             be.layout.tp, be.layout.ep, be.layout.dp, world, be.replay, cfg.offpolicy.correction, be.precision,
              be.recompute)
     if not run.weight_versions() or run.latest_weights() is None:
         via = t.publish_via
@@ -428,8 +435,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         _, secs, _ = publish_weights(run, be, cfg.model, last, step=last, via=via,
                                      checkpoint_dir=run.checkpoint(last))
         log.info("published initial weights v_%d in %.2fs (%s)", last, secs, via)
-    lcfg = LossConfig(clip_eps=t.clip_eps, tis_cap=t.tis_cap, correction=t.off_policy_correction,
-                      kl_coef=t.kl_coef)
+    settings = loss_settings(cfg)
     step = last
     saved_at = last
     preempted = False
@@ -450,7 +456,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         # right after the claim: rollout workers waiting for admission watch this phase change
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
-        m = train_step(be, data, lcfg)
+        m = train_step(be, data, settings)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
         # The reshard path converts the checkpoint, so it needs one at every publish; the direct

@@ -13,8 +13,9 @@ Three policies meet in one step (all as per-token log-probabilities of the sampl
 
 Per generated token (``mask == 1``)::
 
-    w     = min(exp(logp_prox - logp_behav), tis_cap)     # truncated IS, detached ("tis")
-          = 1                                              # ("none": assumes on-policy data)
+    w     = correction(exp(logp_prox - logp_behav))        # detached; offpolicy.correction:
+          = min(exp(logp_prox - logp_behav), cap)          #   "tis": truncated IS
+          = 1                                              #   "none": assumes on-policy data
     rho   = exp(logp - logp_prox)
     pg    = -w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)
     k3    = exp(logp - logp_behav) - (logp - logp_behav) - 1   # >= 0, unbiased for KL(behav || policy)
@@ -23,9 +24,12 @@ Per generated token (``mask == 1``)::
 This is the decoupled PPO objective (behaviour and proximal policies kept apart), with the
 behaviour importance weight truncated from above, as in truncated importance sampling for
 train/inference mismatch.  The optional KL term pulls the policy toward the policy that
-generated the data (no reference model is kept).
+generated the data (no reference model is kept).  The corrections are
+``neon_hpc/train/corrections.py``'s registry (a user's one by import path); the settings are the
+config's (``train.clip_eps``, ``train.kl_coef``, ``offpolicy.correction``/``correction_params``),
+read once by :func:`loss_settings`.
 
-Stale tokens (``rollout.stale_policy: mask``, applied by the claim: ``neon_hpc.store.claim``):
+Stale tokens (``offpolicy.stale_policy: mask``, applied after the claim: ``neon_hpc.train.offpolicy``):
 a generated token more than ``max_staleness`` versions behind the trainer has ``mask == 0``
 here, exactly like a prompt token: it contributes nothing to the loss, the terms or
 ``denom``, and its gradient is zero; it still conditions the tokens after it (it stays in
@@ -34,7 +38,7 @@ the input). The in-bound tokens of the same trajectory train with the per-token 
 Group advantages with part of a group masked: the advantage is a property of the whole
 trajectory (its reward against its group's), so :func:`group_advantages` runs over every
 trajectory the claim kept, partly masked or not, with its full reward; the masked tokens
-simply do not carry it. A trajectory with no trainable token left was dropped by the claim
+simply do not carry it. A trajectory with no trainable token left was dropped by the stale policy
 and is not in its group: the group's mean/std are taken over the members present, and a
 group left with one member gets advantage 0 (no preference signal), as any group of one.
 
@@ -48,11 +52,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from neon_hpc.train import corrections
+from neon_hpc.train.corrections import Bound
 
 
 def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], norm: str = "std",
@@ -84,34 +90,29 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], norm: s
     return adv
 
 
-@dataclass
-class LossConfig:
-    clip_eps: float = 0.2
-    tis_cap: float = 2.0
-    correction: str = "tis"       # "tis" | "none"
-    kl_coef: float = 0.0
+def loss_settings(cfg: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`policy_loss` from the config (its one source of them)."""
+    return {"clip_eps": cfg.train.clip_eps, "kl_coef": cfg.train.kl_coef, "correction": corrections.of(cfg.offpolicy)}
 
 
-# Every term returned by policy_loss, as sums over generated tokens (divide by the token
-# count for means); the loop reduces them over micro-batches and DP ranks before logging.
-SUM_TERMS = ("tokens", "pg_loss", "kl_k3", "loss", "tis_weight", "tis_truncated", "ppo_clipped",
-             "ratio", "mismatch_abs")
+# The correction's metrics travel among the term sums under this prefix (``term_means`` logs
+# their per-token means under the declared names).
+CORRECTION_PREFIX = "correction:"
 
 
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, denom: float,
-                cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                advantages: torch.Tensor, mask: torch.Tensor, denom: float, *, clip_eps: float,
+                kl_coef: float, correction: Bound) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (already divided by ``denom``) and its per-token term sums.
 
     All tensors have the same shape (any); ``mask`` is 1 for generated tokens, 0 elsewhere.
     Values at masked-out positions never reach the loss or the terms (even if nan/inf).
+    ``correction``: :func:`neon_hpc.train.corrections.bind`'s (:func:`loss_settings` gives all three).
     """
     if not (logp.shape == logp_prox.shape == logp_behav.shape == advantages.shape == mask.shape):
         raise ValueError(f"policy_loss: shapes differ: logp {tuple(logp.shape)}, prox "
                          f"{tuple(logp_prox.shape)}, behav {tuple(logp_behav.shape)}, adv "
                          f"{tuple(advantages.shape)}, mask {tuple(mask.shape)}")
-    if cfg.correction not in ("tis", "none"):
-        raise ValueError(f"off_policy_correction must be 'tis' or 'none', got {cfg.correction!r}")
     if denom <= 0:
         raise ValueError(f"policy_loss: denom must be > 0 generated tokens, got {denom}")
     m = mask.to(logp.dtype)
@@ -123,23 +124,17 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     lp_behav = torch.where(on, logp_behav.detach().to(logp.dtype), zero)
     adv = torch.where(on, advantages.to(logp.dtype), zero)
 
-    raw_w = torch.exp(lp_prox - lp_behav)
-    if cfg.correction == "tis":
-        w = torch.clamp(raw_w, max=cfg.tis_cap)
-        truncated = (raw_w > cfg.tis_cap).to(logp.dtype)
-    else:
-        w = torch.ones_like(raw_w)
-        truncated = torch.zeros_like(raw_w)
+    w, corr_terms = correction(torch.exp(lp_prox - lp_behav))
 
     rho = torch.exp(lp - lp_prox)
     surr = rho * adv
-    surr_clipped = torch.clamp(rho, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
+    surr_clipped = torch.clamp(rho, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     pg = -w * torch.minimum(surr, surr_clipped)
     clipped = (surr_clipped < surr).to(logp.dtype)
 
     d = lp - lp_behav
     k3 = torch.exp(d) - d - 1.0
-    per_token = pg + cfg.kl_coef * k3
+    per_token = pg + kl_coef * k3
     loss = (per_token * m).sum() / denom
 
     with torch.no_grad():
@@ -148,8 +143,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
             "pg_loss": (pg * m).sum(),
             "kl_k3": (k3 * m).sum(),
             "loss": (per_token * m).sum(),
-            "tis_weight": (w * m).sum(),
-            "tis_truncated": (truncated * m).sum(),
+            **{CORRECTION_PREFIX + k: (v * m).sum() for k, v in corr_terms.items()},
             "ppo_clipped": (clipped * m).sum(),
             "ratio": (rho * m).sum(),
             "mismatch_abs": ((lp - lp_behav).abs() * m).sum(),
@@ -172,8 +166,7 @@ def term_means(sums: dict[str, float]) -> dict[str, float]:
         "loss": sums["loss"] / n,
         "pg_loss": sums["pg_loss"] / n,
         "kl_k3": sums["kl_k3"] / n,
-        "tis_weight_mean": sums["tis_weight"] / n,
-        "tis_clip_frac": sums["tis_truncated"] / n,
+        **{k[len(CORRECTION_PREFIX):]: v / n for k, v in sums.items() if k.startswith(CORRECTION_PREFIX)},
         "ppo_clip_frac": sums["ppo_clipped"] / n,
         "ratio_mean": sums["ratio"] / n,
         "mismatch_abs_mean": sums["mismatch_abs"] / n,

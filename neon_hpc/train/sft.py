@@ -3,8 +3,8 @@
 The same megatron model, parallel layout, balancer, micro-batches and optimizer as the RL step
 loop (:mod:`neon_hpc.train.loop`): only the data source and the loss differ.
 
-- Data: every HDF5 trajectory shard (``*.h5``, the store's schema) in ``train.sft_data``,
-  read by every rank. Step N takes ``train.trajectories_per_step`` trajectories from a fixed
+- Data: the fixed trajectory set in ``train.sft_data`` (``store.kind``'s ``read_set``: every
+  HDF5 shard ``*.h5`` of the folder for the filesystem store), read by every rank. Step N takes ``train.trajectories_per_step`` trajectories from a fixed
   order: epoch e is a permutation of the whole set drawn from ``train.seed + e``, epochs
   concatenated. So the step number is the data cursor, as in RL: a resumed run takes exactly
   the batches the uninterrupted one would have.
@@ -33,25 +33,25 @@ import numpy as np
 from neon_hpc.util.logs import RoleLogger
 from neon_hpc.protocol.records import Phase, TrainerBeat
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.store import read_shard
+from neon_hpc.config.store import StoreConfig
+from neon_hpc.store import store_kind
 from neon_hpc.train import checkpoint as ckpt, writers
 from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
-from neon_hpc.train.loss import LossConfig, sft_loss, sft_term_means
+from neon_hpc.train.loss import sft_loss, sft_term_means
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 
 
-def load_sft_set(folder: str) -> list:
-    """Every trajectory of every ``*.h5`` shard in ``folder`` (sorted by file name)."""
+def load_sft_set(folder: str, kind: str = StoreConfig.kind) -> list:
+    """Every trajectory of the fixed set in ``folder`` (the store ``kind``'s ``read_set``)."""
     if not folder:
         raise TrainerError("train.sft_data is empty: train.mode: sft needs a folder of trajectory shards "
                            "(write demonstrations with `neon-hpc demos --out DIR`)")
     p = Path(folder)
-    shards = sorted(p.glob("*.h5")) if p.is_dir() else []
-    if not shards:
+    trajs = store_kind(kind).read_set(p)
+    if not trajs:
         raise TrainerError(f"train.sft_data: no *.h5 trajectory shards in {p} (write demonstrations with "
                            f"`neon-hpc demos --out {p}`)")
-    trajs = [t for s in shards for t in read_shard(s)]
     if not any(int(np.count_nonzero(np.asarray(t.loss_mask)[1:])) for t in trajs):
         raise TrainerError(f"train.sft_data: the shards in {p} mark no token to train on (loss_mask is 0)")
     return trajs
@@ -82,12 +82,11 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
     t = cfg.train
     writers.configure(t.checkpoint_write_timeout_s)
     TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
-    data_set = load_sft_set(t.sft_data)
+    data_set = load_sft_set(t.sft_data, cfg.store.kind)
     be = setup_backend(cfg, replay=False, log=log)
     last, _state = _startup(run, be, cfg, log)
     log.info("sft: %d trajectories from %s, %d steps of %d, layout tp=%d ep=%d dp=%d world=%d", len(data_set),
              t.sft_data, t.steps, t.trajectories_per_step, be.layout.tp, be.layout.ep, be.layout.dp, world)
-    lcfg = LossConfig()
     step, saved_at, preempted = last, last, False
     while step < t.steps:
         step += 1
@@ -97,7 +96,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         idx, epoch = step_indices(len(data_set), step, t.trajectories_per_step, t.seed)
         trajs = [copy.copy(data_set[i]) for i in idx]
         data = prepare_step(trajs, be.layout.dp, cfg)
-        m = train_step(be, data, lcfg, loss=_loss, means=sft_term_means)
+        m = train_step(be, data, None, loss=_loss, means=sft_term_means)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
         ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \

@@ -39,7 +39,7 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
     source = echo.tasks(sec.env_settings)
     task = source.train()[0]
     assert source.seed == 2 and task.word == "gamma"
-    rollout = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512, replay_mode="delta",
+    rollout = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512,
                             max_tool_chars=32)
     client = ScriptedClient(["<tool_call>peek</tool_call>", "<answer>gamma</answer>"] * 2)
     trajs = run_group(client, task, TOK, rollout, group_size=2, env=echo.bind(sec.env_settings))

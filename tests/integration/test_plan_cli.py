@@ -76,7 +76,7 @@ def test_cli_prints_sources_policies_sweep_and_writes_png(tmp_path, capsys):
     png = tmp_path / "plan.png"
     rc = main([TINY, "--steps", "30", "--sweep", "--sweep-steps", "20", "--png", str(png), "--quiet",
                "--calibrate", str(res), "--set", "plan.sweep_points=3",
-               "--set", "rollout.max_staleness=2"])   # the labels below name the bound
+               "--set", "offpolicy.max_staleness=2"])   # the labels below name the bound
     out = capsys.readouterr().out
     assert rc == 0
     assert re.search(rf"decode_tokens_per_s\s+= 40\s+<- RESULT {re.escape(str(res))}:1 decode_tokens_per_s", out)

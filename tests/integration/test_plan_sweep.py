@@ -127,11 +127,11 @@ def test_kimi_sweep_searches_bound_batch_and_split_says_what_does_not_fit_and_dr
     # from the bound the example shipped with (4) up to the default top (8): the example itself now
     # says 8, the search's pick
     rc = main([KIMI, "--steps", "5", "--sweep", "--sweep-steps", "60", "--png", str(png), "--quiet",
-               "--set", "rollout.max_staleness=4"])
+               "--set", "offpolicy.max_staleness=4"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "does not fit: 147 / 16: needs" in out            # 16 trainer nodes cannot hold the state
-    m = re.search(r"best layout: (\d+) rollout nodes / (\d+) trainer nodes, rollout.max_staleness=(\d+), "
+    m = re.search(r"best layout: (\d+) rollout nodes / (\d+) trainer nodes, offpolicy.max_staleness=(\d+), "
                   r"train.trajectories_per_step=(\d+), rollout.num_workers=(\d+): ([\d,]+) samples/h, trainer idle [\d.]+%, rollout idle "
                   r"[\d.]+%, wasted rollout tokens ([\d.]+)%, token staleness mean [\d.]+ / p95 \d+", out)
     assert m, out[-2000:]

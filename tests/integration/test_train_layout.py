@@ -189,7 +189,7 @@ def reduced_kimi_sets(cp: int | None = None) -> list[str]:
 def _run(tmp: Path, data, *sets: str) -> RunDir:
     base, _ = _model(data["arch"])
     cfg = C.load(base, [f"train.trajectories_per_step={PER_STEP}", "train.checkpoint_every=2",
-                        "train.publish_every=1", "train.lr=0.002", "rollout.max_staleness=8",
+                        "train.publish_every=1", "train.lr=0.002", "offpolicy.max_staleness=8",
                         "train.wait_for_data_s=300", f"model.init_checkpoint={data['init']}",
                         *([] if base else [f"model.num_layers={LAYERS}"]), *sets])
     run = RunDir(tmp / "run").create()

@@ -70,7 +70,7 @@ def dataset(tmp_path_factory):
 def new_run(tmp_path: Path, dataset, name: str, *sets: str) -> RunDir:
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PER_STEP}",
                         "train.checkpoint_every=2", "train.publish_every=1", "train.lr=0.002",
-                        "rollout.max_staleness=8", "train.wait_for_data_s=300",
+                        "offpolicy.max_staleness=8", "train.wait_for_data_s=300",
                         f"model.init_checkpoint={dataset['init']}", *sets])
     run = RunDir(tmp_path / name).create()
     run.run_yaml.write_text(C.dump(cfg))

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(r"""
     from neon_hpc.store import Trajectory
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import prepare_step, train_step
-    from neon_hpc.train.loss import LossConfig
+    from neon_hpc.train.corrections import bind
     from neon_hpc.train.heap import PeakMemory
     from neon_hpc.train.sections import TrainerSections
 
@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent(r"""
                                                                          shadow=False))
     sec = TrainerSections.of(exp)
     be = B.setup(cfg, lr=1e-5, seed=3, precision="fp32")
-    lcfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
+    lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
     rng = np.random.default_rng(0)
     out = {}
     for n in (4096, 8192, 16384):

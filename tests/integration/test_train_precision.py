@@ -57,12 +57,12 @@ def run_steps(arch: str, steps: int, **setup_kw):
     """(per-step metrics, full fp32 state dict after the steps, backend precision)."""
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import prepare_step, train_step
-    from neon_hpc.train.loss import LossConfig
+    from neon_hpc.train.corrections import bind
     from neon_hpc.train.sections import TrainerSections
 
     cfg = C.load(CONFIGS[arch])
     sec = TrainerSections.of(cfg)
-    lcfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
+    lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
     be = B.setup(cfg.model, lr=3e-3, seed=3, **setup_kw)
     try:
         metrics = [train_step(be, prepare_step(trajectories(cfg, s), 1, sec), lcfg) for s in range(steps)]
@@ -153,12 +153,12 @@ def test_bf16_checkpoint_resumes_bit_exact_in_bf16_and_refuses_fp32(tmp_path):
     from neon_hpc.train import backend as B
     from neon_hpc.train import checkpoint as ckpt
     from neon_hpc.train.loop import prepare_step, train_step
-    from neon_hpc.train.loss import LossConfig
+    from neon_hpc.train.corrections import bind
     from neon_hpc.train.sections import TrainerSections
 
     cfg = C.load(CONFIGS["qwen3_moe"])
     sec = TrainerSections.of(cfg)
-    lcfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
+    lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
     run = RunDir(tmp_path / "run").create()
 
     def steps(be, seeds):

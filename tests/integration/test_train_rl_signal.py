@@ -64,7 +64,7 @@ def test_reward_rises_from_chance_to_twice_chance(tmp_path):
 
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PROMPTS * SAMPLES}",
                         "train.lr=0.01", f"model.vocab_size={VOCAB}", "train.checkpoint_every=1000", "train.publish_every=1",
-                        "train.wait_for_data_s=120", "rollout.max_staleness=2", "model.seed=3", "train.seed=3"])
+                        "train.wait_for_data_s=120", "offpolicy.max_staleness=2", "model.seed=3", "train.seed=3"])
     run = RunDir(tmp_path / "run").create()
     run.run_yaml.write_text(C.dump(cfg))
     procs = start(run)

@@ -65,7 +65,7 @@ def data(tmp_path_factory):
 def new_run(root, data, *sets: str) -> RunDir:
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PER_STEP}",
                         "train.checkpoint_every=2", "train.publish_every=2", "train.lr=0.002",
-                        "rollout.max_staleness=8", "train.wait_for_data_s=300", f"model.num_layers={LAYERS}",
+                        "offpolicy.max_staleness=8", "train.wait_for_data_s=300", f"model.num_layers={LAYERS}",
                         f"model.init_checkpoint={data['init']}", *sets])
     run = RunDir(root / "run").create()
     run.run_yaml.write_text(C.dump(cfg))

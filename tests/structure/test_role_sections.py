@@ -127,8 +127,8 @@ def test_the_views_hold_the_config_and_its_borrowed_values():
     n = NodeSections.of(cfg)
     assert (n.rollout, n.engine, n.protocol, n.launch, n.run_dir) == \
         (cfg.rollout, cfg.engine, cfg.protocol, cfg.launch, cfg.run_dir)
-    t = TrainerSections.of(config.load(TINY, ["rollout.max_staleness=3", "rollout.stale_policy=drop"]))
-    assert (t.rollout_max_staleness, t.rollout_stale_policy) == (3, "drop")
+    t = TrainerSections.of(config.load(TINY, ["offpolicy.max_staleness=3", "offpolicy.stale_policy=drop"]))
+    assert (t.offpolicy.max_staleness, t.offpolicy.stale_policy) == (3, "drop")
     assert not hasattr(t, "rollout") and not hasattr(w, "train") and not hasattr(w, "model")
     with pytest.raises(dataclasses.FrozenInstanceError):
         w.train_trajectories_per_step = 1

@@ -156,7 +156,7 @@ def test_versions_recorded_and_staleness_bounded(finished_run):
     rollout = [r for r in read_metrics(finished_run["root"], "rollout") if "event" not in r]
     assert max(r["version_max"] for r in rollout) >= 1
     trainer = read_metrics(finished_run["root"], "trainer")
-    assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in trainer), \
+    assert all(r["staleness_max"] <= cfg.offpolicy.max_staleness for r in trainer), \
         [r["staleness_max"] for r in trainer]
 
 

@@ -17,7 +17,7 @@ from repo_paths import REPO
 
 def write_run(root, episode_s=10.0, steps=12, trainer_waits=True, staleness_mean=0.5, staleness_max=1):
     cfg = config.load("configs/tiny_cpu.yaml", ["rollout.num_workers=2", "rollout.group_size=2",
-                                                 "train.trajectories_per_step=4", "rollout.max_staleness=2"])
+                                                 "train.trajectories_per_step=4", "offpolicy.max_staleness=2"])
     (root / "logs" / "trainer").mkdir(parents=True)
     (root / "logs" / "rollout").mkdir(parents=True)
     (root / "run.yaml").write_text(config.dump(cfg))

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rollout_config(args) -> RolloutConfig:
-    cfg = RolloutConfig(temperature=args.temperature, replay_mode="off", request_retries=args.retries)
+    cfg = RolloutConfig(temperature=args.temperature, request_retries=args.retries)
     if args.preset != "tiny":   # real models need room: more turns, longer outputs
         cfg = replace(cfg, max_turns=12, max_new_tokens=1024, max_total_tokens=32768)
     for field, value in (("max_turns", args.max_turns), ("max_new_tokens", args.max_new_tokens),
@@ -195,7 +195,7 @@ def environment(task, xrd: ConfiguredEnv, cfg, threshold: dict | None):
 
 
 def episode_generate(client, task, tokenizer, cfg) -> dict:
-    t = run_episode(client, task, tokenizer, cfg)
+    t = run_episode(client, task, tokenizer, cfg, replay="off")
     f1, mae = _grade_numbers(t.metadata.get("grade"))
     return {"task_id": t.task_id, "success": t.rewards["success"], "dense": t.rewards["dense"],
             "turns": t.metadata["turns"], "tokens": t.num_tokens, "gen_tokens": t.num_generated,

@@ -92,15 +92,11 @@ def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
 
 
 def write_demo_shards(out_dir: str | Path, trajs: list, per_shard: int = 64) -> dict:
-    """Demonstrations as shards ``demos-NNNN.h5`` in ``out_dir`` (each published by rename); a summary."""
-    from neon_hpc.store import write_shard  # deferred: heavy (neon_hpc.store: h5py, pydantic)
+    """Demonstrations as the fixed set ``demos`` in ``out_dir`` (the store's ``write_set``: shards
+    ``demos-NNNN.h5``, each published by rename); a summary."""
+    from neon_hpc.store import store_kind  # deferred: heavy (neon_hpc.store: h5py, pydantic)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for j in range(0, len(trajs), per_shard):
-        final = out / f"demos-{j // per_shard:04d}.h5"
-        tmp = out / f".{final.name}.tmp"
-        write_shard(tmp, trajs[j:j + per_shard], writer_id="demos")
-        tmp.replace(final)
+    store_kind().write_set(out, trajs, "demos", per_shard)
     by_kind: dict[str, list[float]] = {}
     for t in trajs:
         by_kind.setdefault(t.metadata["demo"], []).append(t.rewards["success"])

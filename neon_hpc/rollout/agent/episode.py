@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from neon_hpc.config.offpolicy import OffpolicyConfig
 from neon_hpc.envs.base import Environment
 from neon_hpc.replay import ReplayConversation
 from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action
@@ -67,6 +68,9 @@ class Ledger:
         self.turn_offsets.append(len(self.tokens))
 
 
+REPLAY_DEFAULT = OffpolicyConfig.replay_engine   # offpolicy.replay_engine: the routes the engine exports
+
+
 class EpisodeStopped(Exception):
     """The worker is stopping: the episode ended at a turn boundary (its journal record is current)."""
 
@@ -91,10 +95,12 @@ class Episode:
     """Runs one conversation; :meth:`run` returns the finished books and outcome."""
 
     def __init__(self, client: Any, env: Environment, tokenizer: Any, cfg: Any,
-                 version_of: Callable[[str], int] = int, seed: int | None = None):
+                 version_of: Callable[[str], int] = int, seed: int | None = None,
+                 replay: str = REPLAY_DEFAULT):
         self.env, self.tok, self.cfg, self.seed = env, tokenizer, cfg, seed
         self.template = make_template(tokenizer)
-        self.conv = ReplayConversation(client, mode=cfg.replay_mode, version_of=version_of,
+        # replay: which routes the engine exports (offpolicy.replay_engine: delta, full, off)
+        self.conv = ReplayConversation(client, mode=replay, version_of=version_of,
                                        max_retries=getattr(cfg, "request_retries", 2))
         self.version_of = version_of
         self.ledger, self.counts = Ledger(), Counters()

@@ -31,8 +31,8 @@ def eval_tasks(eval_cfg: Any, source: TaskSource) -> list:
 
 
 def greedy(rollout_cfg: Any) -> Any:
-    """The rollout section with temperature 0 (greedy) and no route replay."""
-    return dataclasses.replace(rollout_cfg, temperature=0.0, top_p=1.0, replay_mode="off")
+    """The rollout section with temperature 0 (greedy); :func:`evaluate_weights` exports no routes."""
+    return dataclasses.replace(rollout_cfg, temperature=0.0, top_p=1.0)
 
 
 def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollout_cfg: Any, model_cfg: Any,
@@ -49,7 +49,7 @@ def evaluate_weights(weights_dir: str | Path, tasks: list, tokenizer: Any, rollo
     with start_server(weights_dir, in_process=True, max_batch_size=max(1, min(concurrency, len(tasks)))) as h:
         client = EngineClient(h.url, num_moe_layers=model_cfg.num_layers, top_k=model_cfg.moe_router_topk)
         with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(tasks)))) as pool:
-            trajs = list(pool.map(lambda t: run_episode(client, t, tokenizer, cfg, env=env), tasks))
+            trajs = list(pool.map(lambda t: run_episode(client, t, tokenizer, cfg, env=env, replay="off"), tasks))
     per_task = [{"task_id": t.task_id, "success": t.rewards["success"], "dense": t.rewards["dense"],
                  "answer": t.metadata.get("answer"), "finish": t.metadata.get("finish"),
                  "tool_calls": t.metadata.get("tool_calls")} for t in trajs]

@@ -53,6 +53,7 @@ import numpy as np
 
 from neon_hpc.util.netutil import free_port
 from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
+from neon_hpc.train.corrections import bind
 
 
 @dataclass
@@ -94,7 +95,6 @@ class TrainerStepRunner:
         import torch  # deferred: heavy (torch)
         from neon_hpc.train import backend as B  # deferred: heavy (neon_hpc.train.backend: torch, pydantic)
         from neon_hpc.train.loop import _select_device, dist_env  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
-        from neon_hpc.train.loss import LossConfig  # deferred: heavy (neon_hpc.train.loss: torch, tqdm)
 
         if clock not in ("cpu", "wall"):
             raise ValueError(f"clock must be 'cpu' or 'wall', got {clock!r}")
@@ -113,7 +113,7 @@ class TrainerStepRunner:
         self.extras = setup_extras(cfg.train)
         self.be = B.setup(cfg.model, tp=1, ep=1, pp=1, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                           grad_clip=cfg.train.grad_clip, replay=False, seed=cfg.train.seed, **self.extras)
-        self.lcfg = LossConfig(clip_eps=cfg.train.clip_eps, tis_cap=cfg.train.tis_cap, correction="none")
+        self.lcfg = dict(clip_eps=cfg.train.clip_eps, kl_coef=0.0, correction=bind("none"))
         self.seed = seed
         self.step_overheads: list[float] = []
         self._mark: list[float] = []

@@ -62,6 +62,8 @@ def _bad_values(tp, rng: Range):
     if origin is list:
         (item,) = typing.get_args(tp) or (typing.Any,)
         return ["not a list"] + [[v] for v in _bad_values(item, constraints.DEFAULT)][:1]
+    if origin is dict:   # (a bad item value names its own key: offpolicy.correction_params.cap: got nan)
+        return ["not a mapping"]
     if tp is bool:
         return ["yes please", 1]
     if tp is str:
@@ -152,7 +154,7 @@ def test_out_of_range_value_refused(key, value, tag):
     assert shown.strip("'") in line or repr(value) in line or str(value) in line, line
 
 
-ISSUE_VALUES = ["train.lr=nan", "train.lr=.nan", "train.lr=.inf", "train.tis_cap=nan", "train.clip_eps=nan",
+ISSUE_VALUES = ["train.lr=nan", "train.lr=.nan", "train.lr=.inf", "offpolicy.max_staleness=-1", "train.clip_eps=nan",
                 "rollout.num_workers=-1", "train.grad_clip=-1", "train.weight_decay=-0.5",
                 "train.wait_for_data_s=-10", "train.steps=10^20", "train.steps=100000000000000000000"]
 

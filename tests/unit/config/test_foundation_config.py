@@ -14,7 +14,7 @@ from repo_paths import REPO
 @pytest.mark.parametrize("name", ["tiny_cpu.yaml", "kimi_k2_1300xh200.yaml"])
 def test_shipped_configs_validate(name):
     cfg = config.load(REPO / "configs" / name)
-    assert cfg.train.off_policy_correction == "tis"
+    assert cfg.offpolicy.correction == "tis"
     # round trip: the resolved config dumps to YAML that loads to the same object
     assert config.from_dict(config.to_dict(cfg)) == cfg
 
@@ -28,8 +28,20 @@ BAD = [
     # (yaml text, substrings the message must contain)
     ("train:\n  lrr: 0.1\n", ["bad.yaml", "train.lrr", "unknown key", "did you mean 'train.lr'"]),
     ("train:\n  steps: many\n", ["bad.yaml", "train.steps", "expected int", "'many'"]),
-    ("rollout:\n  replay_mode: delt\n", ["rollout.replay_mode", "one of 'delta', 'full', 'off'", "did you mean 'delta'"]),
-    ("train:\n  off_policy_correction: none\n", ["train.off_policy_correction", "async", "'tis'"]),
+    ("offpolicy:\n  replay_engine: delt\n", ["offpolicy.replay_engine", "one of 'delta', 'full', 'off'", "did you mean 'delta'"]),
+    ("offpolicy:\n  correction: none\n", ["offpolicy.correction", "async", "'tis'"]),
+    # the keys offpolicy: took over are refused with their new place named
+    ("rollout:\n  max_staleness: 2\n", ["rollout.max_staleness", "moved to offpolicy.max_staleness"]),
+    ("rollout:\n  stale_policy: drop\n", ["rollout.stale_policy", "moved to offpolicy.stale_policy"]),
+    ("rollout:\n  backpressure_steps: 2\n", ["rollout.backpressure_steps", "moved to offpolicy.backpressure_steps"]),
+    ("rollout:\n  replay_mode: delta\n", ["rollout.replay_mode", "moved to offpolicy.replay_engine"]),
+    ("train:\n  off_policy_correction: tis\n", ["train.off_policy_correction", "moved to offpolicy.correction"]),
+    ("train:\n  tis_cap: 2.0\n", ["train.tis_cap", "moved to offpolicy.correction_params.cap"]),
+    ("train:\n  router_replay: replay\n", ["train.router_replay", "moved to offpolicy.replay_trainer"]),
+    # route replay's two ends: the trainer replays only routes the engines export
+    ("offpolicy:\n  replay_engine: 'off'\n", ["offpolicy.replay_trainer", "offpolicy.replay_engine: delta",
+                                             "offpolicy.replay_trainer: 'off'"]),
+    ("offpolicy:\n  correction: 'not a name'\n", ["offpolicy.correction", "pkg.mod:fn"]),
     ("model:\n  num_experts: 4\n  moe_router_topk: 6\n", ["model.moe_router_topk", "1..num_experts"]),
     ("launch:\n  rollout:\n    nodes: 0\n", ["launch.rollout.nodes", ">= 1"]),
     ("store:\n  flush_seconds: -1\n", ["store.flush_seconds", "> 0"]),

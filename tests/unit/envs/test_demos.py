@@ -8,7 +8,6 @@ can state (one phase, or two at near-equal fractions) grade success 1; the imper
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,7 +64,7 @@ def test_demos_are_what_the_agent_loop_records_for_the_same_actions(demos):
     for task, demo in zip(tasks, trajs):
         env = XRDEnv.configured(task, CFG.xrd, CFG.rollout)
         # routes are not what is compared (demonstrations carry none): the engine stub sends none
-        ep = Episode(TokenScript(_generated_turns(demo)), env, TOK, replace(CFG.rollout, replay_mode="off")).run()
+        ep = Episode(TokenScript(_generated_turns(demo)), env, TOK, CFG.rollout, replay="off").run()
         t = ep.trajectory(reward_key=CFG.rollout.reward)
         assert np.array_equal(t.tokens, demo.tokens), task.id
         assert np.array_equal(t.loss_mask, demo.loss_mask) and np.array_equal(t.turn_offsets, demo.turn_offsets)

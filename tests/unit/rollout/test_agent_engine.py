@@ -20,8 +20,7 @@ from neon_hpc.rollout.engines.embedded import start_server
 from test_agent_episode import ToyEnv, tiny_weights
 
 TOK = load_tokenizer()
-CFG = RolloutConfig(max_turns=3, max_new_tokens=6, max_total_tokens=256, temperature=1.0,
-                    replay_mode="delta")
+CFG = RolloutConfig(max_turns=3, max_new_tokens=6, max_total_tokens=256, temperature=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ class ToyEnv:
         return float(ok), 1.0 if ok else 0.0, {"predicted": predicted}
 
 
-CFG = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512, replay_mode="delta")
+CFG = RolloutConfig(max_turns=4, max_new_tokens=24, max_total_tokens=512)
 
 
 def check_books(traj):
@@ -137,7 +137,7 @@ def test_token_budget_ends_the_episode_cleanly():
 def test_replay_off_and_full_modes():
     for mode in ("off", "full"):
         client = ScriptedClient(["<tool_call>lookup</tool_call>", "42"])
-        traj = run_episode(client, ToyEnv(), TOK, replace(CFG, replay_mode=mode, max_turns=2))
+        traj = run_episode(client, ToyEnv(), TOK, replace(CFG, max_turns=2), replay=mode)
         assert traj.reward == 1.0
         if mode == "off":
             assert traj.routed_experts is None

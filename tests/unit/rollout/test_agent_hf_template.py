@@ -48,8 +48,8 @@ def test_episode_appends_exactly_what_the_template_renders(hf_tok):
     assert isinstance(hf_tok, HFTokenizer) and isinstance(make_template(hf_tok), HFChatTemplate)
     im_end = "<|im_end|>"
     script = [f"<tool_call>lookup</tool_call>{im_end}", f"<answer>42</answer>{im_end}"]
-    cfg = RolloutConfig(max_turns=3, max_new_tokens=64, max_total_tokens=4096, replay_mode="off")
-    traj = run_episode(HFScripted(hf_tok, script), ToyEnv(), hf_tok, cfg)
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=64, max_total_tokens=4096)
+    traj = run_episode(HFScripted(hf_tok, script), ToyEnv(), hf_tok, cfg, replay="off")
     assert traj.reward == 1.0 and traj.metadata["tool_calls"] == 1
     env = ToyEnv()
     messages = [{"role": "system", "content": env.system_text()}, {"role": "user", "content": env.task_text()},

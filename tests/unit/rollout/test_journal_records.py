@@ -111,7 +111,7 @@ def test_a_resumed_episode_keeps_its_prefix_and_asks_routes_from_the_resume_poin
 
 def test_a_full_export_after_a_resume_keeps_the_recorded_routes(tmp_path):
     rec = _stopped_after(2, ToyEnv(), ScriptedClient(SCRIPT), tmp_path)
-    ep = jr.restore_episode(Episode(ScriptedClient(SCRIPT[2:]), ToyEnv(), TOK, replace(CFG6, replay_mode="full")), rec)
+    ep = jr.restore_episode(Episode(ScriptedClient(SCRIPT[2:]), ToyEnv(), TOK, CFG6, replay="full"), rec)
     rec.arrays["routes"][:] = 0        # the recorded rows differ from what a recompute returns
     ep.conv.cache.routes = rec.arrays["routes"].copy()
     tr = ep.run().trajectory()

@@ -52,7 +52,7 @@ def test_version_gap_is_the_next_claims_version_minus_what_the_node_serves(run):
 
 def test_admission_adds_the_lag_to_the_steps_ahead(run):
     cfg = WorkerSections.of(config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4",
-                                               "rollout.max_staleness=2"]))
+                                               "offpolicy.max_staleness=2"]))
     # 12 trajectories in flight elsewhere: this group is the 16th -> consumed 1 step after the next
     run.beat("rollout", 7, in_flight=12)
     assert worker.admission(run, cfg, 4, lag=0) == ("ok", 1.0)
@@ -62,7 +62,7 @@ def test_admission_adds_the_lag_to_the_steps_ahead(run):
 
 def test_a_stale_heartbeat_stops_counting_and_the_beater_keeps_it_fresh(run, monkeypatch):
     cfg = WorkerSections.of(config.load(TINY, ["train.trajectories_per_step=8", "rollout.group_size=4",
-                                               "rollout.max_staleness=0"]))
+                                               "offpolicy.max_staleness=0"]))
     run.beat("rollout", 3, in_flight=8)
     assert worker.admission(run, cfg, 4)[0] == "admission_wait"
     hb = run.heartbeat_file("rollout", 3)

@@ -1,6 +1,7 @@
-"""Per-token staleness (rollout.stale_policy): the claim masks tokens over the bound and drops a
-trajectory only when nothing of it is left to train; the loss then trains exactly the in-bound
-tokens (checked by hand, gradients of masked tokens are zero); waste is counted in tokens."""
+"""Per-token staleness (offpolicy.stale_policy, neon_hpc/train/offpolicy.py): the claim keeps what the
+policy keeps and hands trajectories out as written; the policy then masks tokens over the bound and a
+trajectory is dropped only when nothing of it is left to train; the loss then trains exactly the
+in-bound tokens (checked by hand, gradients of masked tokens are zero); waste is counted in tokens."""
 
 import json
 import math
@@ -10,10 +11,12 @@ import torch
 
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import ShardWriter, claim_step
-from neon_hpc.store.claim import CLAIM_FILE, stale_token_mask
+from neon_hpc.store.claim import CLAIM_FILE
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
-from neon_hpc.train.loss import LossConfig, group_advantages, policy_loss, version_span_histogram
+from neon_hpc.train.corrections import bind
+from neon_hpc.train.loss import group_advantages, policy_loss, version_span_histogram
+from neon_hpc.train.offpolicy import StalePolicy, apply, stale_token_mask
 
 CFG = StoreConfig(fsync=False)
 
@@ -39,9 +42,10 @@ def test_mask_policy_keeps_in_bound_tokens_and_drops_only_fully_stale(tmp_path):
     _publish(tmp_path, "a", [_traj("mixed", [v - 5, v - 5, v - 1, v - 1, v - 1]),   # 2 masked, 3 train
                              _traj("fresh", [v, v]),
                              _traj("old", [v - 4, v - 3])])                       # nothing in bound
-    res = claim_step(tmp_path, 1, want=2, consumer="trainer-0", trainer_version=v, max_staleness=2,
-                     timeout_s=0, stale_policy="mask")
+    res = claim_step(tmp_path, 1, want=2, consumer="trainer-0", admit=StalePolicy(v, 2, "mask"), timeout_s=0)
     by = {t.task_id: t for t in res.trajectories}
+    assert by["mixed"].loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]   # the store is a pipe: as written
+    apply(res)                                                           # the trainer's policy masks
     assert sorted(by) == ["fresh", "mixed"] and res.dropped_stale == 1
     assert by["mixed"].loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
     assert len(by["mixed"].tokens) == 8          # masked tokens stay in the context
@@ -49,10 +53,11 @@ def test_mask_policy_keeps_in_bound_tokens_and_drops_only_fully_stale(tmp_path):
     assert math.isclose(res.wasted_rollout_tokens, 4 / 9)
     rec = json.loads((RunDir(tmp_path).claimed_step(1) / CLAIM_FILE).read_text())
     assert rec["stale_policy"] == "mask" and rec["masked_stale_tokens"] == 2 and rec["dropped_stale_tokens"] == 2
-    # a resumed claim trains the same tokens (the shard keeps the engine's mask; the rule is re-applied)
-    again = claim_step(tmp_path, 1, want=2, consumer="trainer-0", trainer_version=v, max_staleness=2,
-                       timeout_s=0, stale_policy="mask")
-    assert again.resumed
+    # a resumed claim trains the same tokens (the shard keeps the engine's mask; the rule the claim
+    # recorded is re-applied, whatever rule the resuming call brings)
+    again = apply(claim_step(tmp_path, 1, want=2, consumer="trainer-0", admit=StalePolicy(v + 5, 0, "drop"),
+                             timeout_s=0))
+    assert again.resumed and again.admission == {"trainer_version": v, "max_staleness": 2, "stale_policy": "mask"}
     assert {t.task_id: t.loss_mask.tolist() for t in again.trajectories} == \
         {k: t.loss_mask.tolist() for k, t in by.items()}
     assert again.masked_stale_tokens == 2 and math.isclose(again.wasted_rollout_tokens, 4 / 9)
@@ -61,8 +66,7 @@ def test_mask_policy_keeps_in_bound_tokens_and_drops_only_fully_stale(tmp_path):
 def test_drop_policy_drops_the_whole_trajectory_and_counts_its_tokens(tmp_path):
     v = 10
     _publish(tmp_path, "a", [_traj("mixed", [v - 5, v - 1, v - 1]), _traj("fresh", [v, v])])
-    res = claim_step(tmp_path, 1, want=1, consumer="trainer-0", trainer_version=v, max_staleness=2,
-                     timeout_s=0, stale_policy="drop")
+    res = apply(claim_step(tmp_path, 1, want=1, consumer="trainer-0", admit=StalePolicy(v, 2, "drop"), timeout_s=0))
     assert [t.task_id for t in res.trajectories] == ["fresh"]
     assert res.dropped_stale_tokens == 3 and res.masked_stale_tokens == 0 and res.generated_tokens == 5
     assert math.isclose(res.wasted_rollout_tokens, 3 / 5)
@@ -78,9 +82,9 @@ def test_loss_trains_only_in_bound_tokens_by_hand_and_masked_tokens_get_no_gradi
     logp = torch.tensor([0.0, -1.0, -0.4], dtype=torch.float64, requires_grad=True)
     behav = torch.tensor([0.0, -1.3, -0.4 - math.log(1.5)], dtype=torch.float64)
     adv = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
-    cfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.1)
+    cfg = dict(clip_eps=0.2, kl_coef=0.1, correction=bind("tis", {"cap": 2.0}))
     loss, terms = policy_loss(logp, logp.detach(), behav, adv, torch.tensor(train, dtype=torch.float64),
-                              denom=float(train.sum()), cfg=cfg)
+                              denom=float(train.sum()), **cfg)
     # the one trained token: w = min(exp(prox - behav), 2) = 1.5, rho = 1 -> pg = -1.5 * A;
     # k3 = exp(d) - d - 1 with d = logp - behav = log 1.5
     d = math.log(1.5)
@@ -94,7 +98,7 @@ def test_loss_trains_only_in_bound_tokens_by_hand_and_masked_tokens_get_no_gradi
     assert math.isclose(g[2], -1.5 + 0.1 * (1.5 - 1.0), rel_tol=1e-12)
     # had the stale token trained, the loss would differ (the mask is what makes the difference)
     loss_all, _ = policy_loss(logp.detach(), logp.detach(), behav, adv, torch.tensor(gen, dtype=torch.float64),
-                              denom=1.0, cfg=cfg)
+                              denom=1.0, **cfg)
     assert not math.isclose(float(loss_all), want)
 
 

@@ -16,6 +16,7 @@ from neon_hpc.store import (ClaimConflict, ClaimTimeout, ShardWriter, claim_step
 from neon_hpc.store.claim import CLAIM_FILE, DROPPED_FILE, OWNER_FILE
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
+from neon_hpc.train.offpolicy import StalePolicy
 
 CFG = StoreConfig(fsync=False)
 
@@ -128,12 +129,13 @@ def test_blocks_until_a_writer_publishes(tmp_path):
 def test_stale_trajectories_are_dropped_counted_and_recorded(tmp_path):
     _publish(tmp_path, "old", 2, version=1)          # staleness 4 at trainer v5
     _publish(tmp_path, "ok", 3, version=4, span=2)   # versions 4..5: staleness <= 1
-    res = claim_step(tmp_path, 0, want=3, consumer="trainer-0", trainer_version=5, max_staleness=2, timeout_s=0)
+    # the consumer's admission rule (the trainer's stale policy) decides what is kept; the store records it
+    res = claim_step(tmp_path, 0, want=3, consumer="trainer-0", admit=StalePolicy(5, 2, "drop"), timeout_s=0)
     assert sorted(_ids(res)) == ["ok-0", "ok-1", "ok-2"] and res.dropped_stale == 2
     rec = json.loads((RunDir(tmp_path).claimed_step(0) / DROPPED_FILE).read_text())
     assert sorted(d["task_id"] for d in rec["dropped"]) == ["old-0", "old-1"]
     assert {d["staleness"] for d in rec["dropped"]} == {4}
-    again = claim_step(tmp_path, 0, want=3, consumer="trainer-0", trainer_version=9, max_staleness=0, timeout_s=0)
+    again = claim_step(tmp_path, 0, want=3, consumer="trainer-0", admit=StalePolicy(9, 0, "drop"), timeout_s=0)
     assert sorted(_ids(again)) == sorted(_ids(res)) and again.dropped_stale == 2   # replay, not re-filter
     stats = staleness_stats(res.trajectories, 5)
     assert stats["staleness_max"] <= 1 and sum(stats["staleness_hist"].values()) == 3

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
+from neon_hpc.train.corrections import bind
+from neon_hpc.train.loss import (CORRECTION_PREFIX, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means)
 
 
@@ -39,8 +40,8 @@ def _case():
 
 def test_policy_loss_hand_computed():
     logp, prox, behav, adv, mask = _case()
-    cfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.1)
-    loss, terms = policy_loss(logp, prox, behav, adv, mask, denom=5.0, cfg=cfg)
+    cfg = dict(clip_eps=0.2, kl_coef=0.1, correction=bind("tis", {"cap": 2.0}))
+    loss, terms = policy_loss(logp, prox, behav, adv, mask, denom=5.0, **cfg)
     # t0: w = min(3, 2) = 2 (truncated); rho = e^0.5 = 1.6487 > 1.2, A = +1 -> clipped: pg = -2 * 1.2
     # t1: w = e^0.2 = 1.2214; rho = 1;                      pg = -1.2214
     # t2: w = 1; rho = e^-0.5 = 0.6065 < 0.8, A = -1: min(-0.6065, -0.8) = -0.8 -> pg = 0.8, clipped
@@ -55,9 +56,10 @@ def test_policy_loss_hand_computed():
     assert terms["tokens"].item() == 5
     assert terms["pg_loss"].item() == pytest.approx(sum(pg), rel=1e-12)
     assert terms["kl_k3"].item() == pytest.approx(sum(k3), rel=1e-12)
-    assert terms["tis_truncated"].item() == 1          # t0 only
+    # the correction's own per-token metrics, summed (its declared names under the loss's prefix)
+    assert terms[CORRECTION_PREFIX + "tis_clip_frac"].item() == 1          # t0 only
     assert terms["ppo_clipped"].item() == 2            # t0 and t2
-    assert terms["tis_weight"].item() == pytest.approx(2 + math.exp(0.2) + 1 + 0.25 + 1, rel=1e-12)
+    assert terms[CORRECTION_PREFIX + "tis_weight_mean"].item() == pytest.approx(2 + math.exp(0.2) + 1 + 0.25 + 1, rel=1e-12)
     assert terms["mismatch_abs"].item() == pytest.approx(sum(abs(x) for x in d), rel=1e-12)
     means = term_means({k: float(v) for k, v in terms.items()})
     assert means["tis_clip_frac"] == pytest.approx(0.2)
@@ -68,8 +70,8 @@ def test_policy_loss_gradient_is_the_weighted_policy_gradient():
     # With prox = logp.detach() (one update per batch) the gradient per token is -w * A / denom.
     logp, _, behav, adv, mask = _case()
     logp = logp.clone().requires_grad_(True)
-    cfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
-    loss, _ = policy_loss(logp, logp.detach(), behav, adv, mask, denom=5.0, cfg=cfg)
+    cfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
+    loss, _ = policy_loss(logp, logp.detach(), behav, adv, mask, denom=5.0, **cfg)
     loss.backward()
     w = torch.clamp(torch.exp(logp.detach() - behav), max=2.0)
     want = (-w * adv * mask / 5.0)
@@ -80,19 +82,19 @@ def test_policy_loss_gradient_is_the_weighted_policy_gradient():
 
 def test_no_correction_ignores_the_behaviour_policy():
     logp, prox, behav, adv, mask = _case()
-    a, _ = policy_loss(logp, prox, behav, adv, mask, 5.0, LossConfig(correction="none"))
-    b, _ = policy_loss(logp, prox, behav + 7.0, adv, mask, 5.0, LossConfig(correction="none"))
+    a, _ = policy_loss(logp, prox, behav, adv, mask, 5.0, clip_eps=0.2, kl_coef=0.0, correction=bind("none"))
+    b, _ = policy_loss(logp, prox, behav + 7.0, adv, mask, 5.0, clip_eps=0.2, kl_coef=0.0, correction=bind("none"))
     assert a.item() == pytest.approx(b.item())
-    c, _ = policy_loss(logp, prox, behav + 7.0, adv, mask, 5.0, LossConfig(correction="tis"))
+    c, _ = policy_loss(logp, prox, behav + 7.0, adv, mask, 5.0, clip_eps=0.2, kl_coef=0.0, correction=bind("tis"))
     assert c.item() != pytest.approx(a.item())
 
 
 def test_loss_is_split_invariant():
     # Summing per-micro-batch losses with the global denom equals the loss of the whole batch.
     logp, prox, behav, adv, mask = _case()
-    cfg = LossConfig(kl_coef=0.05)
-    whole, _ = policy_loss(logp, prox, behav, adv, mask, 5.0, cfg)
-    parts = sum(policy_loss(logp[s], prox[s], behav[s], adv[s], mask[s], 5.0, cfg)[0]
+    cfg = dict(clip_eps=0.2, kl_coef=0.05, correction=bind("tis"))
+    whole, _ = policy_loss(logp, prox, behav, adv, mask, 5.0, **cfg)
+    parts = sum(policy_loss(logp[s], prox[s], behav[s], adv[s], mask[s], 5.0, **cfg)[0]
                 for s in (slice(0, 2), slice(2, 6)))
     assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
 
@@ -109,7 +111,7 @@ def test_async_run_without_off_policy_correction_is_refused(tmp_path, capsys):
     from neon_hpc.train.loop import run_trainer
     from neon_hpc.train.sections import TrainerSections
     cfg = ExperimentConfig()
-    cfg.train.off_policy_correction = "none"      # built in code: the YAML loader refuses it earlier
+    cfg.offpolicy.correction = "none"      # built in code: the YAML loader refuses it earlier
     assert run_trainer(TrainerSections.of(cfg), str(tmp_path / "run")) == 2
-    assert "off_policy_correction" in capsys.readouterr().err
+    assert "offpolicy.correction" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
