@@ -6,7 +6,7 @@ What megatron-core does here, and what we do:
   ``DistributedDataParallel`` (grad buffers, DP/expert-DP reduction, SP norm grads via
   ``finalize_model_grads``);
 - optimizer: megatron-core's ``get_megatron_optimizer`` (Adam, fp32, not distributed); on
-  CPU with :mod:`.cpu_optimizer` (three CUDA literals replaced);
+  CPU and CUDA without apex with :mod:`.optimizer_shim` (multi-tensor norm, clip and copy; CUDA literals on CPU);
 - forward: the packed micro-batch with its block-causal mask; labels go in, megatron's
   vocab-parallel cross-entropy comes out, so ``logp = -ce`` is exact under TP;
 - router replay: megatron's ``RouterReplay`` instances, cleared before each model build
@@ -49,7 +49,7 @@ from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
-from neon_hpc.train import cpu_optimizer
+from neon_hpc.train import optimizer_shim
 from neon_hpc.train.batch import MicroBatch, replay_tensors
 from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
@@ -271,7 +271,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     overrides = {**precision_overrides(precision), **recompute_overrides(recompute),
                  **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp, dtype)}
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
-    cpu_optimizer.apply()
+    optimizer_shim.apply()
     if recompute != "none":
         rc.install()
     # deferred: heavy (megatron)
