@@ -7,8 +7,9 @@ What megatron-core does here, and what we do:
   ``finalize_model_grads``);
 - optimizer: megatron-core's ``get_megatron_optimizer`` (Adam, fp32, not distributed); on
   CPU and CUDA without apex with :mod:`.optimizer_shim` (multi-tensor norm, clip and copy; CUDA literals on CPU);
-- forward: the packed micro-batch with its block-causal mask; labels go in, megatron's
-  vocab-parallel cross-entropy comes out, so ``logp = -ce`` is exact under TP;
+- forward: the packed micro-batch with its block-causal mask; labels go in, the vocab-parallel
+  cross-entropy comes out, so ``logp = -ce`` is exact under TP (computed over sequence chunks
+  with the output layer, :mod:`.xent`: the logits are never held whole);
 - router replay: megatron's ``RouterReplay`` instances, cleared before each model build
   (they accumulate in a class-level list otherwise), fed per micro-batch and cleared after;
   a pipeline stage holds the instances of its own MoE layers and gets those layers' routes;
@@ -49,7 +50,7 @@ from neon_hpc.models.adapters.base import tp_join
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
-from neon_hpc.train import optimizer_shim
+from neon_hpc.train import optimizer_shim, xent
 from neon_hpc.train.batch import MicroBatch, replay_tensors
 from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
@@ -299,6 +300,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         _mark_tp_local_expert_grads(model, tp, ep)
+        xent.install(model)            # the last stage's CE over sequence chunks (train/xent.py)
         models.append(model)
         wrapped = Float16Module(model.config, model) if precision == "bf16" else model
         ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
@@ -410,9 +412,10 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
             router.set_target_indices(t.to(dev))
             router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
-        out = be.ddps[chunk](input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                             labels=mb.labels.to(dev))
+        with xent.deferred(be.layout.last_chunk(chunk)):    # logits never whole: CE in sequence chunks
+            out = be.ddps[chunk](input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                                 attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                                 labels=mb.labels.to(dev))
     finally:
         # set_target_indices appends to a backward-replay list on every call: clear per micro-batch
         # (no recompute: the backward, which 1F1B runs later, needs no replay)
