@@ -36,7 +36,7 @@ import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_type_hints
+from typing import Any, Sequence, get_args, get_type_hints
 
 import numpy as np
 import torch
@@ -51,10 +51,9 @@ from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
 from neon_hpc.train import optimizer_shim, xent
-from neon_hpc.train.batch import MicroBatch, replay_tensors
+from neon_hpc.train.batch import MicroBatch, replay_rows
 from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
-from neon_hpc.train.loss import add_terms
 
 
 @dataclass
@@ -406,10 +405,10 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
         lo, hi = be.replay_spans[chunk] if be.replay_spans else (0, len(RouterReplay.global_router_replay_instances))
         routers = RouterReplay.global_router_replay_instances[lo:hi]
     if use_replay:
-        rows = replay_tensors(mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel,
-                              layers=be.route_rows(chunk))
+        rows = replay_rows(mb, be.layout.tp_rank, be.layout.tp, be.sequence_parallel,
+                           layers=be.route_rows(chunk))
         for router, t in zip(routers, rows, strict=True):
-            router.set_target_indices(t.to(dev))
+            router.set_target_indices(t.to(dev))      # on the device already after batch.to_device
             router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         with xent.deferred(be.layout.last_chunk(chunk)):    # logits never whole: CE in sequence chunks
@@ -426,8 +425,8 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
     return -out.float() if be.layout.last_chunk(chunk) else out
 
 
-def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
-                     forward_context=None) -> dict[str, float]:
+def forward_backward(be: Backend, microbatches: Sequence[MicroBatch], loss_fn,
+                     forward_context=None, seq_length: int | None = None) -> dict[str, float]:
     """Forward and backward every micro-batch through megatron-core's schedule; returns summed terms.
 
     ``loss_fn(logp [1, S], mb) -> (loss, terms)`` runs on the last pipeline stage only (the
@@ -438,7 +437,11 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     entered around micro-batch ``j``'s forward (its backward may run later, after other
     forwards: 1F1B), on every model chunk.  With V model chunks per stage the schedule is
     megatron's interleaved 1F1B: each chunk reads the micro-batches in the assignment's order from its
-    own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
+    own iterator.  ``microbatches`` is read lazily, item ``j`` when the schedule needs it (a
+    :class:`~neon_hpc.train.prefetch.Prefetched` builds them meanwhile); ``seq_length`` (the
+    longest, default: read from every item) then spares waiting for all of them.  The terms are
+    summed on the device in float64 and read back in one transfer at the end (the same sums
+    as adding each term's ``float`` on the host).  Gradients are not finalised here (``finalize_model_grads_func`` stays
     unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: heavy (megatron)
@@ -447,7 +450,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     n = len(microbatches)
     if n == 0:
         return {}
-    sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}
     chunk_of = {id(d): c for c, d in enumerate(be.ddps)}
     vpp = len(be.ddps)
 
@@ -459,7 +462,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
 
         def loss_func(logp):
             loss, terms = loss_fn(logp, mb)
-            add_terms(sums, terms)
+            _accumulate(sums, terms)
             # 3-tuple: megatron divides by the token count given (1) and by n (undone here)
             return loss * n, torch.ones((), dtype=torch.int), {}
         return out, loss_func
@@ -468,13 +471,30 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
         g = microbatch_group_size(n, be.layout.pp)
         for m in be.models:
             m.config.microbatch_group_size_per_vp_stage = g
-        data = [iter(list(enumerate(microbatches))) for _ in range(vpp)]
+        data = [((j, microbatches[j]) for j in range(n)) for _ in range(vpp)]
     else:
-        data = iter(list(enumerate(microbatches)))
+        data = ((j, microbatches[j]) for j in range(n))
+    if seq_length is None:
+        seq_length = max(mb.seq_len for mb in microbatches)
     get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=be.ddps,
-                                num_microbatches=n, seq_length=max(mb.seq_len for mb in microbatches),
-                                micro_batch_size=1, forward_only=False)
-    return sums
+                                num_microbatches=n, seq_length=seq_length, micro_batch_size=1, forward_only=False)
+    return _read_back(sums)
+
+
+def _accumulate(sums: dict[str, Any], terms: dict[str, Any]) -> None:
+    """``sums[k] += terms[k]``: tensors stay on the device (float64), no read-back here."""
+    for k, v in terms.items():
+        v = v.detach().double().reshape(()) if isinstance(v, torch.Tensor) else float(v)
+        sums[k] = v if k not in sums else sums[k] + v
+
+
+def _read_back(sums: dict[str, Any]) -> dict[str, float]:
+    """The summed terms as floats: one device-to-host transfer for all of them."""
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        out.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist()))
+    return {k: out[k] for k in sums}
 
 
 def reduce_step_sums(be: Backend, sums: dict[str, float]) -> dict[str, float]:

@@ -52,11 +52,12 @@ from neon_hpc.reshard.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
 from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
-from neon_hpc.train.batch import build_microbatch, input_lengths
+from neon_hpc.train.batch import build_microbatch, input_lengths, packed_length, to_device
 from neon_hpc.config.cross import correction_errors, world_fix
 from neon_hpc.config.train import world_size
 from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
+from neon_hpc.train.prefetch import Prefetched
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
@@ -269,31 +270,37 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
-    be.zero_grad()                     # every model chunk's grad buffer and the optimizer
-    mbs, alays = [], []
-    replay_missing, replayed = 0, 0
-    for j in range(n_mb):
+    dev = _device()
+
+    def build(j: int):
+        """Micro-batch ``j`` of this rank, uploaded, and its piece map (on the prefetch thread)."""
         pieces = mine[j] if j < len(mine) else []
         mb = build_microbatch(data.trajectories, pieces, data.advantages, pad_multiple=be.pad_multiple,
                               route_shape=route_shape, dense_mask=False)
-        replay_missing += mb.routes_missing
-        replayed += int(mb.routes is not None and bool(pieces))
         slot = [r[j] if j < len(r) else [] for r in data.pieces]
-        alays.append(build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
-        mbs.append(mb)
+        return to_device(mb, dev), build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=dev)
+
+    # built beside the device: micro-batch j + 1 while the schedule runs j (train/prefetch.py)
+    built = Prefetched(n_mb, build)
+    seq_length = max((packed_length(mine[j] if j < len(mine) else [], be.pad_multiple) for j in range(n_mb)),
+                     default=1)
+    be.zero_grad()                     # every model chunk's grad buffer and the optimizer
 
     def loss_fn(logp, mb):
-        dev = logp.device
         if loss is not None:
             return loss(logp, mb, denom)
-        return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
-                           mb.loss_mask.to(dev), denom, lcfg)
+        return policy_loss(logp, logp.detach(), mb.logp_behav, mb.advantages, mb.loss_mask, denom, lcfg)
 
     # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
-    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: piece_map(alays[j]))
+    sums = forward_backward(be, _Column(built, 0), loss_fn, forward_context=lambda j: piece_map(built[j][1]),
+                            seq_length=seq_length)
+    items = built.all()
+    replay_missing = sum(mb.routes_missing for mb, _ in items)
+    replayed = sum(int(mb.routes is not None and bool(mine[j] if j < len(mine) else [])) for j, (mb, _) in
+                   enumerate(items))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
-    sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
+    sums["exchanged_microbatches"] = float(sum(a.exchanges for _, a in items))   # with a K/V all-gather
     fb_s, fb_cpu = time.perf_counter() - t_fb, time.process_time() - c_fb
     be.finalize_grads()                # finalize_model_grads over every model chunk
     ok, grad_norm, _ = be.optimizer.step()
@@ -309,6 +316,19 @@ def train_step(be, data: StepData, lcfg: LossConfig, loss=None, means=term_means
     # CPU time of this process over the same span (no time waiting for a busy CPU or a peer)
     out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.pieces))
     return out
+
+
+class _Column:
+    """``seq[j][k]`` as a sequence (read lazily: item ``j`` when it is asked for)."""
+
+    def __init__(self, seq, k: int) -> None:
+        self.seq, self.k = seq, k
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def __getitem__(self, j):
+        return self.seq[j][self.k]
 
 
 def _device():
