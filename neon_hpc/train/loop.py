@@ -58,7 +58,7 @@ from neon_hpc.config.train import world_size
 from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
 from neon_hpc.train.prefetch import Prefetched
-from neon_hpc.train.publish import publish_weights
+from neon_hpc.train.publish import BackgroundPublisher, publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.loss import (LossConfig, group_advantages, policy_loss, staleness_histogram,
                                  staleness_stats, term_means, version_span_histogram)
@@ -454,6 +454,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     saved_at = last
     preempted = False
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
+    # direct publishes are written beside the next steps (train/publish.py: BackgroundPublisher)
+    publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
@@ -478,8 +480,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
             (publish_due and t.publish_via == "reshard")
         published = None
-        if publish_due and t.publish_via == "direct":
-            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step)
+        if publisher is not None and publish_due:
+            m["publish_s"] = publisher.submit(be, step, step=step)   # the snapshot; the write runs beside
             published = step
         if ckpt_due:
             c0 = time.perf_counter()
@@ -492,12 +494,43 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
             _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
                                                    checkpoint_dir=run.checkpoint(step))
             published = step
+        if publisher is not None:
+            m.update(_publish_metrics(_log_publishes(log, publisher)))
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
         memory.after_step(step, input_lengths(data.trajectories))
         if stop:
             preempted = True
             break
+    if publisher is not None:
+        publisher.close()              # the last version is written before the trainer exits
+        _log_publishes(log, publisher)
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
+
+
+def _publish_metrics(records: list[dict]) -> dict:
+    """Scalars for the step's metrics record: the newest version written since the last step, what
+    its write cost beside the steps, and how many waiting versions a newer one replaced."""
+    out: dict = {"publish_superseded": sum(1 for r in records if r.get("superseded"))}
+    written = [r for r in records if not r.get("superseded") and not r.get("error")]
+    if written:
+        r = written[-1]
+        out.update(publish_done_version=r["version"], publish_write_s=r["write_s"], publish_queued_s=r["queued_s"])
+    return out
+
+
+def _log_publishes(log: RoleLogger, publisher) -> list[dict]:
+    """One log line per background publish finished since the last call; their records."""
+    out = []
+    for r in publisher.completed():
+        if r.superseded:
+            log.info("publish v_%d superseded by a newer version after waiting %.2fs", r.version, r.queued_s)
+        elif r.error:
+            log.error("publish v_%d failed: %s", r.version, r.error)
+        else:
+            log.info("published v_%d: snapshot %.3fs on the step, waited %.3fs, written in %.3fs beside the steps%s",
+                     r.version, r.snapshot_s, r.queued_s, r.write_s, "" if r.written else " (existed: kept)")
+        out.append(r.as_dict())
+    return out
 
 
 def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int, preempted: bool,
