@@ -472,7 +472,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         # right after the claim: rollout workers waiting for admission watch this phase change
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
+        ts = time.perf_counter()
         m = train_step(be, data, lcfg)
+        m["train_step_s"] = time.perf_counter() - ts     # the bare step (the loop's time is step_time_s)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
         # The reshard path converts the checkpoint, so it needs one at every publish; the direct
