@@ -64,7 +64,7 @@ def apply() -> dict[str, bool]:
     if _applied:
         return dict(_applied)
     from megatron.core import utils as mutils  # deferred: heavy (megatron)
-    from megatron.core.optimizer import optimizer as mopt
+    from megatron.core.optimizer import optimizer as mopt  # deferred: heavy (megatron)
 
     no_apex = mopt.multi_tensor_applier is mutils.local_multi_tensor_applier
     cpu = not torch.cuda.is_available()
