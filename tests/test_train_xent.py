@@ -26,7 +26,9 @@ def reference(h, w, labels):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [7, 64, 1000])
-def test_chunked_ce_equals_the_full_cross_entropy(dtype, tol, rows):
+@pytest.mark.parametrize("save", ["all", "none", "some"])
+def test_chunked_ce_equals_the_full_cross_entropy(dtype, tol, rows, save):
+    """Every chunk's softmax kept (megatron's memory), none (all recomputed), or the first few."""
     from neon_hpc.train.xent import ChunkedVocabParallelCE
     g = torch.Generator().manual_seed(1)
     s, b, hdim, v = 50, 1, 32, 97
@@ -38,7 +40,8 @@ def test_chunked_ce_equals_the_full_cross_entropy(dtype, tol, rows):
     ref = reference(h1, w1, labels)
     (ref * gout).sum().backward()
     h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    got = ChunkedVocabParallelCE.apply(h2, w2, labels, rows, 0, None)
+    budget = {"all": None, "none": 0, "some": 2 * rows * b * v * 4}[save]
+    got = ChunkedVocabParallelCE.apply(h2, w2, labels, rows, 0, None, budget)
     (got * gout).sum().backward()
     assert got.dtype == torch.float32 and got.shape == (s, b)
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
@@ -84,6 +87,7 @@ def test_trainer_forward_matches_megatrons_cross_entropy(precision, monkeypatch)
             be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts), dense_mask=True)
         monkeypatch.setattr(xent, "MIN_ROWS", 8)
         monkeypatch.setattr(xent, "CHUNK_BYTES", 8 * 4 * cfg.model.vocab_size)      # 8 rows a chunk
+        monkeypatch.setattr(xent, "SAVE_BYTES", 2 * 8 * 4 * cfg.model.vocab_size)   # 2 kept, the rest recomputed
         assert mb.seq_len > 3 * 8
 
         def run(chunked: bool):
@@ -117,7 +121,8 @@ def test_trainer_forward_matches_megatrons_cross_entropy(precision, monkeypatch)
 
 
 def test_no_tensor_holds_every_positions_logits():
-    """Forward and backward of the chunked CE never make a tensor of ``S x V`` elements."""
+    """With nothing kept (past the budget), forward and backward of the chunked CE never make a
+    tensor of ``S x V`` elements, and the graph keeps no logits at all."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from neon_hpc.train.xent import ChunkedVocabParallelCE
 
@@ -136,5 +141,10 @@ def test_no_tensor_holds_every_positions_logits():
     w = torch.randn(v, hdim, requires_grad=True)
     labels = torch.randint(0, v, (s, 1))
     with Largest():
-        ChunkedVocabParallelCE.apply(h, w, labels, rows, 0, None).sum().backward()
+        ChunkedVocabParallelCE.apply(h, w, labels, rows, 0, None, 0).sum().backward()
     assert rows * v <= largest[0] < s * v          # a chunk's logits (or the weight), never all of them
+    out = ChunkedVocabParallelCE.apply(h, w, labels, rows, 0, None, 0)
+    kept = out.grad_fn.saved_tensors
+    assert sum(t.numel() for t in kept if t.dim() and t.shape[-1] == v) == 0
+    out = ChunkedVocabParallelCE.apply(h, w, labels, rows, 0, None, 3 * rows * v * 4)
+    assert sum(t.numel() for t in out.grad_fn.saved_tensors if t.shape[-1] == v) == 3 * rows * v   # the budget

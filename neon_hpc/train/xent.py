@@ -6,9 +6,13 @@ megatron's GPTModel computes ``logits = output_layer(hidden)`` ``[S, B, V/tp]`` 
 softmax for backward: 2 x 4 x S x V bytes (64k tokens x 151k vocab: 79 GB).  Here
 :class:`ChunkedVocabParallelCE` takes the hidden states and the output weight, and per chunk of
 ``rows`` positions computes that chunk's logits (in the model's dtype, as the output layer
-would), their fp32 log-sum-exp and the label's logit; it keeps only the hidden states (autograd
-keeps them anyway), the weight and the fp32 log-sum-exp ``[S, B]``.  Backward recomputes each
-chunk's logits and turns them into ``(softmax - onehot) * grad`` for that chunk alone.
+would), their fp32 log-sum-exp and the label's logit.  It keeps the fp32 softmax of the first
+chunks, as megatron keeps all of it, up to ``SAVE_BYTES`` (2 GiB) in all, and for the chunks
+beyond only the fp32 log-sum-exp ``[S, B]``: backward recomputes those chunks' logits (one
+more output-layer matmul for those positions) and turns each chunk into
+``(softmax - onehot) * grad`` for that chunk alone.  Short sequences therefore run exactly
+megatron's arithmetic at megatron's cost; a long one's memory stops growing with its length
+past the budget, for the price of the recompute.
 
 Numerics: per position the same operations as megatron's ``_VocabParallelCrossEntropy``
 (fp32 logits minus their max over the whole vocabulary, ``exp``, sum, ``log``; max and sum
@@ -39,6 +43,8 @@ import torch.distributed as dist
 # the fp32 logits of one chunk are at most this many bytes (and at least MIN_ROWS positions)
 CHUNK_BYTES = 1 << 30
 MIN_ROWS = 256
+# the fp32 softmax kept for backward, over all chunks, at most this many bytes (the rest recomputed)
+SAVE_BYTES = 2 << 30
 
 _state = threading.local()
 
@@ -55,15 +61,21 @@ def _chunks(s: int, rows: int):
 
 class ChunkedVocabParallelCE(torch.autograd.Function):
     """``loss[s, b] = logsumexp(hidden[s, b] @ W.T) - (hidden[s, b] @ W.T)[label]`` over the TP
-    vocabulary shards, in chunks of ``rows`` sequence positions."""
+    vocabulary shards, in chunks of ``rows`` sequence positions.
+
+    A chunk's fp32 ``exp(logits - max)`` is kept for backward (as megatron keeps it) while the
+    kept chunks stay within ``save_bytes``; later chunks keep nothing and recompute their
+    logits in backward (one more output-layer matmul for those positions)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, rows, vocab_start, tp_group):
+    def forward(ctx, hidden, weight, labels, rows, vocab_start, tp_group, save_bytes=None):
         s = hidden.shape[0]
         vocab_local = weight.shape[0]
+        budget = SAVE_BYTES if save_bytes is None else save_bytes
+        loss = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
-        target = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
         tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+        kept, kept_bytes = [], 0
         for a, b in _chunks(s, rows):
             logits = torch.matmul(hidden[a:b], weight.t()).float()          # [c, B, V/tp]
             mx = logits.max(dim=-1)[0]
@@ -74,40 +86,49 @@ class ChunkedVocabParallelCE(torch.autograd.Function):
             inside = (local >= 0) & (local < vocab_local)
             picked = logits.gather(-1, torch.where(inside, local, 0).unsqueeze(-1)).squeeze(-1)
             picked = torch.where(inside, picked, 0.0)
-            sum_exp = logits.exp_().sum(dim=-1)
+            sum_exp = logits.exp_().sum(dim=-1)                               # logits now exp(l - max)
             if tp:
                 dist.all_reduce(picked, group=tp_group)
                 dist.all_reduce(sum_exp, group=tp_group)
-            lse[a:b] = torch.log(sum_exp) + mx
-            target[a:b] = picked + mx
-        ctx.save_for_backward(hidden, weight, labels, lse)
+            log_sum = torch.log(sum_exp)
+            loss[a:b] = log_sum - picked                                      # megatron's formula
+            lse[a:b] = log_sum + mx
+            if kept_bytes + logits.numel() * 4 <= budget:
+                logits /= sum_exp.unsqueeze(-1)                               # the softmax, kept
+                kept.append(logits)
+                kept_bytes += logits.numel() * 4
+        ctx.save_for_backward(hidden, weight, labels, lse, *kept)
         ctx.rows, ctx.vocab_start = rows, vocab_start
-        # megatron's loss: log(sum exp(l - max)) - (l_label - max)
-        return lse - target
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse, *kept = ctx.saved_tensors
         vocab_local = weight.shape[0]
+        chunks = _chunks(hidden.shape[0], ctx.rows)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        for a, b in _chunks(hidden.shape[0], ctx.rows):
+        grad_weight = None
+        for j, (a, b) in enumerate(chunks):
             h = hidden[a:b]
-            logits = torch.matmul(h, weight.t()).float()
-            prob = (logits - lse[a:b].unsqueeze(-1)).exp_()                  # softmax
+            if j < len(kept):
+                prob = kept[j]                                                # in place, as megatron's
+            else:
+                prob = torch.matmul(h, weight.t()).float().sub_(lse[a:b].unsqueeze(-1)).exp_()
             local = labels[a:b] - ctx.vocab_start
             inside = (local >= 0) & (local < vocab_local)
-            onehot = torch.zeros_like(prob).scatter_(-1, torch.where(inside, local, 0).unsqueeze(-1),
-                                                     inside.unsqueeze(-1).to(prob.dtype))
-            g = ((prob - onehot) * grad_loss[a:b].unsqueeze(-1)).to(hidden.dtype)   # [c, B, V/tp]
+            prob.scatter_add_(-1, torch.where(inside, local, 0).unsqueeze(-1), -inside.unsqueeze(-1).to(prob.dtype))
+            g = prob.mul_(grad_loss[a:b].unsqueeze(-1)).to(hidden.dtype)      # [c, B, V/tp]
             if grad_hidden is not None:
                 grad_hidden[a:b] = torch.matmul(g, weight)
-            if grad_weight is not None:
-                grad_weight += torch.matmul(g.reshape(-1, vocab_local).t(), h.reshape(-1, h.shape[-1])).float()
+            if ctx.needs_input_grad[1]:
+                gw = torch.matmul(g.reshape(-1, vocab_local).t(), h.reshape(-1, h.shape[-1]))
+                if len(chunks) == 1:
+                    grad_weight = gw
+                else:
+                    grad_weight = gw.float() if grad_weight is None else grad_weight.add_(gw.float())
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 @dataclass
