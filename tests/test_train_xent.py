@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
+# the repository root, whichever tier folder this file is in
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 sys.path.insert(0, str(REPO / "tests"))
 
 

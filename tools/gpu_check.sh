@@ -36,7 +36,7 @@ step() {
     echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt" "$LOG"
 }
 
-step tests 90 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_train_cuda.py
+step tests 90 $PY -m pytest -q -m cuda -p no:cacheprovider $(find tests -name "test_train_cuda.py")
 step sdpa 60 $PY tools/gpu_probe.py sdpa --out "$OUT" --lengths 4096,32768
 step profile 60 $PY tools/gpu_probe.py profile --out "$OUT" --shape 4x4096
 step bench 300 $PY tools/bench_train_gpu.py --device cuda --shapes 4x4096,1x32768,1x65536 \
