@@ -15,7 +15,8 @@ state is in the other's figures), on the same tokens:
   and fused AdamW on CPU), cross-entropy over the same input/label tokens;
 - **loop**: the trainer's real loop (``train.loop.run_trainer`` on a run directory with the
   shards ready: claim, step, publish every step, checkpoint every 4) against its bare step
-  (``train_step_s`` of the same records): ``loop_over_step``.
+  (``train_step_s`` of the same records), means over 8 steps after the warm-ups (two
+  checkpoints among them): ``loop_over_step``.
 
 Per shape (documents x tokens), after ``--warmup`` (at least 2) untimed steps, the median of
 ``--reps`` (at least 5) timed ones: tokens/s of each (input tokens, ``n - 1`` per document),
@@ -458,7 +459,10 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
     from neon_hpc.util.logs import read_metrics
 
     d, n = shapes[0]
-    steps = args.warmup + args.reps
+    # the window: 8 steps after the warm-ups (two checkpoint periods: checkpoints at its 2nd and 6th
+    # step with 2 warm-ups), then one more step (its end-of-run checkpoint is outside the window)
+    window = 8
+    steps = args.warmup + window + 1
     root = Path(tempfile.mkdtemp(prefix="bench_loop_"))
     exp = C.load(REPO / "configs" / "tiny_cpu.yaml")
     exp = dataclasses.replace(
@@ -478,9 +482,10 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
         os_rename_ready(run, p)
         time.sleep(0.002)
     rc = run_trainer(TrainerSections.of(exp), str(run.root))
-    recs = [r for r in read_metrics(run.root, "trainer") if "train_step_s" in r][args.warmup:]
-    loop = float(np.median([r["step_time_s"] - r.get("wait_s", 0.0) for r in recs])) if recs else math.nan
-    bare = float(np.median([r["train_step_s"] for r in recs])) if recs else math.nan
+    recs = [r for r in read_metrics(run.root, "trainer") if "train_step_s" in r][args.warmup:args.warmup + window]
+    # means over the window: the checkpoints' cost is spread over the steps they cover
+    loop = float(np.mean([r["step_time_s"] - r.get("wait_s", 0.0) for r in recs])) if recs else math.nan
+    bare = float(np.mean([r["train_step_s"] for r in recs])) if recs else math.nan
     pubs = [r.get("publish_s", 0.0) for r in recs]
     ck = [r["checkpoint_s"] for r in recs if "checkpoint_s" in r]
     return {"rc": rc, "loop_s": loop, "step_s": bare, "loop_over_step": loop / bare,
@@ -649,7 +654,8 @@ def main(argv=None) -> int:
         lp = run_worker("loop", passed)
         loop_ratio = lp["loop_over_step"]
         print(f"\nreal loop at {args.shapes.split(',')[0]} (claim, step, publish every step, checkpoint every 4): "
-              f"{lp['loop_s']:.3f} s a step against the bare step's {lp['step_s']:.3f} s = {loop_ratio:.3f}; "
+              f"{lp['loop_s']:.3f} s a step (mean over 8, two checkpoints among them) against the bare step's "
+              f"{lp['step_s']:.3f} s = {loop_ratio:.3f}; "
               f"publish snapshot {lp['publish_snapshot_s']:.3f} s on the step, checkpoint {lp['checkpoint_s']:.3f} s, "
               f"publish writes beside the steps {lp['publish_write_s']}", flush=True)
     head = rows[0]
