@@ -14,11 +14,13 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured method, cost model and split policy; an error stops the step), sharded over
    each CP group; every rank runs the same number;
-4. per micro-batch: packed forward with router replay, the off-policy loss
+4. per micro-batch (built and uploaded on a prefetch thread while the previous one runs:
+   :mod:`neon_hpc.train.prefetch`): packed forward with router replay, the off-policy loss
    (:mod:`neon_hpc.train.loss`), backward; then megatron's grad finalisation and optimizer step;
 5. metrics + log line (rank 0), heartbeat (every rank);
-6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST``;
-   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N``.
+6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST`` (direct path: the
+   snapshot on the step, the write beside the next steps, :class:`~neon_hpc.train.publish.BackgroundPublisher`);
+   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (synchronous).
 
 SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
 the preemption marker (``neon_hpc.protocol.Preempted``) and exit 0 (the Slurm job requeues;
