@@ -334,7 +334,7 @@ def census(step, trajs, be=None) -> dict:
     """One step under the aten-op census: ops, would-sync ops, MoE-layer (forward) syncs,
     per-parameter optimizer ops, and the kernel paths."""
     from benchlib import OpCensus
-    moe, opt, hooks = [0], [0], []
+    opt, hooks = [0], []
     state = {"moe": False}
     if be is not None:
         from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -345,7 +345,6 @@ def census(step, trajs, be=None) -> dict:
                     hooks.append(mod.register_forward_hook(lambda *a: state.update(moe=False)))
     with OpCensus() as c:
         if be is not None:
-            base_syncs = [0]
             orig = be.optimizer.step
             n_params = sum(1 for m in be.models for _ in m.parameters())
 
