@@ -105,3 +105,26 @@ def test_other_ranks_only_take_part_in_the_gather(run, slow_writer):
     pub.submit(be_at(1), 1)
     pub.close()
     assert run.latest_weights() is None and pub.completed() == []
+
+
+def test_the_snapshot_is_a_copy_not_the_live_parameters():
+    """The writer reads the snapshot while the next optimizer step changes the parameters: the
+    gathered state must not share storage with them (CPU ``.cpu()`` would have returned the
+    parameters themselves)."""
+    from pathlib import Path
+    from neon_hpc import config as C
+    from neon_hpc.train import backend as B
+
+    repo = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    cfg = C.load(repo / "configs" / "tiny_cpu.yaml")
+    be = B.setup(cfg.model, lr=1e-3, seed=3)
+    try:
+        full = B.full_state_dict(be)
+        before = {k: v.clone() for k, v in full.items()}
+        with torch.no_grad():
+            for m in be.models:
+                for p in m.parameters():
+                    p.add_(1.0)
+        assert all(torch.equal(full[k], before[k]) for k in full)
+    finally:
+        B.teardown()

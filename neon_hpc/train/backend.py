@@ -552,8 +552,28 @@ def _partition_dims(model) -> dict[str, int | None]:
             for name, p in model.named_parameters()}
 
 
+def host_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``state``, never views of live parameters (a publish written beside the next
+    optimizer step reads them): CUDA tensors go into pinned memory with ``non_blocking`` and one
+    wait at the end (not one blocking pageable copy each); CPU tensors are cloned."""
+    out, waits = {}, False
+    for k, v in state.items():
+        v = v.detach()
+        if v.is_cuda:
+            h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            h.copy_(v, non_blocking=True)
+            waits = True
+        else:
+            h = v.clone()
+        out[k] = h
+    if waits:
+        torch.cuda.synchronize()        # one wait for every copy
+    return out
+
+
 def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
-    """The unsharded megatron state dict on global rank 0 (``None`` on the other ranks).
+    """The unsharded megatron state dict on global rank 0 (``None`` on the other ranks), as host
+    copies (:func:`host_copies`: a snapshot, not views of the live parameters).
 
     Every rank sends its shard to rank 0 (fine for the small models exported this way; large
     ones go checkpoint -> ``tools/reshard.py``).  TP-split weights are concatenated along
@@ -566,9 +586,10 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     dims: dict[str, int | None] = {}
     for model, (shift, _n) in zip(be.models, lay.chunk_ranges, strict=True):
         # stages (and model chunks) number their layers from 0: make them global
-        sd.update({_renumber_layer(k, shift): v.detach().cpu() for k, v in model.state_dict().items()
+        sd.update({_renumber_layer(k, shift): v for k, v in model.state_dict().items()
                    if not k.endswith("_extra_state")})
         dims.update({_renumber_layer(k, shift): d for k, d in _partition_dims(model).items()})
+    sd = host_copies(sd)
     mine = (lay.tp_rank, lay.ep_rank, sd, dims)
     if lay.world == 1:
         gathered = [mine]
