@@ -1,40 +1,49 @@
 #!/usr/bin/env python
 """The trainer's step against the same model written plainly in PyTorch, on this machine's device.
 
-In one process, on the same tokens, interleaved after warm-up:
+Each side runs in its own process (one after the other, so neither one's memory or allocator
+state is in the other's figures), on the same tokens:
 
 - **trainer**: neon-hpc's own step: ``train.backend.setup`` (megatron-core GPTModel, DDP,
   megatron's optimizer; ``train.precision`` as given, bf16 by default on CUDA), then per step
   ``train.loop.prepare_step`` (advantages, the balance assignment) and ``train.loop.train_step``
   (micro-batches with router replay, the piece attention, forward/backward, optimizer);
-- **reference**: the same architecture written in this file (Qwen3-MoE: RMSNorm, GQA with
+- **reference**: the same architecture written in this file (Qwen3-MoE: ``F.rms_norm``, GQA with
   per-head q/k norm and RoPE, softmax top-k router, SwiGLU experts through
   ``torch._grouped_mm``; attention as ``scaled_dot_product_attention`` per document), the same
   precision recipe (bf16 parameters, fp32 master copies, fused AdamW over them on CUDA; fp32
-  and fused AdamW on CPU), cross-entropy over the same input/label tokens.
+  and fused AdamW on CPU), cross-entropy over the same input/label tokens;
+- **loop**: the trainer's real loop (``train.loop.run_trainer`` on a run directory with the
+  shards ready: claim, step, publish every step, checkpoint every 4) against its bare step
+  (``train_step_s`` of the same records), means over 8 steps after the warm-ups (two
+  checkpoints among them): ``loop_over_step``.
 
-Per shape (documents x tokens): tokens/s of each (input tokens, ``n - 1`` per document),
-their ratio, the peak memory of each (CUDA: ``max_memory_allocated``; CPU: sampled RSS, see
-``train.heap.PeakMemory``), and MFU by the project's FLOP model
-(``balance.cost.flops_breakdown``: ``a n + b n^2`` per document) against the device's dense
-peak: 989 TFLOP/s bf16 on CUDA (H200), on CPU the fp32 matmul rate measured at start.  Times
-are wall-clock on CUDA; on CPU they are this process's CPU time (``--clock``; the matmul peak
-too, so MFU is compute over compute), because on a shared machine a neighbour's load
-stretches wall time by whatever it happens to be doing.
+Per shape (documents x tokens), after ``--warmup`` (at least 2) untimed steps, the median of
+``--reps`` (at least 5) timed ones: tokens/s of each (input tokens, ``n - 1`` per document),
+their ratio, the memory each step takes above what its process held before it (CUDA:
+``max_memory_allocated`` minus ``memory_allocated`` at the start; CPU: sampled RSS, see
+``train.heap.PeakMemory``), and MFU by the project's FLOP model (``balance.cost.flops_breakdown``)
+against the device's dense peak: 989 TFLOP/s bf16 on CUDA (H200; an H100's is the same), on
+CPU the fp32 matmul rate measured at start.  Times are wall-clock on CUDA; on CPU this
+process's CPU time (``--clock``), with one intra-op thread per worker (``OMP_NUM_THREADS=1``,
+``BENCH_CPU_THREADS`` to change it: spinning OpenMP threads would count as CPU time).  One more step of each side runs under an aten-op census
+(``tools/benchlib.OpCensus``): the ops it dispatches, the ones that would make the host wait
+for a device (scalar read-backs, data-dependent shapes, device-to-host copies), those inside
+the MoE layers' forwards, those of the optimizer step issued once per parameter tensor, and
+which SDPA kernel and which expert-GEMM path served the shape.
 
-Then the trainer alone: one document of growing length (the linear-memory check: peak at
-16k over peak at 8k, both as measured and above the pre-step baseline) and the longest single
-document that trains (``--max-doc``: lengths doubling until out of memory on CUDA; the
-largest of the memory lengths on CPU).  With ``--archs`` including ``deepseek_v3`` the trainer
-runs the MLA model of the same sizes at the headline shape too (``dsv3_over_qwen``: its
-tokens/s over Qwen3-MoE's).
+Then the trainer alone: one document of growing length (the linear-memory check) and the
+longest single document that trains (``--max-doc``, CUDA); with ``--archs`` including
+``deepseek_v3`` the MLA model of the same sizes at the headline shape (``dsv3_over_qwen``).
 
-    python tools/bench_train_gpu.py                  # CPU: reduced shapes, a few minutes on 2 cores
+    python tools/bench_train_gpu.py --device cpu --shapes 2x512 --memory-lengths 1024,2048   # small, CPU
     python tools/bench_train_gpu.py --device cuda    # the H200 shapes of issue 30 (1.83 B Qwen3-MoE)
 
 Last line: ``RESULT trainer_over_reference=... rss_16k_over_8k=... max_doc_tokens=... mfu=...
-device=cpu|cuda`` (ratio and MFU at the headline shape, the first of ``--shapes``), with
-``reference_mfu``, ``dsv3_over_qwen`` and the precision after them.
+device=cpu|cuda`` (ratio and MFU at the headline shape, the first of ``--shapes``), then
+``reference_mfu``, ``rss_16k_over_8k_above_start``, ``dsv3_over_qwen``, ``precision``,
+``ops_over_reference``, ``syncs_per_step``, ``moe_layer_syncs``, ``optimizer_per_param_ops``,
+``loop_over_step``, ``sdpa=`` and ``experts_gemm=`` (the kernels at the headline shape).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -157,8 +167,7 @@ class RMSNorm(torch.nn.Module):
         self.weight, self.eps = torch.nn.Parameter(torch.ones(n)), eps
 
     def forward(self, x):
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope(x, pos, theta: float):
@@ -309,50 +318,189 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
-def compare(args, cfg: ModelConfig, cuda: bool, device: torch.device, precision: str, peak: float) -> dict:
-    shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    max_tokens = max(d * n for d, n in shapes)
-    trainer = Trainer(cfg, precision, args.recompute, max_tokens)
-    ref = ReferenceStep(cfg, trainer.be.precision, device)
+SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable")
+
+
+def kernel_paths(counts) -> dict[str, str]:
+    """Which SDPA kernel(s) and which expert-GEMM path an op census saw."""
+    sdpa = "+".join(sorted(k.removeprefix("_scaled_dot_product_") for k in SDPA_KERNELS if counts.get(k))) or "none"
+    experts = "grouped_mm" if counts.get("_grouped_mm") else "per_expert_mm"
+    return {"sdpa": sdpa, "experts_gemm": experts}
+
+
+def census(step, trajs, be=None) -> dict:
+    """One step under the aten-op census: ops, would-sync ops, MoE-layer (forward) syncs,
+    per-parameter optimizer ops, and the kernel paths."""
+    from benchlib import OpCensus
+    opt, hooks = [0], []
+    state = {"moe": False}
+    if be is not None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        for m in be.models:
+            for mod in m.modules():
+                if isinstance(mod, MoELayer):
+                    hooks.append(mod.register_forward_pre_hook(lambda *a: state.update(moe=True)))
+                    hooks.append(mod.register_forward_hook(lambda *a: state.update(moe=False)))
+    with OpCensus() as c:
+        if be is not None:
+            orig = be.optimizer.step
+            n_params = sum(1 for m in be.models for _ in m.parameters())
+
+            def opt_step():
+                from benchlib import OpCensus as Inner
+                with Inner() as ci:
+                    out = orig()
+                opt[0] = ci.per_tensor(n_params)
+                return out
+            be.optimizer.step = opt_step
+        moe_c = _MoeSyncs(state)
+        try:
+            with moe_c:
+                step(trajs)
+        finally:
+            if be is not None:
+                be.optimizer.step = orig
+            for h in hooks:
+                h.remove()
+    return {"ops": c.total, "syncs": c.syncs, "moe_layer_syncs": moe_c.syncs, "optimizer_per_param_ops": opt[0],
+            **kernel_paths(c.counts)}
+
+
+class _MoeSyncs:
+    """Would-sync ops dispatched while a MoE layer's forward runs."""
+
+    def __init__(self, state) -> None:
+        self.state, self.syncs = state, 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from benchlib import SYNC_OPS
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if outer.state["moe"] and func.__name__.split(".")[0] in SYNC_OPS:
+                    outer.syncs += 1
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def measure(name: str, fn, shapes, cfg, args, cuda: bool, peak: float, be=None) -> list[dict]:
+    """Per shape: warm-ups, timed reps (median), memory above the start, one census step."""
     rows = []
-    print(f"{'shape':>10} {'trainer tok/s':>14} {'reference tok/s':>16} {'ratio':>6} {'trainer peak':>13} "
-          f"{'reference peak':>15} {'mfu':>6} {'ref mfu':>7}", flush=True)
     for docs, n in shapes:
         trajs = documents(cfg, docs, n, seed=docs * n)
-        tok = input_tokens(trajs)
-        res = {"trainer": [], "reference": []}
-        mem = {"trainer": 0, "reference": 0}
-        failed = {}
-        for rep in range(args.warmup + args.reps):
-            for name, fn in (("trainer", trainer.step), ("reference", ref.step)):
-                if name in failed:
-                    continue
-                try:
-                    dt, pk, _ = timed(fn, trajs, cuda)
-                except Exception as e:
-                    if not is_oom(e):
-                        raise
-                    failed[name] = "out of memory"
-                    if cuda:
-                        torch.cuda.empty_cache()
-                    continue
+        times, above, failed = [], 0, None
+        try:
+            for rep in range(args.warmup + args.reps):
+                dt, pk, base = timed(fn, trajs, cuda)
                 if rep >= args.warmup:
-                    res[name].append(dt)
-                    mem[name] = max(mem[name], pk)
-        med = {k: float(np.median(v)) if v else math.nan for k, v in res.items()}
-        tps = {k: tok / v for k, v in med.items()}
-        fl = step_flops(cfg, trajs)
-        row = dict(shape=f"{docs}x{n}", trainer_tok_s=tps["trainer"], reference_tok_s=tps["reference"],
-                   ratio=tps["trainer"] / tps["reference"], trainer_peak=mem["trainer"],
-                   reference_peak=mem["reference"], mfu=fl / med["trainer"] / peak,
-                   reference_mfu=fl / med["reference"] / peak, failed=failed)
-        rows.append(row)
-        fail = "  " + ", ".join(f"{k}: {v}" for k, v in failed.items()) if failed else ""
-        print(f"{row['shape']:>10} {row['trainer_tok_s']:>14.0f} {row['reference_tok_s']:>16.0f} {row['ratio']:>6.2f} "
-              f"{gb(row['trainer_peak']):>13} {gb(row['reference_peak']):>15} {row['mfu']:>6.3f} "
-              f"{row['reference_mfu']:>7.3f}{fail}", flush=True)
-    del ref
-    return {"rows": rows, "trainer": trainer}
+                    times.append(dt)
+                    above = max(above, pk - base)
+            cen = census(fn, trajs, be)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            failed, cen = "out of memory", {}
+            if cuda:
+                torch.cuda.empty_cache()
+        med = float(np.median(times)) if times and not failed else math.nan
+        rows.append(dict(side=name, shape=f"{docs}x{n}", tokens=input_tokens(trajs), step_s=med,
+                         tok_s=input_tokens(trajs) / med, peak_above_start=above,
+                         mfu=step_flops(cfg, trajs) / med / peak, failed=failed, **cen))
+    return rows
+
+
+def worker_trainer(args, cfg, cuda, precision, peak, shapes) -> dict:
+    trainer = Trainer(cfg, precision, args.recompute, max(d * n for d, n in shapes))
+    rows = measure("trainer", trainer.step, shapes, cfg, args, cuda, peak, be=trainer.be)
+    if cuda:
+        torch.cuda.empty_cache()
+    mem = linear_memory(args, trainer, cfg, cuda)
+    max_doc = max(mem, default=0)
+    if cuda:
+        print("\nlongest single document:", flush=True)
+        max_doc = max(max_doc, longest_document(trainer, cfg, max(max_doc, 8192) * 2, args.max_doc))
+    trainer.close()
+    return {"rows": rows, "memory": {str(k): v for k, v in mem.items()}, "max_doc": max_doc}
+
+
+def worker_reference(args, cfg, cuda, precision, peak, shapes) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ref = ReferenceStep(cfg, precision, device)
+    return {"rows": measure("reference", ref.step, shapes, cfg, args, cuda, peak)}
+
+
+def worker_dsv3(args, cfg, cuda, precision, peak, shapes) -> dict:
+    mcfg = model_config("cuda" if cuda else "cpu", "deepseek_v3")
+    d, n = shapes[0]
+    t = Trainer(mcfg, precision, args.recompute, d * n)
+    rows = measure("dsv3", t.step, [(d, n)], mcfg, args, cuda, peak)
+    t.close()
+    return {"rows": rows}
+
+
+def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
+    """The real loop on a run directory (claim, step, publish every step, checkpoint every 4)."""
+    import tempfile
+    from neon_hpc.config.store import StoreConfig
+    from neon_hpc.protocol.rundir import RunDir
+    from neon_hpc.store import ShardWriter
+    from neon_hpc.train.loop import run_trainer
+    from neon_hpc.train.sections import TrainerSections
+    from neon_hpc.util.logs import read_metrics
+
+    d, n = shapes[0]
+    # the window: 8 steps after the warm-ups (two checkpoint periods: checkpoints at its 2nd and 6th
+    # step with 2 warm-ups), then one more step (its end-of-run checkpoint is outside the window)
+    window = 8
+    steps = args.warmup + window + 1
+    root = Path(tempfile.mkdtemp(prefix="bench_loop_"))
+    exp = C.load(REPO / "configs" / "tiny_cpu.yaml")
+    exp = dataclasses.replace(
+        exp, model=cfg,
+        balance=dataclasses.replace(exp.balance, tokens_per_microbatch=2 * d * n, min_microbatches=1, shadow=False),
+        train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d, publish_every=1,
+                                  checkpoint_every=4, publish_via="direct", precision=precision,
+                                  recompute=args.recompute, wait_for_data_s=600.0, lr=1e-5),
+        rollout=dataclasses.replace(exp.rollout, max_staleness=10 ** 6))
+    run = RunDir(root / "run").create()
+    run.run_yaml.write_text(C.dump(exp))
+    w = ShardWriter(run.root, "bench", StoreConfig(flush_trajectories=10 * d))
+    for step in range(steps):
+        for t in documents(cfg, d, n, seed=1000 + step):
+            w.add(t)
+        p = w.flush()
+        os_rename_ready(run, p)
+        time.sleep(0.002)
+    rc = run_trainer(TrainerSections.of(exp), str(run.root))
+    recs = [r for r in read_metrics(run.root, "trainer") if "train_step_s" in r][args.warmup:args.warmup + window]
+    # means over the window: the checkpoints' cost is spread over the steps they cover
+    loop = float(np.mean([r["step_time_s"] - r.get("wait_s", 0.0) for r in recs])) if recs else math.nan
+    bare = float(np.mean([r["train_step_s"] for r in recs])) if recs else math.nan
+    pubs = [r.get("publish_s", 0.0) for r in recs]
+    ck = [r["checkpoint_s"] for r in recs if "checkpoint_s" in r]
+    return {"rc": rc, "loop_s": loop, "step_s": bare, "loop_over_step": loop / bare,
+            "publish_snapshot_s": float(np.median(pubs)) if pubs else math.nan,
+            "checkpoint_s": float(np.median(ck)) if ck else math.nan,
+            "publish_write_s": [r.get("publish_write_s") for r in recs]}
+
+
+def os_rename_ready(run, shard: Path) -> None:
+    """Move a flushed shard into ``trajectories/ready/`` as the store's writers do (atomic rename)."""
+    dst = run.traj_ready / shard.name
+    if shard.resolve() != dst.resolve():
+        shard.rename(dst)
+
+
+WORKERS = {"trainer": worker_trainer, "reference": worker_reference, "dsv3": worker_dsv3, "loop": worker_loop}
 
 
 def linear_memory(args, trainer: Trainer, cfg: ModelConfig, cuda: bool) -> dict:
@@ -392,7 +540,42 @@ def longest_document(trainer: Trainer, cfg: ModelConfig, start: int, limit: int)
     return best
 
 
+def run_worker(side: str, argv: list[str]) -> dict:
+    """``side`` in a fresh process (this script with ``--worker``); its JSON result."""
+    import json
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, __file__, *argv, "--worker", side, "--worker-out", out]
+    env = dict(os.environ)
+    if not torch.cuda.is_available() or "--device" in argv and argv[argv.index("--device") + 1] == "cpu":
+        # one intra-op thread on CPU: idle OpenMP threads spin, and their spinning counts as this
+        # process's CPU time (by as much as a busy neighbour makes them wait); one thread has none
+        env["OMP_NUM_THREADS"] = env.get("BENCH_CPU_THREADS", "1")
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench worker {side!r} failed (exit {proc.returncode}): {' '.join(cmd)}")
+    return json.loads(Path(out).read_text())
+
+
+def setup_device(args):
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    kind = "cuda" if cuda else "cpu"
+    global clock
+    args.clock = args.clock if args.clock != "auto" else ("wall" if cuda else "cpu")
+    clock = CLOCK[args.clock]
+    args.shapes = args.shapes or SHAPES[kind]
+    args.memory_lengths = args.memory_lengths or MEMORY_LENGTHS[kind]
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    from neon_hpc.train.backend import resolve_precision
+    precision = resolve_precision(args.precision)
+    return cuda, kind, precision
+
+
 def main(argv=None) -> int:
+    import json
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
@@ -401,67 +584,86 @@ def main(argv=None) -> int:
     p.add_argument("--memory-lengths", default=None, help="single-document lengths of the linear-memory check")
     p.add_argument("--max-doc", type=int, default=131072, help="CUDA: the longest single document to try")
     p.add_argument("--archs", default="qwen3_moe,deepseek_v3")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape (at least 2)")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per shape (at least 5); the median is reported")
+    p.add_argument("--no-loop", action="store_true", help="skip the real-loop measurement (loop_over_step=nan)")
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="auto: wall on CUDA; on CPU this process's CPU time (all its threads), which a "
                         "busy neighbour on a shared machine does not inflate (tokens/s and MFU both use it)")
-    args = p.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    kind = "cuda" if cuda else "cpu"
-    global clock
-    args.clock = args.clock if args.clock != "auto" else ("wall" if cuda else "cpu")
-    clock = CLOCK[args.clock]
-    args.shapes = args.shapes or SHAPES[kind]
-    args.memory_lengths = args.memory_lengths or MEMORY_LENGTHS[kind]
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    from neon_hpc.train.backend import resolve_precision
-    precision = resolve_precision(args.precision)
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(raw)
+    if args.warmup < 2 or args.reps < 5:
+        p.error(f"--warmup {args.warmup} --reps {args.reps}: at least 2 warm-ups and 5 timed repetitions")
+    cuda, kind, precision = setup_device(args)
     if cuda and precision != "bf16":
         p.error("--device cuda runs bf16: the reference's experts are torch._grouped_mm, which takes bf16 on CUDA")
     peak = matmul_peak(cuda, torch.bfloat16 if precision == "bf16" else torch.float32)
     cfg = model_config(kind, "qwen3_moe")
+    shapes = [parse_shape(x) for x in args.shapes.split(",")]
     from neon_hpc.models import cpu_shim
     cpu_shim.apply()
+    if args.worker:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))       # benchlib
+        res = WORKERS[args.worker](args, cfg, cuda, precision, peak, shapes)
+        Path(args.worker_out).write_text(json.dumps(res))
+        return 0
     print(f"device {kind} ({cpu_shim.kernels()['device']}), precision {precision}, recompute {args.recompute}, "
           f"threads {torch.get_num_threads()}, clock {args.clock}, MFU against {peak / 1e12:.2f} TFLOP/s "
-          f"({'H200 bf16 dense peak' if cuda else 'fp32 matmul measured here'})", flush=True)
+          f"({'H200 bf16 dense peak' if cuda else 'fp32 matmul measured here'}), warm-ups {args.warmup}, "
+          f"reps {args.reps} (median), each side in its own process", flush=True)
     print(f"model: Qwen3-MoE hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_attention_heads} heads / "
           f"{cfg.num_query_groups} KV, head {cfg.head_dim}, {cfg.num_experts} experts top-{cfg.moe_router_topk}, "
           f"expert FFN {cfg.moe_ffn_hidden_size}, vocab {cfg.vocab_size}", flush=True)
-    got = compare(args, cfg, cuda, device, precision, peak)
-    rows, trainer = got["rows"], got["trainer"]
-    if cuda:
-        torch.cuda.empty_cache()
-    mem = linear_memory(args, trainer, cfg, cuda)
+    passed = [a for a in raw if a not in ("--no-loop",)]
+    tr = run_worker("trainer", passed)
+    ref = run_worker("reference", passed)
+    print(f"\n{'shape':>10} {'trainer tok/s':>14} {'reference tok/s':>16} {'ratio':>6} {'trainer +mem':>13} "
+          f"{'reference +mem':>15} {'mfu':>6} {'ref mfu':>7} {'ops/ref':>8} {'syncs':>6} {'moe syncs':>9} "
+          f"{'opt/param':>9}  sdpa / experts (trainer | reference)", flush=True)
+    rows = []
+    for t, r in zip(tr["rows"], ref["rows"]):
+        row = dict(shape=t["shape"], ratio=t["tok_s"] / r["tok_s"], mfu=t["mfu"], reference_mfu=r["mfu"],
+                   ops_over_reference=t.get("ops", math.nan) / r.get("ops", math.nan) if r.get("ops") else math.nan,
+                   syncs=t.get("syncs", math.nan), moe_syncs=t.get("moe_layer_syncs", math.nan),
+                   opt_ops=t.get("optimizer_per_param_ops", math.nan), sdpa=t.get("sdpa", "?"),
+                   experts=t.get("experts_gemm", "?"))
+        rows.append(row)
+        fail = "  " + ", ".join(f"{x['side']}: {x['failed']}" for x in (t, r) if x["failed"]) if t["failed"] or r["failed"] else ""
+        print(f"{t['shape']:>10} {t['tok_s']:>14.0f} {r['tok_s']:>16.0f} {row['ratio']:>6.2f} "
+              f"{gb(t['peak_above_start']):>13} {gb(r['peak_above_start']):>15} {t['mfu']:>6.3f} {r['mfu']:>7.3f} "
+              f"{row['ops_over_reference']:>8.2f} {row['syncs']:>6} {row['moe_syncs']:>9} {row['opt_ops']:>9}  "
+              f"{row['sdpa']} / {row['experts']} | {r.get('sdpa', '?')} / {r.get('experts_gemm', '?')}{fail}",
+              flush=True)
+    mem = {int(k): v for k, v in tr["memory"].items()}
     ratio = ratio_above = math.nan
     if 8192 in mem and 16384 in mem:
         ratio = mem[16384][0] / mem[8192][0]
         ratio_above = (mem[16384][0] - mem[16384][1]) / max(mem[8192][0] - mem[8192][1], 1)
         print(f"peak 16k / peak 8k: {ratio:.2f} (above the step's start: {ratio_above:.2f})", flush=True)
-    max_doc = max(mem, default=0)
-    if cuda:
-        print("\nlongest single document:", flush=True)
-        max_doc = max(max_doc, longest_document(trainer, cfg, max(max_doc, 8192) * 2, args.max_doc))
-    trainer.close()
     dsv3 = math.nan
     if "deepseek_v3" in args.archs.split(","):
-        mcfg = model_config(kind, "deepseek_v3")
-        d, n = parse_shape(args.shapes.split(",")[0])
-        t = Trainer(mcfg, precision, args.recompute, d * n)
-        trajs = documents(mcfg, d, n, seed=7)
-        times = [timed(t.step, trajs, cuda)[0] for _ in range(args.warmup + args.reps)][args.warmup:]
-        t.close()
-        dsv3_tps = input_tokens(trajs) / float(np.median(times))
-        dsv3 = dsv3_tps / rows[0]["trainer_tok_s"]
-        print(f"\nDeepSeek-V3 (MLA, same sizes) trainer at {d}x{n}: {dsv3_tps:.0f} tok/s, {dsv3:.2f}x Qwen3-MoE's",
-              flush=True)
+        d = run_worker("dsv3", passed)["rows"][0]
+        dsv3 = d["tok_s"] / tr["rows"][0]["tok_s"]
+        print(f"\nDeepSeek-V3 (MLA, same sizes) trainer at {d['shape']}: {d['tok_s']:.0f} tok/s, "
+              f"{dsv3:.2f}x Qwen3-MoE's", flush=True)
+    loop_ratio = math.nan
+    if not args.no_loop:
+        lp = run_worker("loop", passed)
+        loop_ratio = lp["loop_over_step"]
+        print(f"\nreal loop at {args.shapes.split(',')[0]} (claim, step, publish every step, checkpoint every 4): "
+              f"{lp['loop_s']:.3f} s a step (mean over 8, two checkpoints among them) against the bare step's "
+              f"{lp['step_s']:.3f} s = {loop_ratio:.3f}; "
+              f"publish snapshot {lp['publish_snapshot_s']:.3f} s on the step, checkpoint {lp['checkpoint_s']:.3f} s, "
+              f"publish writes beside the steps {lp['publish_write_s']}", flush=True)
     head = rows[0]
-    print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} max_doc_tokens={max_doc} "
+    print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} max_doc_tokens={tr['max_doc']} "
           f"mfu={head['mfu']:.4f} device={kind} reference_mfu={head['reference_mfu']:.4f} "
-          f"rss_16k_over_8k_above_start={ratio_above:.3f} dsv3_over_qwen={dsv3:.3f} precision={precision}")
+          f"rss_16k_over_8k_above_start={ratio_above:.3f} dsv3_over_qwen={dsv3:.3f} precision={precision} "
+          f"ops_over_reference={head['ops_over_reference']:.3f} syncs_per_step={head['syncs']} "
+          f"moe_layer_syncs={head['moe_syncs']} optimizer_per_param_ops={head['opt_ops']} "
+          f"loop_over_step={loop_ratio:.3f} sdpa={head['sdpa']} experts_gemm={head['experts']}")
     return 0
 
 

@@ -53,6 +53,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,35 +107,47 @@ class PieceMap:
     rows_per_rank: int = 0
     group: object = None
     reads_remote: bool = False       # some local query attends a gathered row
+    max_pos: int = 0                 # the largest position in ``pos`` (host int: the rotary table's size)
 
     @property
     def exchanges(self) -> bool:
         return self.send_idx is not None
 
 
-def _rows(pieces: Sequence[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
-    doc, pos = [], []
-    for (i, s, e) in pieces:
-        doc.extend([i] * (e - s))
-        pos.extend(range(s, e))
+def _rows(pieces: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(document, true position) of every row the pieces pack, in packing order (int64)."""
+    if not len(pieces):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+    lens = np.maximum(arr[:, 2] - arr[:, 1], 0)
+    first = np.cumsum(lens) - lens                      # each piece's first row
+    doc = np.repeat(arr[:, 0], lens)
+    pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(arr[:, 1] - first, lens)
     return doc, pos
 
 
-def _runs(q_pos: torch.Tensor, key_pos: torch.Tensor) -> list[tuple[int, int, int]]:
+def _runs(q_pos: np.ndarray, key_pos: np.ndarray) -> list[tuple[int, int, int]]:
     """Maximal runs of contiguous positions in the sorted ``q_pos``, each with its key count.
 
     A run's queries hold positions ``a..b-1``, all among the sorted keys (a rank's own rows are
     keys), so the keys allowed to its query at ``a + t`` are the first ``n_before + t + 1``
     sorted keys, ``n_before`` = keys at positions ``< a``: a causal mask aligned to the lower
     right corner of ``(b - a) x (n_before + b - a)``."""
-    qp = q_pos.tolist()
-    runs, q0 = [], 0
-    for t in range(1, len(qp) + 1):
-        if t == len(qp) or qp[t] != qp[t - 1] + 1:
-            before = int(torch.searchsorted(key_pos, qp[q0]))
-            runs.append((q0, t, before + t - q0))
-            q0 = t
-    return runs
+    n = len(q_pos)
+    if n == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(q_pos) != 1) + 1
+    q0, q1 = np.r_[0, breaks], np.r_[breaks, n]
+    before = np.searchsorted(key_pos, q_pos[q0], side="left")
+    return list(zip(q0.tolist(), q1.tolist(), (before + q1 - q0).tolist()))
+
+
+def _groups_of(values: np.ndarray, keep) -> dict[int, np.ndarray]:
+    """Row indices of each value (ascending), for the values ``keep`` accepts."""
+    order = np.argsort(values, kind="stable")
+    uniq, start = np.unique(values[order], return_index=True)
+    ends = np.r_[start[1:], len(order)]
+    return {int(u): order[a:b] for u, a, b in zip(uniq, start, ends) if keep(int(u))}
 
 
 def build_piece_map(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: int, seq_len: int,
@@ -145,63 +158,78 @@ def build_piece_map(slot_pieces: Sequence[Sequence[tuple[int, int, int]]], me: i
     in this slot, in packing order (rows ``0..`` of its micro-batch; pad rows follow up to
     ``seq_len`` on this rank).  ``me``: this rank's index in the group.  Every rank calls this
     with the same ``slot_pieces`` and gets a consistent exchange (same ``rows_per_rank``).
+
+    Built with numpy on the host (no per-token Python; per document a few array operations),
+    and every index tensor the device needs goes up in one transfer (pinned, non-blocking
+    with CUDA): the tensors of the map are views of that one buffer.
     """
+    rows = [_rows(p) for p in slot_pieces]
     owners: dict[int, set[int]] = {}
-    for g, pieces in enumerate(slot_pieces):
-        for (i, s, e) in pieces:
-            if e > s:
-                owners.setdefault(i, set()).add(g)
+    for g, (d, _) in enumerate(rows):
+        for i in np.unique(d).tolist():
+            owners.setdefault(i, set()).add(g)
     shared = {i for i, gs in owners.items() if len(gs) > 1}
-    doc, pos = _rows(slot_pieces[me])
-    n_real = len(doc)
+    ldoc, lpos = rows[me]
+    n_real = len(ldoc)
     if n_real > seq_len:
         raise ValueError(f"piece map: {n_real} rows of pieces but a micro-batch of {seq_len}")
-    sent = [[r for r, d in enumerate(_rows(p)[0]) if d in shared] for p in slot_pieces]
+    shared_arr = np.fromiter(shared, dtype=np.int64, count=len(shared))
+    sent = [np.flatnonzero(np.isin(d, shared_arr)) for d, _ in rows]
     m = max((len(x) for x in sent), default=0)
-    remote_doc: list[int] = []
-    remote_pos: list[int] = []
-    for g, pieces in enumerate(slot_pieces):
-        d, p = _rows(pieces)
-        rows = sent[g]
-        blk_doc = [d[r] for r in rows] + [-1] * (m - len(rows))
-        blk_pos = [p[r] for r in rows] + [0] * (m - len(rows))
-        if g == me:   # own rows are local keys already
-            blk_doc = [-1] * m
-        remote_doc.extend(blk_doc)
-        remote_pos.extend(blk_pos)
-    rdoc = torch.tensor(remote_doc, dtype=torch.long)
-    rpos = torch.tensor(remote_pos, dtype=torch.long)
-    ldoc = torch.tensor(doc, dtype=torch.long)
-    lpos = torch.tensor(pos, dtype=torch.long)
-    groups, order = [], []
-    for i in dict.fromkeys(doc):          # documents in first-appearance order
-        q = torch.nonzero(ldoc == i).flatten()
-        q = q[torch.argsort(lpos[q], stable=True)]
-        r = torch.nonzero(rdoc == i).flatten() if i in shared else torch.zeros(0, dtype=torch.long)
-        kpos, kidx = torch.cat([lpos[q], rpos[r]]), torch.cat([q, seq_len + r])
-        ks = torch.argsort(kpos, stable=True)
+    rdoc = np.full(len(rows) * m, -1, np.int64)
+    rpos = np.zeros(len(rows) * m, np.int64)
+    for g, (d, p) in enumerate(rows):
+        r = sent[g]
+        rpos[g * m:g * m + len(r)] = p[r]
+        if g != me:                       # own rows are local keys already
+            rdoc[g * m:g * m + len(r)] = d[r]
+    first = np.unique(ldoc, return_index=True)
+    docs = first[0][np.argsort(first[1], kind="stable")].tolist()     # first-appearance order
+    local = _groups_of(ldoc, lambda i: True)
+    remote = _groups_of(rdoc, lambda i: i in shared)
+    host: list[np.ndarray] = []          # every index the device gets, uploaded as one buffer
+    parts = []
+    order = []
+    for i in docs:
+        q = local[i][np.argsort(lpos[local[i]], kind="stable")]
+        r = remote.get(i, np.zeros(0, np.int64))
+        kpos, kidx = np.concatenate([lpos[q], rpos[r]]), np.concatenate([q, seq_len + r])
+        ks = np.argsort(kpos, kind="stable")
         kpos, kidx = kpos[ks], kidx[ks]
-        if kpos.numel() > 1 and bool((kpos[1:] == kpos[:-1]).any()):
+        if len(kpos) > 1 and bool((kpos[1:] == kpos[:-1]).any()):
             raise ValueError(f"piece map: document {i} holds a position twice in this slot's pieces "
                              f"{[list(p) for p in slot_pieces]}")
-        rows = None
-        if r.numel() == 0 and bool((q == torch.arange(int(q[0]), int(q[0]) + q.numel())).all()):
-            rows = (int(q[0]), int(q[0]) + q.numel())
-        groups.append(_DocGroup(q.to(device), lpos[q], kidx.to(device), kpos, _runs(lpos[q], kpos), rows))
+        span = None
+        if len(r) == 0 and bool((q == np.arange(q[0], q[0] + len(q))).all()):
+            span = (int(q[0]), int(q[0]) + len(q))
+        parts.append((len(host), lpos[q], kpos, _runs(lpos[q], kpos), span))
+        host += [q, kidx]
         order.append(q)
-    pad = torch.arange(n_real, seq_len, dtype=torch.long)
-    order.append(pad)
-    perm = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
-    identity = bool((perm == torch.arange(perm.numel())).all())
-    full_pos = torch.cat([lpos, torch.zeros(seq_len - n_real, dtype=torch.long)])
-    send = None
-    if m > 0:
-        send = torch.tensor(sent[me], dtype=torch.long).to(device)
-    return PieceMap(pos=full_pos.to(device), groups=groups, pad_idx=pad.to(device),
-                           inverse=None if identity else inverse.to(device), send_idx=send,
-                           rows_per_rank=m, group=group, reads_remote=any(g.remote for g in groups))
+    pad = np.arange(n_real, seq_len, dtype=np.int64)
+    perm = np.concatenate(order + [pad])
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(len(perm))
+    identity = bool((perm == np.arange(len(perm))).all())
+    full_pos = np.concatenate([lpos, np.zeros(seq_len - n_real, np.int64)])
+    tail = len(host)
+    host += [full_pos, pad, inverse, sent[me]]
+    dev = _upload(host, device)
+    groups = [_DocGroup(dev[j], torch.from_numpy(qp), dev[j + 1], torch.from_numpy(kp), runs, span)
+              for (j, qp, kp, runs, span) in parts]
+    return PieceMap(pos=dev[tail], groups=groups, pad_idx=dev[tail + 1],
+                    inverse=None if identity else dev[tail + 2], send_idx=dev[tail + 3] if m > 0 else None,
+                    rows_per_rank=m, group=group, reads_remote=any(g.remote for g in groups),
+                    max_pos=int(full_pos.max()) if len(full_pos) else 0)
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """int64 tensors on ``device`` of ``arrays``: one host buffer, one (pinned, non-blocking) copy."""
+    lens = [len(a) for a in arrays]
+    flat = torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64))
+    device = torch.device(device)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(torch.split(flat, lens))
 
 
 @contextlib.contextmanager
@@ -478,7 +506,7 @@ def _positioned(mod):
         if lay.pos.numel() != max_seq_len:
             raise ValueError(f"rotary embedding asked for {max_seq_len} positions, the piece map has "
                              f"{lay.pos.numel()} rows")
-        top = int(lay.pos.max()) + 1 if lay.pos.numel() else 1
+        top = lay.max_pos + 1    # a host int: no device read-back
         out = base(mod, top, *args, **kwargs)
         if isinstance(out, tuple):
             return (out[0][lay.pos.to(out[0].device)],) + tuple(out[1:])

@@ -6,9 +6,10 @@ What megatron-core does here, and what we do:
   ``DistributedDataParallel`` (grad buffers, DP/expert-DP reduction, SP norm grads via
   ``finalize_model_grads``);
 - optimizer: megatron-core's ``get_megatron_optimizer`` (Adam, fp32, not distributed); on
-  CPU with :mod:`.cpu_optimizer` (three CUDA literals replaced);
-- forward: the packed micro-batch with its block-causal mask; labels go in, megatron's
-  vocab-parallel cross-entropy comes out, so ``logp = -ce`` is exact under TP;
+  CPU and CUDA without apex with :mod:`.optimizer_shim` (multi-tensor norm, clip and copy; CUDA literals on CPU);
+- forward: the packed micro-batch with its block-causal mask; labels go in, the vocab-parallel
+  cross-entropy comes out, so ``logp = -ce`` is exact under TP (computed over sequence chunks
+  with the output layer, :mod:`.xent`: the logits are never held whole);
 - router replay: megatron's ``RouterReplay`` instances, cleared before each model build
   (they accumulate in a class-level list otherwise), fed per micro-batch and cleared after;
   a pipeline stage holds the instances of its own MoE layers and gets those layers' routes;
@@ -35,7 +36,7 @@ import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_type_hints
+from typing import Any, Sequence, get_args, get_type_hints
 
 import numpy as np
 import torch
@@ -48,11 +49,10 @@ from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
-from neon_hpc.train import cpu_optimizer
-from neon_hpc.train.batch import MicroBatch, replay_tensors
+from neon_hpc.train import optimizer_shim, xent
+from neon_hpc.train.batch import MicroBatch, replay_rows
 from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
-from neon_hpc.train.loss import add_terms
 
 
 @dataclass
@@ -270,7 +270,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     overrides = {**precision_overrides(precision), **recompute_overrides(recompute),
                  **pipeline_overrides(pp, pp_first_stage_layers, pp_last_stage_layers, vpp, dtype)}
     coords = mm.init_parallel(tp=tp, ep=ep, pp=pp, backend=backend, seed=seed, vpp=vpp)
-    cpu_optimizer.apply()
+    optimizer_shim.apply()
     if recompute != "none":
         rc.install()
     # deferred: heavy (megatron)
@@ -298,6 +298,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         _mark_tp_local_expert_grads(model, tp, ep)
+        xent.install(model)            # the last stage's CE over sequence chunks (train/xent.py)
         models.append(model)
         wrapped = Float16Module(model.config, model) if precision == "bf16" else model
         ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
@@ -403,15 +404,16 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
         lo, hi = be.replay_spans[chunk] if be.replay_spans else (0, len(RouterReplay.global_router_replay_instances))
         routers = RouterReplay.global_router_replay_instances[lo:hi]
     if use_replay:
-        rows = replay_tensors(mb.routes, be.layout.tp_rank, be.layout.tp, be.sequence_parallel,
-                              layers=be.route_rows(chunk))
+        rows = replay_rows(mb, be.layout.tp_rank, be.layout.tp, be.sequence_parallel,
+                           layers=be.route_rows(chunk))
         for router, t in zip(routers, rows, strict=True):
-            router.set_target_indices(t.to(dev))
+            router.set_target_indices(t.to(dev))      # on the device already after batch.to_device
             router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
-        out = be.ddps[chunk](input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                             labels=mb.labels.to(dev))
+        with xent.deferred(be.layout.last_chunk(chunk)):    # logits never whole: CE in sequence chunks
+            out = be.ddps[chunk](input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                                 attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                                 labels=mb.labels.to(dev))
     finally:
         # set_target_indices appends to a backward-replay list on every call: clear per micro-batch
         # (no recompute: the backward, which 1F1B runs later, needs no replay)
@@ -422,8 +424,8 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
     return -out.float() if be.layout.last_chunk(chunk) else out
 
 
-def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
-                     forward_context=None) -> dict[str, float]:
+def forward_backward(be: Backend, microbatches: Sequence[MicroBatch], loss_fn,
+                     forward_context=None, seq_length: int | None = None) -> dict[str, float]:
     """Forward and backward every micro-batch through megatron-core's schedule; returns summed terms.
 
     ``loss_fn(logp [1, S], mb) -> (loss, terms)`` runs on the last pipeline stage only (the
@@ -434,7 +436,11 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     entered around micro-batch ``j``'s forward (its backward may run later, after other
     forwards: 1F1B), on every model chunk.  With V model chunks per stage the schedule is
     megatron's interleaved 1F1B: each chunk reads the micro-batches in the assignment's order from its
-    own iterator.  Gradients are not finalised here (``finalize_model_grads_func`` stays
+    own iterator.  ``microbatches`` is read lazily, item ``j`` when the schedule needs it (a
+    :class:`~neon_hpc.train.prefetch.Prefetched` builds them meanwhile); ``seq_length`` (the
+    longest, default: read from every item) then spares waiting for all of them.  The terms are
+    summed on the device in float64 and read back in one transfer at the end (the same sums
+    as adding each term's ``float`` on the host).  Gradients are not finalised here (``finalize_model_grads_func`` stays
     unset): the caller does it once after this returns (:meth:`Backend.finalize_grads`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: heavy (megatron)
@@ -443,7 +449,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
     n = len(microbatches)
     if n == 0:
         return {}
-    sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}
     chunk_of = {id(d): c for c, d in enumerate(be.ddps)}
     vpp = len(be.ddps)
 
@@ -455,7 +461,7 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
 
         def loss_func(logp):
             loss, terms = loss_fn(logp, mb)
-            add_terms(sums, terms)
+            _accumulate(sums, terms)
             # 3-tuple: megatron divides by the token count given (1) and by n (undone here)
             return loss * n, torch.ones((), dtype=torch.int), {}
         return out, loss_func
@@ -464,13 +470,30 @@ def forward_backward(be: Backend, microbatches: list[MicroBatch], loss_fn,
         g = microbatch_group_size(n, be.layout.pp)
         for m in be.models:
             m.config.microbatch_group_size_per_vp_stage = g
-        data = [iter(list(enumerate(microbatches))) for _ in range(vpp)]
+        data = [((j, microbatches[j]) for j in range(n)) for _ in range(vpp)]
     else:
-        data = iter(list(enumerate(microbatches)))
+        data = ((j, microbatches[j]) for j in range(n))
+    if seq_length is None:
+        seq_length = max(mb.seq_len for mb in microbatches)
     get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=be.ddps,
-                                num_microbatches=n, seq_length=max(mb.seq_len for mb in microbatches),
-                                micro_batch_size=1, forward_only=False)
-    return sums
+                                num_microbatches=n, seq_length=seq_length, micro_batch_size=1, forward_only=False)
+    return _read_back(sums)
+
+
+def _accumulate(sums: dict[str, Any], terms: dict[str, Any]) -> None:
+    """``sums[k] += terms[k]``: tensors stay on the device (float64), no read-back here."""
+    for k, v in terms.items():
+        v = v.detach().double().reshape(()) if isinstance(v, torch.Tensor) else float(v)
+        sums[k] = v if k not in sums else sums[k] + v
+
+
+def _read_back(sums: dict[str, Any]) -> dict[str, float]:
+    """The summed terms as floats: one device-to-host transfer for all of them."""
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        out.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist()))
+    return {k: out[k] for k in sums}
 
 
 def reduce_step_sums(be: Backend, sums: dict[str, float]) -> dict[str, float]:
@@ -528,8 +551,28 @@ def _partition_dims(model) -> dict[str, int | None]:
             for name, p in model.named_parameters()}
 
 
+def host_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``state``, never views of live parameters (a publish written beside the next
+    optimizer step reads them): CUDA tensors go into pinned memory with ``non_blocking`` and one
+    wait at the end (not one blocking pageable copy each); CPU tensors are cloned."""
+    out, waits = {}, False
+    for k, v in state.items():
+        v = v.detach()
+        if v.is_cuda:
+            h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            h.copy_(v, non_blocking=True)
+            waits = True
+        else:
+            h = v.clone()
+        out[k] = h
+    if waits:
+        torch.cuda.synchronize()        # one wait for every copy
+    return out
+
+
 def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
-    """The unsharded megatron state dict on global rank 0 (``None`` on the other ranks).
+    """The unsharded megatron state dict on global rank 0 (``None`` on the other ranks), as host
+    copies (:func:`host_copies`: a snapshot, not views of the live parameters).
 
     Every rank sends its shard to rank 0 (fine for the small models exported this way; large
     ones go checkpoint -> ``tools/reshard.py``).  TP-split weights are concatenated along
@@ -542,9 +585,10 @@ def full_state_dict(be: Backend) -> dict[str, torch.Tensor] | None:
     dims: dict[str, int | None] = {}
     for model, (shift, _n) in zip(be.models, lay.chunk_ranges, strict=True):
         # stages (and model chunks) number their layers from 0: make them global
-        sd.update({_renumber_layer(k, shift): v.detach().cpu() for k, v in model.state_dict().items()
+        sd.update({_renumber_layer(k, shift): v for k, v in model.state_dict().items()
                    if not k.endswith("_extra_state")})
         dims.update({_renumber_layer(k, shift): d for k, d in _partition_dims(model).items()})
+    sd = host_copies(sd)
     mine = (lay.tp_rank, lay.ep_rank, sd, dims)
     if lay.world == 1:
         gathered = [mine]

@@ -28,6 +28,7 @@ Pure functions of numpy arrays and trajectories; no model, no process group.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -56,6 +57,8 @@ class MicroBatch:
     doc_starts: list[int] = field(default_factory=list)
     real_tokens: int = 0             # tokens before padding
     routes_missing: int = 0          # documents whose routes were absent or invalid
+    routes_dev: torch.Tensor | None = None   # int64 [num_moe_layers, S, top_k] on the device (to_device)
+    host_buffer: torch.Tensor | None = None  # the pinned buffer an upload reads (alive until it is used)
 
     @property
     def seq_len(self) -> int:
@@ -104,6 +107,12 @@ def check_routes(routes: Any, n_tokens: int, num_layers: int, top_k: int,
 def _pad_route_rows(n: int, num_layers: int, top_k: int) -> np.ndarray:
     # Pad tokens carry no loss; any distinct experts do.  Experts 0..k-1 keep it deterministic.
     return np.broadcast_to(np.arange(top_k, dtype=np.int64), (n, num_layers, top_k)).copy()
+
+
+def packed_length(pieces: Sequence[Piece], pad_multiple: int = 1, min_len: int = 0) -> int:
+    """``S`` of the micro-batch :func:`build_microbatch` packs from ``pieces``."""
+    s = max(int(sum(e - s for (_, s, e) in pieces)), min_len, 1)
+    return -(-s // pad_multiple) * pad_multiple
 
 
 def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advantages: Sequence[float],
@@ -155,9 +164,7 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
                 missing += 1
                 route_parts.append(None)
     real = int(sum(doc_lens))
-    s = max(real, min_len, 1)
-    s = -(-s // pad_multiple) * pad_multiple
-    n_pad = s - real
+    n_pad = packed_length([(0, 0, real)], pad_multiple, min_len) - real
     if n_pad:
         ids.append(np.zeros(n_pad, np.int64))
         labels.append(np.zeros(n_pad, np.int64))
@@ -181,6 +188,73 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
         advantages=cat(adv), routes=routes, pieces=list(pieces),
         doc_starts=list(np.cumsum([0] + doc_lens[:-1]).tolist()), real_tokens=real,
         routes_missing=missing)
+
+
+# the per-token tensors the device reads, in upload order (int64 first: every slice stays aligned)
+_INT_FIELDS = ("input_ids", "position_ids", "labels")
+_FLOAT_FIELDS = ("loss_mask", "logp_behav", "advantages")
+
+
+def to_device(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
+    """``mb`` with its model inputs, loss tensors and replay routes on ``device``, in one transfer.
+
+    On CUDA the int64 inputs (ids, positions, labels), the routes (layer-major ``[L, S, k]``) and
+    the float32 loss tensors (mask, behaviour logprob, advantage) are packed into one pinned
+    host buffer and copied with ``non_blocking`` (the copy is ordered before any kernel that
+    reads it; the buffer is kept in ``host_buffer``); the tensors of the result are views of
+    the one device buffer.  On CPU ``mb`` is returned unchanged (nothing pinned, nothing copied).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return mb
+    host, layout = pack(mb, pin=True)
+    return unpack(mb, host.to(device, non_blocking=True), layout, host_buffer=host)
+
+
+def pack(mb: MicroBatch, pin: bool = False) -> tuple[torch.Tensor, list[tuple[str, torch.dtype, int]]]:
+    """One uint8 host buffer holding :func:`to_device`'s tensors, and its layout (name, dtype, elements)."""
+    ints = [(f, getattr(mb, f).reshape(-1)) for f in _INT_FIELDS]
+    if mb.routes is not None:
+        ints.append(("routes_dev", torch.from_numpy(np.ascontiguousarray(np.moveaxis(mb.routes, 1, 0))).reshape(-1)))
+    floats = [(f, getattr(mb, f).reshape(-1).to(torch.float32)) for f in _FLOAT_FIELDS]
+    ints = [(f, t.to(torch.int64)) for f, t in ints]
+    parts = [t.contiguous().view(torch.uint8) for _, t in ints + floats]
+    host = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8, pin_memory=pin)
+    torch.cat(parts, out=host)
+    return host, [(f, torch.int64 if i < len(ints) else torch.float32, t.numel())
+                  for i, (f, t) in enumerate(ints + floats)]
+
+
+def unpack(mb: MicroBatch, buf: torch.Tensor, layout: list[tuple[str, torch.dtype, int]],
+           host_buffer: torch.Tensor | None = None) -> MicroBatch:
+    """``mb`` with the tensors of ``layout`` replaced by views of ``buf`` (:func:`pack`'s bytes)."""
+    fields, at = {}, 0
+    for name, dtype, n in layout:
+        size = n * torch.empty((), dtype=dtype).element_size()
+        fields[name] = buf[at:at + size].view(dtype)
+        at += size
+    for f in _INT_FIELDS + _FLOAT_FIELDS:
+        fields[f] = fields[f].view(mb.input_ids.shape)
+    if "routes_dev" in fields:
+        s, layers, k = mb.routes.shape
+        fields["routes_dev"] = fields["routes_dev"].view(layers, s, k)
+    return dataclasses.replace(mb, **fields, host_buffer=host_buffer)
+
+
+def replay_rows(mb: MicroBatch, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
+                layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """:func:`replay_tensors` of ``mb``: views of the uploaded routes when :func:`to_device` ran."""
+    if mb.routes_dev is None:
+        return replay_tensors(mb.routes, tp_rank, tp_size, sequence_parallel, layers)
+    r = mb.routes_dev
+    s = r.shape[1]
+    if sequence_parallel and tp_size > 1:
+        if s % tp_size:
+            raise ValueError(f"sequence length {s} is not a multiple of TP size {tp_size}; build the "
+                             f"micro-batch with pad_multiple={tp_size}")
+        chunk = s // tp_size
+        r = r[:, tp_rank * chunk:(tp_rank + 1) * chunk]
+    return [r[l] for l in (range(r.shape[0]) if layers is None else layers)]
 
 
 def replay_tensors(routes: np.ndarray, tp_rank: int = 0, tp_size: int = 1,

@@ -15,11 +15,13 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured method, cost model and split policy; an error stops the step), sharded over
    each CP group; every rank runs the same number;
-4. per micro-batch: packed forward with router replay, the off-policy loss
+4. per micro-batch (built and uploaded on a prefetch thread while the previous one runs:
+   :mod:`neon_hpc.train.prefetch`): packed forward with router replay, the off-policy loss
    (:mod:`neon_hpc.train.loss`), backward; then megatron's grad finalisation and optimizer step;
 5. metrics + log line (rank 0), heartbeat (every rank);
-6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST``;
-   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N``.
+6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST`` (direct path: the
+   snapshot on the step, the write beside the next steps, :class:`~neon_hpc.train.publish.BackgroundPublisher`);
+   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (synchronous).
 
 SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
 the preemption marker (``neon_hpc.protocol.Preempted``) and exit 0 (the Slurm job requeues;
@@ -53,12 +55,13 @@ from neon_hpc.checkpoint.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
 from neon_hpc.train import backend as B, checkpoint as ckpt, writers
 from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
-from neon_hpc.train.batch import build_microbatch, input_lengths
+from neon_hpc.train.batch import build_microbatch, input_lengths, packed_length, to_device
 from neon_hpc.config.cross import correction_errors, world_fix
 from neon_hpc.config.train import world_size
 from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
-from neon_hpc.train.publish import publish_weights
+from neon_hpc.train.prefetch import Prefetched
+from neon_hpc.train.publish import BackgroundPublisher, publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train import corrections, offpolicy
 from neon_hpc.train.loss import (group_advantages, loss_settings, policy_loss, staleness_histogram,
@@ -276,31 +279,37 @@ def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_
     t_fb, c_fb = time.perf_counter(), time.process_time()
     route_shape = (be.num_moe_layers(), be.model_cfg.moe_router_topk, be.model_cfg.num_experts) if be.replay else None
     denom = be.loss_scale(max(data.global_tokens, 1))
-    be.zero_grad()                     # every model chunk's grad buffer and the optimizer
-    mbs, alays = [], []
-    replay_missing, replayed = 0, 0
-    for j in range(n_mb):
+    dev = _device()
+
+    def build(j: int):
+        """Micro-batch ``j`` of this rank, uploaded, and its piece map (on the prefetch thread)."""
         pieces = mine[j] if j < len(mine) else []
         mb = build_microbatch(data.trajectories, pieces, data.advantages, pad_multiple=be.pad_multiple,
                               route_shape=route_shape, dense_mask=False)
-        replay_missing += mb.routes_missing
-        replayed += int(mb.routes is not None and bool(pieces))
         slot = [r[j] if j < len(r) else [] for r in data.pieces]
-        alays.append(build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=_device()))
-        mbs.append(mb)
+        return to_device(mb, dev), build_piece_map(slot, lay.dp_rank, mb.seq_len, group=group, device=dev)
+
+    # built beside the device: micro-batch j + 1 while the schedule runs j (train/prefetch.py)
+    built = Prefetched(n_mb, build)
+    seq_length = max((packed_length(mine[j] if j < len(mine) else [], be.pad_multiple) for j in range(n_mb)),
+                     default=1)
+    be.zero_grad()                     # every model chunk's grad buffer and the optimizer
 
     def loss_fn(logp, mb):
-        dev = logp.device
         if loss is not None:
             return loss(logp, mb, denom)
-        return policy_loss(logp, logp.detach(), mb.logp_behav.to(dev), mb.advantages.to(dev),
-                           mb.loss_mask.to(dev), denom, **settings)
+        return policy_loss(logp, logp.detach(), mb.logp_behav, mb.advantages, mb.loss_mask, denom, **settings)
 
     # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
-    sums = forward_backward(be, mbs, loss_fn, forward_context=lambda j: piece_map(alays[j]))
+    sums = forward_backward(be, _Column(built, 0), loss_fn, forward_context=lambda j: piece_map(built[j][1]),
+                            seq_length=seq_length)
+    items = built.all()
+    replay_missing = sum(mb.routes_missing for mb, _ in items)
+    replayed = sum(int(mb.routes is not None and bool(mine[j] if j < len(mine) else [])) for j, (mb, _) in
+                   enumerate(items))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)
-    sums["exchanged_microbatches"] = float(sum(a.exchanges for a in alays))   # with a K/V all-gather
+    sums["exchanged_microbatches"] = float(sum(a.exchanges for _, a in items))   # with a K/V all-gather
     fb_s, fb_cpu = time.perf_counter() - t_fb, time.process_time() - c_fb
     be.finalize_grads()                # finalize_model_grads over every model chunk
     ok, grad_norm, _ = be.optimizer.step()
@@ -316,6 +325,19 @@ def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_
     # CPU time of this process over the same span (no time waiting for a busy CPU or a peer)
     out["fwd_bwd_cpu_s_max"], out["fwd_bwd_cpu_s_mean"] = _max_mean(fb_cpu, len(data.pieces))
     return out
+
+
+class _Column:
+    """``seq[j][k]`` as a sequence (read lazily: item ``j`` when it is asked for)."""
+
+    def __init__(self, seq, k: int) -> None:
+        self.seq, self.k = seq, k
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def __getitem__(self, j):
+        return self.seq[j][self.k]
 
 
 def _device():
@@ -440,6 +462,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     saved_at = last
     preempted = False
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
+    # direct publishes are written beside the next steps (train/publish.py: BackgroundPublisher)
+    publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
@@ -456,7 +480,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         # right after the claim: rollout workers waiting for admission watch this phase change
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
+        ts = time.perf_counter()
         m = train_step(be, data, settings)
+        m["train_step_s"] = time.perf_counter() - ts     # the bare step (the loop's time is step_time_s)
         stop = _any_rank(pre.requested, world)
         publish_due = step % t.publish_every == 0 or step == t.steps
         # The reshard path converts the checkpoint, so it needs one at every publish; the direct
@@ -464,8 +490,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
             (publish_due and t.publish_via == "reshard")
         published = None
-        if publish_due and t.publish_via == "direct":
-            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step)
+        if publisher is not None and publish_due:
+            m["publish_s"] = publisher.submit(be, step, step=step)   # the snapshot; the write runs beside
             published = step
         if ckpt_due:
             c0 = time.perf_counter()
@@ -478,12 +504,43 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
             _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
                                                    checkpoint_dir=run.checkpoint(step))
             published = step
+        if publisher is not None:
+            m.update(_publish_metrics(_log_publishes(log, publisher)))
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
         memory.after_step(step, input_lengths(data.trajectories))
         if stop:
             preempted = True
             break
+    if publisher is not None:
+        publisher.close()              # the last version is written before the trainer exits
+        _log_publishes(log, publisher)
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
+
+
+def _publish_metrics(records: list[dict]) -> dict:
+    """Scalars for the step's metrics record: the newest version written since the last step, what
+    its write cost beside the steps, and how many waiting versions a newer one replaced."""
+    out: dict = {"publish_superseded": sum(1 for r in records if r.get("superseded"))}
+    written = [r for r in records if not r.get("superseded") and not r.get("error")]
+    if written:
+        r = written[-1]
+        out.update(publish_done_version=r["version"], publish_write_s=r["write_s"], publish_queued_s=r["queued_s"])
+    return out
+
+
+def _log_publishes(log: RoleLogger, publisher) -> list[dict]:
+    """One log line per background publish finished since the last call; their records."""
+    out = []
+    for r in publisher.completed():
+        if r.superseded:
+            log.info("publish v_%d superseded by a newer version after waiting %.2fs", r.version, r.queued_s)
+        elif r.error:
+            log.error("publish v_%d failed: %s", r.version, r.error)
+        else:
+            log.info("published v_%d: snapshot %.3fs on the step, waited %.3fs, written in %.3fs beside the steps%s",
+                     r.version, r.snapshot_s, r.queued_s, r.write_s, "" if r.written else " (existed: kept)")
+        out.append(r.as_dict())
+    return out
 
 
 def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int, preempted: bool,
