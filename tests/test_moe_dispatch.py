@@ -119,8 +119,11 @@ def test_expert_weights_are_views_of_one_storage_and_stay_so(parallel):
     ws = [e.linear_fc2.weight for e in ex.local_experts]
     assert all(w.data_ptr() == ex._stacks["linear_fc2"][i].data_ptr() for i, w in enumerate(ws))
     assert all(torch.equal(p.double(), before[n].double()) for n, p in ex.named_parameters())
+    ex.load_state_dict({n: 2 * p.detach() for n, p in ex.named_parameters()}, strict=False)   # copies in place
+    assert ex.stack_fallbacks == 0 and torch.equal(ex._stacks["linear_fc1"][3], ex.local_experts[3].linear_fc1.weight)
     ex.local_experts[0].linear_fc1.weight.data = ex.local_experts[0].linear_fc1.weight.data.clone()
     ex.stacked("linear_fc1", torch.float64)  # re-pointed from outside: a stack, counted, still correct
+    ex.stacked("linear_fc2", torch.float64)
     assert ex.stack_fallbacks == 1
 
 
