@@ -112,6 +112,30 @@ def counted(request):
         step.close()
 
 
+def test_census_counts_what_would_sync():
+    """The census's own check: each kind of would-sync op is seen, in the scope it ran in."""
+    from neon_hpc.train.census import census
+    lin = torch.nn.Linear(4, 4)
+    x, mask = torch.randn(6, 4), torch.tensor([True, False] * 3)
+    with census({"lin": [lin]}) as c:
+        y = lin(x)
+        float(y.sum())
+        y[mask]
+        torch.nonzero(mask)
+        y.masked_select(mask[:, None])
+        y.detach().tolist()
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)     # sized on the host: no sync
+        y.repeat_interleave(2, dim=0)                                     # int repeats: no sync
+        y.detach().cpu()
+    got = dict(c.syncs["step"])
+    assert got == {"aten._local_scalar_dense.default": 1, "aten.index.Tensor": 1, "aten.nonzero.default": 1,
+                   "aten.masked_select.default": 1, "Tensor.tolist": 1, "aten.repeat_interleave.Tensor": 1,
+                   "Tensor.cpu": 1}, got
+    assert c.n_syncs("lin") == 0 and c.n_ops("lin") > 0 and torch.Tensor.tolist is not None
+    assert "counted" not in torch.Tensor.tolist.__name__                     # methods restored
+
+
 def test_census_sees_the_whole_structure(counted):
     step, c = counted
     assert c.n_ops("moe") > 0 and c.n_ops("attention") > 0 and c.n_ops("optimizer") > 0

@@ -20,7 +20,8 @@ the per-token router probabilities run as one fused function, ``silu(gate) * up 
 the probabilities cast to the activation's dtype first (bf16 under mixed precision; megatron's
 ``MLP`` multiplies in fp32 and casts back, the same to 2e-2 in bf16 and bit-identical in fp32),
 through megatron's ``jit_fuser``: ``torch.compile`` on CUDA, eager on CPU, where the CPU shim
-turns compilation off.
+turns compilation off (an inductor C++ compile per shape costs more than a CPU step).
+
 ``torch._grouped_mm`` runs on CUDA for bf16 inputs on SM >= 8.0 (its documented domain; Hopper
 has the grouped kernel) and on CPU for fp32 and bf16 (forward and backward), so the same path is
 what the CPU tests exercise.

@@ -62,7 +62,7 @@ def would_sync(func, args, kwargs) -> bool:
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
         return _is_bool_index(args[1] if len(args) > 1 else kwargs.get("indices"))
     if name == "repeat_interleave":
-        return torch.is_tensor(args[0]) and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None)
+        return func._overloadname != "self_int" and kwargs.get("output_size") is None   # tensor repeats
     if name in ("_to_copy", "copy_"):
         src = args[1] if name == "copy_" else args[0]
         dst = args[0].device if name == "copy_" else kwargs.get("device")
