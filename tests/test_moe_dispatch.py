@@ -7,11 +7,17 @@
 - no would-sync op in a MoE layer's forward *and* backward (``neon_hpc.train.census``);
 - the experts' weights are views of one ``[E, out, in]`` storage, kept through ``.to()``,
   fed to ``torch._grouped_mm`` without a copy, with each expert's gradient its own;
+- at EP = 2 (two gloo ranks, 4 local experts each): megatron's alltoall with the device local
+  permutation (``LocalPermuteAlltoAll``) against megatron's own, bit-exact in fp32;
 - CUDA-only argument checks on CPU: the experts' forward on fake CUDA tensors
   (``FakeTensorMode``: ``_grouped_mm``'s meta checks of dtypes, int32 offsets, strides).
 """
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +183,41 @@ def test_grouped_mm_arguments_on_fake_cuda(parallel):
             torch._grouped_mm(px, ex.stacked("linear_fc1", torch.bfloat16), offs=counts.cumsum(0))
         with pytest.raises(RuntimeError, match="BF16"):
             torch._grouped_mm(px.float(), ex.stacked("linear_fc1", torch.float32), offs=counts.cumsum(0).int())
+
+
+def _ep_worker(out: str) -> None:
+    """One rank of the EP = 2 comparison: logits and gradients with each dispatcher, as JSON."""
+    import torch.distributed as dist
+    from neon_hpc.models import megatron
+    from neon_hpc.models.dispatch import LocalPermuteAlltoAll
+
+    megatron.init_parallel(tp=1, ep=2, seed=1)
+    ids = torch.randint(0, CFG.vocab_size, (1, 24), generator=torch.Generator().manual_seed(10 + dist.get_rank()))
+    res = {}
+    for dispatch in ("device", "megatron"):
+        model = megatron.build_gpt_model(CFG, ep=2, seed=4, dispatch=dispatch, experts="grouped")
+        logits = megatron.forward_logits(model, ids)
+        logits.float().log_softmax(-1)[0, :, :7].sum().backward()
+        res[dispatch] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if dispatch == "device":
+            res["types"] = sorted({type(layer.mlp.token_dispatcher).__name__ for layer in model.decoder.layers})
+    (ld, gd), (lm, gm) = res["device"], res["megatron"]
+    Path(out).write_text(json.dumps({
+        "types": res["types"], "local_experts": CFG.num_experts // 2,
+        "logits_equal": bool(torch.equal(ld, lm)),
+        "grads_unequal": [n for n in gm if not torch.equal(gd[n], gm[n])]}))
+    megatron.destroy_parallel()
+
+
+@pytest.mark.slow
+def test_local_permutation_inside_ep2_alltoall_equals_megatrons(tmp_path):
+    from ranks import run_ranks
+    run_ranks(2, lambda r: [__file__, str(tmp_path / f"r{r}.json")])
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["types"] == ["LocalPermuteAlltoAll"] and got["logits_equal"] and not got["grads_unequal"], got
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _ep_worker(*sys.argv[1:])
