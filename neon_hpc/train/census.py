@@ -15,7 +15,7 @@ one.  The census counts them anyway, by what they would do on CUDA:
 Counts are kept per *scope*: ``"step"`` for everything, and one scope per module type given to
 :func:`census` (forward pre/post hooks push and pop it, so the scope covers the module's
 forward, not its backward), plus ``"optimizer"`` around ``optimizer.step``.  The tests
-(``tests/test_train_census.py``) assert budgets on these counts; a benchmark can report them.
+(``tests/unit/train/test_train_census.py``) assert budgets on these counts; a benchmark can report them.
 """
 
 from __future__ import annotations

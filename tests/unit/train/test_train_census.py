@@ -11,23 +11,22 @@ expert, grouped top-k), counted by :mod:`neon_hpc.train.census`.  Budgets:
   read-back of the loss terms is here too; DeepSeek-V3's attention likewise until the piece map
   carries its largest position as a host int).
 
-``python tests/test_train_census.py [deepseek_v3]`` prints the census and the step time (the before/after
-figures of ``neon_hpc/train/README.md``).
+``PYTHONPATH=.:tests python tests/unit/train/test_train_census.py [deepseek_v3]`` prints the census
+and the step time (the before/after figures of ``neon_hpc/train/README.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from repo_paths import REPO
 
 from neon_hpc.config.model import ModelConfig
 
-REPO = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(arch="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=8, num_attention_heads=16,
                   num_query_groups=4, head_dim=8, ffn_hidden_size=128, moe_ffn_hidden_size=32,
                   num_experts=32, moe_router_topk=4, max_position_embeddings=4096, seed=1)

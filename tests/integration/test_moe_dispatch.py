@@ -189,7 +189,6 @@ def _ep_worker(out: str) -> None:
     """One rank of the EP = 2 comparison: logits and gradients with each dispatcher, as JSON."""
     import torch.distributed as dist
     from neon_hpc.models import megatron
-    from neon_hpc.models.dispatch import LocalPermuteAlltoAll
 
     megatron.init_parallel(tp=1, ep=2, seed=1)
     ids = torch.randint(0, CFG.vocab_size, (1, 24), generator=torch.Generator().manual_seed(10 + dist.get_rank()))
