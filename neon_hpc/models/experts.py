@@ -9,11 +9,19 @@ experts need Transformer Engine (``TEGroupedMLP``) or the ``grouped_gemm`` exten
 
 :class:`GroupedExperts` keeps ``SequentialMLP``'s parameters exactly (``local_experts.N.
 linear_fc1.weight`` / ``linear_fc2.weight``: checkpoints, HF mapping, reshard, DDP buckets and
-router replay see no difference) and replaces only its forward: the local experts' weights are
-stacked (a view-free copy, in the compute dtype: bf16 under mixed precision) and both
-projections run as ``torch._grouped_mm`` over the dispatcher's token offsets; the gated SiLU
-and the per-token router probabilities are applied exactly as megatron's ``MLP`` applies them
-(probabilities after the activation, the product cast back to the activation's dtype).
+router replay see no difference) and replaces only its forward.  Each projection's expert
+weights are views of one ``[E, out, in]`` storage (:meth:`GroupedExperts.link`, at build and
+after every ``.cuda()`` / ``.to()``), which feeds ``torch._grouped_mm`` as a transposed view,
+with no copy (issue 40: ``torch.stack`` in every forward was ~400 MB of traffic per layer at
+1.8 B and 3.2 GB kept for backward); one autograd node (``_ExpertStack``) hands each expert its
+slice of the weight gradient.  Both projections run as ``torch._grouped_mm`` over the
+dispatcher's token offsets, computed on the device from its device counts.  The gated SiLU and
+the per-token router probabilities run as one fused function, ``silu(gate) * up * probs`` with
+the probabilities cast to the activation's dtype first (bf16 under mixed precision; megatron's
+``MLP`` multiplies in fp32 and casts back, the same to 2e-2 in bf16 and bit-identical in fp32),
+through megatron's ``jit_fuser``: ``torch.compile`` on CUDA, eager on CPU, where the CPU shim
+turns compilation off (an inductor C++ compile per shape costs more than a CPU step).
+
 ``torch._grouped_mm`` runs on CUDA for bf16 inputs on SM >= 8.0 (its documented domain; Hopper
 has the grouped kernel) and on CPU for fp32 and bf16 (forward and backward), so the same path is
 what the CPU tests exercise.
@@ -44,9 +52,51 @@ def expert_impl(cuda: bool, dtype: torch.dtype) -> str:
     return "grouped" if dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0) else "sequential"
 
 
-def _stack(weights: list[torch.Tensor]) -> torch.Tensor:
-    # [E, out, in] -> [E, in, out]: _grouped_mm computes x[offs_i:offs_i+1] @ w[i]
-    return torch.stack(weights).transpose(1, 2)
+class _ExpertStack(torch.autograd.Function):
+    """The ``[E, out, in]`` storage that the experts' weights are views of, as one autograd node:
+    forward returns it as it is (no copy), backward hands each expert its slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, stacked: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return stacked.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, *grad.unbind(0))
+
+
+def _is_stack_of(weights: list[torch.Tensor], stacked: torch.Tensor | None) -> bool:
+    """Whether each of ``weights`` is still row ``i`` of ``stacked`` (nobody re-pointed ``.data``).
+    Compared by storage and offset, not data pointer, so that fake tensors compare too."""
+    if stacked is None or stacked.shape[0] != len(weights) or stacked.dtype != weights[0].dtype:
+        return False
+    storage, base, step = stacked.untyped_storage()._cdata, stacked.storage_offset(), stacked.stride(0)
+    return all(w.untyped_storage()._cdata == storage and w.storage_offset() == base + i * step
+               and w.shape == stacked.shape[1:] and w.stride() == stacked.stride()[1:]
+               for i, w in enumerate(weights))
+
+
+def swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * probs`` in ``h``'s dtype (the probabilities cast to it first)."""
+    gate, up = torch.chunk(h, 2, dim=-1)
+    return F.silu(gate) * up * probs.to(h.dtype).unsqueeze(-1)
+
+
+_FUSED: dict[str, object] = {}
+
+
+def fused_swiglu_probs():
+    """:func:`swiglu_probs` through megatron's ``jit_fuser``, looked up at the first call:
+    ``torch.compile`` on CUDA (one kernel forward, one backward), the eager function where the
+    CPU shim has turned compilation off (``models/cpu_shim.py``: an inductor C++ compile per
+    shape would cost more than a CPU step)."""
+    if "f" not in _FUSED:
+        from megatron.core import jit  # deferred: heavy (megatron)
+        _FUSED["f"] = jit.jit_fuser(swiglu_probs)
+    return _FUSED["f"]
+
+
+PROJECTIONS = ("linear_fc1", "linear_fc2")
 
 
 class GroupedExperts(SequentialMLP):
@@ -62,19 +112,53 @@ class GroupedExperts(SequentialMLP):
             raise ValueError("GroupedExperts runs SwiGLU experts without bias, fp8 or input-side "
                              "probabilities (the policy models' experts); build the model with "
                              "experts='sequential' for anything else")
+        self._stacks: dict[str, torch.Tensor] = {}
+        self.stack_fallbacks = 0
+        self.link()
+
+    def _weights(self, name: str) -> list[torch.Tensor]:
+        return [getattr(e, name).weight for e in self.local_experts]
+
+    def link(self) -> None:
+        """Make each projection's expert weights views of one ``[E, out, in]`` storage (same
+        values, same ``Parameter`` objects: optimizer, DDP hooks and state-dict keys see no change)."""
+        for name in PROJECTIONS:
+            ws = self._weights(name)
+            if _is_stack_of(ws, self._stacks.get(name)):
+                continue
+            stacked = torch.stack([w.detach() for w in ws])
+            for w, row in zip(ws, stacked.unbind(0)):
+                w.data = row
+            self._stacks[name] = stacked
+
+    def _apply(self, fn, recurse=True):
+        # .cuda() / .to() / .bfloat16() give every parameter its own new storage: link them again
+        out = super()._apply(fn, recurse=recurse)
+        self.link()
+        return out
+
+    def stacked(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``[E, in, out]`` weights of projection ``name`` for ``torch._grouped_mm``: a transposed
+        view of the experts' storage (a copy only where ``dtype`` differs from the parameters'),
+        or, where something re-pointed the parameters' ``.data`` since :meth:`link` (megatron's
+        distributed optimizer maps them into its own buffer), a stack of them."""
+        ws = self._weights(name)
+        stacked = self._stacks.get(name)
+        if _is_stack_of(ws, stacked):
+            w = _ExpertStack.apply(stacked, *ws)
+        else:
+            self.stack_fallbacks += 1
+            w = torch.stack(ws)
+        return w.transpose(1, 2).to(dtype)    # _grouped_mm computes x[offs_i-1:offs_i] @ w[i]
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        w1 = _stack([e.linear_fc1.weight for e in self.local_experts]).to(x.dtype)
-        w2 = _stack([e.linear_fc2.weight for e in self.local_experts]).to(x.dtype)
-        h = torch._grouped_mm(x, w1, offs=offs)
-        gate, up = torch.chunk(h, 2, dim=-1)
-        act = F.silu(gate) * up
-        act = (act * permuted_probs.unsqueeze(-1)).to(h.dtype)
-        out = torch._grouped_mm(act.contiguous(), w2, offs=offs)
+        # the dispatcher's counts stay where they are (models/dispatch.py: on the device)
+        offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
+        h = torch._grouped_mm(x, self.stacked("linear_fc1", x.dtype), offs=offs)
+        act = fused_swiglu_probs()(h, permuted_probs)
+        out = torch._grouped_mm(act, self.stacked("linear_fc2", x.dtype), offs=offs)
         return out, None
 
 

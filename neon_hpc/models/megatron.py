@@ -148,7 +148,7 @@ def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,
                     seed: int | None = None, vp_stage: int | None = None, experts: str | None = None,
-                    **overrides: Any):
+                    dispatch: str = "device", **overrides: Any):
     """This rank's shard of the GPTModel (needs :func:`init_parallel` first).
 
     ``seed`` (default ``cfg.seed``) reseeds megatron's RNG tracker so that a fresh model's
@@ -158,7 +158,9 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     only chunk V-1 of the last stage has the output layer.  ``experts``: ``"grouped"`` (one
     grouped GEMM per projection, :mod:`.experts`) or ``"sequential"`` (megatron's loop); default
     :func:`neon_hpc.models.experts.expert_impl`, what this device can run for the parameters'
-    dtype.  Same parameters either way.
+    dtype.  ``dispatch``: ``"device"`` (the MoE token dispatcher of :mod:`.dispatch`: a device
+    permutation, no host sync at expert TP x EP = 1) or ``"megatron"`` (its alltoall dispatcher).
+    Same parameters either way.
     """
     cpu_shim.apply()
     # deferred: heavy (megatron)
@@ -187,13 +189,19 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
         raise ValueError(f"experts={impl!r}: one of {grouped.IMPLS}")
     if impl == "grouped":
         grouped.hook_spec(spec)
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.max_position_embeddings,
-                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     vp_stage=vp_stage,
-                     parallel_output=True, share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(cfg.rope_theta))
+    from neon_hpc.models import dispatch as moe_dispatch  # deferred: heavy (neon_hpc.models.dispatch: megatron)
+    if dispatch not in moe_dispatch.IMPLS:
+        raise ValueError(f"dispatch={dispatch!r}: one of {moe_dispatch.IMPLS}")
+    if dispatch == "device":
+        moe_dispatch.hook_spec(spec)
+    with moe_dispatch.quiet_layer_build():
+        model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                         max_sequence_length=cfg.max_position_embeddings,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage,
+                         parallel_output=True, share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(cfg.rope_theta))
     cp_attention.use_document_positions(model)
     return model
 
