@@ -64,14 +64,14 @@ class Step:
         self.cfg = cfg
         from neon_hpc import config as C
         from neon_hpc.train import backend as B
-        from neon_hpc.train.loss import LossConfig
+        from neon_hpc.train.corrections import bind
         from neon_hpc.train.sections import TrainerSections
 
         exp = C.load(REPO / "configs" / "tiny_cpu.yaml")
         exp = dataclasses.replace(exp, model=cfg, balance=dataclasses.replace(
             exp.balance, tokens_per_microbatch=4 * DOCS * TOKENS, min_microbatches=1, shadow=False))
         self.sec = TrainerSections.of(exp)
-        self.lcfg = LossConfig(clip_eps=0.2, tis_cap=2.0, correction="tis", kl_coef=0.0)
+        self.lcfg = dict(clip_eps=0.2, kl_coef=0.0, correction=bind("tis", {"cap": 2.0}))
         self.be = B.setup(cfg, lr=1e-5, seed=3, precision=precision, replay=True)
         self.trajs = documents(cfg, DOCS, TOKENS)
 
