@@ -245,3 +245,16 @@ def test_the_env_registry_names_only_environment_folders():
     for e in envs.entries():
         assert part_of(e.plugin) == "env_plugins" and e.plugin.startswith(f"neon_hpc.envs.{e.name}."), e
         assert envs.get(e.name).name == e.name
+
+
+def test_no_two_parts_import_each_other():
+    """Foundation parts may import each other by the table; even there no pair does it both ways."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in library_files():
+        src = part_of(module_name(path))
+        for line, target in imports_of(path):
+            dst = part_of(target) if target.split(".")[0] == "neon_hpc" else None
+            if dst and dst != src:
+                edges.setdefault((src, dst), f"{path.relative_to(REPO)}:{line} imports {target}")
+    both = [f"{a} <-> {b}: {edges[(a, b)]}; {edges[(b, a)]}" for (a, b) in edges if (b, a) in edges and a < b]
+    assert not both, "parts importing each other (move the shared code down a layer):\n" + "\n".join(both)
