@@ -19,7 +19,7 @@ from neon_hpc.envs.xrd import eval_cli
 from neon_hpc.rollout.agent import run_group
 from neon_hpc.envs.xrd.env import sample_label
 from neon_hpc.config.rollout import RolloutConfig
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.envs.xrd.config import XRDConfig
 from neon_hpc.envs.xrd.science.tasks import load_tasks
 
@@ -83,8 +83,8 @@ class _Handler(BaseHTTPRequestHandler):
                     "finish_reason": {"type": "stop", "matched": 1},
                     "output_token_logprobs": [[-0.5, t, None] for t in out]}
             if body.get("return_routed_experts"):
-                rows = protocol.routed_rows(len(ids), len(out), body.get("routed_experts_start_len", 0))
-                meta["routed_experts"] = protocol.encode_routes(np.zeros((rows, 2, 2), np.int32))
+                rows = wire.routed_rows(len(ids), len(out), body.get("routed_experts_start_len", 0))
+                meta["routed_experts"] = wire.encode_routes(np.zeros((rows, 2, 2), np.int32))
             return self._send({"output_ids": out, "meta_info": meta})
         if self.path == "/v1/chat/completions":
             convo = "\n".join(m["content"] for m in body["messages"])

@@ -22,7 +22,7 @@ import pytest
 from neon_hpc.util.netutil import free_port
 from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
-from neon_hpc.rollout.engines.protocol import BadRequest, parse_generate
+from neon_hpc.rollout.engines.wire import BadRequest, parse_generate
 from repo_paths import REPO
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")

@@ -1,6 +1,6 @@
 """The client rollout workers use for both engines: SGLang servers and our embedded engine.
 
-It speaks SGLang's native API (see :mod:`.protocol` for the exact fields) over HTTP with
+It speaks SGLang's native API (see :mod:`.wire` for the exact fields) over HTTP with
 ``httpx``: one pooled client per process (keep-alive connections shared by every
 ``EngineClient`` of the process; a forked child builds its own).
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.util.httpretry import retryable_status
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 
 
 _POOL: tuple[int, httpx.Client] | None = None     # (pid, client): sockets never cross a fork
@@ -174,15 +174,15 @@ class EngineClient:
         routes = None
         if meta.get("routed_experts") is not None:
             prompt = int(meta.get("prompt_tokens", n_prompt))
-            rows = protocol.routed_rows(prompt, len(output_ids), start)
-            nbytes = len(protocol.base64.b64decode(meta["routed_experts"]))
+            rows = wire.routed_rows(prompt, len(output_ids), start)
+            nbytes = len(wire.base64.b64decode(meta["routed_experts"]))
             try:
-                dtype = protocol.route_dtype(meta)
-                item = np.dtype(protocol.ROUTE_DTYPES[dtype]).itemsize
+                dtype = wire.route_dtype(meta)
+                item = np.dtype(wire.ROUTE_DTYPES[dtype]).itemsize
                 layers, top_k = self._route_shape(nbytes, rows, item)
                 if (meta.get("finish_reason") or {}).get("type") == "abort":
                     rows = nbytes // (item * layers * top_k)  # only what was forwarded before the abort
-                routes = protocol.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
+                routes = wire.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
             except ValueError as e:
                 raise RoutePayloadError(502, str(e), self.base_url) from None
         version = meta.get("weight_version")

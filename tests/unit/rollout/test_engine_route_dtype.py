@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.client import EngineClient, EngineError
 
 LAYERS, K = 3, 2
@@ -16,7 +16,7 @@ LAYERS, K = 3, 2
 def response(routes: np.ndarray, dtype: str | None, prompt: int = 4, out_ids=(5, 6, 7)) -> dict:
     meta = {"id": "r", "finish_reason": {"type": "length", "length": len(out_ids)}, "prompt_tokens": prompt,
             "completion_tokens": len(out_ids), "weight_version": "0",
-            "routed_experts": protocol.encode_routes(routes, dtype or "int32")}
+            "routed_experts": wire.encode_routes(routes, dtype or "int32")}
     if dtype is not None:
         meta["routed_experts_dtype"] = dtype
     return {"output_ids": list(out_ids), "meta_info": meta}
@@ -78,7 +78,7 @@ def test_row_count_derived_from_payload_in_the_advertised_dtype():
 
 def test_encode_refuses_ids_that_do_not_fit_the_dtype():
     with pytest.raises(ValueError, match="uint8"):
-        protocol.encode_routes(np.full((1, 1, 2), 300), "uint8")
+        wire.encode_routes(np.full((1, 1, 2), 300), "uint8")
 
 
 def test_embedded_engine_sends_the_configured_dtype_and_the_client_decodes_it(tmp_path, monkeypatch):
@@ -96,7 +96,7 @@ def test_embedded_engine_sends_the_configured_dtype_and_the_client_decodes_it(tm
             r = EngineClient(srv.url).generate([1, 2, 3, 4], {"temperature": 0.0, "max_new_tokens": 4},
                                                return_routed_experts=True)
         assert r.meta_info["routed_experts_dtype"] == dtype
-        got[dtype] = (r.routed_experts, len(protocol.base64.b64decode(r.meta_info["routed_experts"])))
+        got[dtype] = (r.routed_experts, len(wire.base64.b64decode(r.meta_info["routed_experts"])))
     assert np.array_equal(got["int32"][0], got["uint8"][0]) and got["int32"][0].shape[1:] == (cfg.num_layers, 2)
     assert got["uint8"][1] * 4 == got["int32"][1]
 

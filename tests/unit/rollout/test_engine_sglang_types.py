@@ -97,7 +97,7 @@ def test_the_fields_delta_replay_and_in_place_updates_rely_on_exist_upstream(sgl
 
 
 def test_the_engines_own_protocol_accepts_only_sglang_fields(sglang_types):
-    from neon_hpc.rollout.engines.protocol import NEUTRAL_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS
+    from neon_hpc.rollout.engines.wire import NEUTRAL_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS
     # "model" is the router's own field (it sends model: null); SGLang's request type has none
     assert set(REQUEST_FIELDS) | (set(NEUTRAL_FIELDS) - {"model"}) <= set(sglang_types["GenerateReqInput"])
     assert set(SAMPLING_FIELDS) <= set(sglang_types["SamplingParams"])

@@ -16,10 +16,10 @@ import pytest
 
 from neon_hpc.models import hf
 from neon_hpc.config.model import ModelConfig
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.scheduler import Scheduler
-from neon_hpc.rollout.engines.protocol import GenerateRequest, Sampling
+from neon_hpc.rollout.engines.wire import GenerateRequest, Sampling
 
 
 @pytest.mark.slow
@@ -43,9 +43,9 @@ def test_a_replaced_model_is_freed_without_the_cyclic_gc_and_routes_still_record
                                                    return_routed_experts=True)])
             assert job.done.wait(120) and job.error is None, job.error
             meta = job.result["meta_info"]
-            rows = protocol.routed_rows(4, len(job.result["output_ids"]), 0)
+            rows = wire.routed_rows(4, len(job.result["output_ids"]), 0)
             lay = sched.loaded
-            routes = protocol.decode_routes(meta["routed_experts"], rows, lay.route_rows, lay.top_k)
+            routes = wire.decode_routes(meta["routed_experts"], rows, lay.route_rows, lay.top_k)
             assert routes.shape == (rows, lay.route_rows, lay.top_k)
             assert (routes[:, list(lay.route_table.moe_rows)] >= 0).all() and routes.max() < lay.num_experts
             del job

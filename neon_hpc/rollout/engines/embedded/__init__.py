@@ -1,6 +1,6 @@
 """The embedded inference engine: a tiny HF MoE on CPU behind SGLang's HTTP API subset.
 
-Wire format: :mod:`neon_hpc.rollout.engines.protocol`.  Inside, three parts:
+Wire format: :mod:`neon_hpc.rollout.engines.wire`.  Inside, three parts:
 
 - HTTP handler threads (``ThreadingHTTPServer``) parse and validate requests, then wait;
 - one **scheduler thread** owns the model and batches continuously: between two decode

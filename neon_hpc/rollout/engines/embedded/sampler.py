@@ -1,6 +1,6 @@
 """A request's sampler: its sampling parameters, normalised once at admission.
 
-``protocol.parse_sampling`` refuses what breaks the wire format (types, ranges, NaN); what
+``wire.parse_sampling`` refuses what breaks the wire format (types, ranges, NaN); what
 passes is turned here, once per request, into a :class:`Sampler` whose ``choose`` cannot fail
 on finite logits with at least one finite entry, whatever the parameters:
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 
 GREEDY_TEMPERATURE = 1e-6   # SGLang's threshold: below it sampling is argmax
 
@@ -34,8 +34,8 @@ class Sampler:
     top_p: float | None         # None: off
 
     @classmethod
-    def from_params(cls, s: protocol.Sampling, vocab_size: int) -> "Sampler":
-        """Normalise parameters that :func:`protocol.parse_sampling` accepted."""
+    def from_params(cls, s: wire.Sampling, vocab_size: int) -> "Sampler":
+        """Normalise parameters that :func:`wire.parse_sampling` accepted."""
         greedy = s.temperature < GREEDY_TEMPERATURE or s.top_k == 1
         if greedy:
             return cls(True, 1.0, None, None)

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.sampler import Sampler
-from neon_hpc.rollout.engines.protocol import GenerateRequest
+from neon_hpc.rollout.engines.wire import GenerateRequest
 
 # a request's generation may run this long (from its arrival); then it ends with finish_reason
 # abort, naming the budget: a request with a huge max_new_tokens and ignore_eos would otherwise
@@ -165,10 +165,10 @@ class Scheduler:
         # in meta_info.routed_experts_dtype (unset: int32, not advertised)
         self.route_dtype = os.environ.get("SGLANG_ROUTED_EXPERTS_DTYPE") or None
         if self.route_dtype is not None:
-            if self.route_dtype not in protocol.ROUTE_DTYPES:
+            if self.route_dtype not in wire.ROUTE_DTYPES:
                 raise ValueError(f"SGLANG_ROUTED_EXPERTS_DTYPE={self.route_dtype!r}: one of "
-                                 f"{', '.join(protocol.ROUTE_DTYPES)}")
-            if np.iinfo(protocol.ROUTE_DTYPES[self.route_dtype]).max < model.num_experts - 1:
+                                 f"{', '.join(wire.ROUTE_DTYPES)}")
+            if np.iinfo(wire.ROUTE_DTYPES[self.route_dtype]).max < model.num_experts - 1:
                 raise ValueError(f"SGLANG_ROUTED_EXPERTS_DTYPE={self.route_dtype}: cannot hold expert ids up to "
                                  f"{model.num_experts - 1}")
         self._cv = threading.Condition()
@@ -410,12 +410,12 @@ class Scheduler:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(job.logprobs, job.out)]
         if req.return_routed_experts:
-            rows = protocol.routed_rows(prompt, completion, 0)
+            rows = wire.routed_rows(prompt, completion, 0)
             allr = (np.concatenate(job.routes, axis=0) if job.routes
                     else np.zeros((0, loaded.route_rows, loaded.top_k), np.int32))
             if allr.shape[0] < rows:  # an aborted request: only what was forwarded exists
                 rows = allr.shape[0]
-            meta["routed_experts"] = protocol.encode_routes(allr[req.routed_experts_start_len:rows],
+            meta["routed_experts"] = wire.encode_routes(allr[req.routed_experts_start_len:rows],
                                                             self.route_dtype or "int32")
             if self.route_dtype is not None:
                 meta["routed_experts_dtype"] = self.route_dtype

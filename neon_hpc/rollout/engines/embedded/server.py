@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.scheduler import PAUSE_MODES, REQUEST_TIME_BUDGET_S, Scheduler
-from neon_hpc.rollout.engines.protocol import BadRequest, GenerateRequest
+from neon_hpc.rollout.engines.wire import BadRequest, GenerateRequest
 
 MAX_BODY_BYTES = 64 << 20
 
@@ -132,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- endpoints --------------------------------------------------------------------
     def _generate(self, body: Any) -> None:
         sched = self.server.scheduler
-        reqs = protocol.parse_generate(body, sched.loaded.vocab_size)
+        reqs = wire.parse_generate(body, sched.loaded.vocab_size)
         for req in reqs:   # every request fits before any joins a batch: a bad one fails alone
             admit(req, sched.loaded, self.server.max_new_tokens_cap)
         jobs = sched.submit(reqs)
@@ -146,7 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, results if batch else results[0])
 
     def _update_weights(self, body: Any) -> None:
-        protocol.parse_object(body, "update_weights_from_disk", {
+        wire.parse_object(body, "update_weights_from_disk", {
             "weight_version": (str, int, type(None)), "abort_all_requests": (bool,), "flush_cache": (bool,)})
         if not isinstance(body.get("model_path"), str):
             raise BadRequest("model_path: expected the path of an HF weights folder")
@@ -181,14 +181,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"success": True, "message": msg, "num_paused_requests": paused})
 
     def _pause(self, body: Any) -> None:
-        mode = protocol.parse_object(body, "pause_generation", {"mode": (str,)}).get("mode", "abort")
+        mode = wire.parse_object(body, "pause_generation", {"mode": (str,)}).get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise BadRequest(f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self.server.scheduler.pause(mode)
         self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def _continue(self, body: Any) -> None:
-        protocol.parse_object(body, "continue_generation", {})
+        wire.parse_object(body, "continue_generation", {})
         self.server.scheduler.resume()
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 

@@ -4,41 +4,41 @@ import base64
 import numpy as np
 import pytest
 
-from neon_hpc.rollout.engines import protocol
+from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.client import EngineClient
 
 
 def test_routes_roundtrip_as_little_endian_int32():
     routes = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2)
-    payload = protocol.encode_routes(routes)
+    payload = wire.encode_routes(routes)
     assert base64.b64decode(payload) == routes.astype("<i4").tobytes()
-    assert np.array_equal(protocol.decode_routes(payload, 5, 3, 2), routes)
+    assert np.array_equal(wire.decode_routes(payload, 5, 3, 2), routes)
 
 
 def test_decode_routes_checks_the_byte_length():
-    payload = protocol.encode_routes(np.zeros((4, 2, 2), np.int32))
+    payload = wire.encode_routes(np.zeros((4, 2, 2), np.int32))
     with pytest.raises(ValueError, match="expected 48"):
-        protocol.decode_routes(payload, 3, 2, 2)
+        wire.decode_routes(payload, 3, 2, 2)
 
 
 def test_routed_rows_cover_start_to_seqlen_minus_one():
-    assert protocol.routed_rows(10, 5, 0) == 14
-    assert protocol.routed_rows(10, 5, 9) == 5
-    assert protocol.routed_rows(1, 0, 0) == 0
+    assert wire.routed_rows(10, 5, 0) == 14
+    assert wire.routed_rows(10, 5, 9) == 5
+    assert wire.routed_rows(1, 0, 0) == 0
 
 
 def test_parse_generate_defaults_and_batch():
-    (r,) = protocol.parse_generate({"input_ids": [1, 2]}, 256)
+    (r,) = wire.parse_generate({"input_ids": [1, 2]}, 256)
     assert r.sampling.max_new_tokens == 128 and r.routed_experts_start_len == 0 and not r.return_logprob
-    reqs = protocol.parse_generate({"input_ids": [[1], [2, 3]], "sampling_params": [{"temperature": 0}, {}],
+    reqs = wire.parse_generate({"input_ids": [[1], [2, 3]], "sampling_params": [{"temperature": 0}, {}],
                                     "rid": "x"}, 256)
     assert [q.input_ids for q in reqs] == [[1], [2, 3]] and reqs[0].sampling.temperature == 0
     assert [q.rid for q in reqs] == ["x-0", "x-1"]
 
 
 def test_bool_is_not_a_number():
-    with pytest.raises(protocol.BadRequest, match="temperature"):
-        protocol.parse_generate({"input_ids": [1], "sampling_params": {"temperature": True}}, 256)
+    with pytest.raises(wire.BadRequest, match="temperature"):
+        wire.parse_generate({"input_ids": [1], "sampling_params": {"temperature": True}}, 256)
 
 
 def test_client_sends_sglang_names(monkeypatch):
@@ -49,7 +49,7 @@ def test_client_sends_sglang_names(monkeypatch):
         return {"output_ids": [7], "meta_info": {"prompt_tokens": 2, "weight_version": "3",
                                                  "finish_reason": {"type": "length", "length": 1},
                                                  "output_token_logprobs": [[-0.5, 7, None]],
-                                                 "routed_experts": protocol.encode_routes(np.ones((1, 2, 2)))}}
+                                                 "routed_experts": wire.encode_routes(np.ones((1, 2, 2)))}}
 
     monkeypatch.setattr(EngineClient, "_request", fake)
     c = EngineClient("http://x", num_moe_layers=2, top_k=2)
@@ -79,7 +79,7 @@ def test_client_derives_route_shape_like_against_a_real_sglang(monkeypatch, tmp_
             return {"model_path": str(tmp_path), "is_generation": True, "weight_version": "default"}
         return {"output_ids": [9, 8], "meta_info": {"prompt_tokens": 3, "weight_version": "default",
                                                     "finish_reason": {"type": "length", "length": 2},
-                                                    "routed_experts": protocol.encode_routes(routes)}}
+                                                    "routed_experts": wire.encode_routes(routes)}}
 
     monkeypatch.setattr(EngineClient, "_request", fake)
     res = EngineClient("http://x").generate([1, 2, 3], {}, return_logprob=False, return_routed_experts=True)
