@@ -69,7 +69,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from neon_hpc.protocol.records import ClaimRecord, Finished, JobRecord, Phase, TrainerBeat  # noqa: E402
+from neon_hpc.protocol.records import ClaimRecord, Finished, JobRecord, TrainerBeat, TrainerPhase  # noqa: E402
 from neon_hpc.launch.slurmjob import FINAL  # noqa: E402
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 
@@ -194,7 +194,7 @@ class Trial:
         r = self.run
         if moment == "claim":
             ph = self.trainer_phase()
-            return by_role(self.root, "trainer") if ph and ph.phase is Phase.CLAIMING and (ph.step or 0) >= 2 else None
+            return by_role(self.root, "trainer") if ph and ph.phase is TrainerPhase.CLAIMING and (ph.step or 0) >= 2 else None
         if moment == "checkpoint":
             return by_role(self.root, "trainer") if staging(r.checkpoints) else None
         if moment == "publish":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar, Literal, Mapping, Protocol
 
-from neon_hpc.arch.rules import EXPERT_RULES, TOP_RULES, QKVShape, Rule
+from neon_hpc.arch.rules import EXPERT_RULES, TOP_RULES, QKVShape, NameRule
 
 
 class ShapeError(ValueError):
@@ -99,8 +99,8 @@ class Architecture:
     name: ClassVar[str]                      # the config's ``model.arch``, the mapping's name
     aliases: ClassVar[tuple[str, ...]] = ()  # other ``model.arch`` / HF ``model_type`` values with these weights
     mapping: ClassVar[ModuleType]            # ``<name>/hfmap.py``: weight-name rules and config.json fields
-    expert_rules: ClassVar[dict[str, Rule]] = EXPERT_RULES   # the rules every architecture shares (rules.py)
-    top_rules: ClassVar[dict[str, Rule]] = TOP_RULES
+    expert_rules: ClassVar[dict[str, NameRule]] = EXPERT_RULES   # the rules every architecture shares (rules.py)
+    top_rules: ClassVar[dict[str, NameRule]] = TOP_RULES
     config: ClassVar[type]                   # ``<name>/config.py``: its ``model:`` section (a ModelConfig subclass)
     attention: ClassVar[Literal["gqa", "mla"]]
     # when a config does not say: dense first layers, and shared experts per MoE layer

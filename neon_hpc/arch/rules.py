@@ -1,4 +1,4 @@
-"""The megatron <-> HF mapping's vocabulary: a name :class:`Rule`, the tables every architecture
+"""The megatron <-> HF mapping's vocabulary: a name :class:`NameRule`, the tables every architecture
 shares, the pure tensor helpers (fused QKV per query group, tensor-parallel slices), and
 :func:`hf_getter` (one way to read an HF config, a dict or a transformers object).  Each
 architecture's own table is ``hfmap.py`` in its folder.
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
-class Rule:
+class NameRule:
     hf: tuple[str, ...]                # HF names, relative to the layer ("self_attn.o_proj.weight") or absolute (top)
     split: str = "copy"                # copy | swiglu | qkv | vocab
     tp: str | None = None              # None | rows | cols | swiglu
@@ -65,7 +65,7 @@ def qkv_join(q, k, v, s: QKVShape, cat: Callable):
 
 
 def tp_shard(t, kind: str | None, rank: int, tp: int):
-    """This TP rank's slice of a full megatron weight split ``kind`` (see :class:`Rule`)."""
+    """This TP rank's slice of a full megatron weight split ``kind`` (see :class:`NameRule`)."""
     if kind is None or tp == 1:
         return t
     if kind == "rows":
@@ -97,27 +97,27 @@ def tp_join(parts: Sequence, kind: str | None):
 # ---------------------------------------------------------------------------------------
 # tables every architecture shares
 
-TOP_RULES: dict[str, Rule] = {
-    "embedding.word_embeddings.weight": Rule(("model.embed_tokens.weight",), "vocab", "rows"),
-    "output_layer.weight": Rule(("lm_head.weight",), "vocab", "rows"),
-    "decoder.final_layernorm.weight": Rule(("model.norm.weight",)),
+TOP_RULES: dict[str, NameRule] = {
+    "embedding.word_embeddings.weight": NameRule(("model.embed_tokens.weight",), "vocab", "rows"),
+    "output_layer.weight": NameRule(("lm_head.weight",), "vocab", "rows"),
+    "decoder.final_layernorm.weight": NameRule(("model.norm.weight",)),
 }
 # Expert weights: megatron ``...mlp.experts.local_experts.E.<suffix>`` (in memory) or
 # ``...mlp.experts.experts.<suffix>`` with an expert axis (torch_dist); HF ``mlp.experts.E.<name>``.
-EXPERT_RULES: dict[str, Rule] = {
-    "linear_fc1.weight": Rule(("gate_proj.weight", "up_proj.weight"), "swiglu"),
-    "linear_fc2.weight": Rule(("down_proj.weight",)),
+EXPERT_RULES: dict[str, NameRule] = {
+    "linear_fc1.weight": NameRule(("gate_proj.weight", "up_proj.weight"), "swiglu"),
+    "linear_fc2.weight": NameRule(("down_proj.weight",)),
 }
 # Norms and MLP weights every architecture here shares (local-spec names, then TE aliases).
-COMMON_LAYER_RULES: dict[str, Rule] = {
-    "input_layernorm.weight": Rule(("input_layernorm.weight",)),
-    "pre_mlp_layernorm.weight": Rule(("post_attention_layernorm.weight",)),
-    "self_attention.linear_proj.weight": Rule(("self_attn.o_proj.weight",), tp="cols"),
-    "mlp.router.weight": Rule(("mlp.gate.weight",)),
-    "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "swiglu", "swiglu"),
-    "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",), tp="cols"),
-    "self_attention.linear_qkv.layer_norm_weight": Rule(("input_layernorm.weight",), alias=True),
-    "mlp.linear_fc1.layer_norm_weight": Rule(("post_attention_layernorm.weight",), alias=True),
+COMMON_LAYER_RULES: dict[str, NameRule] = {
+    "input_layernorm.weight": NameRule(("input_layernorm.weight",)),
+    "pre_mlp_layernorm.weight": NameRule(("post_attention_layernorm.weight",)),
+    "self_attention.linear_proj.weight": NameRule(("self_attn.o_proj.weight",), tp="cols"),
+    "mlp.router.weight": NameRule(("mlp.gate.weight",)),
+    "mlp.linear_fc1.weight": NameRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "swiglu", "swiglu"),
+    "mlp.linear_fc2.weight": NameRule(("mlp.down_proj.weight",), tp="cols"),
+    "self_attention.linear_qkv.layer_norm_weight": NameRule(("input_layernorm.weight",), alias=True),
+    "mlp.linear_fc1.layer_norm_weight": NameRule(("post_attention_layernorm.weight",), alias=True),
 }
 
 

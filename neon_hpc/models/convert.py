@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 
 from neon_hpc import arch
-from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, Rule, qkv_join, qkv_part, tp_shard
+from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, NameRule, qkv_join, qkv_part, tp_shard
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.hf import to_disk_state_dict
 
@@ -36,7 +36,7 @@ def _take(sd: Mapping[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
         raise KeyError(f"{where} state dict lacks {key!r}; was it written for another model config?") from None
 
 
-def _split(rule: Rule, t: torch.Tensor, cfg: ModelConfig, key: str) -> list[torch.Tensor]:
+def _split(rule: NameRule, t: torch.Tensor, cfg: ModelConfig, key: str) -> list[torch.Tensor]:
     if rule.split == "copy":
         return [t]
     if rule.split == "vocab":
@@ -49,7 +49,7 @@ def _split(rule: Rule, t: torch.Tensor, cfg: ModelConfig, key: str) -> list[torc
     raise ValueError(f"{key}: unknown split {rule.split!r}")
 
 
-def _join(rule: Rule, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def _join(rule: NameRule, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     if rule.split in ("copy", "vocab"):
         return parts[0]
     if rule.split == "swiglu":

@@ -10,6 +10,6 @@ Imports nothing of the roles; only the standard library, pydantic and :mod:`neon
 """
 
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401
-                                       JobRecord, LeaseRecord, NodeBeat, Phase, Preempted, Record, TrainerBeat,
+                                       JobRecord, LeaseRecord, NodeBeat, Preempted, Record, TrainerBeat, TrainerPhase,
                                        WorkerBeat, mark_finished)
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: F401

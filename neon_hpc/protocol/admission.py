@@ -52,7 +52,7 @@ def admit(ready: int, in_flight: int, group: int, per_step: int, backpressure_st
 def next_claim_version(trainer: TrainerBeat | None, published: int) -> int:
     """The weight version the trainer's *next* claim trains.
 
-    Step N trains v_{N-1}: while step N still claims (:attr:`Phase.claiming`) that is N-1;
+    Step N trains v_{N-1}: while step N still claims (:attr:`TrainerPhase.claiming`) that is N-1;
     once it has its data (training, stepped, done), the next claim is step N+1's, v_N.
     Without a trainer heartbeat (or before its first step): ``published`` (weights/LATEST).
     """

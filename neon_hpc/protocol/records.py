@@ -7,7 +7,7 @@ hand, or some other program's file) raises :class:`~neon_hpc.protocol.rundir.Run
 naming the file, the field and what was expected; it never guesses.  Fields a newer writer
 adds are kept in ``extra`` and written back unchanged.
 
-Records: :class:`TrainerBeat` (with :class:`Phase`), :class:`WorkerBeat`, :class:`NodeBeat`,
+Records: :class:`TrainerBeat` (with :class:`TrainerPhase`), :class:`WorkerBeat`, :class:`NodeBeat`,
 :class:`EngineRecord`, :class:`JobRecord`, :class:`LeaseRecord`, the markers :class:`Finished` and
 :class:`Preempted`, and a claim's :class:`ClaimOwner`, :class:`DroppedRecord` and
 :class:`ClaimRecord`.  The contract (who writes what, when) is ``neon_hpc/protocol/README.md``.
@@ -38,7 +38,7 @@ from neon_hpc.protocol.rundir import OWNER as OWNER_NAME
 from neon_hpc.protocol.rundir import RunDir, RunDirError, atomic_write_json, create_json, read_json
 
 
-class Phase(str, enum.Enum):
+class TrainerPhase(str, enum.Enum):
     """Where the trainer's step loop is (its heartbeat's ``phase``)."""
 
     STARTING = "starting"                  # building the model, before the first step
@@ -52,7 +52,7 @@ class Phase(str, enum.Enum):
     @property
     def claiming(self) -> bool:
         """Step N's claim is not committed yet: the next claim trains v_{N-1}."""
-        return self in (Phase.CLAIMING, Phase.WAITING_FOR_DATA)
+        return self in (TrainerPhase.CLAIMING, TrainerPhase.WAITING_FOR_DATA)
 
 
 # --------------------------------------------------------------------------------------
@@ -178,12 +178,12 @@ class _Beat(Record):
 
 @dataclass
 class TrainerBeat(_Beat):
-    """A trainer rank's heartbeat: the step it is on and its :class:`Phase`."""
+    """A trainer rank's heartbeat: the step it is on and its :class:`TrainerPhase`."""
 
     KIND: ClassVar[str] = "trainer heartbeat"
     ROLE: ClassVar[str] = "trainer"
     step: int | None = None
-    phase: Phase = Phase.STARTING
+    phase: TrainerPhase = TrainerPhase.STARTING
     version: int | None = None
     waited_s: float | None = None
 

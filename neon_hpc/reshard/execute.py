@@ -20,7 +20,7 @@ from pathlib import Path
 from neon_hpc.util.progress import bar
 from neon_hpc.reshard.slabs import Slab, apply_op
 from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, Chunk
-from neon_hpc.reshard.tasks import ConversionTasks, Task, intersects
+from neon_hpc.reshard.tasks import ChunkTask, ConversionTasks, intersects
 
 
 @dataclass
@@ -297,7 +297,7 @@ def _open_shards(work: ConversionTasks, rank: int, staging: Path) -> dict[str, i
     return fds
 
 
-def _run_task(work: ConversionTasks, task: Task, reader: ChunkReader, fds: dict[str, int]) -> int:
+def _run_task(work: ConversionTasks, task: ChunkTask, reader: ChunkReader, fds: dict[str, int]) -> int:
     dtypes = {s.key: s.dtype for s in task.slabs}
     if task.streamable:
         return _stream_task(work, task, reader, fds, dtypes)
@@ -317,7 +317,7 @@ def _row_range(op, rows: int) -> tuple[int, int]:
     return op.args if op.kind == "rows" else (0, rows)
 
 
-def _stream_task(work: ConversionTasks, task: Task, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
+def _stream_task(work: ConversionTasks, task: ChunkTask, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
     """Read one chunk at a time and write its rows straight into every output they belong to."""
     written = 0
     for key, c in task.chunks:

@@ -24,8 +24,7 @@ from math import prod
 from typing import Callable
 
 from neon_hpc import arch as registry
-from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES, QKVShape, qkv_part, qkv_rows
-from neon_hpc.arch.rules import Rule as NameRule
+from neon_hpc.arch.rules import EXPERT_RULES, IGNORED_SUFFIXES, TOP_RULES, NameRule, QKVShape, qkv_part, qkv_rows
 from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, TensorMeta
 
 # Checkpoint keys outside these prefixes are not model weights (optimizer state, rng, ...).

@@ -6,7 +6,7 @@ Steps:
 
 1. :func:`neon_hpc.reshard.slabs.list_slabs` lists slabs (one source tensor at fixed layer /
    expert indices) and the HF tensors each yields.
-2. Slabs that share a saved chunk join one *task* (a chunk is read once); usually a task is
+2. Slabs that share a saved chunk join one *task* (:class:`ChunkTask`; a chunk is read once); usually a task is
    one slab and its handful of chunks (one expert's gate+up chunks, one layer's QKV chunks).
 3. Tasks go to ranks largest first, each to the least-loaded rank (LPT, by bytes read+written).
 4. Each rank's outputs are packed, in its task order, into its own safetensors files of at
@@ -34,7 +34,7 @@ def out_nbytes(o: OutTensor) -> int:
 
 
 @dataclass
-class Task:
+class ChunkTask:
     id: int
     slabs: list[Slab]
     chunks: list[tuple[str, Chunk]]       # (key, chunk), each read once
@@ -97,11 +97,11 @@ class ConversionTasks:
     ckpt: Checkpoint
     spec: ModelSpec
     ranks: int
-    tasks: list[Task]
+    tasks: list[ChunkTask]
     shards: list[ShardFile]
     location: dict[str, tuple[str, int]]   # HF name -> (shard file, absolute byte offset)
 
-    def tasks_of(self, rank: int) -> list[Task]:
+    def tasks_of(self, rank: int) -> list[ChunkTask]:
         return [t for t in self.tasks if t.rank == rank]
 
     def shards_of(self, rank: int) -> list[ShardFile]:
@@ -157,7 +157,7 @@ def _gb(n: int) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def group_tasks(ckpt: Checkpoint, slabs: list[Slab]) -> list[Task]:
+def group_tasks(ckpt: Checkpoint, slabs: list[Slab]) -> list[ChunkTask]:
     """Join slabs that share a chunk (union-find); each group becomes one task."""
     parent = list(range(len(slabs)))
 
@@ -191,7 +191,7 @@ def group_tasks(ckpt: Checkpoint, slabs: list[Slab]) -> list[Task]:
     tasks = []
     for root, ids in groups.items():
         chunks = sorted(chunks_of_root.get(root, []), key=lambda kc: (kc[0], kc[1].offsets))
-        tasks.append(Task(0, [slabs[i] for i in ids], chunks))
+        tasks.append(ChunkTask(0, [slabs[i] for i in ids], chunks))
     _check_coverage(ckpt, tasks)
     return tasks
 
@@ -203,7 +203,7 @@ def _cover(c: Chunk, n_lead: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _check_coverage(ckpt: Checkpoint, tasks: list[Task]) -> None:
+def _check_coverage(ckpt: Checkpoint, tasks: list[ChunkTask]) -> None:
     """Every slab must be fully covered by its chunks (else the metadata is incomplete)."""
     for t in tasks:
         for s in t.slabs:
@@ -220,7 +220,7 @@ def _check_coverage(ckpt: Checkpoint, tasks: list[Task]) -> None:
                                       f"{need} elements; the checkpoint metadata is incomplete or overlapping")
 
 
-def assign_ranks(tasks: list[Task], ranks: int) -> list[Task]:
+def assign_ranks(tasks: list[ChunkTask], ranks: int) -> list[ChunkTask]:
     """Largest task first onto the least-loaded rank; ties by rank number (deterministic)."""
     order = sorted(tasks, key=lambda t: (-(t.read_bytes + t.write_bytes), t.slabs[0].outputs[0].name))
     load = [0] * ranks
@@ -231,7 +231,7 @@ def assign_ranks(tasks: list[Task], ranks: int) -> list[Task]:
     return order
 
 
-def pack_shards(tasks: list[Task], ranks: int, shard_cap: int) -> list[ShardFile]:
+def pack_shards(tasks: list[ChunkTask], ranks: int, shard_cap: int) -> list[ShardFile]:
     """Pack each rank's outputs (in task order) into files of at most ``shard_cap`` bytes."""
     per_rank: list[list[ShardFile]] = [[] for _ in range(ranks)]
     for r in range(ranks):

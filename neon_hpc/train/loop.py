@@ -48,7 +48,7 @@ from neon_hpc.models import cpu_shim
 from neon_hpc.util.netutil import free_port
 from neon_hpc.util.procutil import StopFlag
 from neon_hpc.util.rankenv import master_port, trainer_rank_from_slurm
-from neon_hpc.protocol.records import Phase, Preempted, TrainerBeat
+from neon_hpc.protocol.records import Preempted, TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.replay.rows import to_trainer_rows
 from neon_hpc.checkpoint.metadata import CheckpointError
@@ -199,7 +199,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             status["state"] = "preempted"      # a signal reached some rank while rank 0 waited
         if status["state"] != "waiting":
             break
-        TrainerBeat(rank=rank, step=step, phase=Phase.WAITING_FOR_DATA, waited_s=status["waited_s"]).write(run)
+        TrainerBeat(rank=rank, step=step, phase=TrainerPhase.WAITING_FOR_DATA, waited_s=status["waited_s"]).write(run)
         if rank == 0 and status["waited_s"] >= next_note:
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
@@ -444,7 +444,7 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
 def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogger, pre: Preemption) -> int:
     t = cfg.train
     writers.configure(t.checkpoint_write_timeout_s)   # the deadline of a save's megatron writers
-    TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
+    TrainerBeat(rank=rank, phase=TrainerPhase.STARTING).write(run)
     be = setup_backend(cfg, replay=cfg.offpolicy.replay_trainer == "replay", log=log)
     last, _state = _startup(run, be, cfg, log)
     log.info("layout tp=%d ep=%d dp=%d world=%d, replay=%s, correction=%s, precision=%s, recompute=%s",
@@ -468,7 +468,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
-        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.CLAIMING).write(run)
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
         claim = _claim(run, cfg, step, rank, world, pre, log)
         if claim["state"] == "preempted":
             step -= 1
@@ -478,7 +478,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
             raise TrainerError(claim["error"])
         res = claim["result"]
         # right after the claim: rollout workers waiting for admission watch this phase change
-        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.TRAINING).write(run)
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
         ts = time.perf_counter()
         m = train_step(be, data, settings)
@@ -555,14 +555,14 @@ def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int
         log.info("preempted (signal %s): checkpoint step_%d written, exiting 0 for requeue", pre.signum, step)
     else:
         log.info("%s: %d steps", what, step)
-    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.PREEMPTED if preempted else Phase.DONE).write(run)
+    TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.PREEMPTED if preempted else TrainerPhase.DONE).write(run)
     B.teardown()
     return 0
 
 
 def _report(run: RunDir, log: RoleLogger, rank: int, step: int, res, data: StepData, m: dict,
             waited_s: float, step_s: float, published: int | None) -> None:
-    TrainerBeat(rank=rank, step=step, version=step, phase=Phase.STEPPED).write(run)
+    TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.STEPPED).write(run)
     if rank != 0:
         return
     trajs = data.trajectories

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from neon_hpc.util.logs import RoleLogger
-from neon_hpc.protocol.records import Phase, TrainerBeat
+from neon_hpc.protocol.records import TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.store import store_kind
@@ -81,7 +81,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
 
     t = cfg.train
     writers.configure(t.checkpoint_write_timeout_s)
-    TrainerBeat(rank=rank, phase=Phase.STARTING).write(run)
+    TrainerBeat(rank=rank, phase=TrainerPhase.STARTING).write(run)
     data_set = load_sft_set(t.sft_data, cfg.store.kind)
     be = setup_backend(cfg, replay=False, log=log)
     last, _state = _startup(run, be, cfg, log)
@@ -92,7 +92,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
-        TrainerBeat(rank=rank, step=step, version=step - 1, phase=Phase.TRAINING).write(run)
+        TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.TRAINING).write(run)
         idx, epoch = step_indices(len(data_set), step, t.trajectories_per_step, t.seed)
         trajs = [copy.copy(data_set[i]) for i in idx]
         data = prepare_step(trajs, be.layout.dp, cfg)
@@ -112,7 +112,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         if publish_due and t.publish_via == "reshard":
             _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
                                                    checkpoint_dir=run.checkpoint(step))
-        TrainerBeat(rank=rank, step=step, version=step, phase=Phase.STEPPED).write(run)
+        TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.STEPPED).write(run)
         if rank == 0:
             dt = time.perf_counter() - t0
             rec = dict(step=step, version=step, mode="sft", epoch=epoch, trajectories=len(trajs),

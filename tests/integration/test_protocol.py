@@ -15,7 +15,7 @@ import pytest
 
 from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished, JobRecord,
-                                       LeaseRecord, NodeBeat, Phase, Preempted, TrainerBeat, WorkerBeat,
+                                       LeaseRecord, NodeBeat, Preempted, TrainerBeat, TrainerPhase, WorkerBeat,
                                        iter_records, mark_finished)
 from neon_hpc.protocol.rundir import FILE_NAMES, LATEST, RUN_YAML, RunDir, RunDirError
 from pyscan import docstring_ids
@@ -36,7 +36,7 @@ def _claim_dir(run):
 
 
 CASES = {
-    TrainerBeat: (lambda: TrainerBeat(rank=0, step=4, phase=Phase.WAITING_FOR_DATA, version=3, waited_s=2.5),
+    TrainerBeat: (lambda: TrainerBeat(rank=0, step=4, phase=TrainerPhase.WAITING_FOR_DATA, version=3, waited_s=2.5),
                   lambda r, x: x.write(r), lambda r: TrainerBeat.read(r, 0), lambda r: r.heartbeat_file("trainer", 0)),
     WorkerBeat: (lambda: WorkerBeat(rank=7, in_flight=12, groups=3, episodes=12, tokens=900, task="t-1"),
                  lambda r, x: x.write(r), lambda r: WorkerBeat.read(r, 7), lambda r: r.heartbeat_file("rollout", 7)),
@@ -117,7 +117,7 @@ def test_foreign_file_is_refused_naming_the_field(run, kind):
 
 
 def test_a_phase_no_trainer_writes_is_refused(run):
-    TrainerBeat(rank=0, step=1, phase=Phase.CLAIMING).write(run)
+    TrainerBeat(rank=0, step=1, phase=TrainerPhase.CLAIMING).write(run)
     obj = json.loads(run.heartbeat_file("trainer", 0).read_text())
     run.heartbeat_file("trainer", 0).write_text(json.dumps(dict(obj, phase="thinking")))
     with pytest.raises(RunDirError, match="'thinking'.*one of 'starting'"):
@@ -151,9 +151,9 @@ def test_the_admission_rule():
     assert rule.admit(0, 12, 4, 8, 4, 2) == (rule.OK, 1.0)
     assert rule.admit(0, 12, 4, 8, 4, 2, lag=2) == (rule.ADMISSION_WAIT, 3.0)
     assert rule.admit(33, 0, 4, 8, 4, 9) == (rule.BACKPRESSURE, 33 / 8)
-    beat = TrainerBeat(step=6, phase=Phase.CLAIMING)
+    beat = TrainerBeat(step=6, phase=TrainerPhase.CLAIMING)
     assert rule.next_claim_version(beat, 5) == 5
-    assert rule.next_claim_version(TrainerBeat(step=6, phase=Phase.TRAINING), 5) == 6
+    assert rule.next_claim_version(TrainerBeat(step=6, phase=TrainerPhase.TRAINING), 5) == 6
     assert rule.next_claim_version(None, 5) == 5
     assert rule.version_gap(6, 3, 5) == 3 and rule.version_gap(6, None, 5) == 1 and rule.version_gap(2, 9, 9) == 0
     beats = [WorkerBeat(in_flight=4, time=100.0), WorkerBeat(in_flight=8, time=30.0)]
@@ -194,7 +194,7 @@ def test_shell_helper(run):
 # --------------------------------------------------------------------------------------
 # no run-directory file name or phase literal outside the protocol package
 
-DISTINCT_PHASES = {p.value for p in Phase} - {"starting", "training", "preempted", "done"}   # the others are common words
+DISTINCT_PHASES = {p.value for p in TrainerPhase} - {"starting", "training", "preempted", "done"}   # the others are common words
 
 
 # named in messages as a concept ("the run's run.yaml"), so only a path made of them counts

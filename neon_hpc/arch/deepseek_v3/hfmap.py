@@ -14,28 +14,28 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from neon_hpc.arch.model import ModelConfig
-from neon_hpc.arch.rules import COMMON_LAYER_RULES, Rule, hf_getter
+from neon_hpc.arch.rules import COMMON_LAYER_RULES, NameRule, hf_getter
 
 NAME = "deepseek_v3"
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 
-LAYER_RULES: dict[str, Rule] = {
+LAYER_RULES: dict[str, NameRule] = {
     **COMMON_LAYER_RULES,
-    "mlp.router.expert_bias": Rule(("mlp.gate.e_score_correction_bias",)),
-    "mlp.shared_experts.linear_fc1.weight": Rule(("mlp.shared_experts.gate_proj.weight",
+    "mlp.router.expert_bias": NameRule(("mlp.gate.e_score_correction_bias",)),
+    "mlp.shared_experts.linear_fc1.weight": NameRule(("mlp.shared_experts.gate_proj.weight",
                                                   "mlp.shared_experts.up_proj.weight"), "swiglu", "swiglu"),
-    "mlp.shared_experts.linear_fc2.weight": Rule(("mlp.shared_experts.down_proj.weight",), tp="cols"),
-    "self_attention.linear_q_proj.weight": Rule(("self_attn.q_proj.weight",), tp="rows"),
-    "self_attention.linear_q_down_proj.weight": Rule(("self_attn.q_a_proj.weight",), tp="rows"),
-    "self_attention.linear_q_up_proj.weight": Rule(("self_attn.q_b_proj.weight",), tp="rows"),
-    "self_attention.q_layernorm.weight": Rule(("self_attn.q_a_layernorm.weight",)),
-    "self_attention.linear_kv_down_proj.weight": Rule(("self_attn.kv_a_proj_with_mqa.weight",), tp="rows"),
-    "self_attention.linear_kv_up_proj.weight": Rule(("self_attn.kv_b_proj.weight",), tp="rows"),
-    "self_attention.kv_layernorm.weight": Rule(("self_attn.kv_a_layernorm.weight",)),
+    "mlp.shared_experts.linear_fc2.weight": NameRule(("mlp.shared_experts.down_proj.weight",), tp="cols"),
+    "self_attention.linear_q_proj.weight": NameRule(("self_attn.q_proj.weight",), tp="rows"),
+    "self_attention.linear_q_down_proj.weight": NameRule(("self_attn.q_a_proj.weight",), tp="rows"),
+    "self_attention.linear_q_up_proj.weight": NameRule(("self_attn.q_b_proj.weight",), tp="rows"),
+    "self_attention.q_layernorm.weight": NameRule(("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_kv_down_proj.weight": NameRule(("self_attn.kv_a_proj_with_mqa.weight",), tp="rows"),
+    "self_attention.linear_kv_up_proj.weight": NameRule(("self_attn.kv_b_proj.weight",), tp="rows"),
+    "self_attention.kv_layernorm.weight": NameRule(("self_attn.kv_a_layernorm.weight",)),
     # Transformer Engine spellings of the two MLA norms (fused into the up-projections)
-    "self_attention.linear_q_up_proj.layer_norm_weight": Rule(("self_attn.q_a_layernorm.weight",), alias=True),
-    "self_attention.linear_kv_up_proj.layer_norm_weight": Rule(("self_attn.kv_a_layernorm.weight",), alias=True),
+    "self_attention.linear_q_up_proj.layer_norm_weight": NameRule(("self_attn.q_a_layernorm.weight",), alias=True),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": NameRule(("self_attn.kv_a_layernorm.weight",), alias=True),
 }
 
 # config.json field -> ModelConfig field (the same value under the two names; MLA has one

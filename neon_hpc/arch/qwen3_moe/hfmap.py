@@ -10,20 +10,20 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from neon_hpc.arch.model import ModelConfig
-from neon_hpc.arch.rules import COMMON_LAYER_RULES, Rule, hf_getter
+from neon_hpc.arch.rules import COMMON_LAYER_RULES, NameRule, hf_getter
 
 NAME = "qwen3_moe"
 HF_MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
-LAYER_RULES: dict[str, Rule] = {
+LAYER_RULES: dict[str, NameRule] = {
     **COMMON_LAYER_RULES,
-    "self_attention.linear_qkv.weight": Rule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attention.linear_qkv.weight": NameRule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                               "self_attn.v_proj.weight"), "qkv", "rows"),
-    "self_attention.linear_qkv.bias": Rule(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+    "self_attention.linear_qkv.bias": NameRule(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                             "self_attn.v_proj.bias"), "qkv", "rows"),
-    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
-    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
+    "self_attention.q_layernorm.weight": NameRule(("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": NameRule(("self_attn.k_norm.weight",)),
 }
 
 # config.json field -> ModelConfig field (the same value under the two names)
