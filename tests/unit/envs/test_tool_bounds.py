@@ -17,7 +17,7 @@ from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.agent.chat import ChatEpisode
 from neon_hpc.rollout.agent.parse import MAX_TOOL_CALL_CHARS, Malformed, ToolCall, parse_action, parse_tool_call
 from neon_hpc.envs.xrd.env import XRDEnv
-from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_context
 from neon_hpc.envs.xrd.science.tools import MAX_ARGUMENTS, call_tool
 
 BIG_NAME = "x" * (10 << 20)
@@ -31,7 +31,7 @@ def task():
 
 @pytest.fixture(scope="module")
 def ctx(task):
-    return make_context(task, build_store([task], include_real=False))
+    return make_context(task, build_record_db([task], include_real=False))
 
 
 def test_clip_text_marks_and_bounds():

@@ -4,7 +4,7 @@ import pytest
 from neon_hpc.envs.xrd.science.baseline import solve
 from neon_hpc.envs.xrd.science.evaluate import evaluate, wilson_interval
 from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
-from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_context
 
 # Measured on this code (seed 0): tiny test_ood 10/10, easy test_id 9/10 (misses: ~17 wt%
 # of a light-element phase, Li2O / Li2CO3, next to a strong scatterer).  Floors leave margin.
@@ -26,7 +26,7 @@ def test_baseline_on_tiny_ood_beats_its_floor():
 
 def test_baseline_uses_only_phases_visible_at_the_task_date():
     task = load_tasks("tiny", "test_id", n=3)[1]
-    ctx = make_context(task, build_store([task], include_real=False))
+    ctx = make_context(task, build_record_db([task], include_real=False))
     ctx.cutoff = "1960-01-01"          # before every TiO2 / NiO / ZnO / CeO2 / MgO structure paper
     ctx.cache.clear()
     assert solve(ctx).phases == []
@@ -62,8 +62,8 @@ def test_measured_scan_is_identified_without_and_quantified_with_anomalous_scatt
     wanted = "NiO_0p2030-Li2CO3"
     plain_task = [t for t in load_real_tasks(scan="2min") if wanted in t.id][0]
     real_task = [t for t in load_real_tasks(scan="2min", measured=True) if wanted in t.id][0]
-    store = build_store([plain_task], ":memory:", include_real=True)
-    plain, real = trace(make_context(plain_task, store)), trace(make_context(real_task, store))
+    record_db = build_record_db([plain_task], ":memory:", include_real=True)
+    plain, real = trace(make_context(plain_task, record_db)), trace(make_context(real_task, record_db))
     # identification is the same search (no f', f''): same steps, same Rwp
     assert [s.phases for s in real.steps] == [s.phases for s in plain.steps]
     assert [round(s.result.rwp, 6) for s in real.steps] == [round(s.result.rwp, 6) for s in plain.steps]

@@ -96,11 +96,11 @@ def test_weight_fraction_esd_matches_the_scatter_over_noise_draws():
 
 
 def test_fit_phases_reports_an_absent_phase_as_not_detectable():
-    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tasks import build_record_db
     from neon_hpc.envs.xrd.science.tools import TaskContext, call_tool
     a, minor, absent = "cur:NiO_bunsenite", "cur:ZnO_zincite", "cur:CeO2_cerianite"
     y = _mixture({a: 0.95, minor: 0.05}, {}, 1e4, 3)
-    ctx = TaskContext(X, y, "2100-01-01", build_store([], include_real=False), instrument=INST)
+    ctx = TaskContext(X, y, "2100-01-01", build_record_db([], include_real=False), instrument=INST)
     out = call_tool("fit_phases", {"phases": [a, minor, absent]}, ctx)
     assert "error" not in out, out
     rows = {r["phase_id"]: r for r in out["phases"]}
@@ -116,10 +116,10 @@ def test_fit_phases_reports_an_absent_phase_as_not_detectable():
 
 
 def test_plot_fit_writes_a_png_only_where_configured(tmp_path):
-    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tasks import build_record_db
     from neon_hpc.envs.xrd.science.tools import TaskContext, call_tool, toolset
     y = _mixture({"cur:NiO_bunsenite": 1.0}, {}, 5e3, 4)
-    ctx = TaskContext(X, y, "2100-01-01", build_store([], include_real=False), instrument=INST, task_id="t/../x")
+    ctx = TaskContext(X, y, "2100-01-01", build_record_db([], include_real=False), instrument=INST, task_id="t/../x")
     assert "plotting is off" in call_tool("plot_fit", {"phases": ["cur:NiO_bunsenite"]}, ctx)["error"]
     ctx.plot_dir = str(tmp_path / "plots")
     assert "nothing fitted yet" in call_tool("plot_fit", {}, ctx)["error"]
@@ -179,10 +179,10 @@ def test_eval_protocol_loo_needs_the_real_data(capsys):
 @pytest.mark.skipif(real_data_dir() is None, reason="shared/data/xrd-real not beside the repository "
                                                     "(set NEON_XRD_REAL_DATA)")
 def test_refinement_of_a_real_fast_scan_matches_the_weighed_fractions():
-    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tasks import build_record_db
     from neon_hpc.envs.xrd.science.tools import TaskContext
     task = next(t for t in load_real_tasks(scan="2min") if t.id.endswith("ZnO_0p4006-In2O3_0p6008--2min"))
-    ctx = TaskContext.for_task(task, build_store([], include_real=False))
+    ctx = TaskContext.for_task(task, build_record_db([], include_real=False))
     res = ctx.fitter().fit([p for p, _, _ in task.truth])
     got = res.fractions()
     for pid, _, w in task.truth:
@@ -196,11 +196,11 @@ def test_texture_r_search_finds_the_real_li2co3_texture_axis_the_two_trials_miss
     # NiO/Li2CO3/TiO2 (20/30/50 wt%), fast scan, measured physics: with the two trial r (0.75, 1.35)
     # Li2CO3's texture axis is 011 and its fraction ~0.36; scored at its best r on the denser grid
     # the axis is 101, Rwp lower and the fraction nearer the weighed 0.30
-    from neon_hpc.envs.xrd.science.tasks import build_store
+    from neon_hpc.envs.xrd.science.tasks import build_record_db
     from neon_hpc.envs.xrd.science.tools import TaskContext
     task = next(t for t in load_real_tasks(scan="2min", measured=True)
                 if t.id.endswith("NiO_0p2030-Li2CO3_0p2999-TiO2_0p5025--2min"))
-    fitter = TaskContext.for_task(task, build_store([], include_real=False)).fitter()
+    fitter = TaskContext.for_task(task, build_record_db([], include_real=False)).fitter()
     ids = ["cur:TiO2_anatase", "cur:NiO_bunsenite", "cur:Li2CO3_zabuyelite"]
     start = fitter.fit(ids)
     args = (ids, [p.strain for p in start.phases], [p.size_nm for p in start.phases], start.zero_shift)

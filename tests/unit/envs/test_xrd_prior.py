@@ -5,13 +5,13 @@ import numpy as np
 
 from neon_hpc.envs.xrd.science import baseline
 from neon_hpc.envs.xrd.science.fitting import FitResult, PhaseFit
-from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_context
 
 
 def _ctx(precursors):
     task = load_tasks("realistic", "train", 1, 11)[10]          # SrTiO3 + two SiO2 polymorphs (quartz-like, cristobalite)
     task = dataclasses.replace(task, precursors=list(precursors))
-    return task, make_context(task, build_store([task], ":memory:", include_real=False))
+    return task, make_context(task, build_record_db([task], ":memory:", include_real=False))
 
 
 def test_expected_phases_match_stated_formulas_in_any_notation():

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from neon_hpc.envs.xrd.science.tasks import (PRESETS, TRAIN_DATES, build_store, is_held_out, load_tasks, make_context,
+from neon_hpc.envs.xrd.science.tasks import (PRESETS, TRAIN_DATES, build_record_db, is_held_out, load_tasks, make_context,
                                 open_task_set, read_tasks, write_tasks)
 
 
@@ -50,10 +50,10 @@ def test_task_contents_per_preset():
 
 def test_the_answer_is_in_the_store_but_hidden_by_the_cutoff():
     task = next(t for t in load_tasks("easy", "train", n=10) if t.history)
-    store = build_store([task], include_real=False)
-    ids = {r[0] for r in store.execute("SELECT sample_id FROM experiments")}
+    record_db = build_record_db([task], include_real=False)
+    ids = {r[0] for r in record_db.execute("SELECT sample_id FROM experiments")}
     assert task.id in ids and f"{task.id}-followup" in ids
-    ctx = make_context(task, store)
+    ctx = make_context(task, record_db)
     seen = {r["sample_id"] for r in ctx.view.experiments(limit=1000)}
     assert seen == {h["sample_id"] for h in task.history}
 
@@ -66,10 +66,10 @@ def test_write_and_read_task_files(tmp_path):
     assert [t.id for t in back] == [t.id for t in tasks]
     np.testing.assert_allclose(back[0].pattern.intensity, tasks[0].pattern.intensity, atol=0.01)
     assert back[0].truth == [(p, f, pytest.approx(w)) for p, f, w in tasks[0].truth]
-    again, store = open_task_set(tmp_path / "set")
+    again, record_db = open_task_set(tmp_path / "set")
     assert [t.id for t in again] == [t.id for t in tasks]
-    assert store.count("phases") > 300
-    ctx = make_context(again[0], store)
+    assert record_db.count("phases") > 300
+    ctx = make_context(again[0], record_db)
     assert ctx.view.experiments(limit=100) == [] or all(r["date"] < again[0].date
                                                         for r in ctx.view.experiments(limit=100))
     with pytest.raises(FileNotFoundError, match="experiments.sqlite"):

@@ -4,7 +4,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.envs.xrd.science.tasks import build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_context
 from neon_hpc.envs.xrd.science.tools import TOOLS, TaskContext, call_tool, toolset
 
 
@@ -15,7 +15,7 @@ def task():
 
 @pytest.fixture(scope="module")
 def ctx(task):
-    return make_context(task, build_store([task], include_real=False))
+    return make_context(task, build_record_db([task], include_real=False))
 
 
 @pytest.mark.parametrize("name,args,needle", [

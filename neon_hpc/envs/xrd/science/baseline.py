@@ -1,7 +1,7 @@
 """The baseline solver (no LLM): the floor every agent must beat.
 
 1. Candidates: answer-eligible library phases made of the task's elements, visible before the
-   task's date (through the dated store, like an agent's search).
+   task's date (through the dated records database, like an agent's search).
 2. Peak screening with a strain grid: each candidate's strong sticks (>= 10 % of its maximum)
    are matched against the observed peaks (within ``MATCH_TOL`` deg); the score is the
    intensity-weighted fraction matched, best over lattice strains in +-1 %.

@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from neon_hpc.envs.xrd.science.records import StoreError
+from neon_hpc.envs.xrd.science.records import RecordDBError
 
 SPLIT_CHOICES = ("train", "test_id", "test_ood", "test_temporal", "all")
 
@@ -50,11 +50,11 @@ def _cmd_tasks(args) -> int:
         out = Path(args.out) / f"{args.preset}-{split}-s{args.seed}" if len(splits) > 1 else Path(args.out)
         try:
             info = write_tasks(tasks, out, include_real=not args.no_real, db=args.db)
-        except (StoreError, ValueError) as e:
+        except (RecordDBError, ValueError) as e:
             print(f"neon-hpc xrd tasks: {e}", file=sys.stderr)
             return 2
         print(f"wrote {info['tasks']} tasks to {info['dir']} and {info['experiments']} experiment records "
-              f"to {info['store']}")
+              f"to {info['record_db']}")
     return 0
 
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--seed", type=int, default=0)
     tk.add_argument("--n", type=int, default=None)
     tk.add_argument("--out", required=True)
-    tk.add_argument("--no-real", action="store_true", help="leave the real patterns out of the store")
+    tk.add_argument("--no-real", action="store_true", help="leave the real patterns out of the records database")
     tk.add_argument("--db", help="postgresql://USER@HOST:PORT/DB: write the experiments there instead of "
                                  "DIR/experiments.sqlite (the folder records the DSN, without its password)")
     ev = sub.add_parser("eval", help="evaluate a solver (or an LLM agent with --endpoint)")

@@ -14,8 +14,8 @@ from neon_hpc.envs.xrd.science.baseline import THRESHOLD_GRID, solve
 from neon_hpc.envs.xrd.science.grader import MAJOR, STRICT_TOL, grade, phase_key
 from neon_hpc.envs.xrd.science.library import load_library
 from neon_hpc.envs.xrd.science.quant import SE_K, QuantModel, calibrate_se, choose_radius, coverage
-from neon_hpc.envs.xrd.science.records import Store
-from neon_hpc.envs.xrd.science.tasks import Task, build_store, load_tasks, make_context
+from neon_hpc.envs.xrd.science.records import RecordDB
+from neon_hpc.envs.xrd.science.tasks import Task, build_record_db, load_tasks, make_context
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -123,12 +123,12 @@ SOLVERS: dict[str, Callable] = {"baseline": baseline_solver}
 
 
 def evaluate(tasks: list[Task], solver: Callable = baseline_solver, name: str = "", strict: bool = False,
-             store: Store | None = None, progress: Callable[[str], None] | None = None) -> EvalReport:
-    store = store or build_store(tasks, ":memory:", include_real=True)
+             record_db: RecordDB | None = None, progress: Callable[[str], None] | None = None) -> EvalReport:
+    record_db = record_db or build_record_db(tasks, ":memory:", include_real=True)
     report = EvalReport(name or (tasks[0].split if tasks else "empty"))
     for i, task in enumerate(bar(tasks, desc=f"eval {report.name}", unit="task")):
         t0, c0 = time.perf_counter(), time.process_time()
-        ctx = make_context(task, store)
+        ctx = make_context(task, record_db)
         try:
             predicted = solver(ctx)
         except Exception as e:  # noqa: BLE001 - a crashing solver scores zero on that task, the run goes on
@@ -151,14 +151,14 @@ def scan_of(task: Task) -> str:
     return task.id.rpartition("--")[2] if "--" in task.id else ""
 
 
-def trace_all(tasks: list[Task], store: Store | None = None, progress: Callable[[str], None] | None = None):
+def trace_all(tasks: list[Task], record_db: RecordDB | None = None, progress: Callable[[str], None] | None = None):
     """The baseline's refinement trace of every task, with wall and CPU seconds per task (including a
     measured pattern's quantification refit at the default thresholds, :meth:`Trace.quant_fit`)."""
-    store = store or build_store(tasks, ":memory:", include_real=True)
+    record_db = record_db or build_record_db(tasks, ":memory:", include_real=True)
     traces, wall, cpu = [], [], []
     for i, task in enumerate(tasks):
         t0, c0 = time.perf_counter(), time.process_time()
-        tr = baseline.trace(make_context(task, store))
+        tr = baseline.trace(make_context(task, record_db))
         tr.quant_fit(tr.final_fit()[0])     # a measured pattern's f', f'' refit (default thresholds), timed with it
         traces.append(tr)
         wall.append(time.perf_counter() - t0)
@@ -284,7 +284,7 @@ def choose_quant(tasks: list[Task], fits: dict, indices: list[int], cache: dict 
                                                     "inner_radii": sorted(set(inner.values()))}
 
 
-def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = None,
+def evaluate_loo(tasks: list[Task], strict: bool = False, record_db: RecordDB | None = None,
                  progress: Callable[[str], None] | None = None, grid=None, traced=None) -> tuple[EvalReport, dict]:
     """Leave one mixture out: everything the baseline fits on data is fitted on the other mixtures only.
 
@@ -296,7 +296,7 @@ def evaluate_loo(tasks: list[Task], strict: bool = False, store: Store | None = 
     details (chosen thresholds, radius, se_sys, detection limits, held-out coverage of +-2 s.e.).
     """
     grid = tuple(grid or THRESHOLD_GRID)
-    traces, seconds, cpu = traced or trace_all(tasks, store, progress)
+    traces, seconds, cpu = traced or trace_all(tasks, record_db, progress)
     outcome: dict = {}
     report = EvalReport("real_dev-loo")
     folds = {}
@@ -370,8 +370,8 @@ def _grid_answers(args) -> list:
     """(worker) one task's answers at every grid point: [(phases, success, abs errors), ...]."""
     task, grid = args
     t0, c0 = time.perf_counter(), time.process_time()
-    store = build_store([task], ":memory:", include_real=False)
-    tr = baseline.trace(make_context(task, store))
+    record_db = build_record_db([task], ":memory:", include_real=False)
+    tr = baseline.trace(make_context(task, record_db))
     out = []
     for th in grid:
         sol = tr.decide(th)

@@ -2,9 +2,9 @@
 
 Schema (portable: only TEXT / INTEGER / DOUBLE PRECISION, JSON kept as TEXT, ISO dates as
 TEXT 'YYYY-MM-DD' so string order is date order).  SQLite is the embedded default; the same
-DDL and the same statements run on PostgreSQL: :meth:`Store.connect` takes a file path or a
+DDL and the same statements run on PostgreSQL: :meth:`RecordDB.connect` takes a file path or a
 ``postgresql://`` DSN (psycopg 3; placeholders are rewritten for its ``format`` paramstyle).
-Both are tested, including the date cutoff and concurrent writers (``tests/integration/test_xrd_store.py``
+Both are tested, including the date cutoff and concurrent writers (``tests/integration/test_xrd_records.py``
 against a throwaway PostgreSQL cluster).  Tables:
 
 ``experiments``: sample_id (key), date, chemical_system ("La-Ni-O-Ti", sorted), elements
@@ -17,7 +17,7 @@ publication year as 'YYYY-01-01'.
 
 The only way tools read it is :class:`DatedView`: every query carries ``date < cutoff`` in SQL
 *and* each returned row is re-checked in Python, so nothing dated on or after the task's date is
-ever returned, whatever the arguments (``tests/integration/test_xrd_store.py`` checks this with random
+ever returned, whatever the arguments (``tests/integration/test_xrd_records.py`` checks this with random
 queries).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 _SCHEMA_LOCK_KEY = 0x6E656F6E  # any constant: the advisory lock that serialises schema creation
 
 
-class StoreError(RuntimeError):
+class RecordDBError(RuntimeError):
     """The system of record cannot be opened; the message names it and what to do."""
 
 
@@ -113,7 +113,7 @@ PHASE_COLUMNS = ("id", "formula", "spacegroup", "sg_number", "chemical_system", 
                  "available_from", "source", "reference", "answer_eligible", "density")
 
 
-class Store:
+class RecordDB:
     """A connection plus the schema; writes go here, reads for agents go through :meth:`view`."""
 
     def __init__(self, conn: Any):
@@ -129,7 +129,7 @@ class Store:
         conn.commit()
 
     @classmethod
-    def open(cls, path: str | Path = ":memory:") -> "Store":
+    def open(cls, path: str | Path = ":memory:") -> "RecordDB":
         """A file path (or ``:memory:``) opens SQLite; a ``postgresql://`` DSN opens PostgreSQL."""
         if is_postgres(path):
             return cls.connect_postgres(str(path))
@@ -140,20 +140,20 @@ class Store:
         return cls(conn)
 
     @classmethod
-    def connect_postgres(cls, dsn: str, connect_timeout_s: int = 10) -> "Store":
+    def connect_postgres(cls, dsn: str, connect_timeout_s: int = 10) -> "RecordDB":
         try:
-            import psycopg  # deferred: optional (psycopg: a PostgreSQL store only)
+            import psycopg  # deferred: optional (psycopg: a PostgreSQL records database only)
         except ImportError as e:  # declared in pyproject; only a broken venv lacks it
-            raise StoreError(f"{redact_dsn(dsn)}: PostgreSQL needs psycopg ({e}); run `bash env/setup.sh`") from None
+            raise RecordDBError(f"{redact_dsn(dsn)}: PostgreSQL needs psycopg ({e}); run `bash env/setup.sh`") from None
         try:
             conn = psycopg.connect(dsn, connect_timeout=connect_timeout_s)
         except psycopg.OperationalError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise StoreError(f"cannot connect to the system of record {redact_dsn(dsn)}: {first}. Check that the "
+            raise RecordDBError(f"cannot connect to the system of record {redact_dsn(dsn)}: {first}. Check that the "
                              f"server is running and reachable, and the user, password (PGPASSWORD or ~/.pgpass) "
                              f"and database in the DSN") from None
         except psycopg.ProgrammingError as e:
-            raise StoreError(f"{redact_dsn(dsn)} is not a valid PostgreSQL DSN ({e}); write "
+            raise RecordDBError(f"{redact_dsn(dsn)} is not a valid PostgreSQL DSN ({e}); write "
                              f"postgresql://USER@HOST:PORT/DBNAME") from None
         return cls(conn)
 
@@ -241,8 +241,8 @@ class CutoffViolation(RuntimeError):
 class DatedView:
     """Read-only queries that never return anything dated on or after ``cutoff``."""
 
-    def __init__(self, store: Store, cutoff: str):
-        self.store = store
+    def __init__(self, record_db: RecordDB, cutoff: str):
+        self.record_db = record_db
         self.cutoff = iso_date(cutoff, "cutoff")
 
     def _guard(self, rows: list[dict], key: str) -> list[dict]:
@@ -265,7 +265,7 @@ class DatedView:
             sql += " AND chemical_system = ?"
             params.append(chemical_system(chemical_system_.split("-")))
         sql += " ORDER BY date DESC, sample_id"
-        rows = [_decode_experiment(r, with_pattern) for r in self.store.execute(sql, tuple(params))]
+        rows = [_decode_experiment(r, with_pattern) for r in self.record_db.execute(sql, tuple(params))]
         if elements is not None:
             allowed = set(elements)
             rows = [r for r in rows if set(r["elements"]) <= allowed]
@@ -283,7 +283,7 @@ class DatedView:
             sql += " AND chemical_system = ?"
             params.append(chemical_system(chemical_system_.split("-")))
         sql += " ORDER BY answer_eligible DESC, year, id"
-        rows = [dict(zip(PHASE_COLUMNS, r)) for r in self.store.execute(sql, tuple(params))]
+        rows = [dict(zip(PHASE_COLUMNS, r)) for r in self.record_db.execute(sql, tuple(params))]
         for r in rows:
             r["elements"] = json.loads(r["elements"])
             r["answer_eligible"] = bool(r["answer_eligible"])
@@ -297,6 +297,6 @@ class DatedView:
         return self._guard(rows[:max(0, int(limit))], "available_from")
 
     def phase_visible(self, phase_id: str) -> bool:
-        rows = self.store.execute("SELECT available_from FROM phases WHERE id = ? AND available_from < ?",
+        rows = self.record_db.execute("SELECT available_from FROM phases WHERE id = ? AND available_from < ?",
                                   (phase_id, self.cutoff))
         return bool(rows)

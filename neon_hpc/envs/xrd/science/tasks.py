@@ -1,7 +1,7 @@
 """Task sets: synthetic powder patterns with dates, chemical systems, conditions and history.
 
 A :class:`Task` is what a rollout worker hands the agent: the measured pattern, what the lab
-knows (elements, precursors, synthesis conditions), its date, and -- through the dated store --
+knows (elements, precursors, synthesis conditions), its date, and -- through the dated records database --
 earlier experiments.  Its ``truth`` is for the grader only.
 
 Presets (:data:`PRESETS`): ``tiny`` (6 simple phases, 1-2 per task, 500-point pattern: for
@@ -16,10 +16,10 @@ Splits (:data:`SPLITS`), deterministic from (preset, split, seed, index):
 - ``test_ood``: only *held-out chemical systems* (a fixed hash of the system string picks
   them), which never occur in train;
 - ``test_temporal``: dated 2024-2025, after every train task; the library and history
-  visible to a task end at its own date (the store enforces it).
+  visible to a task end at its own date (the records database enforces it).
 
 Each task's own record (with its verified phases) and a follow-up record dated after it go
-into the store too: the date cutoff, not the absence of data, is what keeps the answer away
+into the records database too: the date cutoff, not the absence of data, is what keeps the answer away
 from the agent.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from neon_hpc.util.progress import bar
 from neon_hpc.envs.xrd.science.library import Library, load_library
 from neon_hpc.envs.xrd.science.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
                                    poisson_counts)
-from neon_hpc.envs.xrd.science.records import Store, chemical_system, is_postgres, redact_dsn
+from neon_hpc.envs.xrd.science.records import RecordDB, chemical_system, is_postgres, redact_dsn
 from neon_hpc.envs.xrd.science.tools import TaskContext
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
@@ -101,7 +101,7 @@ class Task:
     split: str
     preset: str
     instrument: dict = field(default_factory=dict)   # wavelength, wavelength2, ka2_ratio
-    history: list[dict] = field(default_factory=list)  # experiment records for the store
+    history: list[dict] = field(default_factory=list)  # experiment records for the records database
 
     def public_view(self) -> dict:
         """What the agent may be told up front (no truth, no pattern arrays): for the prompt."""
@@ -301,42 +301,42 @@ def load_tasks(preset: str, split: str, seed: int = 0, n: int | None = None) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# files the rollout workers read, and the store the tools query
+# files the rollout workers read, and the records database the tools query
 
-STORE_POINTER = "store.json"   # a task folder whose experiments live in a server: {"db": DSN}
+DB_POINTER = "store.json"   # a task folder whose experiments live in a server: {"db": DSN}
 
 
 def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = True, db: str | None = None) -> dict:
-    """``tasks.jsonl`` (one task per line) + the store (library, histories, real data).
+    """``tasks.jsonl`` (one task per line) + the records database (library, histories, real data).
 
-    The store is ``experiments.sqlite`` in the folder, or, with ``db`` a ``postgresql://`` DSN,
+    The records database is ``experiments.sqlite`` in the folder, or, with ``db`` a ``postgresql://`` DSN,
     that database (upserts: rerunning is safe), recorded in ``store.json`` without its password
     (libpq takes it from PGPASSWORD or ~/.pgpass).  Each file is published by rename, the
-    folder's pointer to the store last.
+    folder's pointer to the records database last.
     """
     # deferred: heavy (neon_hpc.protocol.rundir: pydantic)
     from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
     if db is not None and not is_postgres(db):
-        raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the store is "
+        raise ValueError(f"--db {db!r}: expected a postgresql:// DSN (without --db the records database is "
                          f"experiments.sqlite inside the task folder)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if db is None:
         db_tmp = out / "experiments.sqlite.tmp"
         db_tmp.unlink(missing_ok=True)
-        store = build_store(tasks, db_tmp, include_real=include_real)
-        n_exp = store.count("experiments")
-        store.close()
+        record_db = build_record_db(tasks, db_tmp, include_real=include_real)
+        n_exp = record_db.count("experiments")
+        record_db.close()
         db_tmp.replace(out / "experiments.sqlite")
     else:
-        store = build_store(tasks, db, include_real=include_real)
-        n_exp = store.count("experiments")
-        store.close()
+        record_db = build_record_db(tasks, db, include_real=include_real)
+        n_exp = record_db.count("experiments")
+        record_db.close()
     atomic_write_text(out / "tasks.jsonl", "".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     if db is not None:
-        atomic_write_json(out / STORE_POINTER, {"db": redact_dsn(db)})
+        atomic_write_json(out / DB_POINTER, {"db": redact_dsn(db)})
     return {"tasks": len(tasks), "experiments": n_exp, "dir": str(out),
-            "store": redact_dsn(db) if db else str(out / "experiments.sqlite")}
+            "record_db": redact_dsn(db) if db else str(out / "experiments.sqlite")}
 
 
 def read_tasks(path: str | Path) -> list[Task]:
@@ -353,46 +353,46 @@ def read_tasks(path: str | Path) -> list[Task]:
     return tasks
 
 
-def open_task_set(path: str | Path) -> tuple[list[Task], Store]:
-    """A folder written by :func:`write_tasks`: its tasks and its store (for ``make_context(task, store)``)."""
+def open_task_set(path: str | Path) -> tuple[list[Task], RecordDB]:
+    """A folder written by :func:`write_tasks`: its tasks and its records database (for ``make_context(task, record_db)``)."""
     folder = Path(path)
-    pointer, db = folder / STORE_POINTER, folder / "experiments.sqlite"
+    pointer, db = folder / DB_POINTER, folder / "experiments.sqlite"
     if pointer.exists():
-        return read_tasks(folder), Store.open(json.loads(pointer.read_text())["db"])
+        return read_tasks(folder), RecordDB.open(json.loads(pointer.read_text())["db"])
     if not db.exists():
-        raise FileNotFoundError(f"{db}: missing (and no {STORE_POINTER} naming a database); write the task set "
+        raise FileNotFoundError(f"{db}: missing (and no {DB_POINTER} naming a database); write the task set "
                                 f"with `neon-hpc xrd tasks ... --out {folder} [--db postgresql://...]`")
-    return read_tasks(folder), Store.open(db)
+    return read_tasks(folder), RecordDB.open(db)
 
 
-def build_store(tasks: list[Task] = (), path: str | Path = ":memory:", include_real: bool = True,
-                library: Library | None = None) -> Store:
-    store = Store.open(path)
-    store.add_phases((library or load_library()).phases)
+def build_record_db(tasks: list[Task] = (), path: str | Path = ":memory:", include_real: bool = True,
+                    library: Library | None = None) -> RecordDB:
+    record_db = RecordDB.open(path)
+    record_db.add_phases((library or load_library()).phases)
     records = [r for t in tasks for r in t.records()]
     if include_real:
         from neon_hpc.envs.xrd.science.real import real_records  # deferred: cycle (neon_hpc.envs.xrd.science.real imports this module)
         records += real_records()
-    store.add_experiments(records)
-    return store
+    record_db.add_experiments(records)
+    return record_db
 
 
 _shared: dict = {}
 _shared_lock = threading.Lock()
 
 
-def shared_store() -> Store:
-    """A process-wide in-memory store with the library and the real data (tasks added on use)."""
+def shared_record_db() -> RecordDB:
+    """A process-wide in-memory records database with the library and the real data (tasks added on use)."""
     with _shared_lock:
-        if "store" not in _shared:
-            _shared["store"] = build_store([], ":memory:", include_real=True)
-        return _shared["store"]
+        if "record_db" not in _shared:
+            _shared["record_db"] = build_record_db([], ":memory:", include_real=True)
+        return _shared["record_db"]
 
 
-def make_context(task: Task, store: Store | None = None):
-    """The :class:`~neon_hpc.envs.xrd.science.tools.TaskContext` of a task (its records are added to the store)."""
-    if store is None:
-        store = shared_store()
+def make_context(task: Task, record_db: RecordDB | None = None):
+    """The :class:`~neon_hpc.envs.xrd.science.tools.TaskContext` of a task (its records are added to the records database)."""
+    if record_db is None:
+        record_db = shared_record_db()
         with _shared_lock:
-            store.add_experiments(task.records())
-    return TaskContext.for_task(task, store)
+            record_db.add_experiments(task.records())
+    return TaskContext.for_task(task, record_db)

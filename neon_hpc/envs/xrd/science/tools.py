@@ -30,7 +30,7 @@ from neon_hpc.envs.xrd.science.library import ELEMENT_SYMBOLS, Library, load_lib
 from neon_hpc.envs.xrd.science.plot import plot_fit
 from neon_hpc.envs.xrd.science.quant import default_model, quantify, report
 from neon_hpc.envs.xrd.science.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
-from neon_hpc.envs.xrd.science.records import DatedView, Store
+from neon_hpc.envs.xrd.science.records import DatedView, RecordDB
 
 MAX_FIT_PHASES = 6
 # what one call may carry, checked before its arguments are validated: a million-key object
@@ -41,11 +41,11 @@ MAX_ARGUMENT_CHARS = 16384
 
 @dataclass
 class TaskContext:
-    """What a tool may see of a task: its pattern, its date cutoff and the store."""
+    """What a tool may see of a task: its pattern, its date cutoff and the records database."""
     two_theta: np.ndarray
     intensity: np.ndarray
     cutoff: str
-    db: Store
+    db: RecordDB
     elements: list[str] = field(default_factory=list)
     precursors: list[str] = field(default_factory=list)   # what the lab weighed in (formulas), when stated
     instrument: Instrument = field(default_factory=Instrument)
@@ -66,13 +66,13 @@ class TaskContext:
         return v
 
     @classmethod
-    def for_task(cls, task, store: Store) -> "TaskContext":
+    def for_task(cls, task, record_db: RecordDB) -> "TaskContext":
         inst = Instrument(wavelength=task.instrument.get("wavelength", Instrument.wavelength),
                           wavelength2=task.instrument.get("wavelength2", Instrument.wavelength2),
                           ka2_ratio=task.instrument.get("ka2_ratio", Instrument.ka2_ratio),
                           measured=bool(task.instrument.get("measured", False)))
         return cls(two_theta=np.asarray(task.pattern.two_theta, float),
-                   intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=store,
+                   intensity=np.asarray(task.pattern.intensity, float), cutoff=task.date, db=record_db,
                    elements=list(task.elements), precursors=list(getattr(task, "precursors", []) or []),
                    instrument=inst, task_id=task.id)
 

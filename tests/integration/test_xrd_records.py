@@ -1,4 +1,4 @@
-"""The dated store: nothing dated on or after the cutoff ever comes back (property tests), on SQLite
+"""The dated records database: nothing dated on or after the cutoff ever comes back (property tests), on SQLite
 and on a real PostgreSQL server (a throwaway cluster from tests/pgcluster.py)."""
 import datetime as dt
 import sqlite3
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from neon_hpc.envs.xrd.science.library import load_library
-from neon_hpc.envs.xrd.science.records import Store, StoreError, chemical_system, iso_date
+from neon_hpc.envs.xrd.science.records import RecordDB, RecordDBError, chemical_system, iso_date
 
 ELEMENTS = ["Ni", "O", "Ti", "Zn", "La", "H", "Li", "C"]
 DAY0 = dt.date(2015, 1, 1)
@@ -27,16 +27,16 @@ record_st = st.lists(st.tuples(st.integers(0, 4000), st.lists(st.sampled_from(EL
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def empty_store(request):
-    """A function returning an empty store on the parametrised backend."""
+def empty_record_db(request):
+    """A function returning an empty record_db on the parametrised backend."""
     if request.param == "sqlite":
-        yield lambda: Store.open(":memory:")
+        yield lambda: RecordDB.open(":memory:")
         return
     pg = request.getfixturevalue("postgres")
     opened = []
 
     def fresh():
-        s = Store.open(pg.dsn())
+        s = RecordDB.open(pg.dsn())
         s.execute("DELETE FROM experiments")
         s.execute("DELETE FROM phases")
         opened.append(s)
@@ -50,12 +50,12 @@ def empty_store(request):
 @given(records=record_st, cutoff_days=st.integers(-10, 4010),
        query=st.one_of(st.none(), st.lists(st.sampled_from(ELEMENTS), min_size=1, max_size=5, unique=True)),
        mode=st.sampled_from(["subset", "any", "system", "all"]), limit=st.integers(0, 60))
-def test_no_record_on_or_after_the_cutoff_is_ever_returned(empty_store, records, cutoff_days, query, mode, limit):
-    store = empty_store()
+def test_no_record_on_or_after_the_cutoff_is_ever_returned(empty_record_db, records, cutoff_days, query, mode, limit):
+    record_db = empty_record_db()
     recs = _records(records)
-    store.add_experiments(recs)
+    record_db.add_experiments(recs)
     cutoff = (DAY0 + dt.timedelta(days=cutoff_days)).isoformat()
-    view = store.view(cutoff)
+    view = record_db.view(cutoff)
     kwargs = {"limit": limit}
     if query is not None and mode == "subset":
         kwargs["elements"] = query
@@ -79,10 +79,10 @@ def test_no_record_on_or_after_the_cutoff_is_ever_returned(empty_store, records,
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(year=st.integers(1900, 2030), els=st.lists(st.sampled_from(ELEMENTS), min_size=1, max_size=4, unique=True))
-def test_phases_published_on_or_after_the_cutoff_are_hidden(phase_store, year, els):
-    store = phase_store
+def test_phases_published_on_or_after_the_cutoff_are_hidden(phase_record_db, year, els):
+    record_db = phase_record_db
     cutoff = f"{year}-06-01"
-    rows = store.view(cutoff).phases(elements=els, limit=1000)
+    rows = record_db.view(cutoff).phases(elements=els, limit=1000)
     assert all(r["available_from"] < cutoff and r["year"] <= year for r in rows)
     lib = load_library()
     expect = {p.id for p in lib.within(els) if f"{p.year:04d}-01-01" < cutoff}
@@ -90,22 +90,22 @@ def test_phases_published_on_or_after_the_cutoff_are_hidden(phase_store, year, e
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def phase_store(request):
+def phase_record_db(request):
     if request.param == "sqlite":
-        s = Store.open(":memory:")
+        s = RecordDB.open(":memory:")
     else:
-        s = Store.open(request.getfixturevalue("postgres").create_db("phases_only"))
+        s = RecordDB.open(request.getfixturevalue("postgres").create_db("phases_only"))
     s.add_phases(load_library().phases)
     yield s
     s.close()
 
 
-def test_store_file_survives_reopen_and_validates_dates(tmp_path):
+def test_record_db_file_survives_reopen_and_validates_dates(tmp_path):
     path = tmp_path / "db" / "exp.sqlite"
-    s = Store.open(path)
+    s = RecordDB.open(path)
     s.add_experiments(_records([(10, ["Ni", "O"])]))
     s.close()
-    s2 = Store.open(path)
+    s2 = RecordDB.open(path)
     assert s2.count("experiments") == 1
     with pytest.raises(ValueError, match="not an ISO date"):
         s2.add_experiments([{"sample_id": "bad", "date": "13/01/2020", "elements": ["O"]}])
@@ -116,7 +116,7 @@ def test_store_file_survives_reopen_and_validates_dates(tmp_path):
 
 
 def _write_batch(target, worker, n):
-    s = Store.open(target)
+    s = RecordDB.open(target)
     s.add_experiments([{"sample_id": f"w{worker}-{i}", "date": "2020-01-01", "elements": ["Ni", "O"],
                         "source": "test"} for i in range(n)])
     # the same record from every writer: an upsert, never a duplicate or an error
@@ -135,7 +135,7 @@ def test_concurrent_writers_from_separate_processes(backend, tmp_path, request):
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    s = Store.open(target)
+    s = RecordDB.open(target)
     assert s.count("experiments") == 4 * 200 + 1
     assert len(s.view("2020-01-02").experiments(limit=10_000)) == 801
     assert s.view("2019-06-01").experiments(limit=10)[0]["source"] in {f"w{w}" for w in range(4)}
@@ -144,11 +144,11 @@ def test_concurrent_writers_from_separate_processes(backend, tmp_path, request):
 def test_postgres_errors_name_the_server_and_the_fix(postgres):
     from neon_hpc.util.netutil import free_port
     dead = f"postgresql://neon:secret@127.0.0.1:{free_port()}/postgres"
-    with pytest.raises(StoreError, match="cannot connect") as e:
-        Store.open(dead)
+    with pytest.raises(RecordDBError, match="cannot connect") as e:
+        RecordDB.open(dead)
     assert "secret" not in str(e.value) and "server is running" in str(e.value)
-    with pytest.raises(StoreError, match="cannot connect"):
-        Store.open(postgres.dsn("no_such_database"))
+    with pytest.raises(RecordDBError, match="cannot connect"):
+        RecordDB.open(postgres.dsn("no_such_database"))
 
 
 def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
@@ -162,17 +162,17 @@ def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert not (out / "experiments.sqlite").exists() and (out / "store.json").exists()
-    tasks, store = open_task_set(out)
-    assert len(tasks) == 3 and store.paramstyle == "format"
-    assert store.count("phases") == len(load_library().phases)
+    tasks, record_db = open_task_set(out)
+    assert len(tasks) == 3 and record_db.paramstyle == "format"
+    assert record_db.count("phases") == len(load_library().phases)
     # the task's own record and its follow-up are in the server, and hidden by the task's date
     t = tasks[0]
-    ids = {r[0] for r in store.execute("SELECT sample_id FROM experiments")}
+    ids = {r[0] for r in record_db.execute("SELECT sample_id FROM experiments")}
     assert {t.id, f"{t.id}-followup"} <= ids
-    visible = store.view(t.date).experiments(limit=10_000)
+    visible = record_db.view(t.date).experiments(limit=10_000)
     assert visible and all(r["date"] < t.date for r in visible)
     assert not {t.id, f"{t.id}-followup"} & {r["sample_id"] for r in visible}
-    store.close()
+    record_db.close()
     bad = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "xrd", "tasks", "--preset", "tiny", "--split",
                           "train", "--n", "1", "--no-real", "--out", str(tmp_path / "x"),
                           "--db", postgres.dsn("missing_db")], capture_output=True, text=True, timeout=300)
