@@ -22,17 +22,17 @@ class EngineConfig:
     pd_disaggregation: bool = False
     prefill_engines: int = 0          # PD only: how many of num_engines prefill; 0 = a quarter (>= 1)
     transfer_backend: Literal["mooncake", "nixl"] = "mooncake"   # PD KV transfer
-    router_port: int = 8000           # PD only: the sglang_router in front of prefill/decode
+    load_balancer_port: int = 8000    # PD only: the sglang_router load balancer in front of prefill/decode
     # PD only: which of sglang_router's two load balancers. "mini_lb" (its Python one,
     # --mini-lb) forwards each /generate body as sent; "rust" (its default) re-serialises
     # the body through a typed request that, in sglang-router 0.3.2, has no
     # return_routed_experts / routed_experts_start_len, so routes would silently go missing.
-    router: Literal["mini_lb", "rust"] = "mini_lb"
+    load_balancer: Literal["mini_lb", "rust"] = "mini_lb"
     model_path: str = ""              # weights the engines start on; "" = RUN/weights/v_0
     enable_return_routed_experts: bool = True
     extra_args: list[str] = field(default_factory=list)
     # kind=sglang: the interpreter that has SGLang installed ("" = the one running neon-hpc),
-    # and how long an engine (or the PD router) may take to answer /health after its start:
+    # and how long an engine (or the PD load balancer) may take to answer /health after its start:
     # a trillion-parameter model loads for many minutes
     python: str = ""
     startup_timeout_s: float = 1800.0
@@ -46,7 +46,7 @@ class EngineConfig:
         "port": between(0, 65535, "0 picks a free port"),
         **{k: at_least(1) for k in ("num_engines", "max_batch_size", "tp_size", "dp_size", "ep_size")},
         "prefill_engines": at_least(0, "0 = a quarter of num_engines"),
-        "router_port": between(1, 65535),
+        "load_balancer_port": between(1, 65535),
         "startup_timeout_s": above(0, note="seconds"),
     }
     RULES = (
@@ -57,11 +57,14 @@ class EngineConfig:
              ">= 2 with pd_disaggregation (prefill + decode)"),
         Rule("prefill_engines", lambda c: not c.pd_disaggregation or c.prefill_engines < c.num_engines,
              lambda c: f"in 0..num_engines-1 ({c.num_engines - 1}); 0 = a quarter"),
-        Rule("router", lambda c: not (c.pd_disaggregation and c.router == "rust" and c.enable_return_routed_experts),
-             "mini_lb while enable_return_routed_experts is on: sglang-router 0.3.2's Rust router drops "
+        Rule("load_balancer",
+             lambda c: not (c.pd_disaggregation and c.load_balancer == "rust" and c.enable_return_routed_experts),
+             "mini_lb while enable_return_routed_experts is on: sglang-router 0.3.2's Rust load balancer drops "
              "return_routed_experts and routed_experts_start_len from /generate, so router replay would get "
              "no routes"),
     )
+    # "router" alone is the MoE router; the HTTP one in front of PD servers is the load balancer
+    MOVED = {"router": "engine.load_balancer", "router_port": "engine.load_balancer_port"}
 
 
 @section

@@ -44,7 +44,7 @@ def test_pd_fleet_has_prefill_decode_and_router():
     router = cmds[-1]
     assert router[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     assert router.count("--prefill") == 4 and router.count("--decode") == 12
-    assert endpoint_urls(cfg) == ["http://${NEON_ROUTER_HOST}:8000"]
+    assert endpoint_urls(cfg) == ["http://${NEON_LB_HOST}:8000"]
 
 
 def test_every_engine_returns_routed_experts_and_wide_ep_flags():

@@ -62,8 +62,8 @@ def test_pd_fleet_addresses_and_worker_urls(tmp_path):
     cfg = config.load(KIMI)
     f = _fleet(tmp_path, cfg, node=8)
     assert f.vars["NEON_ENGINE1_HOST"] == "10.0.0.8"            # multi-node: the rendezvous address
-    assert f.router_url() == "http://10.0.0.0:8000"
-    assert f.worker_url(5) == f.router_url()                    # PD: every worker goes through the router
+    assert f.load_balancer_url() == "http://10.0.0.0:8000"
+    assert f.worker_url(5) == f.load_balancer_url()                    # PD: every worker goes through the load balancer
     assert f.local_heads() == [1] and f.head_urls() == ["http://10.0.0.8:30001"]
     argv = f._argv(render_commands(cfg)[1], 1, 7, Path("/runs/k/weights/v_7"))
     assert argv[0] == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
@@ -172,29 +172,29 @@ def test_node_starts_sglang_and_trains_on_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_pd_disaggregation_goes_through_the_router(tmp_path):
+def test_pd_disaggregation_goes_through_the_load_balancer(tmp_path):
     root = tmp_path / "run"
     r = _run(root, ["train.steps=2", "engine.num_engines=2", "engine.pd_disaggregation=true",
-                    f"engine.port={free_port()}", f"engine.router_port={free_port()}"])
+                    f"engine.port={free_port()}", f"engine.load_balancer_port={free_port()}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     logs = root / "logs" / "engine"
-    router = (logs / "router.log").read_text()
+    lb = (logs / "load_balancer.log").read_text()
     # the real sglang_router (not a stand-in), with the balancer that forwards routed-experts fields
-    assert "-m sglang_router.launch_router --pd-disaggregation --mini-lb --prefill" in router.splitlines()[0]
+    assert "-m sglang_router.launch_router --pd-disaggregation --mini-lb --prefill" in lb.splitlines()[0]
     served = []
     for i, mode in ((0, "prefill"), (1, "decode")):
         text = (logs / f"{i}.log").read_text()
         assert f'"mode": "{mode}"' in text
         served.append(int(re.search(r"served (\d+) bootstrapped", text).group(1)))
-        # weights go to each engine directly (the router does not forward them)
+        # weights go to each engine directly (the load balancer does not forward them)
         assert "weight version 2" in text
-    # every request reached both servers with the router's bootstrap fields
+    # every request reached both servers with the load balancer's bootstrap fields
     assert served[0] == served[1] > 0
-    # the routes came back through the router: the trainer replayed them
+    # the routes came back through the load balancer: the trainer replayed them
     steps = [m for m in read_metrics(root, "trainer") if "step" in m and "loss" in m]
     assert steps and all(m.get("replay_docs_missing", 0) == 0 for m in steps), steps
     node = (root / "logs" / "rollout-node" / "0.log").read_text()
-    assert node.index("engine 1 at") < node.index("started router") < node.index("router at")
+    assert node.index("engine 1 at") < node.index("started load balancer") < node.index("load balancer at")
     assert "started rollout worker 0 (pid" in node and "on http://127.0.0.1:" in node
     from neon_hpc.ops.status import collect, render
     text = render(collect(root))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 def _sglang_cmd(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="neon-hpc engine sglang-cmd",
-                                description="Print the SGLang server (and PD router) command lines for CONFIG.")
+                                description="Print the SGLang server (and PD load balancer) command lines for CONFIG.")
     p.add_argument("config", help="experiment YAML, e.g. configs/kimi_k2_1300xh200.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     a = p.parse_args(argv)

@@ -226,7 +226,7 @@ class EngineClient:
     def health(self, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200 within ``timeout``."""
         try:
-            # the status is the answer: SGLang's router answers a plain-text body, servers an empty one
+            # the status is the answer: SGLang's load balancer answers a plain-text body, servers an empty one
             self._request("GET", "/health", timeout=timeout, parse=False)
             return True
         except (EngineError, OSError):

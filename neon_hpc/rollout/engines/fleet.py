@@ -14,12 +14,12 @@ here, not by a shell), health-checks them, and stops them with their whole proce
   ``engine.host`` is a loopback address (then only that node's workers can).
 * **Readiness**: a node's engines are ready when every engine it heads answers ``GET
   /health``; under PD disaggregation node 0 waits for *all* engines, then starts
-  ``sglang_router`` and waits for it; other nodes wait for the router before their workers
+  ``sglang_router`` and waits for it; other nodes wait for the load balancer before their workers
   start. A process that exits first, or ``engine.startup_timeout_s`` passing, is an error
   that names the engine's log.
 * **Weights**: engines start on the newest published version (``weights/LATEST``) unless
   ``engine.model_path`` names another start; updates go to every engine directly (the PD
-  router does not forward ``/update_weights_from_disk``).
+  load balancer does not forward ``/update_weights_from_disk``).
 * **Weight updates** (:func:`update_weights`, the node's one sequence for SGLang and the
   embedded engine alike), per ``engine.weight_update``: ``between_requests`` is one
   ``/update_weights_from_disk`` (it waits for running requests); ``in_place`` is SGLang's
@@ -35,7 +35,7 @@ here, not by a shell), health-checks them, and stops them with their whole proce
   are started with it ignored (an engine has nothing to save; the node stops it).
 
 Logs: ``RUN/logs/engine/<i>.log`` for engine ``i``'s first node (``<i>.n<k>.log`` for its
-node ``k``), ``RUN/logs/engine/router.log``; each starts with the exact command line.
+node ``k``), ``RUN/logs/engine/load_balancer.log``; each starts with the exact command line.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _slurm_addresses(nodelist: str, count: int) -> list[str]:
 
 @dataclass
 class Proc:
-    name: str                  # "engine 3", "engine 3 node 1", "router"
+    name: str                  # "engine 3", "engine 3 node 1", "load balancer"
     popen: subprocess.Popen
     log: Path
 
@@ -167,11 +167,11 @@ class Fleet:
         self.procs: list[Proc] = []
         self.version = -1
         e = cfg.engine
-        self.vars = {"NEON_ROUTER_HOST": self._url_host(self.addrs[0])}
+        self.vars = {"NEON_LB_HOST": self._url_host(self.addrs[0])}
         for i in range(e.num_engines):
             addr = self.addrs[self.lay.first_node(i)]
             # a multi-node engine's rendezvous needs the real address; a one-node engine's URL
-            # (which the PD router also uses) must match what it binds
+            # (which the PD load balancer also uses) must match what it binds
             self.vars[f"NEON_ENGINE{i}_HOST"] = addr if self.lay.nodes_per_engine > 1 else self._url_host(addr)
 
     # --- addresses ----------------------------------------------------------------------
@@ -186,8 +186,8 @@ class Fleet:
     def engine_url(self, i: int) -> str:
         return f"http://{self._url_host(self.addrs[self.lay.first_node(i)])}:{engine_port(self.cfg, i)}"
 
-    def router_url(self) -> str:
-        return f"http://{self._url_host(self.addrs[0])}:{self.cfg.engine.router_port}"
+    def load_balancer_url(self) -> str:
+        return f"http://{self._url_host(self.addrs[0])}:{self.cfg.engine.load_balancer_port}"
 
     def local_heads(self) -> list[int]:
         """Engines whose HTTP endpoint is on this node (their weights are this node's to update)."""
@@ -205,7 +205,7 @@ class Fleet:
 
     def worker_url(self, worker: int) -> str:
         if self.cfg.engine.pd_disaggregation:
-            return self.router_url()
+            return self.load_balancer_url()
         heads = self.local_heads()
         return self.engine_url(heads[(worker // len(self.worker_nodes())) % len(heads)])
 
@@ -239,7 +239,7 @@ class Fleet:
         self.log.info("started %s (pid %d)%s: log %s", name, p.pid, f" at {url}" if url else "", path)
 
     def start(self, version: int, path: Path) -> None:
-        """Start this node's engine processes (not the router: that waits for the engines)."""
+        """Start this node's engine processes (not the load balancer: that waits for the engines)."""
         cmds = render_commands(self.cfg)
         self.version = version if not self.cfg.engine.model_path else 0
         for i, k, gpus in self.lay.processes_on(self.node):
@@ -283,7 +283,7 @@ class Fleet:
         return True
 
     def wait_ready(self, stop: Callable[[], bool]) -> bool:
-        """Block until this node's engines (and, under PD, the router) serve; False if stopped."""
+        """Block until this node's engines (and, under PD, the load balancer) serve; False if stopped."""
         e = self.cfg.engine
         deadline = time.monotonic() + e.startup_timeout_s
         if not e.pd_disaggregation:
@@ -291,16 +291,16 @@ class Fleet:
         if self.node == 0:
             if not self._wait_healthy(self._named(range(e.num_engines)), stop, deadline):
                 return False
-            self._spawn("router", self._argv(render_commands(self.cfg)[-1], 0, self.version, Path()), "router.log",
-                        None, self.router_url())
-            return self._wait_healthy({self.router_url(): "router"}, stop, deadline)
+            self._spawn("load balancer", self._argv(render_commands(self.cfg)[-1], 0, self.version, Path()),
+                        "load_balancer.log", None, self.load_balancer_url())
+            return self._wait_healthy({self.load_balancer_url(): "load balancer"}, stop, deadline)
         if self.node not in self.worker_nodes():
             return True   # a multi-node engine's other node: nothing here serves HTTP
-        urls = dict(self._named(self.local_heads()), **{self.router_url(): "router"})
+        urls = dict(self._named(self.local_heads()), **{self.load_balancer_url(): "load balancer"})
         return self._wait_healthy(urls, stop, deadline)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every process and its children (SGLang forks schedulers), SIGKILL what remains."""
-        stop_tree([p.popen for p in reversed(self.procs)], timeout, kill_wait_s=5.0,   # the router first
+        stop_tree([p.popen for p in reversed(self.procs)], timeout, kill_wait_s=5.0,   # the load balancer first
                   on_kill=lambda pid: self.log.warning("engine process %d did not stop within %.0fs; killing it",
                                                        pid, timeout))

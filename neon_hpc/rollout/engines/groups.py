@@ -151,7 +151,7 @@ class SGLangEngines(EngineGroup):
 
     def record(self) -> dict | None:
         return {"urls": self.update_urls(), "kind": self.kind,
-                "workers_url": self.fleet.router_url() if self.cfg.engine.pd_disaggregation else None}
+                "workers_url": self.fleet.load_balancer_url() if self.cfg.engine.pd_disaggregation else None}
 
     def ready_message(self) -> str | None:
         here = ", ".join(self.update_urls()) or "none serving here (another node's engine)"

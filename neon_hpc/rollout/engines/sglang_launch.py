@@ -20,7 +20,7 @@ What the config means for SGLang (checked by ``EngineConfig.validate``):
 - ``ep_size > 1`` (= all GPUs of the engine) is WideEP: ``--ep-size``, ``--moe-a2a-backend
   deepep --deepep-mode auto`` and ``--enable-dp-lm-head`` when DP attention is on;
 - PD disaggregation: the first ``prefill_engines`` engines run ``--disaggregation-mode
-  prefill``, the rest ``decode``, both with ``--disaggregation-transfer-backend``; the router
+  prefill``, the rest ``decode``, both with ``--disaggregation-transfer-backend``; the load balancer
   runs ``python -m sglang_router.launch_router --pd-disaggregation --prefill URL BOOTSTRAP
   ... --decode URL ...``;
 - always ``--skip-tokenizer-init`` (workers send token ids), ``--weight-version 0`` (v_0),
@@ -87,32 +87,32 @@ def _engine_command(cfg, i: int, role: str) -> list[str]:
     return cmd + list(e.extra_args)
 
 
-def _router_command(cfg, roles: list[str]) -> list[str]:
+def _load_balancer_command(cfg, roles: list[str]) -> list[str]:
     cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    if cfg.engine.router == "mini_lb":
-        cmd += ["--mini-lb"]   # forwards the body as sent (engine.router in config/rollout.py says why)
+    if cfg.engine.load_balancer == "mini_lb":
+        cmd += ["--mini-lb"]   # forwards the body as sent (engine.load_balancer in config/rollout.py says why)
     for i, role in enumerate(roles):
         if role == "prefill":
             cmd += ["--prefill", engine_url(i, cfg), str(BOOTSTRAP_PORT)]
     for i, role in enumerate(roles):
         if role == "decode":
             cmd += ["--decode", engine_url(i, cfg)]
-    return cmd + ["--host", cfg.engine.host, "--port", str(cfg.engine.router_port)]
+    return cmd + ["--host", cfg.engine.host, "--port", str(cfg.engine.load_balancer_port)]
 
 
 def render_commands(cfg) -> list[list[str]]:
-    """One argv per engine (in engine order), then the PD router if any."""
+    """One argv per engine (in engine order), then the PD load balancer if any."""
     roles = engine_roles(cfg)
     cmds = [_engine_command(cfg, i, role) for i, role in enumerate(roles)]
     if cfg.engine.pd_disaggregation:
-        cmds.append(_router_command(cfg, roles))
+        cmds.append(_load_balancer_command(cfg, roles))
     return cmds
 
 
 def endpoint_urls(cfg) -> list[str]:
-    """The URLs rollout workers talk to: the router under PD, else every engine."""
+    """The URLs rollout workers talk to: the load balancer under PD, else every engine."""
     if cfg.engine.pd_disaggregation:
-        return [f"http://${{NEON_ROUTER_HOST}}:{cfg.engine.router_port}"]
+        return [f"http://${{NEON_LB_HOST}}:{cfg.engine.load_balancer_port}"]
     return [engine_url(i, cfg) for i in range(cfg.engine.num_engines)]
 
 

@@ -59,7 +59,7 @@ REQUEST_FIELDS = {
     "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
     "routed_experts_start_len", "rid", "stream", "logprob_start_len", "return_text_in_logprobs",
 }
-# GenerateReqInput fields that SGLang's router (sglang-router 0.3.2, Rust) adds to every
+# GenerateReqInput fields that SGLang's load balancer (sglang-router 0.3.2, Rust) adds to every
 # request it forwards, with the values that ask for nothing: accepted at exactly those values
 # (logging switches at any value), refused otherwise like any other unsupported field.
 NEUTRAL_FIELDS = {

@@ -101,7 +101,7 @@ def serve(a: argparse.Namespace) -> int:
             missing = [k for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if k not in body]
             if missing:
                 return self._error(400, f"{mode} server needs {', '.join(missing)} (send requests through the "
-                                        f"PD router)")
+                                        f"PD load balancer)")
             body = {k: v for k, v in body.items() if not k.startswith("bootstrap_")}
             if mode == "prefill":   # a prefill server computes the prompt; decode generates
                 sp = body.get("sampling_params")

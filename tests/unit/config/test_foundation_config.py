@@ -38,6 +38,9 @@ BAD = [
     ("train:\n  off_policy_correction: tis\n", ["train.off_policy_correction", "moved to offpolicy.correction"]),
     ("train:\n  tis_cap: 2.0\n", ["train.tis_cap", "moved to offpolicy.correction_params.cap"]),
     ("train:\n  router_replay: replay\n", ["train.router_replay", "moved to offpolicy.replay_trainer"]),
+    # "router" alone is the MoE router: the HTTP one in front of PD servers is the load balancer
+    ("engine:\n  router: rust\n", ["engine.router", "moved to engine.load_balancer"]),
+    ("engine:\n  router_port: 8001\n", ["engine.router_port", "moved to engine.load_balancer_port"]),
     # route replay's two ends: the trainer replays only routes the engines export
     ("offpolicy:\n  replay_engine: 'off'\n", ["offpolicy.replay_trainer", "offpolicy.replay_engine: delta",
                                              "offpolicy.replay_trainer: 'off'"]),
