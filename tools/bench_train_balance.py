@@ -107,7 +107,7 @@ def worker(args) -> None:
     from neon_hpc.train.corrections import bind
 
     out = Path(args.out)
-    base = ["offpolicy.replay_trainer='off'", "train.lr=1e-6", "mode=sync", *MODEL]
+    base = ["offpolicy.replay_trainer='off'", "train.lr=1e-6", "schedule=sync", *MODEL]
     lays = layouts(args.ranks)
     cfg0 = C.load(None, base + lays[f"dp{args.ranks}"])
     be = B.setup(cfg0.model, tp=1, ep=1, pp=1, lr=cfg0.train.lr, replay=False, seed=3)

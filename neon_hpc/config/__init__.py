@@ -54,7 +54,7 @@ class _CoreSections:
 
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
-    mode: Literal["async", "sync"] = "async"
+    schedule: Literal["async", "sync"] = "async"   # async: rollouts overlap training; sync: they do not (train.mode: rl|sft)
     model: ModelSection = field(default_factory=DefaultModelConfig)   # one section per architecture (model.arch)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -89,7 +89,9 @@ def _compose() -> type:
         "ExperimentConfig", extra, bases=(_CoreSections,),
         namespace={"__module__": __name__, "__doc__": _compose.__doc__,
                    # the rules across sections (config/cross.py), after every section passes
-                   "CROSS": (cross_errors,)})
+                   "CROSS": (cross_errors,),
+                   # `mode` was two things (this and train.mode): the schedule is `schedule` now
+                   "MOVED": {"mode": "schedule"}})
     return section(cls)
 
 

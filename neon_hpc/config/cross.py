@@ -67,10 +67,10 @@ def is_loopback(host: str) -> bool:
 
 def correction_errors(cfg: Any) -> Errors:
     """An async run needs an off-policy correction (the config loader and the trainer's start ask here)."""
-    if cfg.mode == "async" and cfg.offpolicy.correction == "none":
+    if cfg.schedule == "async" and cfg.offpolicy.correction == "none":
         return [("offpolicy.correction",
                  "'none' in an async run trains on tokens of older weight versions without correction "
-                 "(a silent bias); set it to 'tis' or mode: sync")]
+                 "(a silent bias); set it to 'tis' or schedule: sync")]
     return []
 
 

@@ -334,8 +334,8 @@ def from_experiment(cfg: Any, where: str = "<config>") -> Sourced:
     _trainer(s, cfg, c)
     _weight_load(s, cfg, c)
     _decode_kv_ratio(s, cfg, c)
-    if cfg.mode == "sync" and cfg.plan.policy == "async":
-        s.set("policy", "sync", c("mode"))
+    if cfg.schedule == "sync" and cfg.plan.policy == "async":
+        s.set("policy", "sync", c("schedule"))
     try:
         constraints.validate(s.params)
     except ValidationError as e:

@@ -234,7 +234,7 @@ def compare_with_run(run_dir: str | Path, seeds: int = 8, warmup_steps: int = 1)
                 f"{where}/trainer/metrics.jsonl checkpoint_s (written after the publish), per step")
     sourced.set("model_bytes", 0.0, "included in the measured step time")
     sourced.set("replay_mode", "off", "included in the measured episode times")
-    sourced.set("policy", "async" if cfg.mode == "async" else "sync", f"config {run_yaml}: mode")
+    sourced.set("policy", "async" if cfg.schedule == "async" else "sync", f"config {run_yaml}: schedule")
     sourced.set("steps", len(all_steps), f"{where} (steps in the run)")
     sourced.set("version_gap", True, "neon_hpc.protocol.admission.version_gap (admission adds the engines' "
                                      "version lag)")

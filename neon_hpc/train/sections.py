@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class TrainerSections:
     """A trainer rank's inputs: its sections."""
 
-    mode: str                           # async / sync (the off-policy correction check)
+    schedule: str                       # async / sync (the off-policy correction check)
     model: ModelConfig                  # the model it builds and publishes
     train: TrainConfig                  # steps, optimiser, parallel layout, claim wait
     balance: BalanceConfig              # the step's sequence packing
@@ -40,5 +40,5 @@ class TrainerSections:
 
     @classmethod
     def of(cls, cfg: "ExperimentConfig") -> "TrainerSections":
-        return cls(mode=cfg.mode, model=cfg.model, train=cfg.train, balance=cfg.balance, store=cfg.store,
+        return cls(schedule=cfg.schedule, model=cfg.model, train=cfg.train, balance=cfg.balance, store=cfg.store,
                    protocol=cfg.protocol, launch=cfg.launch, offpolicy=cfg.offpolicy)

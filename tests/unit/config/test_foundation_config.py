@@ -40,6 +40,7 @@ BAD = [
     ("train:\n  router_replay: replay\n", ["train.router_replay", "moved to offpolicy.replay_trainer"]),
     # "router" alone is the MoE router: the HTTP one in front of PD servers is the load balancer
     ("engine:\n  router: rust\n", ["engine.router", "moved to engine.load_balancer"]),
+    ("mode: sync\n", ["mode", "moved to schedule"]),
     ("engine:\n  router_port: 8001\n", ["engine.router_port", "moved to engine.load_balancer_port"]),
     # route replay's two ends: the trainer replays only routes the engines export
     ("offpolicy:\n  replay_engine: 'off'\n", ["offpolicy.replay_trainer", "offpolicy.replay_engine: delta",
