@@ -44,7 +44,7 @@ from neon_hpc.protocol.rundir import REASON_SUFFIX, RunDir, atomic_write_text
 from neon_hpc.rollout.agent.episode import Episode, EpisodeStopped
 from neon_hpc.rollout.agent.parse import ToolCall, parse_action
 
-SCHEMA = 1                     # the record's fields (the file format has its own version)
+SCHEMA = 2                     # the record's fields (the file format has its own version)
 _OWNER_RE = re.compile(r"^w(\d+)$")
 
 
@@ -75,15 +75,15 @@ def episode_record(ep: Episode, slot: Slot) -> JournalRecord:
             "env_state": env_state, "resumes": ep.resumes,
             "replay": {"mode": ep.conv.mode, "retries": ep.conv.retries, "last_start": ep.conv.last_start,
                        "stats": cache.stats.as_dict(), "force_full": cache._force_full, "pinned": cache.pinned},
-            "tokens": len(led.tokens), "gen_tokens": int(sum(led.mask)),
-            "version_min": min((v for v, m in zip(led.versions, led.mask) if m), default=None),
+            "tokens": len(led.tokens), "gen_tokens": int(sum(led.loss_mask)),
+            "version_min": min((v for v, m in zip(led.versions, led.loss_mask) if m), default=None),
             "written": time.time()}
-    arrays = {"tokens": np.asarray(led.tokens, np.int32), "mask": np.asarray(led.mask, np.uint8),
+    arrays = {"tokens": np.asarray(led.tokens, np.int32), "loss_mask": np.asarray(led.loss_mask, np.uint8),
               "logprobs": np.asarray(led.logprobs, np.float32), "versions": np.asarray(led.versions, np.int32),
               "turn_offsets": np.asarray(led.turn_offsets, np.int64),
               "cache_tokens": cache.tokens.astype(np.int64), "row_versions": cache.row_versions.astype(np.int64)}
     if cache.routes is not None:
-        arrays["routes"] = cache.routes.astype(np.int32)
+        arrays["routed_experts"] = cache.routes.astype(np.int32)
     return JournalRecord(meta, arrays)
 
 
@@ -91,7 +91,7 @@ def restore_episode(ep: Episode, rec: JournalRecord) -> Episode:
     """``ep`` (a fresh Episode of the record's task) set to where the record left it."""
     m, a = rec.meta, rec.arrays
     led = ep.ledger
-    led.tokens, led.mask = a["tokens"].tolist(), a["mask"].tolist()
+    led.tokens, led.loss_mask = a["tokens"].tolist(), a["loss_mask"].tolist()
     led.logprobs, led.versions = a["logprobs"].tolist(), a["versions"].tolist()
     led.turn_offsets = a["turn_offsets"].tolist()
     ep.done, ep.turn, ep.started, ep.finish = bool(m["done"]), int(m["turn"]), bool(m["started"]), m["finish"]
@@ -107,7 +107,7 @@ def restore_episode(ep: Episode, rec: JournalRecord) -> Episode:
     cache.stats.full_requests, cache.stats.rows_received = st["full_requests"], st["rows_received"]
     cache.stats.route_bytes, cache.stats.fallbacks = st["route_bytes"], dict(st["fallbacks"])
     cache.tokens, cache.row_versions = a["cache_tokens"], a["row_versions"]
-    cache.routes = a.get("routes")
+    cache.routes = a.get("routed_experts")
     cache._force_full = bool(rp["force_full"])
     # every row received so far is the router's record of a forward pass that made the recorded
     # tokens: pinned, never replaced by a recompute (the last row is a placeholder, not received)
@@ -353,4 +353,4 @@ def resumed_group(r: Resumable, make_episode: Callable[[], Episode]) -> GroupRun
 def kept_tokens(r: Resumable) -> tuple[int, int]:
     """(tokens, generated tokens) a resumed group brings back."""
     return (sum(len(rec.arrays["tokens"]) for rec in r.records.values()),
-            sum(int(rec.arrays["mask"].sum()) for rec in r.records.values()))
+            sum(int(rec.arrays["loss_mask"].sum()) for rec in r.records.values()))

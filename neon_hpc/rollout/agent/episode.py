@@ -40,14 +40,14 @@ class Ledger:
     """Per-token books of one conversation."""
 
     tokens: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turn_offsets: list[int] = field(default_factory=lambda: [0])
 
     def add_env(self, ids: list[int]) -> None:
         self.tokens += ids
-        self.mask += [0] * len(ids)
+        self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
@@ -60,7 +60,7 @@ class Ledger:
         if len(versions) != len(ids):
             raise ValueError(f"engine reported versions for {len(versions)} of {len(ids)} output tokens")
         self.tokens += ids
-        self.mask += [1] * len(ids)
+        self.loss_mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
         self.versions += versions
 
@@ -188,7 +188,7 @@ class Episode:
         if len(self.ledger.tokens) >= self.cfg.max_total_tokens:
             self.finish = "token_budget"
             return True
-        last = self.ledger.tokens[-1] if self.ledger.mask and self.ledger.mask[-1] else None
+        last = self.ledger.tokens[-1] if self.ledger.loss_mask and self.ledger.loss_mask[-1] else None
         self.ledger.add_env(self.template.after_output("tool", content, last_token=last))
         return False
 
@@ -220,7 +220,7 @@ class Episode:
         n = led.turn_offsets[-1] if len(led.turn_offsets) > 1 else len(led.tokens)
         if len(led.turn_offsets) == 1:
             led.end_turn()
-        del led.tokens[n:], led.mask[n:], led.logprobs[n:], led.versions[n:]
+        del led.tokens[n:], led.loss_mask[n:], led.logprobs[n:], led.versions[n:]
         rewards = {"success": float(success), "dense": float(dense)}
         meta = {"finish": self.finish, "turns": len(led.turn_offsets) - 1,
                 "answer": self.answer_text, "predicted": _jsonable(predicted),
@@ -231,7 +231,7 @@ class Episode:
         if self.conv.mode != "off" and self.conv.cache.routes is not None:
             meta["route_versions"] = self.conv.cache.version_runs()
         return Trajectory(
-            tokens=np.asarray(led.tokens, np.int32), loss_mask=np.asarray(led.mask, np.uint8),
+            tokens=np.asarray(led.tokens, np.int32), loss_mask=np.asarray(led.loss_mask, np.uint8),
             logprobs=np.asarray(led.logprobs, np.float32), versions=np.asarray(led.versions, np.int32),
             routed_experts=self.conv.routes(n), reward=rewards[reward_key], rewards=rewards,
             task_id=self.env.task_id, group_id=group_id,

@@ -31,7 +31,7 @@ class Log:
 
 def _record():
     return JournalRecord({"uid": "w0-1", "turn": 3, "texts": ["a", "b"]},
-                         {"tokens": np.arange(10, dtype=np.int32), "routes": np.ones((10, 2, 2), np.int32),
+                         {"tokens": np.arange(10, dtype=np.int32), "routed_experts": np.ones((10, 2, 2), np.int32),
                           "logprobs": np.linspace(-1, 0, 10).astype(np.float32)})
 
 
@@ -99,10 +99,10 @@ def test_a_resumed_episode_keeps_its_prefix_and_asks_routes_from_the_resume_poin
     # the same conversation as one uninterrupted run (a scripted engine: the same outputs)
     assert np.array_equal(tr.tokens, whole.tokens) and np.array_equal(tr.turn_offsets, whole.turn_offsets)
     # the journalled prefix is kept token for token: logprobs, versions, routes
-    for k, a in (("tokens", tr.tokens), ("mask", tr.loss_mask), ("logprobs", tr.logprobs), ("versions", tr.versions)):
+    for k, a in (("tokens", tr.tokens), ("loss_mask", tr.loss_mask), ("logprobs", tr.logprobs), ("versions", tr.versions)):
         assert np.array_equal(a[:prefix], rec.arrays[k]), k
     pinned = len(rec.arrays["cache_tokens"]) - 1
-    assert np.array_equal(tr.routed_experts[:pinned], rec.arrays["routes"][:pinned])
+    assert np.array_equal(tr.routed_experts[:pinned], rec.arrays["routed_experts"][:pinned])
     # the first request after the resume re-sends the whole prefix and asks routes from its end on
     ids, _sp, start = client.requests[0]
     assert ids == rec.arrays["tokens"].tolist() and start == pinned
@@ -112,8 +112,8 @@ def test_a_resumed_episode_keeps_its_prefix_and_asks_routes_from_the_resume_poin
 def test_a_full_export_after_a_resume_keeps_the_recorded_routes(tmp_path):
     rec = _stopped_after(2, ToyEnv(), ScriptedClient(SCRIPT), tmp_path)
     ep = jr.restore_episode(Episode(ScriptedClient(SCRIPT[2:]), ToyEnv(), TOK, CFG6, replay="full"), rec)
-    rec.arrays["routes"][:] = 0        # the recorded rows differ from what a recompute returns
-    ep.conv.cache.routes = rec.arrays["routes"].copy()
+    rec.arrays["routed_experts"][:] = 0        # the recorded rows differ from what a recompute returns
+    ep.conv.cache.routes = rec.arrays["routed_experts"].copy()
     tr = ep.run().trajectory()
     pinned = len(rec.arrays["cache_tokens"]) - 1
     assert (tr.routed_experts[:pinned] == 0).all() and (tr.routed_experts[pinned:-1] != 0).any()
@@ -192,6 +192,21 @@ def test_a_corrupt_record_is_quarantined_and_the_others_resume(tmp_path):
     assert str(bad) in log.errors[0] and "quarantined" in log.errors[0]
     moved = run.journal_quarantine / "w0.gA.e1.jrec"
     assert moved.exists() and "truncated" in moved.with_name(moved.name + ".reason.txt").read_text()
+
+
+def test_a_record_of_the_old_schema_is_quarantined_naming_both_schemas(tmp_path):
+    """Schema 1 named the arrays ``mask`` and ``routes``; schema 2 uses the shard's words
+    (``loss_mask``, ``routed_experts``): an old record is refused, not misread."""
+    run = RunDir(tmp_path / "run")
+    _journalled(run, 0, "gA", 1)
+    p = run.journal_record("w0", "gA", 0)
+    rec = read_record(p)
+    a = dict(rec.arrays)
+    a["mask"] = a.pop("loss_mask")
+    write_record(p, JournalRecord({**rec.meta, "schema": 1}, a))
+    groups, quarantined = jr.Journal(run, 0).take_over(1, Log())
+    assert groups == [] and [q["path"] for q in quarantined] == [str(p)]
+    assert f"record schema 1, this neon-hpc writes {jr.SCHEMA}" in quarantined[0]["reason"]
 
 
 def test_a_missing_worker_index_is_adopted_once(tmp_path):
