@@ -48,7 +48,7 @@ class MicroBatch:
                                      # None when built with dense_mask=False (piece attention)
     labels: torch.Tensor             # int64 [1, S]
     loss_mask: torch.Tensor          # float32 [1, S], 1 where the label token was generated
-    logp_behav: torch.Tensor         # float32 [1, S], engine logprob of the label token
+    behaviour_logprobs: torch.Tensor         # float32 [1, S], engine logprob of the label token
     versions: torch.Tensor           # int32 [1, S], weight version of the label token (-1: none)
     advantages: torch.Tensor         # float32 [1, S], the label token's trajectory advantage
     routes: np.ndarray | None        # int64 [S, num_moe_layers, top_k] or None (no replay)
@@ -184,7 +184,7 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
     mask = piece_mask(doc_ids, np.concatenate(pos)) if dense_mask else None
     return MicroBatch(
         input_ids=cat(ids), position_ids=cat(pos), attention_mask=mask, doc_ids=torch.from_numpy(doc_ids),
-        labels=cat(labels), loss_mask=cat(lmask), logp_behav=cat(lp), versions=cat(ver),
+        labels=cat(labels), loss_mask=cat(lmask), behaviour_logprobs=cat(lp), versions=cat(ver),
         advantages=cat(adv), routes=routes, pieces=list(pieces),
         doc_starts=list(np.cumsum([0] + doc_lens[:-1]).tolist()), real_tokens=real,
         routes_missing=missing)
@@ -192,7 +192,7 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
 
 # the per-token tensors the device reads, in upload order (int64 first: every slice stays aligned)
 _INT_FIELDS = ("input_ids", "position_ids", "labels")
-_FLOAT_FIELDS = ("loss_mask", "logp_behav", "advantages")
+_FLOAT_FIELDS = ("loss_mask", "behaviour_logprobs", "advantages")
 
 
 def to_device(mb: MicroBatch, device: torch.device | str) -> MicroBatch:

@@ -1,7 +1,7 @@
 """The off-policy corrections of the policy loss: one function and one name each, in a small registry.
 
 A correction turns the per-token importance ratio of the proximal policy over the behaviour policy
-(``ratio = exp(logp_prox - logp_behav)``, detached, generated tokens only) into the weight the
+(``ratio = exp(logp_prox - behaviour_logprobs)``, detached, generated tokens only) into the weight the
 policy-gradient term of that token is multiplied by (``neon_hpc/train/loss.py``), and reports the
 per-token metrics it declares::
 

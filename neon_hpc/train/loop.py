@@ -298,7 +298,7 @@ def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_
     def loss_fn(logp, mb):
         if loss is not None:
             return loss(logp, mb, denom)
-        return policy_loss(logp, logp.detach(), mb.logp_behav, mb.advantages, mb.loss_mask, denom, **settings)
+        return policy_loss(logp, logp.detach(), mb.behaviour_logprobs, mb.advantages, mb.loss_mask, denom, **settings)
 
     # megatron's schedule (1F1B under PP) runs the micro-batches in the assignment's order
     sums = forward_backward(be, _Column(built, 0), loss_fn, forward_context=lambda j: piece_map(built[j][1]),

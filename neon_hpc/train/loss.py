@@ -7,18 +7,18 @@ Three policies meet in one step (all as per-token log-probabilities of the sampl
   the start of this update (detached).  With one optimizer update per claimed batch it equals
   ``logp.detach()``, the ratio is 1 and the clip is inactive; with several updates per batch
   (or in a test) it differs and the clip binds.
-- ``logp_behav``: the behaviour policy: the logprob the inference engine recorded for that
+- ``behaviour_logprobs``: the behaviour policy: the logprob the inference engine recorded for that
   token, under the weight version that generated *that token* (tokens of one trajectory can
   come from several versions; every token carries its own).
 
 Per generated token (``mask == 1``)::
 
-    w     = correction(exp(logp_prox - logp_behav))        # detached; offpolicy.correction:
-          = min(exp(logp_prox - logp_behav), cap)          #   "tis": truncated IS
-          = 1                                              #   "none": assumes on-policy data
+    w     = correction(exp(logp_prox - behaviour_logprobs))        # detached; offpolicy.correction:
+          = min(exp(logp_prox - behaviour_logprobs), cap)          #   "tis": truncated IS
+          = 1                                                        #   "none": assumes on-policy data
     rho   = exp(logp - logp_prox)
     pg    = -w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)
-    k3    = exp(logp - logp_behav) - (logp - logp_behav) - 1   # >= 0, unbiased for KL(behav || policy)
+    k3    = exp(logp - behaviour_logprobs) - (logp - behaviour_logprobs) - 1   # >= 0, unbiased for KL(behav || policy)
     loss  = pg + kl_coef * k3
 
 This is the decoupled PPO objective (behaviour and proximal policies kept apart), with the
@@ -100,7 +100,7 @@ def loss_settings(cfg: Any) -> dict[str, Any]:
 CORRECTION_PREFIX = "correction:"
 
 
-def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor,
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, behaviour_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, denom: float, *, clip_eps: float,
                 kl_coef: float, correction: Bound) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (already divided by ``denom``) and its per-token term sums.
@@ -109,9 +109,9 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     Values at masked-out positions never reach the loss or the terms (even if nan/inf).
     ``correction``: :func:`neon_hpc.train.corrections.bind`'s (:func:`loss_settings` gives all three).
     """
-    if not (logp.shape == logp_prox.shape == logp_behav.shape == advantages.shape == mask.shape):
+    if not (logp.shape == logp_prox.shape == behaviour_logprobs.shape == advantages.shape == mask.shape):
         raise ValueError(f"policy_loss: shapes differ: logp {tuple(logp.shape)}, prox "
-                         f"{tuple(logp_prox.shape)}, behav {tuple(logp_behav.shape)}, adv "
+                         f"{tuple(logp_prox.shape)}, behav {tuple(behaviour_logprobs.shape)}, adv "
                          f"{tuple(advantages.shape)}, mask {tuple(mask.shape)}")
     if denom <= 0:
         raise ValueError(f"policy_loss: denom must be > 0 generated tokens, got {denom}")
@@ -121,7 +121,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     zero = torch.zeros_like(logp)
     lp = torch.where(on, logp, zero)
     lp_prox = torch.where(on, logp_prox.detach().to(logp.dtype), zero)
-    lp_behav = torch.where(on, logp_behav.detach().to(logp.dtype), zero)
+    lp_behav = torch.where(on, behaviour_logprobs.detach().to(logp.dtype), zero)
     adv = torch.where(on, advantages.to(logp.dtype), zero)
 
     w, corr_terms = correction(torch.exp(lp_prox - lp_behav))

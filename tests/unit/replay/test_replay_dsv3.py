@@ -102,7 +102,7 @@ def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
     for j, rmap in enumerate(maps):
         assert torch.equal(rmap.bool(), one_hot(mb.routes[:, j]))
     on = mb.loss_mask[0] > 0
-    diff = (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item()
+    diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs().max().item()
     print(f"deepseek_v3 trainer (replay) vs embedded engine logprob max |diff| {diff:.2e}")
     assert diff < 1e-4
 

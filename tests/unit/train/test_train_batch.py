@@ -32,7 +32,7 @@ def test_two_documents_pack_with_shifted_labels_and_block_causal_mask():
     # per-label-token fields come from position t+1 of the document
     assert mb.loss_mask[0].tolist() == [0, 1, 1, 1, 1, 1, 1, 0]
     assert mb.versions[0].tolist() == [-1, 1, 1, 1, 2, 2, 2, -1]
-    np.testing.assert_allclose(mb.logp_behav[0, :7].numpy(), [0, -0.2, -0.3, -0.4, -0.1, -0.2, -0.3], atol=1e-6)
+    np.testing.assert_allclose(mb.behaviour_logprobs[0, :7].numpy(), [0, -0.2, -0.3, -0.4, -0.1, -0.2, -0.3], atol=1e-6)
     assert mb.advantages[0].tolist() == [0.5] * 4 + [-1.0] * 3 + [0.0]
     m = mb.attention_mask[0, 0]
     assert not m[6, 4] and not m[6, 6] and m[6, 3] and m[4, 5]   # b sees only its own past

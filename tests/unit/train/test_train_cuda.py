@@ -37,7 +37,7 @@ def test_to_device_is_one_pinned_upload_equal_to_the_host_tensors():
     dev = to_device(mb, "cuda")
     assert dev.host_buffer is not None and dev.host_buffer.is_pinned()
     torch.cuda.synchronize()
-    for f in ("input_ids", "position_ids", "labels", "loss_mask", "logp_behav", "advantages"):
+    for f in ("input_ids", "position_ids", "labels", "loss_mask", "behaviour_logprobs", "advantages"):
         assert getattr(dev, f).is_cuda and torch.equal(getattr(dev, f).cpu(), getattr(mb, f)), f
     for a, b in zip(replay_rows(dev), replay_tensors(mb.routes)):
         assert a.is_cuda and torch.equal(a.cpu(), b)

@@ -155,7 +155,7 @@ def test_pack_and_unpack_round_trip(microbatch):
     assert to_device(mb, "cpu") is mb                   # CPU: nothing copied
     host, layout = pack(mb)
     out = unpack(mb, host.clone(), layout)
-    for f in ("input_ids", "position_ids", "labels", "loss_mask", "logp_behav", "advantages"):
+    for f in ("input_ids", "position_ids", "labels", "loss_mask", "behaviour_logprobs", "advantages"):
         a, b = getattr(mb, f), getattr(out, f)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
     for sp, tp, rank in ((False, 1, 0), (True, 2, 1)):

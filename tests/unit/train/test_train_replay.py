@@ -91,7 +91,7 @@ def test_replay_picks_recorded_experts_and_logprobs_match_engine(trainer):
     for layer, rmap in enumerate(maps):
         assert torch.equal(rmap.bool(), one_hot_rows(mb.routes[:, layer]))
     on = mb.loss_mask[0] > 0
-    diff = (logp[on].double() - mb.logp_behav[0][on].double()).abs()
+    diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs()
     assert diff.max().item() < 1e-4, f"trainer vs engine logprob max |diff| {diff.max().item():.2e}"
 
 
@@ -124,7 +124,7 @@ def test_free_routing_mismatch_with_same_weights_is_reported(trainer):
     assert differ <= 2
     on = mb.loss_mask[0] > 0
     if differ == 0:
-        assert (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item() < 1e-4
+        assert (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs().max().item() < 1e-4
 
 
 def test_routes_and_logprobs_from_the_embedded_engine_over_http(trainer, tmp_path):
@@ -160,5 +160,5 @@ def test_routes_and_logprobs_from_the_embedded_engine_over_http(trainer, tmp_pat
     for layer, rmap in enumerate(maps):
         assert torch.equal(rmap.bool(), one_hot_rows(mb.routes[:, layer]))
     on = mb.loss_mask[0] > 0
-    diff = (logp[on].double() - mb.logp_behav[0][on].double()).abs().max().item()
+    diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs().max().item()
     assert diff < 1e-4, f"trainer vs embedded engine logprob max |diff| {diff:.2e}"
