@@ -395,7 +395,7 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
     # deferred: heavy (megatron)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    use_replay = (be.replay if replay is None else replay) and mb.routes is not None
+    use_replay = (be.replay if replay is None else replay) and mb.routed_experts is not None
     if use_replay and not be.replay:
         raise ValueError("replay requested but the model was built without routing replay (offpolicy.replay_trainer: off)")
     dev = _device()

@@ -48,16 +48,16 @@ class MicroBatch:
                                      # None when built with dense_mask=False (piece attention)
     labels: torch.Tensor             # int64 [1, S]
     loss_mask: torch.Tensor          # float32 [1, S], 1 where the label token was generated
-    behaviour_logprobs: torch.Tensor         # float32 [1, S], engine logprob of the label token
+    behaviour_logprobs: torch.Tensor # float32 [1, S], engine logprob of the label token
     versions: torch.Tensor           # int32 [1, S], weight version of the label token (-1: none)
     advantages: torch.Tensor         # float32 [1, S], the label token's trajectory advantage
-    routes: np.ndarray | None        # int64 [S, num_moe_layers, top_k] or None (no replay)
+    routed_experts: np.ndarray | None   # int64 [S, num_moe_layers, top_k] or None (no replay)
     doc_ids: torch.Tensor | None = None   # int64 [S]: trajectory index per row; pads -1, -2, ...
     pieces: list[Piece] = field(default_factory=list)
     doc_starts: list[int] = field(default_factory=list)
     real_tokens: int = 0             # tokens before padding
-    routes_missing: int = 0          # documents whose routes were absent or invalid
-    routes_dev: torch.Tensor | None = None   # int64 [num_moe_layers, S, top_k] on the device (to_device)
+    routed_experts_missing: int = 0  # documents whose routes were absent or invalid
+    routed_experts_dev: torch.Tensor | None = None  # int64 [num_moe_layers, S, top_k] on the device (to_device)
     host_buffer: torch.Tensor | None = None  # the pinned buffer an upload reads (alive until it is used)
 
     @property
@@ -128,8 +128,8 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
     ``position_ids``; with split pieces the mask alone cannot describe keys on other ranks).
 
     ``route_shape = (num_moe_layers, top_k, num_experts)`` turns on route packing; a
-    micro-batch in which any document lacks valid routes gets ``routes = None`` (it then runs
-    without replay) and counts those documents in ``routes_missing``.  An empty ``pieces``
+    micro-batch in which any document lacks valid routes gets ``routed_experts = None`` (it then runs
+    without replay) and counts those documents in ``routed_experts_missing``.  An empty ``pieces``
     gives a micro-batch of pad tokens only (ranks must run the same number of forwards when
     experts or tensors are split across them).
     """
@@ -185,9 +185,9 @@ def build_microbatch(trajectories: Sequence[Any], pieces: Sequence[Piece], advan
     return MicroBatch(
         input_ids=cat(ids), position_ids=cat(pos), attention_mask=mask, doc_ids=torch.from_numpy(doc_ids),
         labels=cat(labels), loss_mask=cat(lmask), behaviour_logprobs=cat(lp), versions=cat(ver),
-        advantages=cat(adv), routes=routes, pieces=list(pieces),
+        advantages=cat(adv), routed_experts=routes, pieces=list(pieces),
         doc_starts=list(np.cumsum([0] + doc_lens[:-1]).tolist()), real_tokens=real,
-        routes_missing=missing)
+        routed_experts_missing=missing)
 
 
 # the per-token tensors the device reads, in upload order (int64 first: every slice stays aligned)
@@ -214,8 +214,8 @@ def to_device(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
 def pack(mb: MicroBatch, pin: bool = False) -> tuple[torch.Tensor, list[tuple[str, torch.dtype, int]]]:
     """One uint8 host buffer holding :func:`to_device`'s tensors, and its layout (name, dtype, elements)."""
     ints = [(f, getattr(mb, f).reshape(-1)) for f in _INT_FIELDS]
-    if mb.routes is not None:
-        ints.append(("routes_dev", torch.from_numpy(np.ascontiguousarray(np.moveaxis(mb.routes, 1, 0))).reshape(-1)))
+    if mb.routed_experts is not None:
+        ints.append(("routed_experts_dev", torch.from_numpy(np.ascontiguousarray(np.moveaxis(mb.routed_experts, 1, 0))).reshape(-1)))
     floats = [(f, getattr(mb, f).reshape(-1).to(torch.float32)) for f in _FLOAT_FIELDS]
     ints = [(f, t.to(torch.int64)) for f, t in ints]
     parts = [t.contiguous().view(torch.uint8) for _, t in ints + floats]
@@ -235,18 +235,18 @@ def unpack(mb: MicroBatch, buf: torch.Tensor, layout: list[tuple[str, torch.dtyp
         at += size
     for f in _INT_FIELDS + _FLOAT_FIELDS:
         fields[f] = fields[f].view(mb.input_ids.shape)
-    if "routes_dev" in fields:
-        s, layers, k = mb.routes.shape
-        fields["routes_dev"] = fields["routes_dev"].view(layers, s, k)
+    if "routed_experts_dev" in fields:
+        s, layers, k = mb.routed_experts.shape
+        fields["routed_experts_dev"] = fields["routed_experts_dev"].view(layers, s, k)
     return dataclasses.replace(mb, **fields, host_buffer=host_buffer)
 
 
 def replay_rows(mb: MicroBatch, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
                 layers: Sequence[int] | None = None) -> list[torch.Tensor]:
     """:func:`replay_tensors` of ``mb``: views of the uploaded routes when :func:`to_device` ran."""
-    if mb.routes_dev is None:
-        return replay_tensors(mb.routes, tp_rank, tp_size, sequence_parallel, layers)
-    r = mb.routes_dev
+    if mb.routed_experts_dev is None:
+        return replay_tensors(mb.routed_experts, tp_rank, tp_size, sequence_parallel, layers)
+    r = mb.routed_experts_dev
     s = r.shape[1]
     if sequence_parallel and tp_size > 1:
         if s % tp_size:

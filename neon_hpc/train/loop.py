@@ -304,8 +304,8 @@ def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_
     sums = forward_backward(be, _Column(built, 0), loss_fn, forward_context=lambda j: piece_map(built[j][1]),
                             seq_length=seq_length)
     items = built.all()
-    replay_missing = sum(mb.routes_missing for mb, _ in items)
-    replayed = sum(int(mb.routes is not None and bool(mine[j] if j < len(mine) else [])) for j, (mb, _) in
+    replay_missing = sum(mb.routed_experts_missing for mb, _ in items)
+    replayed = sum(int(mb.routed_experts is not None and bool(mine[j] if j < len(mine) else [])) for j, (mb, _) in
                    enumerate(items))
     sums["replay_docs_missing"] = float(replay_missing)
     sums["replayed_microbatches"] = float(replayed)

@@ -270,7 +270,7 @@ def test_router_replay_stays_exact_in_bf16(arch):
         assert len(maps) == be.num_moe_layers() >= 1
         for j, rmap in enumerate(maps):
             want = torch.zeros(mb.seq_len, cfg.model.num_experts, dtype=torch.bool)
-            want.scatter_(1, torch.from_numpy(np.ascontiguousarray(mb.routes[:, j])).long(), True)
+            want.scatter_(1, torch.from_numpy(np.ascontiguousarray(mb.routed_experts[:, j])).long(), True)
             assert torch.equal(rmap.bool(), want)
     finally:
         B.teardown()

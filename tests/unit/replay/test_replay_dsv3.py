@@ -96,11 +96,11 @@ def test_engine_routes_replay_exactly_in_the_trainer(trainer, tmp_path):
     be, engine = trainer
     assert be.num_moe_layers() == 2
     mb = build(engine_trajectories(engine, tmp_path))
-    assert mb.routes_missing == 0 and mb.routes.shape[1] == 2
+    assert mb.routed_experts_missing == 0 and mb.routed_experts.shape[1] == 2
     logp, maps = routing_maps(be, mb, replay=True)
     assert len(maps) == 2
     for j, rmap in enumerate(maps):
-        assert torch.equal(rmap.bool(), one_hot(mb.routes[:, j]))
+        assert torch.equal(rmap.bool(), one_hot(mb.routed_experts[:, j]))
     on = mb.loss_mask[0] > 0
     diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs().max().item()
     print(f"deepseek_v3 trainer (replay) vs embedded engine logprob max |diff| {diff:.2e}")
@@ -131,8 +131,8 @@ def test_teacher_forced_hf_routes_equal_megatron_free_routing(trainer):
     _, free = routing_maps(be, mb, replay=False)
     _, replayed = routing_maps(be, mb, replay=True)
     for j in range(2):
-        assert torch.equal(free[j].bool(), one_hot(mb.routes[:, j])), f"MoE layer {j}"
-        assert torch.equal(replayed[j].bool(), one_hot(mb.routes[:, j])), f"MoE layer {j} (replay)"
+        assert torch.equal(free[j].bool(), one_hot(mb.routed_experts[:, j])), f"MoE layer {j}"
+        assert torch.equal(replayed[j].bool(), one_hot(mb.routed_experts[:, j])), f"MoE layer {j} (replay)"
 
 
 @pytest.mark.parametrize("rows", [2, 4])

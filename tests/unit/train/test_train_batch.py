@@ -38,9 +38,9 @@ def test_two_documents_pack_with_shifted_labels_and_block_causal_mask():
     assert not m[6, 4] and not m[6, 6] and m[6, 3] and m[4, 5]   # b sees only its own past
     assert m[7, :7].all() and not m[7, 7]                          # pad attends to itself only
     # route row t of a document is the route of input token t; the placeholder last row is never used
-    np.testing.assert_array_equal(mb.routes[:4], a.routed_experts[:4])
-    np.testing.assert_array_equal(mb.routes[4:7], b.routed_experts[:3])
-    np.testing.assert_array_equal(mb.routes[7], [[0, 1], [0, 1]])
+    np.testing.assert_array_equal(mb.routed_experts[:4], a.routed_experts[:4])
+    np.testing.assert_array_equal(mb.routed_experts[4:7], b.routed_experts[:3])
+    np.testing.assert_array_equal(mb.routed_experts[7], [[0, 1], [0, 1]])
     assert mb.doc_starts[:2] == [0, 4]
 
 
@@ -52,21 +52,21 @@ def test_block_causal_mask_equals_causal_for_one_document():
 def test_replay_tensors_follow_sequence_parallel_slices():
     a, b = traj(5, 2, 1), traj(5, 1, 2)
     mb = build_microbatch([a, b], [(0, 0, 4), (1, 0, 4)], [0.0, 0.0], pad_multiple=2, route_shape=(L, K, E))
-    full = replay_tensors(mb.routes)
+    full = replay_tensors(mb.routed_experts)
     assert len(full) == L and full[0].shape == (8, K) and full[0].dtype == torch.int64
-    r0 = replay_tensors(mb.routes, tp_rank=0, tp_size=2, sequence_parallel=True)
-    r1 = replay_tensors(mb.routes, tp_rank=1, tp_size=2, sequence_parallel=True)
+    r0 = replay_tensors(mb.routed_experts, tp_rank=0, tp_size=2, sequence_parallel=True)
+    r1 = replay_tensors(mb.routed_experts, tp_rank=1, tp_size=2, sequence_parallel=True)
     for layer in range(L):
         assert torch.equal(torch.cat([r0[layer], r1[layer]]), full[layer])
         np.testing.assert_array_equal(r1[layer].numpy(), b.routed_experts[:4, layer])
     with pytest.raises(ValueError, match="multiple of TP"):
-        replay_tensors(mb.routes[:7], tp_rank=0, tp_size=2, sequence_parallel=True)
+        replay_tensors(mb.routed_experts[:7], tp_rank=0, tp_size=2, sequence_parallel=True)
 
 
 def test_missing_or_bad_routes_turn_replay_off_for_that_microbatch():
     good, bare = traj(5, 2, 1), traj(5, 2, 2, routes=False)
     mb = build_microbatch([good, bare], [(0, 0, 4), (1, 0, 4)], [0, 0], route_shape=(L, K, E))
-    assert mb.routes is None and mb.routes_missing == 1
+    assert mb.routed_experts is None and mb.routed_experts_missing == 1
     assert "no routed_experts" in check_routes(None, 5, L, K, E)
     dup = good.routed_experts.copy()
     dup[1, 0] = [3, 3]
@@ -88,7 +88,7 @@ def test_split_pieces_take_their_token_range_and_empty_microbatch_is_all_padding
     assert mb.position_ids[0].tolist() == [0, 1, 0, 1, 2, 3, 4, 7, 8]       # true positions
     assert mb.doc_ids.tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0]
     np.testing.assert_array_equal(mb.loss_mask[0, 7:].numpy(), np.asarray(a.loss_mask, np.float32)[8:10])
-    np.testing.assert_array_equal(mb.routes[7:], np.asarray(a.routed_experts)[7:9])   # routes of this rank's tokens
+    np.testing.assert_array_equal(mb.routed_experts[7:], np.asarray(a.routed_experts)[7:9])   # routes of this rank's tokens
     assert mb.advantages[0].tolist() == [0.5] * 2 + [-1.0] * 5 + [0.5] * 2
     # the dense mask of split pieces is by document position: a's late chunk sees its early one
     m = mb.attention_mask[0, 0]
@@ -97,7 +97,7 @@ def test_split_pieces_take_their_token_range_and_empty_microbatch_is_all_padding
     with pytest.raises(ValueError, match="out of range"):
         build_microbatch([a], [(0, 5, 12)], [0.0])
     empty = build_microbatch([a], [], [0.0], pad_multiple=2, route_shape=(L, K, E))
-    assert empty.seq_len == 2 and empty.loss_mask.sum() == 0 and empty.routes.shape == (2, L, K)
+    assert empty.seq_len == 2 and empty.loss_mask.sum() == 0 and empty.routed_experts.shape == (2, L, K)
 
 
 def test_input_lengths_drop_the_unfed_last_token():

@@ -39,7 +39,7 @@ def test_to_device_is_one_pinned_upload_equal_to_the_host_tensors():
     torch.cuda.synchronize()
     for f in ("input_ids", "position_ids", "labels", "loss_mask", "behaviour_logprobs", "advantages"):
         assert getattr(dev, f).is_cuda and torch.equal(getattr(dev, f).cpu(), getattr(mb, f)), f
-    for a, b in zip(replay_rows(dev), replay_tensors(mb.routes)):
+    for a, b in zip(replay_rows(dev), replay_tensors(mb.routed_experts)):
         assert a.is_cuda and torch.equal(a.cpu(), b)
 
 

@@ -159,7 +159,7 @@ def test_pack_and_unpack_round_trip(microbatch):
         a, b = getattr(mb, f), getattr(out, f)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
     for sp, tp, rank in ((False, 1, 0), (True, 2, 1)):
-        want = replay_tensors(mb.routes, rank, tp, sp)
+        want = replay_tensors(mb.routed_experts, rank, tp, sp)
         got = replay_rows(out, rank, tp, sp)
         assert len(got) == len(want) and all(torch.equal(g, w) and g.is_contiguous() for g, w in zip(got, want))
 

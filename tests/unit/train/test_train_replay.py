@@ -89,7 +89,7 @@ def test_replay_picks_recorded_experts_and_logprobs_match_engine(trainer):
     logp, maps = forward_with_routing_maps(be, mb, replay=True)
     assert len(maps) == CFG.num_layers
     for layer, rmap in enumerate(maps):
-        assert torch.equal(rmap.bool(), one_hot_rows(mb.routes[:, layer]))
+        assert torch.equal(rmap.bool(), one_hot_rows(mb.routed_experts[:, layer]))
     on = mb.loss_mask[0] > 0
     diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs()
     assert diff.max().item() < 1e-4, f"trainer vs engine logprob max |diff| {diff.max().item():.2e}"
@@ -103,7 +103,7 @@ def test_replay_of_foreign_routes_is_exact_while_free_routing_differs(trainer):
     logp_free, free = forward_with_routing_maps(be, mb, replay=False)
     mismatched_rows = 0
     for layer in range(CFG.num_layers):
-        want = one_hot_rows(mb.routes[:, layer])
+        want = one_hot_rows(mb.routed_experts[:, layer])
         assert torch.equal(replayed[layer].bool(), want)
         mismatched_rows += int((free[layer].bool() != want).any(dim=1).sum())
     frac = mismatched_rows / (CFG.num_layers * mb.seq_len)
@@ -118,7 +118,7 @@ def test_free_routing_mismatch_with_same_weights_is_reported(trainer):
     be, engine, _ = trainer
     mb = build(make_trajectories(engine, seed=2))
     logp, free = forward_with_routing_maps(be, mb, replay=False)
-    differ = sum(int((free[l].bool() != one_hot_rows(mb.routes[:, l])).any(dim=1).sum())
+    differ = sum(int((free[l].bool() != one_hot_rows(mb.routed_experts[:, l])).any(dim=1).sum())
                  for l in range(CFG.num_layers))
     print(f"same weights, no replay: {differ} token-layer routes differ from the engine's")
     assert differ <= 2
@@ -158,7 +158,7 @@ def test_routes_and_logprobs_from_the_embedded_engine_over_http(trainer, tmp_pat
     mb = build(trajs)
     logp, maps = forward_with_routing_maps(be, mb, replay=True)
     for layer, rmap in enumerate(maps):
-        assert torch.equal(rmap.bool(), one_hot_rows(mb.routes[:, layer]))
+        assert torch.equal(rmap.bool(), one_hot_rows(mb.routed_experts[:, layer]))
     on = mb.loss_mask[0] > 0
     diff = (logp[on].double() - mb.behaviour_logprobs[0][on].double()).abs().max().item()
     assert diff < 1e-4, f"trainer vs embedded engine logprob max |diff| {diff:.2e}"
