@@ -11,7 +11,7 @@ Three policies meet in one step (all as per-token log-probabilities of the sampl
   token, under the weight version that generated *that token* (tokens of one trajectory can
   come from several versions; every token carries its own).
 
-Per generated token (``mask == 1``)::
+Per generated token (``loss_mask == 1``)::
 
     w     = correction(exp(logp_prox - behaviour_logprobs))        # detached; offpolicy.correction:
           = min(exp(logp_prox - behaviour_logprobs), cap)          #   "tis": truncated IS
@@ -30,7 +30,7 @@ config's (``train.clip_eps``, ``train.kl_coef``, ``offpolicy.correction``/``corr
 read once by :func:`loss_settings`.
 
 Stale tokens (``offpolicy.stale_policy: mask``, applied after the claim: ``neon_hpc.train.offpolicy``):
-a generated token more than ``max_staleness`` versions behind the trainer has ``mask == 0``
+a generated token more than ``max_staleness`` versions behind the trainer has ``loss_mask == 0``
 here, exactly like a prompt token: it contributes nothing to the loss, the terms or
 ``denom``, and its gradient is zero; it still conditions the tokens after it (it stays in
 the input). The in-bound tokens of the same trajectory train with the per-token TIS above.
@@ -101,21 +101,21 @@ CORRECTION_PREFIX = "correction:"
 
 
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, denom: float, *, clip_eps: float,
+                advantages: torch.Tensor, loss_mask: torch.Tensor, denom: float, *, clip_eps: float,
                 kl_coef: float, correction: Bound) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (already divided by ``denom``) and its per-token term sums.
 
-    All tensors have the same shape (any); ``mask`` is 1 for generated tokens, 0 elsewhere.
+    All tensors have the same shape (any); ``loss_mask`` is 1 for generated tokens, 0 elsewhere.
     Values at masked-out positions never reach the loss or the terms (even if nan/inf).
     ``correction``: :func:`neon_hpc.train.corrections.bind`'s (:func:`loss_settings` gives all three).
     """
-    if not (logp.shape == logp_prox.shape == behaviour_logprobs.shape == advantages.shape == mask.shape):
+    if not (logp.shape == logp_prox.shape == behaviour_logprobs.shape == advantages.shape == loss_mask.shape):
         raise ValueError(f"policy_loss: shapes differ: logp {tuple(logp.shape)}, prox "
                          f"{tuple(logp_prox.shape)}, behav {tuple(behaviour_logprobs.shape)}, adv "
-                         f"{tuple(advantages.shape)}, mask {tuple(mask.shape)}")
+                         f"{tuple(advantages.shape)}, loss_mask {tuple(loss_mask.shape)}")
     if denom <= 0:
         raise ValueError(f"policy_loss: denom must be > 0 generated tokens, got {denom}")
-    m = mask.to(logp.dtype)
+    m = loss_mask.to(logp.dtype)
     on = m > 0
     # Zero the masked positions before any exp: prompt tokens carry placeholder logprobs.
     zero = torch.zeros_like(logp)
@@ -211,19 +211,19 @@ def version_span_histogram(versions: Iterable[np.ndarray]) -> dict[str, int]:
 SFT_TERMS = ("tokens", "loss")
 
 
-def sft_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Cross-entropy on the tokens the loss mask marks: ``sum(-logp * mask) / denom``.
+def sft_loss(logp: torch.Tensor, loss_mask: torch.Tensor, denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Cross-entropy on the tokens ``loss_mask`` marks: ``sum(-logp * loss_mask) / denom``.
 
     ``logp`` is the trainer's log-probability of each label token (megatron's vocab-parallel
     cross-entropy negated, as for :func:`policy_loss`); ``denom`` the marked tokens of the whole
     step (all micro-batches and data ranks), so the loss is a per-token mean over the step
     however it is split.  Masked positions never reach the loss (even if nan/inf).
     """
-    if logp.shape != mask.shape:
-        raise ValueError(f"sft_loss: shapes differ: logp {tuple(logp.shape)}, mask {tuple(mask.shape)}")
+    if logp.shape != loss_mask.shape:
+        raise ValueError(f"sft_loss: shapes differ: logp {tuple(logp.shape)}, loss_mask {tuple(loss_mask.shape)}")
     if denom <= 0:
         raise ValueError(f"sft_loss: denom must be > 0 marked tokens, got {denom}")
-    m = mask.to(logp.dtype)
+    m = loss_mask.to(logp.dtype)
     nll = -torch.where(m > 0, logp, torch.zeros_like(logp))
     total = (nll * m).sum()
     with torch.no_grad():
