@@ -77,7 +77,7 @@ def run_conversation(client, mode: str, turns: int, env_tokens: int, gen_tokens:
         request_s = time.perf_counter() - t
         start = conv.last_start
         tokens = prompt + list(res.output_ids)
-        rows = conv.cache.routes[start:len(tokens) - 1]
+        rows = conv.cache.routed_experts[start:len(tokens) - 1]
         dec_s, wire = decode_cost(rows, reps)
         per_turn.append({"turn": k, "context": len(tokens), "start": start, "rows": int(len(rows)),
                          "route_bytes": wire, "serialize_s": serialize_cost(rows, reps),
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         n = len(dc.cache.tokens)
         if not np.array_equal(fc.cache.tokens, dc.cache.tokens):
             continue   # sampling differed (seeded sampling should make them equal)
-        if not np.array_equal(fc.routes(n)[:-1], dc.routes(n)[:-1]):
+        if not np.array_equal(fc.routed_experts(n)[:-1], dc.routed_experts(n)[:-1]):
             print("ERROR: delta routes differ from the full export", file=sys.stderr)
             return 1
 

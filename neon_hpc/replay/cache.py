@@ -69,7 +69,7 @@ class RouteCache:
             raise ValueError(f"replay mode must be 'delta' or 'full', got {mode!r}")
         self.mode = mode
         self.tokens = np.zeros(0, dtype=np.int64)
-        self.routes: np.ndarray | None = None          # [rows, layers, top_k] int32
+        self.routed_experts: np.ndarray | None = None          # [rows, layers, top_k] int32
         self.row_versions = np.zeros(0, dtype=np.int64)
         self.stats = ReplayStats()
         self._force_full = False
@@ -120,15 +120,15 @@ class RouteCache:
             self.invalidate("version_change")   # refresh policy: next request is a full export
         else:
             self._force_full = False
-        old_routes, old_versions = self.routes, self.row_versions
-        head = self.routes[:start] if start > 0 else routes[:0]
+        old_routes, old_versions = self.routed_experts, self.row_versions
+        head = self.routed_experts[:start] if start > 0 else routes[:0]
         placeholder = routes[-1:] if len(routes) else (head[-1:] if len(head) else
                                                        np.zeros((1,) + routes.shape[1:], np.int32))
-        self.routes = np.concatenate([head, routes, placeholder], axis=0)
+        self.routed_experts = np.concatenate([head, routes, placeholder], axis=0)
         self.row_versions = np.concatenate([self.row_versions[:start],
                                             vers])
         if start < self.pinned:     # a full export after a resume: the recorded rows stay
-            self.routes[:self.pinned] = old_routes[:self.pinned]
+            self.routed_experts[:self.pinned] = old_routes[:self.pinned]
             self.row_versions[:self.pinned] = old_versions[:self.pinned]
         self.tokens = np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)])
 
@@ -143,12 +143,12 @@ class RouteCache:
         if routes.shape[0] != expected:
             raise RouteMismatch(f"routed_experts has {routes.shape[0]} rows; positions [{start}, {seqlen - 1}) "
                                 f"need {expected}")
-        if start > 0 and (self.routes is None or start > len(self.routes)):
-            raise RouteMismatch(f"delta from {start} but only {0 if self.routes is None else len(self.routes)} "
+        if start > 0 and (self.routed_experts is None or start > len(self.routed_experts)):
+            raise RouteMismatch(f"delta from {start} but only {0 if self.routed_experts is None else len(self.routed_experts)} "
                                 f"rows are cached")
-        if self.routes is not None and start > 0 and routes.shape[1:] != self.routes.shape[1:]:
+        if self.routed_experts is not None and start > 0 and routes.shape[1:] != self.routed_experts.shape[1:]:
             raise RouteMismatch(f"routed_experts rows have shape {routes.shape[1:]}, cached rows "
-                                f"{self.routes.shape[1:]}")
+                                f"{self.routed_experts.shape[1:]}")
         return routes.astype(np.int32, copy=False)
 
     def _count(self, start: int, routes: np.ndarray) -> None:
@@ -168,13 +168,13 @@ class RouteCache:
         ``n_tokens`` longer than the cache (tokens appended after the last response, e.g. a
         closing template) are padded with placeholder rows (copies of the last row).
         """
-        if self.routes is None:
+        if self.routed_experts is None:
             raise ValueError("no routes cached yet; absorb a response first")
-        n = len(self.routes) if n_tokens is None else n_tokens
-        if n <= len(self.routes):
-            return self.routes[:n]
-        pad = np.repeat(self.routes[-1:], n - len(self.routes), axis=0)
-        return np.concatenate([self.routes, pad], axis=0)
+        n = len(self.routed_experts) if n_tokens is None else n_tokens
+        if n <= len(self.routed_experts):
+            return self.routed_experts[:n]
+        pad = np.repeat(self.routed_experts[-1:], n - len(self.routed_experts), axis=0)
+        return np.concatenate([self.routed_experts, pad], axis=0)
 
     def version_runs(self) -> list[list[int]]:
         """Row versions run-length encoded: ``[[first_row, version], ...]`` (JSON-able)."""

@@ -91,8 +91,8 @@ class ReplayConversation:
             return res
         raise RuntimeError(f"turn failed after {self.max_retries + 1} attempts: {last}") from last
 
-    def routes(self, n_tokens: int) -> np.ndarray | None:
+    def routed_experts(self, n_tokens: int) -> np.ndarray | None:
         """Routes aligned with the first ``n_tokens`` tokens of the conversation (None when off)."""
-        if self.mode == "off" or self.cache.routes is None:
+        if self.mode == "off" or self.cache.routed_experts is None:
             return None
         return self.cache.assembled(n_tokens)

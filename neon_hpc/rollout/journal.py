@@ -82,8 +82,8 @@ def episode_record(ep: Episode, slot: Slot) -> JournalRecord:
               "logprobs": np.asarray(led.logprobs, np.float32), "versions": np.asarray(led.versions, np.int32),
               "turn_offsets": np.asarray(led.turn_offsets, np.int64),
               "cache_tokens": cache.tokens.astype(np.int64), "row_versions": cache.row_versions.astype(np.int64)}
-    if cache.routes is not None:
-        arrays["routed_experts"] = cache.routes.astype(np.int32)
+    if cache.routed_experts is not None:
+        arrays["routed_experts"] = cache.routed_experts.astype(np.int32)
     return JournalRecord(meta, arrays)
 
 
@@ -107,11 +107,11 @@ def restore_episode(ep: Episode, rec: JournalRecord) -> Episode:
     cache.stats.full_requests, cache.stats.rows_received = st["full_requests"], st["rows_received"]
     cache.stats.route_bytes, cache.stats.fallbacks = st["route_bytes"], dict(st["fallbacks"])
     cache.tokens, cache.row_versions = a["cache_tokens"], a["row_versions"]
-    cache.routes = a.get("routed_experts")
+    cache.routed_experts = a.get("routed_experts")
     cache._force_full = bool(rp["force_full"])
     # every row received so far is the router's record of a forward pass that made the recorded
     # tokens: pinned, never replaced by a recompute (the last row is a placeholder, not received)
-    cache.pinned = max(0, len(cache.tokens) - 1) if cache.routes is not None else 0
+    cache.pinned = max(0, len(cache.tokens) - 1) if cache.routed_experts is not None else 0
     _restore_env(ep, m)
     return ep
 

@@ -228,12 +228,12 @@ class Episode:
                 "malformed_calls": self.counts.malformed, "no_action_turns": self.counts.no_action,
                 "grade": _jsonable(details), "replay_mode": self.conv.mode,
                 "replay": self.conv.stats.as_dict(), "replay_retries": self.conv.retries}
-        if self.conv.mode != "off" and self.conv.cache.routes is not None:
+        if self.conv.mode != "off" and self.conv.cache.routed_experts is not None:
             meta["route_versions"] = self.conv.cache.version_runs()
         return Trajectory(
             tokens=np.asarray(led.tokens, np.int32), loss_mask=np.asarray(led.loss_mask, np.uint8),
             logprobs=np.asarray(led.logprobs, np.float32), versions=np.asarray(led.versions, np.int32),
-            routed_experts=self.conv.routes(n), reward=rewards[reward_key], rewards=rewards,
+            routed_experts=self.conv.routed_experts(n), reward=rewards[reward_key], rewards=rewards,
             task_id=self.env.task_id, group_id=group_id,
             turn_offsets=np.asarray(led.turn_offsets, np.int64), metadata=meta,
             timings=dict(self.timings))

@@ -58,12 +58,12 @@ def test_delta_routes_equal_one_full_export_row_for_row(turns, rnd):
 def test_delta_asks_from_prev_seqlen_minus_one_and_overwrites_the_placeholder():
     cache = RouteCache("delta")
     run_turn(cache, [1, 2, 3], [4, 5])
-    placeholder = cache.routes[-1].copy()
-    np.testing.assert_array_equal(placeholder, cache.routes[-2])
+    placeholder = cache.routed_experts[-1].copy()
+    np.testing.assert_array_equal(placeholder, cache.routed_experts[-2])
     assert cache.start_len([1, 2, 3, 4, 5, 9, 9]) == 4
     run_turn(cache, [1, 2, 3, 4, 5, 9, 9], [7])
-    np.testing.assert_array_equal(cache.routes[4], oracle([1, 2, 3, 4, 5])[4])
-    assert len(cache.routes) == 8
+    np.testing.assert_array_equal(cache.routed_experts[4], oracle([1, 2, 3, 4, 5])[4])
+    assert len(cache.routed_experts) == 8
 
 
 def test_full_mode_always_asks_everything_and_agrees_with_delta():
@@ -91,13 +91,13 @@ def test_changed_prefix_falls_back_to_a_full_export_and_is_counted():
 def test_row_count_mismatch_raises_and_leaves_the_cache_untouched():
     cache = RouteCache("delta")
     run_turn(cache, [1, 2, 3], [4, 5])
-    before = cache.routes.copy()
+    before = cache.routed_experts.copy()
     prompt, output = [1, 2, 3, 4, 5, 6], [7]
     start = cache.start_len(prompt)
     bad = engine_response(prompt, output, start)[:-1]
     with pytest.raises(RouteMismatch, match="rows"):
         cache.absorb(prompt, output, bad, start, 0)
-    np.testing.assert_array_equal(cache.routes, before)
+    np.testing.assert_array_equal(cache.routed_experts, before)
     with pytest.raises(RouteMismatch, match="no routed_experts"):
         cache.absorb(prompt, output, None, start, 0)
 

@@ -66,7 +66,7 @@ def test_random_conversations_delta_equals_one_full_export(engine):
         conv = ReplayConversation(client, mode="delta")
         tokens = converse(conv, rnd, turns=rnd.randrange(2, 6))
         full, _ = full_export(client, tokens)
-        got = conv.routes(len(tokens))
+        got = conv.routed_experts(len(tokens))
         assert got.shape == (len(tokens), LAYERS, TOPK)
         np.testing.assert_array_equal(got[:-1], full)
         assert sum(conv.stats.fallbacks.values()) == 0
@@ -79,7 +79,7 @@ def test_full_mode_gets_the_same_rows_with_more_bytes(engine):
     for mode in ("full", "delta"):
         conv = ReplayConversation(client, mode=mode)
         tokens = converse(conv, random.Random(3), turns=4)
-        results[mode] = (tokens, conv.routes(len(tokens)), conv.stats.route_bytes)
+        results[mode] = (tokens, conv.routed_experts(len(tokens)), conv.stats.route_bytes)
     assert results["full"][0] == results["delta"][0]          # seeded sampling: same conversation
     np.testing.assert_array_equal(results["full"][1], results["delta"][1])
     assert results["full"][2] > results["delta"][2]
@@ -93,7 +93,7 @@ def test_changed_prefix_falls_back_and_is_counted(engine):
     tokens = converse(conv, random.Random(12), turns=2, tokens=tokens)
     assert conv.stats.fallbacks["prefix_mismatch"] == 1
     full, _ = full_export(client, tokens)
-    np.testing.assert_array_equal(conv.routes(len(tokens))[:-1], full)
+    np.testing.assert_array_equal(conv.routed_experts(len(tokens))[:-1], full)
 
 
 def test_weight_update_mid_conversation_refreshes(engine, weights):
@@ -112,7 +112,7 @@ def test_weight_update_mid_conversation_refreshes(engine, weights):
         assert conv.cache.version_runs() == [[0, 1]]
         full, res = full_export(client, tokens)
         assert res.weight_version == "1"
-        np.testing.assert_array_equal(conv.routes(len(tokens))[:-1], full)
+        np.testing.assert_array_equal(conv.routed_experts(len(tokens))[:-1], full)
     finally:
         requests.post(engine.url + "/update_weights_from_disk",
                       json={"model_path": str(weights / "v_0"), "weight_version": "0"}, timeout=60)
@@ -177,7 +177,7 @@ def test_dropped_or_short_response_is_retried_with_a_full_export(engine, fault, 
         assert conv.stats.fallbacks[reason] == 1 and conv.retries == 1
         assert proxy.seen == 4
         full, _ = full_export(EngineClient(engine.url), tokens)
-        np.testing.assert_array_equal(conv.routes(len(tokens))[:-1], full)
+        np.testing.assert_array_equal(conv.routed_experts(len(tokens))[:-1], full)
     finally:
         proxy.shutdown()
         proxy.server_close()

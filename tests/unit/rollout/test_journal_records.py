@@ -113,7 +113,7 @@ def test_a_full_export_after_a_resume_keeps_the_recorded_routes(tmp_path):
     rec = _stopped_after(2, ToyEnv(), ScriptedClient(SCRIPT), tmp_path)
     ep = jr.restore_episode(Episode(ScriptedClient(SCRIPT[2:]), ToyEnv(), TOK, CFG6, replay="full"), rec)
     rec.arrays["routed_experts"][:] = 0        # the recorded rows differ from what a recompute returns
-    ep.conv.cache.routes = rec.arrays["routed_experts"].copy()
+    ep.conv.cache.routed_experts = rec.arrays["routed_experts"].copy()
     tr = ep.run().trajectory()
     pinned = len(rec.arrays["cache_tokens"]) - 1
     assert (tr.routed_experts[:pinned] == 0).all() and (tr.routed_experts[pinned:-1] != 0).any()
