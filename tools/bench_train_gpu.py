@@ -424,7 +424,7 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
         train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d, publish_every=1,
                                   checkpoint_every=4, publish_via="direct", precision=precision,
                                   recompute=args.recompute, wait_for_data_s=600.0, lr=1e-5),
-        rollout=dataclasses.replace(exp.rollout, max_staleness=10 ** 6))
+        offpolicy=dataclasses.replace(exp.offpolicy, max_staleness=10 ** 6))
     run = RunDir(root / "run").create()
     run.run_yaml.write_text(C.dump(exp))
     w = ShardWriter(run.root, "bench", StoreConfig(flush_trajectories=10 * d))
