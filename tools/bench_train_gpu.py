@@ -27,7 +27,7 @@ against the device's dense peak: 989 TFLOP/s bf16 on CUDA (H200; an H100's is th
 CPU the fp32 matmul rate measured at start.  Times are wall-clock on CUDA; on CPU this
 process's CPU time (``--clock``), with one intra-op thread per worker (``OMP_NUM_THREADS=1``,
 ``BENCH_CPU_THREADS`` to change it: spinning OpenMP threads would count as CPU time).  One more step of each side runs under an aten-op census
-(``tools/benchlib.OpCensus``): the ops it dispatches, the ones that would make the host wait
+(``neon_hpc.train.census``): the ops it dispatches, the ones that would make the host wait
 for a device (scalar read-backs, data-dependent shapes, device-to-host copies), those inside
 the MoE layers' forwards, those of the optimizer step issued once per parameter tensor, and
 which SDPA kernel and which expert-GEMM path served the shape.
@@ -331,65 +331,19 @@ def kernel_paths(counts) -> dict[str, str]:
 
 
 def census(step, trajs, be=None) -> dict:
-    """One step under the aten-op census: ops, would-sync ops, MoE-layer (forward) syncs,
-    per-parameter optimizer ops, and the kernel paths."""
-    from benchlib import OpCensus
-    opt, hooks = [0], []
-    state = {"moe": False}
+    """One step under the aten-op census (``neon_hpc.train.census``): ops, would-sync ops,
+    MoE-layer (forward) syncs, per-parameter optimizer ops, and the kernel paths."""
+    from neon_hpc.train.census import census as op_census
+    moe, optimizer, n_params = [], None, 0
     if be is not None:
         from megatron.core.transformer.moe.moe_layer import MoELayer
-        for m in be.models:
-            for mod in m.modules():
-                if isinstance(mod, MoELayer):
-                    hooks.append(mod.register_forward_pre_hook(lambda *a: state.update(moe=True)))
-                    hooks.append(mod.register_forward_hook(lambda *a: state.update(moe=False)))
-    with OpCensus() as c:
-        if be is not None:
-            orig = be.optimizer.step
-            n_params = sum(1 for m in be.models for _ in m.parameters())
-
-            def opt_step():
-                from benchlib import OpCensus as Inner
-                with Inner() as ci:
-                    out = orig()
-                opt[0] = ci.per_tensor(n_params)
-                return out
-            be.optimizer.step = opt_step
-        moe_c = _MoeSyncs(state)
-        try:
-            with moe_c:
-                step(trajs)
-        finally:
-            if be is not None:
-                be.optimizer.step = orig
-            for h in hooks:
-                h.remove()
-    return {"ops": c.total, "syncs": c.syncs, "moe_layer_syncs": moe_c.syncs, "optimizer_per_param_ops": opt[0],
-            **kernel_paths(c.counts)}
-
-
-class _MoeSyncs:
-    """Would-sync ops dispatched while a MoE layer's forward runs."""
-
-    def __init__(self, state) -> None:
-        self.state, self.syncs = state, 0
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from benchlib import SYNC_OPS
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if outer.state["moe"] and func.__name__.split(".")[0] in SYNC_OPS:
-                    outer.syncs += 1
-                return func(*args, **(kwargs or {}))
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+        moe = [mod for m in be.models for mod in m.modules() if isinstance(mod, MoELayer)]
+        optimizer, n_params = be.optimizer, sum(1 for m in be.models for _ in m.parameters())
+    with op_census({"moe": moe}, optimizer=optimizer) as c:
+        step(trajs)
+    return {"ops": c.n_ops(), "syncs": c.n_syncs(), "moe_layer_syncs": c.n_syncs("moe"),
+            "optimizer_per_param_ops": sum(c.per_tensor(n_params, "optimizer").values()),
+            **kernel_paths(c.packets())}
 
 
 def measure(name: str, fn, shapes, cfg, args, cuda: bool, peak: float, be=None) -> list[dict]:
@@ -470,7 +424,7 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
         train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d, publish_every=1,
                                   checkpoint_every=4, publish_via="direct", precision=precision,
                                   recompute=args.recompute, wait_for_data_s=600.0, lr=1e-5),
-        rollout=dataclasses.replace(exp.rollout, max_staleness=10 ** 6))
+        offpolicy=dataclasses.replace(exp.offpolicy, max_staleness=10 ** 6))
     run = RunDir(root / "run").create()
     run.run_yaml.write_text(C.dump(exp))
     w = ShardWriter(run.root, "bench", StoreConfig(flush_trajectories=10 * d))
@@ -605,7 +559,6 @@ def main(argv=None) -> int:
     from neon_hpc.models import cpu_shim
     cpu_shim.apply()
     if args.worker:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))       # benchlib
         res = WORKERS[args.worker](args, cfg, cuda, precision, peak, shapes)
         Path(args.worker_out).write_text(json.dumps(res))
         return 0

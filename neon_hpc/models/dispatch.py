@@ -35,6 +35,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoETokenDispatcher
 
+from neon_hpc.models.experts import layer_specs
+
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_out: int):
     """``(permuted tokens [num_out, H], permuted probs [num_out], token index [num_out],
@@ -147,11 +149,8 @@ IMPLS = ("device", "megatron")
 def hook_spec(spec) -> int:
     """Use :class:`DispatchMoELayer` wherever ``spec`` (a layer spec or a block spec with
     ``layer_specs``) has megatron's ``MoELayer``; returns how many were replaced."""
-    layers = getattr(getattr(spec, "submodules", None), "layer_specs", None)
-    if layers is None:
-        layers = getattr(spec, "layer_specs", None) or [spec]
     n = 0
-    for layer in layers:
+    for layer in layer_specs(spec):
         mlp = getattr(layer.submodules, "mlp", None)
         if mlp is not None and getattr(mlp, "module", None) is MoELayer:
             mlp.module = DispatchMoELayer

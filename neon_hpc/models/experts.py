@@ -162,14 +162,19 @@ class GroupedExperts(SequentialMLP):
         return out, None
 
 
-def hook_spec(spec) -> int:
-    """Use :class:`GroupedExperts` wherever ``spec`` (a layer spec or a block spec with
-    ``layer_specs``) has megatron's ``SequentialMLP``; returns how many were replaced."""
+def layer_specs(spec) -> list:
+    """The per-layer specs of ``spec``: a layer spec (itself), or a block spec's ``layer_specs``."""
     layers = getattr(getattr(spec, "submodules", None), "layer_specs", None)
     if layers is None:
         layers = getattr(spec, "layer_specs", None) or [spec]
+    return list(layers)
+
+
+def hook_spec(spec) -> int:
+    """Use :class:`GroupedExperts` wherever ``spec`` (a layer spec or a block spec with
+    ``layer_specs``) has megatron's ``SequentialMLP``; returns how many were replaced."""
     n = 0
-    for layer in layers:
+    for layer in layer_specs(spec):
         mlp = getattr(layer.submodules, "mlp", None)
         experts = getattr(getattr(mlp, "submodules", None), "experts", None)
         if experts is not None and getattr(experts, "module", None) is SequentialMLP:

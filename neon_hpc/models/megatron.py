@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from neon_hpc import arch
 from neon_hpc.models import cpu_shim
+from neon_hpc.models.core_attention import SDPACoreAttention
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.util.netutil import free_port
 
@@ -142,8 +143,13 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_repla
 
 def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
     """The local-spec layer spec of ``cfg.arch`` (one spec, or a block spec with per-layer specs
-    of model chunk ``vp_stage``'s layers under the interleaved schedule)."""
-    return megatron_builders(cfg.arch).layer_spec(cfg, tcfg, vp_stage=vp_stage)
+    of model chunk ``vp_stage``'s layers under the interleaved schedule). Multi-latent attention's
+    core attention is :class:`~neon_hpc.models.core_attention.SDPACoreAttention` (fused SDPA)."""
+    spec = megatron_builders(cfg.arch).layer_spec(cfg, tcfg, vp_stage=vp_stage)
+    if arch.get(cfg.arch).attention == "mla":
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
 
 
 def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: bool = False,

@@ -186,19 +186,26 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
         def new_uid(i):
             return f"{writer_id}-{episodes + i}"
 
+        def play(group) -> bool:
+            """Run ``group`` to its end and publish it; False when a stop ended it at a turn boundary."""
+            nonlocal rollout_s, dropped, groups, tokens
+            trajs, dt = _run(group, journal, stop, sec)
+            rollout_s += dt
+            if trajs is None:
+                dropped = group.dropped
+                return False
+            groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
+            committed()
+            return True
+
         while not stop.requested and not Finished.present(run):
             if resume:      # journalled groups first: already in flight, they need no admission
                 group = resume.pop(0)
                 task = by_id[group.episodes[0][1].task_id]
                 beater.beat(in_flight=sum(len(g.episodes) for g in [group] + resume) + writer.pending,
                             groups=groups, episodes=episodes, tokens=tokens, task=task.id)
-                trajs, dt = _run(group, journal, stop, sec)
-                rollout_s += dt
-                if trajs is None:
-                    dropped = group.dropped
+                if not play(group):
                     break
-                groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
-                committed()
                 continue
             lag = version_gap(run)
             verdict, ahead = admission(run, sec, sec.rollout.group_size, lag)
@@ -231,13 +238,8 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
             # exactly-once consumption is checkable trajectory by trajectory
             group = jr.new_group(episode_of(task), task.id, sec.rollout.group_size, new_uid)
             episodes += sec.rollout.group_size
-            trajs, dt = _run(group, journal, stop, sec)
-            rollout_s += dt
-            if trajs is None:
-                dropped = group.dropped
+            if not play(group):
                 break
-            groups, tokens = _publish(trajs, dt, group, writer, journal, log, worker, groups, tokens)
-            committed()
             # a hungry trainer gets what we hold now rather than at the next full shard:
             # trajectories in a writer's buffer are invisible to the trainer and to admission
             if ready_trajectories(run, sec.store) < sec.train_trajectories_per_step:

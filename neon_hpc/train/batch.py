@@ -247,14 +247,19 @@ def replay_rows(mb: MicroBatch, tp_rank: int = 0, tp_size: int = 1, sequence_par
     if mb.routed_experts_dev is None:
         return replay_tensors(mb.routed_experts, tp_rank, tp_size, sequence_parallel, layers)
     r = mb.routed_experts_dev
-    s = r.shape[1]
-    if sequence_parallel and tp_size > 1:
-        if s % tp_size:
-            raise ValueError(f"sequence length {s} is not a multiple of TP size {tp_size}; build the "
-                             f"micro-batch with pad_multiple={tp_size}")
-        chunk = s // tp_size
-        r = r[:, tp_rank * chunk:(tp_rank + 1) * chunk]
+    r = r[:, _sp_rows(r.shape[1], tp_rank, tp_size, sequence_parallel)]
     return [r[l] for l in (range(r.shape[0]) if layers is None else layers)]
+
+
+def _sp_rows(s: int, tp_rank: int, tp_size: int, sequence_parallel: bool) -> slice:
+    """The token rows of a length-``s`` sequence this TP rank holds (all of them without sequence parallelism)."""
+    if not (sequence_parallel and tp_size > 1):
+        return slice(None)
+    if s % tp_size:
+        raise ValueError(f"sequence length {s} is not a multiple of TP size {tp_size}; build the "
+                         f"micro-batch with pad_multiple={tp_size}")
+    chunk = s // tp_size
+    return slice(tp_rank * chunk, (tp_rank + 1) * chunk)
 
 
 def replay_tensors(routes: np.ndarray, tp_rank: int = 0, tp_size: int = 1,
@@ -265,12 +270,6 @@ def replay_tensors(routes: np.ndarray, tp_rank: int = 0, tp_size: int = 1,
     ``routes`` is ``[S, num_moe_layers, top_k]`` for a B = 1 micro-batch; returns one int64
     ``[tokens_on_this_rank, top_k]`` tensor per MoE layer held by this rank, in layer order.
     """
-    s = routes.shape[0]
-    if sequence_parallel and tp_size > 1:
-        if s % tp_size:
-            raise ValueError(f"sequence length {s} is not a multiple of TP size {tp_size}; build the "
-                             f"micro-batch with pad_multiple={tp_size}")
-        chunk = s // tp_size
-        routes = routes[tp_rank * chunk:(tp_rank + 1) * chunk]
+    routes = routes[_sp_rows(routes.shape[0], tp_rank, tp_size, sequence_parallel)]
     layer_ids = range(routes.shape[1]) if layers is None else layers
     return [torch.from_numpy(np.ascontiguousarray(routes[:, l, :])) for l in layer_ids]

@@ -1,7 +1,9 @@
 """A dispatch-level census of what a training step runs: aten ops, and the ops that would sync a device.
 
 On CPU nothing waits for a device, so a host sync costs nothing there and a CPU run cannot see
-one.  The census counts them anyway, by what they would do on CUDA:
+one.  The census counts them anyway, by what they would do on CUDA (:func:`would_sync`, the one
+home of this rule: the tests' budgets and ``tools/bench_train_gpu.py``'s ``syncs_per_step`` and
+``moe_layer_syncs`` are counted by it):
 
 - ops that return a host value or need one to size their output: ``_local_scalar_dense``
   (``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``), ``nonzero``, ``masked_select``,
@@ -31,6 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_PACKETS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
                 "unique_dim", "unique_consecutive", "bincount", "equal", "is_nonzero", "allclose")
 HOST_METHODS = ("tolist", "numpy", "cpu")
+# views and metadata: no kernel, no memory traffic (not counted by :meth:`Census.per_tensor`)
+VIEW_OPS = frozenset(("detach", "alias", "view", "_reshape_alias", "as_strided", "t", "transpose", "unsqueeze",
+                      "squeeze", "expand", "select", "slice", "permute", "split", "split_with_sizes", "unbind",
+                      "chunk", "narrow", "reshape", "_unsafe_view", "lift_fresh"))
 
 
 @dataclass
@@ -45,9 +51,25 @@ class Census:
     def n_syncs(self, scope: str = "step") -> int:
         return sum(self.syncs[scope].values())
 
+    def packets(self, scope: str = "step") -> Counter:
+        """The scope's ops by overload packet (``"nonzero"`` for ``aten.nonzero.default``)."""
+        return _by_packet(self.ops[scope])
+
+    def per_tensor(self, n: int, scope: str = "step") -> dict[str, int]:
+        """The scope's op packets issued at least ``n`` times (``n`` = the parameter tensors: a
+        per-parameter loop), views aside; empty for ``n <= 1``."""
+        return {k: v for k, v in self.packets(scope).items() if v >= n and k not in VIEW_OPS} if n > 1 else {}
+
     def summary(self) -> dict[str, tuple[int, int]]:
         """scope -> (aten ops, would-sync ops)."""
         return {s: (self.n_ops(s), self.n_syncs(s)) for s in sorted(set(self.ops) | set(self.syncs))}
+
+
+def _by_packet(ops: Counter) -> Counter:
+    out: Counter = Counter()
+    for name, count in ops.items():
+        out[name.split(".")[1]] += count          # str(OpOverload): "<namespace>.<packet>.<overload>"
+    return out
 
 
 def _is_bool_index(indices) -> bool:

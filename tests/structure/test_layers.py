@@ -18,9 +18,10 @@ import each other (the foundation excepted: small shared helpers).  On top of th
   demonstrations, evaluation) is a plugin (part ``env_plugins``) above the agent loop it plugs
   into; the registry and interfaces (``neon_hpc/envs/*.py``, part ``envs``) are foundation, and
   the registry reaches the plugins by the module names of its table only (checked below);
-* an architecture's ``megatron.py`` (``neon_hpc/arch/<name>/megatron.py``: megatron config and
-  layer spec) is models code kept in its architecture's folder: it counts as ``models``, and the
-  models reach it by the name the architecture gives (``Architecture.megatron_module``);
+* an architecture's folder (``neon_hpc/arch/<name>/``) is the architecture's, all of it: its
+  ``megatron.py`` (megatron config and layer spec) imports megatron inside its functions only and
+  nothing of neon_hpc above the foundation; the models reach it by the name the architecture gives
+  (``Architecture.megatron_module``);
 * library code imports nothing from ``tests/`` or ``tools/``.
 
 The experiment config (``neon_hpc/config/``, one module per section) is a leaf: it imports
@@ -52,7 +53,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("environments", {"env_plugins"}),                  # neon_hpc/envs/<name>/: one folder per environment
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
-    ("models", {"models"}),                             # megatron and HF builders, arch/<name>/megatron.py
+    ("models", {"models"}),                             # megatron and HF builders
     ("checkpoint format", {"checkpoint"}),              # torch_dist: metadata, integrity, config.json; trainer + reshard
     ("foundation", {"protocol", "config", "arch", "envs", "util", "neon_hpc"}),
 ]
@@ -89,15 +90,12 @@ def module_name(path: Path) -> str:
 
 def part_of(module: str) -> str:
     """``neon_hpc.rollout.engines.client`` -> ``rollout``; a section ``neon_hpc.config.train`` -> ``config``;
-    an architecture's ``neon_hpc.arch.<name>.megatron`` -> ``models``; an environment's
-    ``neon_hpc.envs.<name>[...]`` -> ``env_plugins``."""
+    an environment's folder ``neon_hpc.envs.<name>[...]`` -> ``env_plugins``: by folder alone."""
     parts = module.split(".")
     if len(parts) == 1:
         return "neon_hpc"
     if len(parts) >= 3 and parts[1] == "envs" and (LIB / "envs" / parts[2]).is_dir():
         return "env_plugins"
-    if len(parts) == 4 and parts[1] == "arch" and parts[3] == "megatron":
-        return "models"
     return parts[1]
 
 
@@ -188,7 +186,7 @@ def test_the_scanner_sees_every_kind_of_import(tmp_path):
     assert got.count("neon_hpc.protocol.rundir") == 1 and "neon_hpc.config" in got
     assert {"neon_hpc.train.loop", "neon_hpc.reshard.tasks", "neon_hpc.models.hf"} <= set(got), got
     assert part_of("neon_hpc.config.train") == "config" and part_of("neon_hpc.train.loop") == "train"
-    assert part_of("neon_hpc.arch.some_arch.megatron") == "models" and part_of("neon_hpc.arch.some_arch") == "arch"
+    assert part_of("neon_hpc.arch.some_arch.megatron") == "arch" and part_of("neon_hpc.arch.some_arch") == "arch"
     assert part_of("neon_hpc.envs.xrd.env") == "env_plugins" and part_of("neon_hpc.envs.xrd") == "env_plugins"
     assert part_of("neon_hpc.envs.base") == "envs" and part_of("neon_hpc.config.env") == "config"
 

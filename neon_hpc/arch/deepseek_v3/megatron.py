@@ -14,7 +14,7 @@ Semantics pinned here (both homes compute them the same way):
   ``moe_router_topk == 2 * router_group_topk`` (true for DeepSeek-V3: 8 / 4).  Kimi-K2 uses one group.
 - the expert bias is not updated by the trainer (``moe_router_bias_update_rate=0``): RL keeps
   the released routing balance instead of re-balancing it from rollout batches.
-- MLA runs on megatron's local spec with :class:`neon_hpc.models.core_attention.SDPACoreAttention`
+- MLA runs on megatron's local spec; the models give it :class:`neon_hpc.models.core_attention.SDPACoreAttention`
   (megatron's local ``DotProductAttention`` cannot take a v head dim different from q/k).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.config.model import ModelConfig
+from neon_hpc.arch.model import ModelConfig
 
 
 def transformer_config(cfg: ModelConfig, tp: int, ep: int, routing_replay: bool, base: dict,
@@ -59,20 +59,15 @@ def transformer_config(cfg: ModelConfig, tp: int, ep: int, routing_replay: bool,
 
 
 def layer_spec(cfg: ModelConfig, tcfg, vp_stage: int | None = None):
-    """Per-layer local specs (dense first layers, then MoE) with MLA's core attention swapped
-    for :class:`~neon_hpc.models.core_attention.SDPACoreAttention`."""
+    """Per-layer local specs (dense first layers, then MoE); the models swap MLA's core attention
+    for their fused one (``neon_hpc.models.megatron.layer_spec``: every ``attention = "mla"``
+    architecture's)."""
     # deferred: heavy (megatron)
     import megatron.core.transformer.multi_latent_attention as mla
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    # deferred: heavy (neon_hpc.models.core_attention: torch, numpy)
-    from neon_hpc.models.core_attention import SDPACoreAttention
     if not isinstance(mla.TELinear, type):
         # Without Transformer Engine the name is a placeholder object; MLA's `spec in [TELinear]`
         # checks then compare a class with it. A class that nothing is an instance of keeps them false.
         mla.TELinear = type("NoTELinear", (), {})
-    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm",
+    return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm",
                                       vp_stage=vp_stage)
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec

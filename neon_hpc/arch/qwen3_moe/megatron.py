@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from neon_hpc.config.model import ModelConfig
+from neon_hpc.arch.model import ModelConfig
 
 
 def transformer_config(cfg: ModelConfig, tp: int, ep: int, routing_replay: bool, base: dict,

@@ -3,25 +3,19 @@ multi-tensor grad norm, clip and main -> model copy, on the same code path CPU a
 
 Real megatron-core (single gloo rank), the tiny Qwen3-MoE config, both precisions: the patches
 are in effect, an optimizer step dispatches no per-parameter loop (an aten-op census,
-``tools/benchlib.OpCensus``) and reads the device back at most once, and the norm / clip / copy
+``neon_hpc.train.census``) and reads the device back at most once, and the norm / clip / copy
 helpers equal torch's per-tensor reference.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from repo_paths import REPO
-
-# the repository root, whichever tier folder this file is in
-sys.path.insert(0, str(REPO / "tools"))
-
-from benchlib import OpCensus  # noqa: E402
+from neon_hpc.train.census import census
 
 
 @pytest.fixture
@@ -81,12 +75,13 @@ def test_optimizer_step_has_no_per_parameter_loop(precision):
             for p in m.parameters():
                 if getattr(p, "main_grad", None) is not None:
                     p.main_grad.copy_(torch.randn_like(p.main_grad))
-        with OpCensus() as c:
+        with census() as c:
             ok, norm, _ = be.optimizer.step()
         assert ok and np.isfinite(norm)
         assert n_params > 20
-        assert c.per_tensor(n_params) == 0, c.counts.most_common(8)
-        assert c.counts["_local_scalar_dense"] <= 2, c.counts.most_common(8)   # the norm (and Adam's step count on CPU)
-        assert c.counts["linalg_vector_norm"] == 0 and c.counts["_foreach_norm"] >= 1
+        ops = c.packets()
+        assert not c.per_tensor(n_params), ops.most_common(8)
+        assert ops["_local_scalar_dense"] <= 2, ops.most_common(8)   # the norm (and Adam's step count on CPU)
+        assert ops["linalg_vector_norm"] == 0 and ops["_foreach_norm"] >= 1
     finally:
         B.teardown()
