@@ -15,9 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import model_validator
+
 from neon_hpc import envs
 from neon_hpc.envs.base import EnvSettings
-from neon_hpc.util.constraints import Rule, hints, section, union_of
+from neon_hpc.util.constraints import RuleViolations, Violation, hints, section, union_of
 
 OTHER = "*"          # the union's tag for a kind no installed entry supplies
 
@@ -30,10 +32,15 @@ class EnvConfig(EnvSettings):
 
     kind: str = "xrd"          # the mission's environment; any installed one (neon-hpc env list)
 
-    RULES = (
-        Rule("kind", lambda c: c.kind in envs.kinds(),
-             lambda c: f"a registered environment: {envs.known()} (neon-hpc env list)"),
-    )
+    # before its keys are checked: a misspelt kind is told so, not that the settings it carries are foreign
+    @model_validator(mode="before")
+    @classmethod
+    def _registered(cls, data: Any) -> Any:
+        kind = data.get("kind", DEFAULT) if isinstance(data, dict) else getattr(data, "kind", None)
+        if isinstance(kind, str) and kind not in envs.kinds():
+            raise RuleViolations([Violation("kind", kind, f"a registered environment: {envs.known()} "
+                                            "(neon-hpc env list)")])
+        return data
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is EnvConfig and "kind" in kwargs:      # (pydantic builds it without arguments)

@@ -414,7 +414,8 @@ def _unknown_key(root: type, loc: tuple, value: Any) -> str:
     owners = [t for t, c in siblings.items() if k in hints(c) and c is not sec]
     if owners:
         tag_field, tag = getattr(sec, "TAG_FIELD", "arch"), next(t for t, c in siblings.items() if c is sec)
-        return (f"{path}: a field of {tag_field} {' / '.join(owners)}, not of {tag_field} {tag}: remove it, "
+        this = f"{tag_field} {tag}" if tag in typing.get_args(hints(sec).get(tag_field)) else f"this {tag_field}"
+        return (f"{path}: a field of {tag_field} {' / '.join(owners)}, not of {this}: remove it, "
                 f"or set {prefix}{tag_field}: {owners[0]}")
     close = difflib.get_close_matches(k, names, n=1, cutoff=0.5)
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
