@@ -65,7 +65,7 @@ def _cost_model(cfg: ExperimentConfig) -> list[Problem]:
 
 def _tasks(cfg: ExperimentConfig) -> list[Problem]:
     env = envs.configured(cfg)
-    key = env.plugin.section or "env"
+    key = "env"
     try:
         source = env.tasks()
         tasks = source.train(2)

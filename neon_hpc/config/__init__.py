@@ -4,7 +4,8 @@ A leaf package (pydantic and yaml; no h5py, numpy, torch or megatron: ``tests/st
 Each section is one module here (``neon_hpc/config/<section>.py``, a dataclass marked
 :func:`neon_hpc.util.constraints.section`); an architecture's ``model:`` variant is its
 folder's (``neon_hpc/arch/<name>/config.py``), the rules across sections are
-``neon_hpc/config/cross.py``.  This module composes them, loads YAML, applies ``--set
+``neon_hpc/config/cross.py``; an environment's ``env:`` variant is supplied by its entry point
+(``neon_hpc/config/env.py``).  This module composes them, loads YAML, applies ``--set
 key.path=value`` overrides and validates with pydantic.  Types, ranges (``CHECKS``), enums
 (``Literal``) and cross-field rules (``RULES``) are declared beside the fields; the rules across
 sections are :attr:`ExperimentConfig.CROSS`, each written once.  Every error names the file, the
@@ -35,7 +36,7 @@ from neon_hpc.util.constraints import section
 from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.config.balance import BalanceConfig
 from neon_hpc.config.cross import cross_errors
-from neon_hpc.config.env import EnvConfig
+from neon_hpc.config.env import SECTIONS as ENV_SECTIONS, DefaultEnvConfig, EnvSection
 from neon_hpc.config.launch import LaunchConfig, WarmStartConfig
 from neon_hpc.config.logging import LoggingConfig
 from neon_hpc.config.model import DefaultModelConfig, ModelSection
@@ -45,12 +46,14 @@ from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, EvalConfig, RolloutConfig
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.config.train import TrainConfig
-from neon_hpc import envs
 
 
+@section
 @dataclass
-class _CoreSections:
-    """The library's sections; :class:`ExperimentConfig` adds each installed environment's own."""
+class ExperimentConfig:
+    """The experiment config: one section per component; ``model:`` and ``env:`` are unions
+    chosen by ``model.arch`` / ``env.kind`` (an environment's settings are its ``env:`` variant,
+    supplied by its entry point)."""
 
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
@@ -63,39 +66,20 @@ class _CoreSections:
     train: TrainConfig = field(default_factory=TrainConfig)
     offpolicy: OffpolicyConfig = field(default_factory=OffpolicyConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvSection = field(default_factory=DefaultEnvConfig)         # one section per environment (env.kind)
     plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-
-
-def _compose() -> type:
-    """The experiment config: the core sections, then one section per installed environment that
-    has settings (its entry's ``section``: ``xrd:``), supplied by the environment's entry point."""
-    core = {f.name for f in dataclasses.fields(_CoreSections)}
-    extra = []
-    for e in envs.entries():
-        if e.section is None:
-            continue
-        if e.section in core or e.settings is None:
-            raise RuntimeError(f"environment {e.name}: its settings section {e.section!r} "
-                               + ("is a core section's name; pick another" if e.section in core
-                                  else "has no settings class (EnvEntry.settings)"))
-        extra.append((e.section, e.settings, field(default_factory=e.settings)))
-    cls = dataclasses.make_dataclass(
-        "ExperimentConfig", extra, bases=(_CoreSections,),
-        namespace={"__module__": __name__, "__doc__": _compose.__doc__,
-                   # the rules across sections (config/cross.py), after every section passes
-                   "CROSS": (cross_errors,),
-                   # `mode` was two things (this and train.mode): the schedule is `schedule` now
-                   "MOVED": {"mode": "schedule"}})
-    return section(cls)
-
-
-ExperimentConfig = _compose()
+    # the rules across sections (config/cross.py), after every section passes
+    CROSS = (cross_errors,)
+    # `mode` was two things (this and train.mode): the schedule is `schedule` now; an
+    # environment's settings were once their own top-level section (xrd:)
+    MOVED = {"mode": "schedule",
+             **{k: f"env: with kind: {k} (move the {k}: keys under env:)"
+                for k, c in ENV_SECTIONS.items() if len(constraints.hints(c)) > 1}}
 
 
 class ConfigError(ValueError):

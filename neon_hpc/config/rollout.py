@@ -101,7 +101,7 @@ class RolloutConfig:
     }
     # the XRD environment's settings, once here: an old config or run.yaml that sets one is told where
     # and the off-policy settings (config/offpolicy.py)
-    MOVED = {"tools": "xrd.tools", "prompt_style": "xrd.prompt_style",
+    MOVED = {"tools": "env.tools (kind: xrd)", "prompt_style": "env.prompt_style (kind: xrd)",
              "max_staleness": "offpolicy.max_staleness", "stale_policy": "offpolicy.stale_policy",
              "backpressure_steps": "offpolicy.backpressure_steps", "replay_mode": "offpolicy.replay_engine"}
 
@@ -112,7 +112,7 @@ class EvalConfig:
     """A fixed eval set of held-out tasks, run greedily on published weights (``rollout/agent/evalset.py``).
 
     ``neon-hpc run`` evaluates the weights RL starts from and the last published ones on the
-    same ``num_tasks`` tasks (the environment's task set, e.g. XRD's ``xrd.preset``; this
+    same ``num_tasks`` tasks (the environment's task set, e.g. XRD's ``env.preset``; this
     ``split`` and ``seed``), temperature 0, with the rollout section's turns and limits; 0 tasks =
     no eval.  ``split`` is one of the chosen environment's held-out splits (its registry line,
     ``neon_hpc/envs/__init__.py``; checked by ``neon_hpc.config.env.eval_split_errors``).

@@ -84,7 +84,7 @@ def register(plugin: EnvPlugin, eval_splits: tuple[str, ...]) -> None:
     a taken name is refused."""
     if plugin.name in _discover():
         raise ValueError(f"environment {plugin.name!r} is already registered")
-    REGISTRY[plugin.name] = EnvEntry(plugin.name, "", plugin.about, tuple(eval_splits), plugin.section)
+    REGISTRY[plugin.name] = EnvEntry(plugin.name, "", plugin.about, tuple(eval_splits))
     _LOADED[plugin.name] = plugin
 
 
@@ -96,16 +96,10 @@ def unregister(name: str) -> None:
     _LOADED.pop(name, None)
 
 
-def settings(plugin: EnvPlugin, cfg) -> object | None:
-    """The plugin's config section of the experiment config ``cfg`` (None when it has none)."""
-    return getattr(cfg, plugin.section) if plugin.section else None
-
-
 def configured(cfg) -> ConfiguredEnv:
-    """The environment ``cfg.env.kind`` chooses, bound to its section of the experiment config ``cfg``."""
-    plugin = get(cfg.env.kind)
-    return plugin.bind(settings(plugin, cfg))
+    """The environment ``cfg.env.kind`` chooses, bound to the ``env:`` section of the experiment config ``cfg``."""
+    return get(cfg.env.kind).bind(cfg.env)
 
 
 __all__ = ["GROUP", "ConfiguredEnv", "EnvEntry", "EnvPlugin", "Environment", "REGISTRY", "TaskSource",
-           "configured", "entries", "eval_splits", "get", "kinds", "known", "register", "settings", "unregister"]
+           "configured", "entries", "eval_splits", "get", "kinds", "known", "register", "unregister"]

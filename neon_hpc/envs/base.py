@@ -63,12 +63,24 @@ class TaskSource(Protocol):
     def held_out(self, split: str, n: int, seed: int) -> list: ...         # the eval set (never train)
 
 
+@dataclass
+class EnvSettings:
+    """The base of an environment's ``env:`` section (its variant of the experiment config's
+    ``env:`` union, chosen by ``env.kind``): a plugin's settings class subclasses it, declares
+    ``kind: Literal["<name>"] = "<name>"`` first, then its own fields, and is marked ``@section``
+    (``neon_hpc.util.constraints``).  A plugin without settings has ``kind`` alone."""
+
+    kind: str = ""
+
+    TAG_FIELD = "kind"
+
+
 @dataclass(frozen=True)
 class EnvPlugin:
-    """One environment: where its settings live, its task source, its episode environment.
+    """One environment: its task source, its episode environment.
 
-    ``section``: the experiment config section with its settings (``xrd``), or None when it has
-    none; every function below gets that section as ``settings`` (None when ``section`` is None).
+    Every function below gets the experiment config's ``env:`` section as ``settings`` (the
+    plugin's variant, :class:`EnvSettings`: ``kind`` and the settings its entry declares).
     ``tasks(settings)`` builds the :class:`TaskSource`; ``environment(task, settings, rollout_cfg)``
     builds one episode's :class:`Environment` (the environment's own settings, e.g. XRD's tools and
     prompt style, come from ``settings``; the rollout section gives the generic limits, e.g. the
@@ -84,12 +96,11 @@ class EnvPlugin:
     about: str
     tasks: Callable[[Any], TaskSource]
     environment: Callable[[Any, Any, Any], Environment]
-    section: str | None = None
     write_demos: Callable[..., dict] | None = None
     cli: str = ""
 
     def bind(self, settings: Any) -> "ConfiguredEnv":
-        """This plugin with its config section (``settings``; None when it has none)."""
+        """This plugin with its config section (``settings``: the ``env:`` section)."""
         return ConfiguredEnv(self, settings)
 
 
@@ -99,7 +110,7 @@ class ConfiguredEnv:
     env=...)``), the eval set and the warm start build tasks, episodes and demonstrations from."""
 
     plugin: EnvPlugin
-    settings: Any      # the plugin's section of the experiment config (None when it has none)
+    settings: Any      # the experiment config's env: section (the plugin's variant)
 
     @property
     def name(self) -> str:
@@ -123,8 +134,8 @@ class EnvEntry:
     """What the registry knows of an environment without importing it: the object an entry point of
     the group ``neon_hpc.envs`` names (``xrd = "neon_hpc.envs.xrd.entry:ENTRY"``).
 
-    Its module imports the settings section and nothing heavy: the config composes ``settings``
-    under ``section`` (``xrd:``) and checks ``env.kind`` / ``eval.split`` from these fields alone;
+    Its module imports the settings section and nothing heavy: the config composes ``settings`` as
+    the ``env:`` variant of ``kind: <name>`` and checks ``env.kind`` / ``eval.split`` from these fields alone;
     ``plugin`` names the module whose ``PLUGIN`` (:class:`EnvPlugin`) is imported when the
     environment is used; ``cli`` (a module with ``main(argv)``) becomes ``neon-hpc <name> ...``
     with ``cli_help`` as its line in ``neon-hpc --help``.
@@ -134,8 +145,7 @@ class EnvEntry:
     plugin: str                          # module defining PLUGIN
     about: str                           # one line for `neon-hpc env list`
     eval_splits: tuple[str, ...]         # the held-out splits its task source takes; the first is the usual one
-    section: str | None = None           # its settings' key in the experiment config (None: no settings)
-    settings: type | None = None         # the section's dataclass (marked @section)
+    settings: type | None = None         # its env: variant (an EnvSettings subclass, marked @section); None: kind alone
     cli: str = ""                        # module of `neon-hpc <name> ...` ("" = none)
     cli_help: str = ""
     resume: str = "replay"               # how a journalled episode's environment comes back (RESUME_MODES)

@@ -20,10 +20,9 @@ The config file's format is unchanged: these are views, not sections.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from neon_hpc import envs
-from neon_hpc.config.env import EnvConfig
+from neon_hpc.envs.base import EnvSettings
 from neon_hpc.config.launch import LaunchConfig
 from neon_hpc.config.offpolicy import OffpolicyConfig
 from neon_hpc.config.protocol import ProtocolConfig
@@ -42,9 +41,8 @@ class WorkerSections:
     offpolicy: OffpolicyConfig          # the admission bounds, the routes the engines export
     protocol: ProtocolConfig            # heartbeat and admission poll intervals
     store: StoreConfig                  # the shard writer
-    env: EnvConfig                      # which environment (env.kind: its plugin gives tasks and episodes)
-    # the environment's own section (``xrd`` for env.kind xrd; None when it has none): the task set
-    env_settings: Any
+    # which environment and its settings (env.kind's variant: its plugin gives tasks and episodes from it)
+    env: EnvSettings
     # borrowed from train: the admission rule's "trajectories per step" (how fast the trainer
     # consumes), and when a hungry trainer gets a partial shard
     train_trajectories_per_step: int
@@ -57,7 +55,7 @@ class WorkerSections:
     @classmethod
     def of(cls, cfg: "ExperimentConfig") -> "WorkerSections":
         return cls(rollout=cfg.rollout, offpolicy=cfg.offpolicy, protocol=cfg.protocol, store=cfg.store,
-                   env=cfg.env, env_settings=envs.settings(envs.get(cfg.env.kind), cfg),
+                   env=cfg.env,
                    train_trajectories_per_step=cfg.train.trajectories_per_step,
                    model_tokenizer=cfg.model.tokenizer_source,
                    model_num_layers=cfg.model.num_layers, model_moe_router_topk=cfg.model.moe_router_topk)

@@ -150,12 +150,11 @@ def _run_worker(sec: WorkerSections, run_dir: str, worker: int, engine_url: str,
     stop = StopFlag().install()     # SIGTERM, SIGUSR1 (Slurm's pre-timeout), SIGINT: journal, flush, exit
 
     tokenizer = load_tokenizer(sec.model_tokenizer)
-    env = envs.get(sec.env.kind).bind(sec.env_settings)
+    env = envs.get(sec.env.kind).bind(sec.env)
     source = env.tasks()
     tasks = source.train()
     if not tasks:
-        log.error("no tasks for %s %s; check the %s section of the config", sec.env.kind, source.describe(),
-                  env.plugin.section or "env")
+        log.error("no tasks for %s %s; check the env section of the config", sec.env.kind, source.describe())
         return 2
     # the route shape is ours to state: SGLang's model info does not report it
     client = EngineClient(engine_url, num_moe_layers=sec.model_num_layers, top_k=sec.model_moe_router_topk)

@@ -10,9 +10,9 @@ declares, beside its fields:
 - ``RULES``: :class:`Rule` objects (a predicate over the whole section, and what is allowed);
 - ``CROSS`` (the experiment config only): functions ``cfg -> [(key path, message)]``, the
   rules across sections;
-- ``MOVED``: old field name -> the key path it moved to (``{"tools": "xrd.tools"}``): a config
+- ``MOVED``: old field name -> the key path it moved to (``{"tools": "env.tools (kind: xrd)"}``): a config
   that still sets the old key is refused with the new one named (``rollout.tools: moved to
-  xrd.tools; set it there``).
+  env.tools (kind: xrd); set it there``).
 
 Every field is held to a range, declared or not:
 
@@ -280,14 +280,16 @@ def _inherited_range(cls: type, name: str) -> Range | None:
 
 
 def union_of(members: dict[str, type], tag_field: str, default: str,
-             aliases: dict[str, str] | None = None) -> Any:
+             aliases: dict[str, str] | None = None, other: str | None = None) -> Any:
     """A discriminated union of sections: ``members`` maps a tag to its section; a mapping's
-    ``tag_field`` chooses (``default`` when absent; ``aliases`` name other spellings of a tag)."""
+    ``tag_field`` chooses (``default`` when absent; ``aliases`` name other spellings of a tag;
+    ``other``: the member any other tag gets, whose own rules judge it)."""
     aliases = aliases or {}
 
     def tag(v: Any) -> Any:
         t = v.get(tag_field, default) if isinstance(v, dict) else getattr(v, tag_field, None)
-        return aliases.get(t, t) if isinstance(t, str) else t
+        t = aliases.get(t, t) if isinstance(t, str) else t
+        return t if other is None or (isinstance(t, str) and t in members) else other
 
     union = typing.Union[tuple(Annotated[c, Tag(t)] for t, c in members.items())]
     return Annotated[union, Discriminator(tag)]
@@ -412,7 +414,8 @@ def _unknown_key(root: type, loc: tuple, value: Any) -> str:
     owners = [t for t, c in siblings.items() if k in hints(c) and c is not sec]
     if owners:
         tag_field, tag = getattr(sec, "TAG_FIELD", "arch"), next(t for t, c in siblings.items() if c is sec)
-        return (f"{path}: a field of {tag_field} {' / '.join(owners)}, not of {tag_field} {tag}: remove it, "
+        this = f"{tag_field} {tag}" if tag in typing.get_args(hints(sec).get(tag_field)) else f"this {tag_field}"
+        return (f"{path}: a field of {tag_field} {' / '.join(owners)}, not of {this}: remove it, "
                 f"or set {prefix}{tag_field}: {owners[0]}")
     close = difflib.get_close_matches(k, names, n=1, cutoff=0.5)
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"

@@ -51,7 +51,7 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     from neon_hpc.envs.xrd.science.tasks import load_tasks
 
     cfg = config.load(CONFIG)
-    write_demos(tmp_path / "demos", load_tasks("tiny", "train", 0, 8), load_tokenizer("xrd-tiny"), cfg.xrd, cfg.rollout,
+    write_demos(tmp_path / "demos", load_tasks("tiny", "train", 0, 8), load_tokenizer("xrd-tiny"), cfg.env, cfg.rollout,
                 imperfect=0.0, seed=0)
     sft = tmp_path / "sft"
     common = [f"train.sft_data={tmp_path / 'demos'}", "train.trajectories_per_step=8", "train.lr=0.005",

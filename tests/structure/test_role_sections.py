@@ -120,7 +120,7 @@ def test_the_views_hold_the_config_and_its_borrowed_values():
     cfg = config.load(TINY, ["train.trajectories_per_step=12", "model.tokenizer=", "model.init_checkpoint=/ck"])
     w = WorkerSections.of(cfg)
     assert w.rollout is cfg.rollout and w.protocol is cfg.protocol and w.store is cfg.store and w.env is cfg.env
-    assert w.env_settings is cfg.xrd                                    # env.kind xrd: its section
+    assert type(w.env).__name__ == "XRDConfig" and w.env.preset == "tiny"     # env.kind xrd: its variant
     assert (w.train_trajectories_per_step, w.model_tokenizer) == (12, "/ck")   # "": init_checkpoint's tokenizer
     assert (w.model_num_layers, w.model_moe_router_topk) == (cfg.model.num_layers, cfg.model.moe_router_topk)
     assert WorkerSections.of(config.load(TINY)).model_tokenizer == "xrd-tiny"

@@ -1,8 +1,9 @@
 """A throwaway environment for tests/integration/test_envs_registry.py: registered at run time, never in the table.
 
 ``echo``: the task names a word; the ``peek`` tool returns it; the answer is the word.  Its
-settings would be the ``eval`` section (any section works: the plugin names it), read for
-nothing but the seed, so the test sees a plugin's section reach its task source.
+settings are the ``env:`` section (``kind`` alone when registered at run time; a third-party
+package's variant adds ``seed``), read for nothing but the seed (0 without one), so the test sees
+the plugin's section reach its task source.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class EchoTasks:
 
     @property
     def seed(self) -> int:
-        return self.settings.seed
+        return getattr(self.settings, "seed", 0)
 
     def describe(self) -> str:
         return "echo/train"
@@ -75,6 +76,6 @@ class EchoEnv:
 
 
 PLUGIN = EnvPlugin(name="echo", about="throwaway test environment: peek, then echo the word",
-                   tasks=EchoTasks, section="eval",
+                   tasks=EchoTasks,
                    environment=lambda task, _settings, rollout_cfg: EchoEnv(task, rollout_cfg.max_tool_chars))
 EVAL_SPLITS = ("test_id", "test_ood")      # what it registers with (envs.register(PLUGIN, EVAL_SPLITS))

@@ -1,11 +1,11 @@
 """Demonstration conversations for SFT / mid-training: the baseline solver's actions, in the agent's tokens.
 
 ``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` (``neon_hpc/launch/demos_cli.py``) writes HDF5 shards of the
-trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``xrd.preset``,
-``split=train``, ``xrd.seed``): one conversation per task, rendered by the agent loop's
+trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``env.preset``,
+``split=train``, ``env.seed``): one conversation per task, rendered by the agent loop's
 :func:`~neon_hpc.rollout.agent.demos.render_demo` with the same chat template
-(:mod:`~neon_hpc.rollout.agent.template`), tools and prompt style (``xrd.tools``,
-``xrd.prompt_style``), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
+(:mod:`~neon_hpc.rollout.agent.template`), tools and prompt style (``env.tools``,
+``env.prompt_style``), tool texts (:class:`~neon_hpc.envs.xrd.env.XRDEnv`:
 the tools really run, their results clipped as in an episode) and answer format the agent
 loop uses, so a demonstration is token for token what :class:`~neon_hpc.rollout.agent.episode.Episode`
 records when the model emits the same actions (``tests/unit/envs/test_demos.py``). ``loss_mask`` is 1 on
@@ -80,7 +80,7 @@ def demo_kinds(n: int, imperfect: float, seed: int) -> list[str]:
 
 def make_demos(tasks: list, tokenizer: Any, settings: Any, cfg: Any, imperfect: float = 0.0, seed: int = 0) -> list:
     """One demonstration per task (train split only: a test task is refused); ``settings`` is the
-    ``xrd`` section (tools, prompt style), ``cfg`` the rollout section."""
+    ``env:`` section (kind xrd: tools, prompt style), ``cfg`` the rollout section."""
     held = [t.id for t in tasks if t.split != "train"]
     if held:
         raise ValueError(f"demonstrations are for train-split tasks only; got {held[0]} (split of a test set)")

@@ -6,7 +6,7 @@ ENTRY = EnvEntry(
     name="xrd", plugin="neon_hpc.envs.xrd.plugin",
     about="powder X-ray diffraction: phases and weight fractions of a pattern, with tools",
     eval_splits=("test_id", "test_ood", "test_temporal"),
-    section="xrd", settings=XRDConfig,
+    settings=XRDConfig,
     resume="snapshot",
     cli="neon_hpc.envs.xrd.cli", cli_help="the XRD environment: library, tasks, baseline solver, agent evaluation",
 )

@@ -16,9 +16,9 @@ Two prompt styles:
   and scores 0, so a constant answer is right only on the tasks where it is (issue 31: with the
   nearest candidate instead, one constant answer scored 0.47 on the eval set).  A name (formula
   or id) is also accepted.  ``auto`` picks ``compact`` for the ``tiny`` preset.  The config key
-is ``xrd.prompt_style`` (``neon-hpc xrd eval --prompt-style``).
+is ``env.prompt_style`` (``neon-hpc xrd eval --prompt-style``).
 
-Tools are ``neon_hpc.envs.xrd.science.tools`` (``xrd.tools``, ``--tools full|minimal``); their errors come back as
+Tools are ``neon_hpc.envs.xrd.science.tools`` (``env.tools``, ``--tools full|minimal``); their errors come back as
 ``{"error": ...}`` and are shown to the model.  Grading is ``neon_hpc.envs.xrd.science.grader.grade``.
 """
 
@@ -58,8 +58,8 @@ class XRDEnv:
 
     @classmethod
     def configured(cls, task: Any, settings: Any, rollout_cfg: Any) -> "XRDEnv":
-        """The episode environment as the config sets it: tools and prompt style from the ``xrd``
-        section (``settings``), the tool text clip from the rollout section."""
+        """The episode environment as the config sets it: tools and prompt style from the ``env:``
+        section of kind xrd (``settings``), the tool text clip from the rollout section."""
         return cls(task, tools=settings.tools, style=settings.prompt_style, max_tool_chars=rollout_cfg.max_tool_chars)
 
     # --- prompts -----------------------------------------------------------------------

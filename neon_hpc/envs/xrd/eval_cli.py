@@ -96,7 +96,7 @@ def rollout_config(args) -> RolloutConfig:
 
 
 def xrd_settings(args) -> XRDConfig:
-    """The ``xrd`` section the episodes are built with: ``--tools``, and ``--prompt-style`` (auto:
+    """The ``env:`` section (kind xrd) the episodes are built with: ``--tools``, and ``--prompt-style`` (auto:
     compact for the tiny preset, full for any other ``--preset``, whatever a task's own preset)."""
     style = args.prompt_style if args.prompt_style != "auto" else ("auto" if args.preset == "tiny" else "full")
     return _checked(XRDConfig(tools=args.tools, prompt_style=style))

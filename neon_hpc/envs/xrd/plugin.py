@@ -3,8 +3,8 @@
 reading, grading), its answer parser (:mod:`.answer`), the solver's demonstrations
 (:mod:`.demos`) and the LLM agent evaluation (:mod:`.eval_cli`, ``neon-hpc xrd eval --endpoint``,
 with its report :mod:`.report`).
-Its settings are the ``xrd:`` section (``neon_hpc/envs/xrd/config.py``): the task set (preset, split,
-number, seed), the toolset (``xrd.tools``) and the prompt style (``xrd.prompt_style``).
+Its settings are the ``env:`` section of ``kind: xrd`` (``neon_hpc/envs/xrd/config.py``): the task set (preset, split,
+number, seed), the toolset (``env.tools``) and the prompt style (``env.prompt_style``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from neon_hpc.envs.xrd.science.tasks import load_tasks
 
 @dataclass(frozen=True)
 class XRDTasks:
-    """Tasks of ``xrd.preset``: RL samples ``xrd.num_tasks`` of ``xrd.split`` (seed ``xrd.seed``)."""
+    """Tasks of ``env.preset``: RL samples ``env.num_tasks`` of ``env.split`` (seed ``env.seed``)."""
 
     settings: Any      # XRDConfig
 
@@ -52,4 +52,4 @@ def write_demos(*args, **kwargs) -> dict:
 
 
 PLUGIN = EnvPlugin(name="xrd", about="powder X-ray diffraction", tasks=XRDTasks, environment=XRDEnv.configured,
-                   section=ENTRY.section, write_demos=write_demos, cli=ENTRY.cli)
+                   write_demos=write_demos, cli=ENTRY.cli)

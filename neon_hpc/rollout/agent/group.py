@@ -13,7 +13,7 @@ from neon_hpc.rollout.agent.episode import REPLAY_DEFAULT, Episode
 def as_environment(task: Any, cfg: Any, env: ConfiguredEnv | None = None):
     """The episode's environment: an object that already is one passes; a task becomes one through
     its plugin bound to the plugin's config section, ``env`` (:func:`neon_hpc.envs.configured` of the
-    experiment config: ``env.kind`` and, for XRD, the ``xrd`` section)."""
+    experiment config: ``env.kind`` and its settings, the ``env:`` section)."""
     if hasattr(task, "run_tool") and hasattr(task, "grade"):
         return task
     if env is None:

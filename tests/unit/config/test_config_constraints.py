@@ -268,7 +268,7 @@ def test_episode_budget_must_fit_the_model_context():
 
 
 def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
-    """rollout.tools / rollout.prompt_style are the XRD environment's (xrd.tools, xrd.prompt_style):
+    """rollout.tools / rollout.prompt_style are the XRD environment's (env.tools, env.prompt_style under kind: xrd):
     an old config or run.yaml that still sets them is told where they went (RolloutConfig.MOVED)."""
     old = yaml.safe_load(TINY.read_text())
     old.setdefault("rollout", {}).update(tools="minimal", prompt_style="full")
@@ -277,13 +277,13 @@ def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
     with pytest.raises(config.ConfigError) as ei:
         config.load(run_yaml)
     lines = str(ei.value).splitlines()
-    assert f"{run_yaml}: rollout.tools: moved to xrd.tools; set it there" in lines
-    assert f"{run_yaml}: rollout.prompt_style: moved to xrd.prompt_style; set it there" in lines
+    assert f"{run_yaml}: rollout.tools: moved to env.tools (kind: xrd); set it there" in lines
+    assert f"{run_yaml}: rollout.prompt_style: moved to env.prompt_style (kind: xrd); set it there" in lines
     with pytest.raises(config.ConfigError, match=r"\(with --set rollout.tools=full\): rollout.tools: moved to "
-                                                 r"xrd.tools; set it there"):
+                                                 r"env.tools \(kind: xrd\); set it there"):
         config.load(TINY, ["rollout.tools=full"])
-    cfg = config.load(TINY, ["xrd.tools=minimal", "xrd.prompt_style=full"])     # the new home takes them
-    assert (cfg.xrd.tools, cfg.xrd.prompt_style) == ("minimal", "full")
+    cfg = config.load(TINY, ["env.tools=minimal", "env.prompt_style=full"])     # the new home takes them
+    assert (cfg.env.tools, cfg.env.prompt_style) == ("minimal", "full")
     assert "tools" not in config.to_dict(cfg)["rollout"] and "tools: minimal" in config.dump(cfg)
 
 

@@ -56,13 +56,13 @@ def _expressible(truth) -> bool:
 @pytest.fixture(scope="module")
 def demos():
     tasks = load_tasks("tiny", "train", 0, 10)
-    return tasks, make_demos(tasks, TOK, CFG.xrd, CFG.rollout, imperfect=0.4, seed=0)
+    return tasks, make_demos(tasks, TOK, CFG.env, CFG.rollout, imperfect=0.4, seed=0)
 
 
 def test_demos_are_what_the_agent_loop_records_for_the_same_actions(demos):
     tasks, trajs = demos
     for task, demo in zip(tasks, trajs):
-        env = XRDEnv.configured(task, CFG.xrd, CFG.rollout)
+        env = XRDEnv.configured(task, CFG.env, CFG.rollout)
         # routes are not what is compared (demonstrations carry none): the engine stub sends none
         ep = Episode(TokenScript(_generated_turns(demo)), env, TOK, CFG.rollout, replay="off").run()
         t = ep.trajectory(reward_key=CFG.rollout.reward)
@@ -100,8 +100,8 @@ def test_the_grader_scores_the_correct_demonstrations_1(demos):
 def test_demonstrations_refuse_test_tasks_and_write_shards(tmp_path):
     from neon_hpc.store import read_shard
     with pytest.raises(ValueError, match="train-split tasks only"):
-        make_demos(load_tasks("tiny", "test_id", 0, 1), TOK, CFG.xrd, CFG.rollout)
-    s = write_demos(tmp_path, load_tasks("tiny", "train", 0, 2), TOK, CFG.xrd, CFG.rollout, imperfect=0.0, seed=0)
+        make_demos(load_tasks("tiny", "test_id", 0, 1), TOK, CFG.env, CFG.rollout)
+    s = write_demos(tmp_path, load_tasks("tiny", "train", 0, 2), TOK, CFG.env, CFG.rollout, imperfect=0.0, seed=0)
     back = read_shard(tmp_path / "demos-0000.h5")
     assert s["demos"] == 2 == len(back) and all(t.metadata["demo"] == "solver" for t in back)
     assert s["assistant_tokens"] == sum(int(t.loss_mask.sum()) for t in back) > 0
@@ -111,7 +111,7 @@ def test_a_compact_answer_names_only_listed_positions(demos):
     """A number names the candidate listed at that position; any other number makes the answer name nothing."""
     tasks, _ = demos
     for task in tasks:
-        env = XRDEnv.configured(task, CFG.xrd, CFG.rollout)
+        env = XRDEnv.configured(task, CFG.env, CFG.rollout)
         listed = {int(round(tt)): pid for pid, _f, tt in reversed(env.candidates())}
         right = sorted({listed[int(round(tt))] for pid, _f, tt in env.candidates()
                         if pid in {t[0] for t in task.truth}})
