@@ -161,7 +161,7 @@ def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
                         "--n", "3", "--no-real", "--out", str(out), "--db", dsn],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert not (out / "experiments.sqlite").exists() and (out / "store.json").exists()
+    assert not (out / "experiments.sqlite").exists() and (out / "record_db.json").exists()
     tasks, record_db = open_task_set(out)
     assert len(tasks) == 3 and record_db.paramstyle == "format"
     assert record_db.count("phases") == len(load_library().phases)
@@ -173,6 +173,10 @@ def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
     assert visible and all(r["date"] < t.date for r in visible)
     assert not {t.id, f"{t.id}-followup"} & {r["sample_id"] for r in visible}
     record_db.close()
+    # a folder written before the pointer was renamed: refused, naming the mv that fixes it
+    (out / "record_db.json").rename(out / "store.json")
+    with pytest.raises(FileNotFoundError, match=r"old name; rename it `mv .*store\.json .*record_db\.json`"):
+        open_task_set(out)
     bad = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "xrd", "tasks", "--preset", "tiny", "--split",
                           "train", "--n", "1", "--no-real", "--out", str(tmp_path / "x"),
                           "--db", postgres.dsn("missing_db")], capture_output=True, text=True, timeout=300)

@@ -303,14 +303,15 @@ def load_tasks(preset: str, split: str, seed: int = 0, n: int | None = None) -> 
 # ----------------------------------------------------------------------------------------------
 # files the rollout workers read, and the records database the tools query
 
-DB_POINTER = "store.json"   # a task folder whose experiments live in a server: {"db": DSN}
+DB_POINTER = "record_db.json"   # a task folder whose experiments live in a server: {"db": DSN}
+OLD_DB_POINTER = "store.json"   # its name before the records database was named RecordDB: refused, naming the fix
 
 
 def write_tasks(tasks: list[Task], out_dir: str | Path, include_real: bool = True, db: str | None = None) -> dict:
     """``tasks.jsonl`` (one task per line) + the records database (library, histories, real data).
 
     The records database is ``experiments.sqlite`` in the folder, or, with ``db`` a ``postgresql://`` DSN,
-    that database (upserts: rerunning is safe), recorded in ``store.json`` without its password
+    that database (upserts: rerunning is safe), recorded in ``record_db.json`` without its password
     (libpq takes it from PGPASSWORD or ~/.pgpass).  Each file is published by rename, the
     folder's pointer to the records database last.
     """
@@ -359,6 +360,10 @@ def open_task_set(path: str | Path) -> tuple[list[Task], RecordDB]:
     pointer, db = folder / DB_POINTER, folder / "experiments.sqlite"
     if pointer.exists():
         return read_tasks(folder), RecordDB.open(json.loads(pointer.read_text())["db"])
+    if (folder / OLD_DB_POINTER).exists():
+        raise FileNotFoundError(f"{folder / OLD_DB_POINTER}: the records database pointer's old name; rename it "
+                                f"`mv {folder / OLD_DB_POINTER} {pointer}` (same content), or rewrite the task set with "
+                                f"`neon-hpc xrd tasks ... --out {folder} --db postgresql://...`")
     if not db.exists():
         raise FileNotFoundError(f"{db}: missing (and no {DB_POINTER} naming a database); write the task set "
                                 f"with `neon-hpc xrd tasks ... --out {folder} [--db postgresql://...]`")
