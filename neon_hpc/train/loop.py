@@ -21,9 +21,12 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
 5. metrics + log line (rank 0), heartbeat (every rank);
 6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST`` (direct path: the
    snapshot on the step, the write beside the next steps, :class:`~neon_hpc.train.publish.BackgroundPublisher`);
-   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (synchronous).
+   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (``train.checkpoint_async``,
+   the default: the snapshot on the step, the write beside the next steps, finalized and renamed
+   into place at a later step boundary, :class:`~neon_hpc.train.checkpoint.AsyncCheckpointer`;
+   false: synchronous).
 
-SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
+SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written (and waited for), then
 the preemption marker (``neon_hpc.protocol.Preempted``) and exit 0 (the Slurm job requeues;
 resume is automatic).
 """
@@ -464,6 +467,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     # direct publishes are written beside the next steps (train/publish.py: BackgroundPublisher)
     publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
+    # checkpoints written beside the next steps (train/checkpoint.py: AsyncCheckpointer)
+    checkpointer = ckpt.AsyncCheckpointer(run, be, log, t.checkpoint_write_timeout_s) if t.checkpoint_async else None
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
@@ -493,13 +498,23 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         if publisher is not None and publish_due:
             m["publish_s"] = publisher.submit(be, step, step=step)   # the snapshot; the write runs beside
             published = step
+        if checkpointer is not None:    # finalize the one in flight if every rank's writer is done
+            checkpointer.poll()
         if ckpt_due:
             c0 = time.perf_counter()
-            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
-                                      "published": step if publish_due else None,
-                                      "claimed_shards": [p.name for p in res.shards]})
-            m["checkpoint_s"] = time.perf_counter() - c0
+            state = {"version": step, "cursor": {"next_step": step + 1}, "published": step if publish_due else None,
+                     "claimed_shards": [p.name for p in res.shards]}
+            if checkpointer is not None:
+                rec = checkpointer.submit(step, state)      # the snapshot; the write runs beside
+                m["checkpoint_snapshot_s"], m["checkpoint_wait_s"] = rec.snapshot_s, rec.waited_s
+                if publish_due and t.publish_via == "reshard":
+                    checkpointer.wait()                    # reshard converts the complete checkpoint
+            else:
+                ckpt.save(run, be, step, state)
+            m["checkpoint_s"] = time.perf_counter() - c0   # what the step paid
             saved_at = step
+        if checkpointer is not None:
+            m.update(_checkpoint_metrics(_log_checkpoints(log, rank, checkpointer)))
         if publish_due and t.publish_via == "reshard":
             _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
                                                    checkpoint_dir=run.checkpoint(step))
@@ -514,6 +529,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     if publisher is not None:
         publisher.close()              # the last version is written before the trainer exits
         _log_publishes(log, publisher)
+    if checkpointer is not None:
+        checkpointer.wait()            # the last checkpoint is complete before the trainer exits
+        _log_checkpoints(log, rank, checkpointer)
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
 
 
@@ -525,6 +543,29 @@ def _publish_metrics(records: list[dict]) -> dict:
     if written:
         r = written[-1]
         out.update(publish_done_version=r["version"], publish_write_s=r["write_s"], publish_queued_s=r["queued_s"])
+    return out
+
+
+def _checkpoint_metrics(records: list[dict]) -> dict:
+    """Scalars for the step's metrics record: the newest checkpoint completed since the last step
+    and what it cost beside the steps (its write) and at the boundary that published it."""
+    done = [r for r in records if not r.get("error")]
+    if not done:
+        return {}
+    r = done[-1]
+    return {"checkpoint_done_step": r["step"], "checkpoint_write_s": r["write_s"],
+            "checkpoint_finalize_s": r["finalize_s"]}
+
+
+def _log_checkpoints(log: RoleLogger, rank: int, checkpointer) -> list[dict]:
+    """One log line (rank 0) per asynchronous checkpoint completed since the last call; their records."""
+    out = []
+    for r in checkpointer.completed():
+        if rank == 0 and not r.error:
+            log.info("checkpoint step_%d: snapshot %.3fs on the step (waited %.3fs for the previous one), "
+                     "written in %.3fs beside the steps, finalized in %.3fs", r.step, r.snapshot_s, r.waited_s,
+                     r.write_s, r.finalize_s)
+        out.append(r.as_dict())
     return out
 
 
