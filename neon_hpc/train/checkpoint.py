@@ -274,11 +274,26 @@ def host_snapshot(sharded: dict) -> dict:
     return sharded
 
 
+@contextlib.contextmanager
+def _thread_results_queue():
+    """Within: megatron's torch_dist writer takes a plain in-process queue for its write results
+    instead of its spawned multiprocessing Manager's (the writer thread of this process fills it;
+    no helper process to start, to shield from Slurm's signals, or to lose)."""
+    import queue
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
+    real = fa._get_write_results_queue
+    fa._get_write_results_queue = queue.Queue
+    try:
+        yield
+    finally:
+        fa._get_write_results_queue = real
+
+
 def _write_buckets(request) -> list:
     """On the writer thread: megatron's own per-bucket writer (``write_preloaded_data``, without
     its process-wide GC switch) for each of this rank's write buckets, in this thread (no fork
     from a thread); hands the results to megatron's results queue as its multiproc writer does
-    and returns their storage infos (what the digests cover)."""
+    (:func:`_thread_results_queue`) and returns their storage infos (what the digests cover)."""
     import functools
     import inspect
     import queue
@@ -355,8 +370,7 @@ class AsyncCheckpointer:
         final, staging = _begin(self.run, lay, step)
         try:
             snap = host_snapshot(_sharded(self.be, is_loading=False))
-            with writers.guarded_save(str(final)):
-                shield_writer_processes()
+            with _thread_results_queue():
                 request = dist_checkpointing.save(snap, str(staging), async_sharded_save=True)
             _save_rng(staging, lay.rank)
             digest = param_digest(self.be)
@@ -421,9 +435,8 @@ class AsyncCheckpointer:
             raise err from p.error
         t0 = time.perf_counter()
         try:
-            with writers.guarded_save(str(p.final)):
-                for fn in p.request.finalize_fns:   # megatron: gather the write results, .metadata, metadata.json
-                    fn()
+            for fn in p.request.finalize_fns:   # megatron: gather the write results, .metadata, metadata.json
+                fn()
             blob_digests = p.digests
             if lay.world > 1:
                 parts: list = [None] * lay.world
