@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import json
 import math
 import multiprocessing as mp
+import queue
 import shutil
 import sys
 import signal
@@ -242,7 +245,7 @@ def host_snapshot(sharded: dict) -> dict:
     cannot change: a clone on CPU; on CUDA a pinned ``non_blocking`` copy, then one sync.
     A tensor reached twice (the same object) is copied once."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace  # deferred: heavy (megatron)
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory  # deferred: heavy (megatron)
 
     copies: dict[int, torch.Tensor] = {}
     device = []
@@ -279,7 +282,6 @@ def _thread_results_queue():
     """Within: megatron's torch_dist writer takes a plain in-process queue for its write results
     instead of its spawned multiprocessing Manager's (the writer thread of this process fills it;
     no helper process to start, to shield from Slurm's signals, or to lose)."""
-    import queue
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
     real = fa._get_write_results_queue
     fa._get_write_results_queue = queue.Queue
@@ -294,9 +296,6 @@ def _write_buckets(request) -> list:
     its process-wide GC switch) for each of this rank's write buckets, in this thread (no fork
     from a thread); hands the results to megatron's results queue as its multiproc writer does
     (:func:`_thread_results_queue`) and returns their storage infos (what the digests cover)."""
-    import functools
-    import inspect
-    import queue
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
 
     if request.async_fn is None:          # nothing to write on this rank
