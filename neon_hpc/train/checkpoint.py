@@ -27,6 +27,10 @@ states are per rank and restored only when the layout is the same (otherwise res
 ``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles, so every
 checkpoint is checked by :func:`refuse_untrusted` (an allowlist unpickler for ``.metadata``,
 ``weights_only=True`` for ``common.pt``) before megatron loads it.
+
+:func:`save` writes synchronously; :class:`AsyncCheckpointer` (``train.checkpoint_async``)
+takes a host snapshot on the step and writes the same directory beside the next steps,
+finalized and renamed into place at a later step boundary (visible only when complete).
 """
 
 from __future__ import annotations
