@@ -167,12 +167,13 @@ class StepData:
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
-           log: RoleLogger):
+           log: RoleLogger, on_wait=None):
     """Rank 0 claims; then every rank reads the committed claim (the same trajectories).
 
     Rank 0 waits for data in slices of ``CLAIM_SLICE_S`` and tells the others after each one,
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
-    and preemption signals stay live on every rank while rollouts catch up.
+    and preemption signals stay live on every rank while rollouts catch up.  ``on_wait()`` runs
+    on every rank after each empty slice (the loop finalizes a checkpoint written meanwhile).
     """
 
     store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
@@ -203,6 +204,8 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
         if status["state"] != "waiting":
             break
         TrainerBeat(rank=rank, step=step, phase=TrainerPhase.WAITING_FOR_DATA, waited_s=status["waited_s"]).write(run)
+        if on_wait is not None:
+            on_wait()
         if rank == 0 and status["waited_s"] >= next_note:
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
@@ -474,7 +477,8 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
-        claim = _claim(run, cfg, step, rank, world, pre, log)
+        claim = _claim(run, cfg, step, rank, world, pre, log,
+                       on_wait=None if checkpointer is None else checkpointer.poll)
         if claim["state"] == "preempted":
             step -= 1
             preempted = True
