@@ -360,9 +360,10 @@ def open_task_set(path: str | Path) -> tuple[list[Task], RecordDB]:
     pointer, db = folder / DB_POINTER, folder / "experiments.sqlite"
     if pointer.exists():
         return read_tasks(folder), RecordDB.open(json.loads(pointer.read_text())["db"])
-    if (folder / OLD_DB_POINTER).exists():
-        raise FileNotFoundError(f"{folder / OLD_DB_POINTER}: the records database pointer's old name; rename it "
-                                f"`mv {folder / OLD_DB_POINTER} {pointer}` (same content), or rewrite the task set with "
+    old = folder / OLD_DB_POINTER
+    if old.exists():
+        raise FileNotFoundError(f"{old}: the records database pointer's old name; rename it "
+                                f"`mv {old} {pointer}` (same content), or rewrite the task set with "
                                 f"`neon-hpc xrd tasks ... --out {folder} --db postgresql://...`")
     if not db.exists():
         raise FileNotFoundError(f"{db}: missing (and no {DB_POINTER} naming a database); write the task set "
