@@ -101,7 +101,7 @@ class RouteCache:
         self._force_full = True
 
     # --- absorbing a response ----------------------------------------------------------
-    def absorb(self, prompt_ids: Sequence[int], output_ids: Sequence[int], routes: np.ndarray | None,
+    def absorb(self, prompt_ids: Sequence[int], output_ids: Sequence[int], routed_experts: np.ndarray | None,
                start: int, version) -> None:
         """Splice a response's routes (covering ``[start, seqlen-1)``) into the cache.
 
@@ -112,54 +112,54 @@ class RouteCache:
         then invalidates and retries with a full export.
         """
         seqlen = len(prompt_ids) + len(output_ids)
-        routes = self._check(routes, start, seqlen)
-        self._count(start, routes)
+        routed_experts = self._check(routed_experts, start, seqlen)
+        self._count(start, routed_experts)
         vers = np.broadcast_to(np.asarray(version, dtype=np.int64), (seqlen - start,))
         if start > self.pinned and len(vers) and \
                 np.any(self.row_versions[self.pinned:start] != vers[0]):   # vs the prefill's version
             self.invalidate("version_change")   # refresh policy: next request is a full export
         else:
             self._force_full = False
-        old_routes, old_versions = self.routed_experts, self.row_versions
-        head = self.routed_experts[:start] if start > 0 else routes[:0]
-        placeholder = routes[-1:] if len(routes) else (head[-1:] if len(head) else
-                                                       np.zeros((1,) + routes.shape[1:], np.int32))
-        self.routed_experts = np.concatenate([head, routes, placeholder], axis=0)
+        old_routed_experts, old_versions = self.routed_experts, self.row_versions
+        head = self.routed_experts[:start] if start > 0 else routed_experts[:0]
+        placeholder = routed_experts[-1:] if len(routed_experts) else (head[-1:] if len(head) else
+                                                               np.zeros((1,) + routed_experts.shape[1:], np.int32))
+        self.routed_experts = np.concatenate([head, routed_experts, placeholder], axis=0)
         self.row_versions = np.concatenate([self.row_versions[:start],
                                             vers])
         if start < self.pinned:     # a full export after a resume: the recorded rows stay
-            self.routed_experts[:self.pinned] = old_routes[:self.pinned]
+            self.routed_experts[:self.pinned] = old_routed_experts[:self.pinned]
             self.row_versions[:self.pinned] = old_versions[:self.pinned]
         self.tokens = np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)])
 
-    def _check(self, routes: np.ndarray | None, start: int, seqlen: int) -> np.ndarray:
-        if routes is None:
+    def _check(self, routed_experts: np.ndarray | None, start: int, seqlen: int) -> np.ndarray:
+        if routed_experts is None:
             raise RouteMismatch("the response carries no routed_experts (was the engine started "
                                 "with --enable-return-routed-experts?)")
-        routes = np.asarray(routes)
-        if routes.ndim != 3:
-            raise RouteMismatch(f"routed_experts must be [rows, layers, top_k], got shape {routes.shape}")
+        routed_experts = np.asarray(routed_experts)
+        if routed_experts.ndim != 3:
+            raise RouteMismatch(f"routed_experts must be [rows, layers, top_k], got shape {routed_experts.shape}")
         expected = seqlen - 1 - start
-        if routes.shape[0] != expected:
-            raise RouteMismatch(f"routed_experts has {routes.shape[0]} rows; positions [{start}, {seqlen - 1}) "
+        if routed_experts.shape[0] != expected:
+            raise RouteMismatch(f"routed_experts has {routed_experts.shape[0]} rows; positions [{start}, {seqlen - 1}) "
                                 f"need {expected}")
         if start > 0 and (self.routed_experts is None or start > len(self.routed_experts)):
             raise RouteMismatch(f"delta from {start} but only {0 if self.routed_experts is None else len(self.routed_experts)} "
                                 f"rows are cached")
-        if self.routed_experts is not None and start > 0 and routes.shape[1:] != self.routed_experts.shape[1:]:
-            raise RouteMismatch(f"routed_experts rows have shape {routes.shape[1:]}, cached rows "
+        if self.routed_experts is not None and start > 0 and routed_experts.shape[1:] != self.routed_experts.shape[1:]:
+            raise RouteMismatch(f"routed_experts rows have shape {routed_experts.shape[1:]}, cached rows "
                                 f"{self.routed_experts.shape[1:]}")
-        return routes.astype(np.int32, copy=False)
+        return routed_experts.astype(np.int32, copy=False)
 
-    def _count(self, start: int, routes: np.ndarray) -> None:
+    def _count(self, start: int, routed_experts: np.ndarray) -> None:
         s = self.stats
         s.requests += 1
         if start > 0:
             s.delta_requests += 1
         else:
             s.full_requests += 1
-        s.rows_received += int(routes.shape[0])
-        s.route_bytes += int(routes.size) * 4
+        s.rows_received += int(routed_experts.shape[0])
+        s.route_bytes += int(routed_experts.size) * 4
 
     # --- results -----------------------------------------------------------------------
     def assembled(self, n_tokens: int | None = None) -> np.ndarray:

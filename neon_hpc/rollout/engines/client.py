@@ -171,7 +171,7 @@ class EngineClient:
         logprobs = [float(x[0]) for x in lps] if lps is not None else None
         if logprobs is not None and len(logprobs) != len(output_ids):
             raise EngineError(502, f"{len(logprobs)} logprobs for {len(output_ids)} output tokens", self.base_url)
-        routes = None
+        routed_experts = None
         if meta.get("routed_experts") is not None:
             prompt = int(meta.get("prompt_tokens", n_prompt))
             rows = wire.routed_rows(prompt, len(output_ids), start)
@@ -182,12 +182,12 @@ class EngineClient:
                 layers, top_k = self._route_shape(nbytes, rows, item)
                 if (meta.get("finish_reason") or {}).get("type") == "abort":
                     rows = nbytes // (item * layers * top_k)  # only what was forwarded before the abort
-                routes = wire.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
+                routed_experts = wire.decode_routes(meta["routed_experts"], rows, layers, top_k, dtype)
             except ValueError as e:
                 raise RoutePayloadError(502, str(e), self.base_url) from None
         version = meta.get("weight_version")
         spans = _spans(meta.get("weight_versions"), len(output_ids), self.base_url)
-        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routes,
+        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, routed_experts=routed_experts,
                               weight_version=str(version) if version is not None else "0",
                               finish_reason=meta.get("finish_reason"),
                               prompt_tokens=int(meta.get("prompt_tokens", n_prompt)), meta_info=meta,

@@ -12,7 +12,7 @@ expert, grouped top-k), counted by :mod:`neon_hpc.train.census`.  Budgets:
   carries its largest position as a host int).
 
 ``PYTHONPATH=.:tests python tests/unit/train/test_train_census.py [deepseek_v3]`` prints the census
-and the step time (the before/after figures of ``neon_hpc/train/README.md``).
+and the step time (the before/after figures of ``docs/results/2026-12-07-moe-dispatch-census.md``).
 """
 
 from __future__ import annotations

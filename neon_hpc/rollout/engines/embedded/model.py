@@ -83,10 +83,10 @@ class LoadedModel:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **{self._cache_kw: cache})
         b, s = ids.shape
-        routes = torch.zeros((b, s, self.route_table.rows, self.top_k), dtype=torch.int64)
+        routed_experts = torch.zeros((b, s, self.route_table.rows, self.top_k), dtype=torch.int64)
         for row, r in zip(self.route_table.moe_rows, self._buf):
-            routes[:, :, row] = r.reshape(b, s, self.top_k)
-        return out.logits[:, -1, :].float(), routes
+            routed_experts[:, :, row] = r.reshape(b, s, self.top_k)
+        return out.logits[:, -1, :].float(), routed_experts
 
     def same_shape_as(self, other: "LoadedModel") -> str | None:
         a, b = self.model.state_dict(), other.model.state_dict()

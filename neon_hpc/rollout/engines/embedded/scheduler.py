@@ -67,7 +67,7 @@ class _Job:
     # generation state
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    routes: list[np.ndarray] = field(default_factory=list)
+    routed_experts: list[np.ndarray] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)    # the weight version of each output token
     finish: dict | None = None
     gen: torch.Generator | None = None
@@ -334,10 +334,10 @@ class Scheduler:
             mask[i, width - lens[i]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=loaded.model.config)
-        logits, routes = loaded.forward(ids, mask, pos, cache)
+        logits, routed_experts = loaded.forward(ids, mask, pos, cache)
         self.stats["forwards"] += 1
         for i, job in enumerate(jobs):
-            job.routes.append(routes[i, width - lens[i]:].numpy().astype(np.int32))
+            job.routed_experts.append(routed_experts[i, width - lens[i]:].numpy().astype(np.int32))
             if job.req.sampling.max_new_tokens == 0:
                 job.finish = {"type": "length", "length": 0}
             else:
@@ -357,10 +357,11 @@ class Scheduler:
         step = torch.tensor([[job.out[-1]] for job in batch.jobs], dtype=torch.long)
         batch.mask = torch.cat([batch.mask, torch.ones(len(batch.jobs), 1, dtype=torch.long)], dim=1)
         batch.pos = batch.pos + 1
-        logits, routes = loaded.forward(step, batch.mask, batch.pos, batch.cache)
+        logits, routed_experts = loaded.forward(step, batch.mask, batch.pos, batch.cache)
         self.stats["forwards"] += 1
         for i, job in enumerate(batch.jobs):
-            job.routes.append(routes[i].numpy().astype(np.int32))  # the token forwarded needed a successor
+            # the token forwarded needed a successor
+            job.routed_experts.append(routed_experts[i].numpy().astype(np.int32))
             self._sample_row(job, logits[i], loaded)
             if job.finish is not None:   # answered now: a long neighbour in the batch never holds it
                 self._answer(job, loaded)
@@ -411,7 +412,7 @@ class Scheduler:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(job.logprobs, job.out)]
         if req.return_routed_experts:
             rows = wire.routed_rows(prompt, completion, 0)
-            allr = (np.concatenate(job.routes, axis=0) if job.routes
+            allr = (np.concatenate(job.routed_experts, axis=0) if job.routed_experts
                     else np.zeros((0, loaded.route_rows, loaded.top_k), np.int32))
             if allr.shape[0] < rows:  # an aborted request: only what was forwarded exists
                 rows = allr.shape[0]
