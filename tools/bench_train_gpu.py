@@ -16,7 +16,8 @@ state is in the other's figures), on the same tokens:
 - **loop**: the trainer's real loop (``train.loop.run_trainer`` on a run directory with the
   shards ready: claim, step, publish every step, checkpoint every 4) against its bare step
   (``train_step_s`` of the same records), means over 8 steps after the warm-ups (two
-  checkpoints among them): ``loop_over_step``.
+  checkpoints among them): ``loop_over_step``; the same loop with synchronous checkpoints
+  (``train.checkpoint_async: false``) in the same run: ``loop_over_step_sync_ckpt``.
 
 Per shape (documents x tokens), after ``--warmup`` (at least 2) untimed steps, the median of
 ``--reps`` (at least 5) timed ones: tokens/s of each (input tokens, ``n - 1`` per document),
@@ -423,6 +424,7 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
         balance=dataclasses.replace(exp.balance, tokens_per_microbatch=2 * d * n, min_microbatches=1, shadow=False),
         train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d, publish_every=1,
                                   checkpoint_every=4, publish_via="direct", precision=precision,
+                                  checkpoint_async=not args.checkpoint_sync,
                                   recompute=args.recompute, wait_for_data_s=600.0, lr=1e-5),
         offpolicy=dataclasses.replace(exp.offpolicy, max_staleness=10 ** 6))
     run = RunDir(root / "run").create()
@@ -444,7 +446,8 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
     return {"rc": rc, "loop_s": loop, "step_s": bare, "loop_over_step": loop / bare,
             "publish_snapshot_s": float(np.median(pubs)) if pubs else math.nan,
             "checkpoint_s": float(np.median(ck)) if ck else math.nan,
-            "publish_write_s": [r.get("publish_write_s") for r in recs]}
+            "publish_write_s": [r.get("publish_write_s") for r in recs],
+            "checkpoint_write_s": [r["checkpoint_write_s"] for r in recs if "checkpoint_write_s" in r]}
 
 
 def os_rename_ready(run, shard: Path) -> None:
@@ -541,6 +544,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape (at least 2)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per shape (at least 5); the median is reported")
     p.add_argument("--no-loop", action="store_true", help="skip the real-loop measurement (loop_over_step=nan)")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="real loop: synchronous checkpoints (train.checkpoint_async: false); without it the loop "
+                        "runs both ways and reports loop_over_step_sync_ckpt beside loop_over_step")
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="auto: wall on CUDA; on CPU this process's CPU time (all its threads), which a "
                         "busy neighbour on a shared machine does not inflate (tokens/s and MFU both use it)")
@@ -601,22 +607,29 @@ def main(argv=None) -> int:
         dsv3 = d["tok_s"] / tr["rows"][0]["tok_s"]
         print(f"\nDeepSeek-V3 (MLA, same sizes) trainer at {d['shape']}: {d['tok_s']:.0f} tok/s, "
               f"{dsv3:.2f}x Qwen3-MoE's", flush=True)
-    loop_ratio = math.nan
+    loop_ratio = sync_ratio = math.nan
     if not args.no_loop:
+        if not args.checkpoint_sync:   # the same-run baseline: the loop with synchronous checkpoints
+            ls = run_worker("loop", [*passed, "--checkpoint-sync"])
+            sync_ratio = ls["loop_over_step"]
+            print(f"\nreal loop, synchronous checkpoints: {ls['loop_s']:.3f} s a step against the bare step's "
+                  f"{ls['step_s']:.3f} s = {sync_ratio:.3f}; checkpoint {ls['checkpoint_s']:.3f} s on the step",
+                  flush=True)
         lp = run_worker("loop", passed)
         loop_ratio = lp["loop_over_step"]
         print(f"\nreal loop at {args.shapes.split(',')[0]} (claim, step, publish every step, checkpoint every 4): "
               f"{lp['loop_s']:.3f} s a step (mean over 8, two checkpoints among them) against the bare step's "
               f"{lp['step_s']:.3f} s = {loop_ratio:.3f}; "
               f"publish snapshot {lp['publish_snapshot_s']:.3f} s on the step, checkpoint {lp['checkpoint_s']:.3f} s, "
-              f"publish writes beside the steps {lp['publish_write_s']}", flush=True)
+              f"publish writes beside the steps {lp['publish_write_s']}, checkpoint writes beside the steps "
+              f"{lp['checkpoint_write_s']}", flush=True)
     head = rows[0]
     print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} max_doc_tokens={tr['max_doc']} "
           f"mfu={head['mfu']:.4f} device={kind} reference_mfu={head['reference_mfu']:.4f} "
           f"rss_16k_over_8k_above_start={ratio_above:.3f} dsv3_over_qwen={dsv3:.3f} precision={precision} "
           f"ops_over_reference={head['ops_over_reference']:.3f} syncs_per_step={head['syncs']} "
           f"moe_layer_syncs={head['moe_syncs']} optimizer_per_param_ops={head['opt_ops']} "
-          f"loop_over_step={loop_ratio:.3f} sdpa={head['sdpa']} experts_gemm={head['experts']}")
+          f"loop_over_step={loop_ratio:.3f} loop_over_step_sync_ckpt={sync_ratio:.3f} sdpa={head['sdpa']} experts_gemm={head['experts']}")
     return 0
 
 

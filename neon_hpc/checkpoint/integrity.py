@@ -92,13 +92,27 @@ def storage_items(ckpt_dir: Path) -> dict[str, list[tuple[int, int]]]:
     storage = getattr(meta, "storage_data", None)
     if not isinstance(storage, dict):
         raise CheckpointError(f"{ckpt_dir}/.metadata: no storage_data; not a DCP checkpoint")
+    return _per_file(storage.values(), f"{ckpt_dir}/.metadata")
+
+
+def _per_file(infos, where: str) -> dict[str, list[tuple[int, int]]]:
+    """DCP storage infos (``relative_path``, ``offset``, ``length``) grouped per file."""
     per_file: dict[str, list[tuple[int, int]]] = {}
-    for info in storage.values():
+    for info in infos:
         name = str(info.relative_path)
         if os.sep in name or name.startswith(".."):
-            raise CheckpointError(f"{ckpt_dir}/.metadata names file {name!r} outside the checkpoint directory")
+            raise CheckpointError(f"{where} names file {name!r} outside the checkpoint directory")
         per_file.setdefault(name, []).append((int(info.offset), int(info.length)))
     return per_file
+
+
+def compute_written(ckpt_dir: str | os.PathLike, infos) -> dict[str, dict]:
+    """Digests of the files one writer just wrote, from its own write results' storage infos
+    (before any ``.metadata`` exists: the asynchronous save digests beside the steps);
+    :func:`write` later checks they cover what ``.metadata`` names."""
+    ckpt_dir = Path(ckpt_dir)
+    per_file = _per_file(infos, f"the write results for {ckpt_dir}")
+    return {n: digest_file(ckpt_dir / n, per_file[n]) for n in sorted(per_file)}
 
 
 def _writer_rank(name: str) -> int | None:

@@ -48,6 +48,9 @@ class TrainConfig:
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
     wait_for_data_s: float = 600.0
+    # true: the step pays for a host snapshot, the checkpoint is written beside the next steps and
+    # renamed into place when complete (train/checkpoint.py AsyncCheckpointer); false: synchronous
+    checkpoint_async: bool = True
     checkpoint_write_timeout_s: float = 1800.0   # a save whose megatron writers have not all reported by then fails
     seed: int = 1234
     # bf16: bf16 parameters and activations, fp32 main parameters, gradients and Adam state

@@ -27,18 +27,28 @@ states are per rank and restored only when the layout is the same (otherwise res
 ``weights_only=True``; megatron's own ``common.pt``/``.metadata`` are pickles, so every
 checkpoint is checked by :func:`refuse_untrusted` (an allowlist unpickler for ``.metadata``,
 ``weights_only=True`` for ``common.pt``) before megatron loads it.
+
+:func:`save` writes synchronously; :class:`AsyncCheckpointer` (``train.checkpoint_async``)
+takes a host snapshot on the step and writes the same directory beside the next steps,
+finalized and renamed into place at a later step boundary (visible only when complete).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
 import json
 import math
 import multiprocessing as mp
+import queue
 import shutil
 import sys
 import signal
+import threading
 import time
+from dataclasses import dataclass, field
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
@@ -141,36 +151,315 @@ def save(run: RunDir, be: Backend, step: int, state: dict[str, Any]) -> Path:
     from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
 
     lay = be.layout
-    final = run.checkpoint(step)
-    staging = str(staging_dir_for(final)) if lay.rank == 0 else None
-    staging = Path(broadcast_from_rank0(staging, lay.rank, lay.world))
+    final, staging = _begin(run, lay, step)
     try:
         with writers.guarded_save(str(final)):   # a dead helper: a clear error, never a hang
             shield_writer_processes()
             dist_checkpointing.save(_sharded(be, is_loading=False), str(staging))
-        (staging / "rng").mkdir(exist_ok=True)
-        torch.save(_rng_state(), staging / "rng" / f"rank_{lay.rank}.pt")
+        _save_rng(staging, lay.rank)
         digest = param_digest(be)
         _barrier(lay.world)
         blob_digests = _seal_share(staging, lay.rank, lay.world)   # every rank digests its own .distcp files
-        if lay.rank == 0:
-            integrity.write(staging, blob_digests)
-            (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
-                                                             sort_keys=True) + "\n")
-            full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
-                          "layout": lay.as_record(), "precision": be.precision}
-            (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
-            publish_dir(staging, final)
-        _barrier(lay.world)
+        _publish(staging, final, be, step, state, digest, blob_digests)
     except BaseException as e:
-        # classified before the clean-up frees what the write took
-        full = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else storage_error(e, final, "writing checkpoint")
-        if lay.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        if full is not None:   # a full or read-only filesystem: say which checkpoint, not a writer traceback
-            raise full from e
-        raise
+        _discard(e, staging, final, lay.rank)
     return final
+
+
+def _begin(run: RunDir, lay, step: int) -> tuple[Path, Path]:
+    """Collective: ``checkpoints/step_{step}`` and the hidden staging sibling rank 0 made for it."""
+    final = run.checkpoint(step)
+    staging = str(staging_dir_for(final)) if lay.rank == 0 else None
+    return final, Path(broadcast_from_rank0(staging, lay.rank, lay.world))
+
+
+def _save_rng(staging: Path, rank: int) -> None:
+    (staging / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
+
+
+def _publish(staging: Path, final: Path, be: Backend, step: int, state: dict[str, Any], digest: float,
+             blob_digests: dict[str, dict]) -> None:
+    """Collective, once every rank's files are in ``staging``: rank 0 seals it (integrity.json,
+    config.json, trainer_state.json) and renames it into place; then a barrier."""
+    lay = be.layout
+    if lay.rank == 0:
+        integrity.write(staging, blob_digests)
+        (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
+                                                         sort_keys=True) + "\n")
+        full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
+                      "layout": lay.as_record(), "precision": be.precision}
+        (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
+        publish_dir(staging, final)
+    _barrier(lay.world)
+
+
+def _discard(e: BaseException, staging: Path, final: Path, rank: int) -> None:
+    """A failed save: rank 0 removes the staging folder (nothing becomes visible); re-raise ``e``,
+    a full or read-only filesystem as the StorageError that names the checkpoint."""
+    # classified before the clean-up frees what the write took
+    full = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else storage_error(e, final, "writing checkpoint")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    if full is not None:   # a full or read-only filesystem: say which checkpoint, not a writer traceback
+        raise full from e
+    raise e
+
+
+# --------------------------------------------------------------------------------------
+# the asynchronous save (train.checkpoint_async): the step pays for the snapshot only
+
+
+class CheckpointWriteError(RuntimeError):
+    """An asynchronous checkpoint failed beside the steps (raised on the trainer's thread)."""
+
+
+@dataclass
+class CheckpointRecord:
+    """What one asynchronous checkpoint cost, in seconds."""
+
+    step: int
+    snapshot_s: float = 0.0     # on the step: host copy, megatron's save plan, common.pt, rng
+    waited_s: float = 0.0       # on the step: waiting for the previous checkpoint to finish first
+    write_s: float = 0.0        # beside the steps: the .distcp files and their digests
+    finalize_s: float = 0.0     # on a later step: .metadata, integrity.json, trainer_state.json, rename
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class _Pending:
+    step: int
+    final: Path
+    staging: Path
+    request: Any                        # megatron's AsyncRequest (the write, then its finalize_fns)
+    state: dict[str, Any]
+    digest: float
+    record: CheckpointRecord
+    done: threading.Event = field(default_factory=threading.Event)
+    digests: dict = field(default_factory=dict)
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+
+def host_snapshot(sharded: dict) -> dict:
+    """Every tensor of a sharded state dict replaced, in place, by a host copy the next steps
+    cannot change: a clone on CPU; on CUDA a pinned ``non_blocking`` copy, then one sync.
+    A tensor reached twice (the same object) is copied once."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace  # deferred: heavy (megatron)
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory  # deferred: heavy (megatron)
+
+    copies: dict[int, torch.Tensor] = {}
+    device = []
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copies:
+            src = t.detach()
+            if src.device.type == "cpu":
+                copies[id(t)] = src.clone()
+            else:
+                out = torch.empty_like(src, device="cpu", pin_memory=True)
+                out.copy_(src, non_blocking=True)
+                device.append(src.device)
+                copies[id(t)] = out
+        return copies[id(t)]
+
+    def visit(x):
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and isinstance(x.data, torch.Tensor):
+            x.data = host(x.data)
+        elif isinstance(x, ShardedObject):
+            x.data = copy.deepcopy(x.data)
+        elif isinstance(x, torch.Tensor):
+            return host(x)
+        return x
+
+    dict_list_map_inplace(visit, sharded)
+    if device:
+        torch.cuda.synchronize()
+    return sharded
+
+
+@contextlib.contextmanager
+def _thread_results_queue():
+    """Within: megatron's torch_dist writer takes a plain in-process queue for its write results
+    instead of its spawned multiprocessing Manager's (the writer thread of this process fills it;
+    no helper process to start, to shield from Slurm's signals, or to lose)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
+    real = fa._get_write_results_queue
+    fa._get_write_results_queue = queue.Queue
+    try:
+        yield
+    finally:
+        fa._get_write_results_queue = real
+
+
+def _write_buckets(request) -> list:
+    """On the writer thread: megatron's own per-bucket writer (``write_preloaded_data``, without
+    its process-wide GC switch) for each of this rank's write buckets, in this thread (no fork
+    from a thread); hands the results to megatron's results queue as its multiproc writer does
+    (:func:`_thread_results_queue`) and returns their storage infos (what the digests cover)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa  # deferred: heavy (megatron)
+
+    if request.async_fn is None:          # nothing to write on this rank
+        return []
+    fn = request.async_fn
+    if not isinstance(fn, functools.partial) or len(fn.args) != 2 or len(request.async_fn_args) != 3:
+        raise RuntimeError("this megatron-core's async torch_dist request is not partial(write_preloaded_data_multiproc, "
+                           "transform_list, use_msc) with (rank, write_buckets, results_queue); update "
+                           "neon_hpc/train/checkpoint._write_buckets for this version, or set train.checkpoint_async: false")
+    transform_list, _use_msc = fn.args
+    _rank, buckets, results_queue = request.async_fn_args
+    write = inspect.unwrap(fa.FileSystemWriterAsync.write_preloaded_data)
+    results: dict[int, list] = {}
+    for i, bucket in enumerate(buckets):
+        out, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        write(transform_list, i, bucket, out, count, True)
+        idx, res = out.get_nowait()
+        if isinstance(res, BaseException):
+            raise res
+        results[idx] = res
+    results_queue.put(results)
+    return [r.storage_data for part in results.values() for r in part]
+
+
+class AsyncCheckpointer:
+    """``checkpoints/step_N`` beside the steps (``train.checkpoint_async``).
+
+    :meth:`submit` (collective, on the step): a host snapshot of the model + optimizer sharded
+    state (:func:`host_snapshot`), then megatron's ``dist_checkpointing.save(...,
+    async_sharded_save=True)`` on these copies: its collectives (sharding validation, the save
+    plan) and ``common.pt`` run here, and it returns the write as an AsyncRequest; the RNG
+    states and the parameter digest are taken here too.  A writer thread per checkpoint then
+    writes this rank's ``.distcp`` files (:func:`_write_buckets`) into the hidden staging folder
+    and digests them.  No collective runs on that thread.  :meth:`poll` (collective, at a step
+    boundary) asks every rank whether its writer is done; once all are, the trainer's thread
+    finalizes: megatron's finalize (gathers the write results, rank 0 writes ``.metadata``),
+    then the sealing and rename of :func:`save` (:func:`_publish`).  A checkpoint is visible
+    only then, complete.  At most one is in flight: a :meth:`submit` while one is still
+    writing waits for it first (logged).  :meth:`wait` finishes the one in flight (the loop
+    calls it before exiting, so the final checkpoint is complete at exit); a writer's error is
+    raised as :class:`CheckpointWriteError` at the next :meth:`poll` / :meth:`wait` / :meth:`submit`.
+    """
+
+    def __init__(self, run: RunDir, be: Backend, log=None, write_timeout_s: float | None = None) -> None:
+        self.run, self.be, self.log = run, be, log
+        self.write_timeout_s = write_timeout_s if write_timeout_s is not None else writers.deadline_s()
+        self._pending: _Pending | None = None
+        self._done: list[CheckpointRecord] = []
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the checkpoint being written, if any."""
+        return None if self._pending is None else self._pending.step
+
+    def submit(self, step: int, state: dict[str, Any]) -> CheckpointRecord:
+        """Collective: snapshot ``step`` and start its write; returns its record (``snapshot_s``,
+        ``waited_s``: what the step paid)."""
+        from megatron.core import dist_checkpointing  # deferred: heavy (megatron)
+
+        rec = CheckpointRecord(step)
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            if self.log is not None and self.be.layout.rank == 0:
+                self.log.info("checkpoint step_%d waits for step_%d to finish writing (one in flight at a time)",
+                              step, self._pending.step)
+            self.wait()
+            rec.waited_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lay = self.be.layout
+        final, staging = _begin(self.run, lay, step)
+        try:
+            snap = host_snapshot(_sharded(self.be, is_loading=False))
+            with _thread_results_queue():
+                request = dist_checkpointing.save(snap, str(staging), async_sharded_save=True)
+            _save_rng(staging, lay.rank)
+            digest = param_digest(self.be)
+        except BaseException as e:
+            _discard(e, staging, final, lay.rank)
+        rec.snapshot_s = time.perf_counter() - t0
+        p = _Pending(step, final, staging, request, dict(state), digest, rec)
+        p.thread = threading.Thread(target=self._write, args=(p,), name=f"neon-ckpt-{step}", daemon=True)
+        self._pending = p
+        p.thread.start()
+        return rec
+
+    def poll(self) -> CheckpointRecord | None:
+        """Collective (every rank at the same boundaries): finalize the checkpoint in flight if
+        every rank's writer is done; its record, or None (none in flight, or still writing)."""
+        p = self._pending
+        if p is None:
+            return None
+        busy, failed = _max_over_ranks([int(not p.done.is_set()), int(p.error is not None)], self.be.layout.world)
+        if busy and not failed:
+            return None
+        return self._finalize(p, failed)
+
+    def wait(self) -> CheckpointRecord | None:
+        """Collective: block until the checkpoint in flight is complete and visible; its record."""
+        p = self._pending
+        if p is None:
+            return None
+        if not p.done.wait(self.write_timeout_s):
+            raise CheckpointWriteError(f"checkpoint {p.final.name} still writing on rank {self.be.layout.rank} after "
+                                       f"{self.write_timeout_s:.0f}s (train.checkpoint_write_timeout_s); nothing "
+                                       f"was published. Raise that key if saves are legitimately this slow")
+        _busy, failed = _max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
+        return self._finalize(p, failed)
+
+    def completed(self) -> list[CheckpointRecord]:
+        """The records finished (published or failed) since the last call."""
+        out, self._done = self._done, []
+        return out
+
+    def _write(self, p: _Pending) -> None:
+        t0 = time.perf_counter()
+        try:
+            p.digests = integrity.compute_written(p.staging, _write_buckets(p.request))
+        except BaseException as e:      # handed to the trainer's thread
+            p.error = e
+        p.record.write_s = time.perf_counter() - t0
+        p.done.set()
+
+    def _finalize(self, p: _Pending, failed: int) -> CheckpointRecord:
+        self._pending = None
+        lay = self.be.layout
+        rec = p.record
+        self._done.append(rec)
+        if failed:
+            why = f"{type(p.error).__name__}: {p.error}" if p.error is not None else "failed on another rank"
+            rec.error = why
+            if lay.rank == 0:
+                shutil.rmtree(p.staging, ignore_errors=True)
+            err = CheckpointWriteError(f"checkpoint {p.final} failed on the writer thread of rank {lay.rank}: {why}; "
+                                       f"nothing was published (a resume takes the newest complete checkpoint)")
+            raise err from p.error
+        t0 = time.perf_counter()
+        try:
+            for fn in p.request.finalize_fns:   # megatron: gather the write results, .metadata, metadata.json
+                fn()
+            blob_digests = p.digests
+            if lay.world > 1:
+                parts: list = [None] * lay.world
+                dist.all_gather_object(parts, p.digests)
+                blob_digests = {k: v for part in parts for k, v in part.items()}
+            _publish(p.staging, p.final, self.be, p.step, p.state, p.digest, blob_digests)
+        except BaseException as e:
+            rec.error = f"{type(e).__name__}: {e}"
+            _discard(e, p.staging, p.final, lay.rank)
+        rec.finalize_s = time.perf_counter() - t0
+        return rec
+
+
+def _max_over_ranks(values: list[int], world: int) -> list[int]:
+    """Each value's maximum over the ranks (``world == 1``: the values)."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:

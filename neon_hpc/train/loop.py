@@ -21,9 +21,12 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
 5. metrics + log line (rank 0), heartbeat (every rank);
 6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST`` (direct path: the
    snapshot on the step, the write beside the next steps, :class:`~neon_hpc.train.publish.BackgroundPublisher`);
-   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (synchronous).
+   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (``train.checkpoint_async``,
+   the default: the snapshot on the step, the write beside the next steps, finalized and renamed
+   into place at a later step boundary, :class:`~neon_hpc.train.checkpoint.AsyncCheckpointer`;
+   false: synchronous).
 
-SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written, then
+SIGUSR1 / SIGTERM: the current step finishes, a checkpoint is written (and waited for), then
 the preemption marker (``neon_hpc.protocol.Preempted``) and exit 0 (the Slurm job requeues;
 resume is automatic).
 """
@@ -164,12 +167,13 @@ class StepData:
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
-           log: RoleLogger):
+           log: RoleLogger, on_wait=None):
     """Rank 0 claims; then every rank reads the committed claim (the same trajectories).
 
     Rank 0 waits for data in slices of ``CLAIM_SLICE_S`` and tells the others after each one,
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
-    and preemption signals stay live on every rank while rollouts catch up.
+    and preemption signals stay live on every rank while rollouts catch up.  ``on_wait()`` runs
+    on every rank after each empty slice (the loop finalizes a checkpoint written meanwhile).
     """
 
     store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
@@ -200,6 +204,8 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
         if status["state"] != "waiting":
             break
         TrainerBeat(rank=rank, step=step, phase=TrainerPhase.WAITING_FOR_DATA, waited_s=status["waited_s"]).write(run)
+        if on_wait is not None:
+            on_wait()
         if rank == 0 and status["waited_s"] >= next_note:
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
@@ -464,12 +470,15 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     # direct publishes are written beside the next steps (train/publish.py: BackgroundPublisher)
     publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
+    # checkpoints written beside the next steps (train/checkpoint.py: AsyncCheckpointer)
+    checkpointer = ckpt.AsyncCheckpointer(run, be, log, t.checkpoint_write_timeout_s) if t.checkpoint_async else None
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
-        claim = _claim(run, cfg, step, rank, world, pre, log)
+        claim = _claim(run, cfg, step, rank, world, pre, log,
+                       on_wait=None if checkpointer is None else checkpointer.poll)
         if claim["state"] == "preempted":
             step -= 1
             preempted = True
@@ -493,13 +502,23 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         if publisher is not None and publish_due:
             m["publish_s"] = publisher.submit(be, step, step=step)   # the snapshot; the write runs beside
             published = step
+        if checkpointer is not None:    # finalize the one in flight if every rank's writer is done
+            checkpointer.poll()
         if ckpt_due:
             c0 = time.perf_counter()
-            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
-                                      "published": step if publish_due else None,
-                                      "claimed_shards": [p.name for p in res.shards]})
-            m["checkpoint_s"] = time.perf_counter() - c0
+            state = {"version": step, "cursor": {"next_step": step + 1}, "published": step if publish_due else None,
+                     "claimed_shards": [p.name for p in res.shards]}
+            if checkpointer is not None:
+                rec = checkpointer.submit(step, state)      # the snapshot; the write runs beside
+                m["checkpoint_snapshot_s"], m["checkpoint_wait_s"] = rec.snapshot_s, rec.waited_s
+                if publish_due and t.publish_via == "reshard":
+                    checkpointer.wait()                    # reshard converts the complete checkpoint
+            else:
+                ckpt.save(run, be, step, state)
+            m["checkpoint_s"] = time.perf_counter() - c0   # what the step paid
             saved_at = step
+        if checkpointer is not None:
+            m.update(_checkpoint_metrics(_log_checkpoints(log, rank, checkpointer)))
         if publish_due and t.publish_via == "reshard":
             _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
                                                    checkpoint_dir=run.checkpoint(step))
@@ -514,6 +533,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     if publisher is not None:
         publisher.close()              # the last version is written before the trainer exits
         _log_publishes(log, publisher)
+    if checkpointer is not None:
+        checkpointer.wait()            # the last checkpoint is complete before the trainer exits
+        _log_checkpoints(log, rank, checkpointer)
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
 
 
@@ -525,6 +547,29 @@ def _publish_metrics(records: list[dict]) -> dict:
     if written:
         r = written[-1]
         out.update(publish_done_version=r["version"], publish_write_s=r["write_s"], publish_queued_s=r["queued_s"])
+    return out
+
+
+def _checkpoint_metrics(records: list[dict]) -> dict:
+    """Scalars for the step's metrics record: the newest checkpoint completed since the last step
+    and what it cost beside the steps (its write) and at the boundary that published it."""
+    done = [r for r in records if not r.get("error")]
+    if not done:
+        return {}
+    r = done[-1]
+    return {"checkpoint_done_step": r["step"], "checkpoint_write_s": r["write_s"],
+            "checkpoint_finalize_s": r["finalize_s"]}
+
+
+def _log_checkpoints(log: RoleLogger, rank: int, checkpointer) -> list[dict]:
+    """One log line (rank 0) per asynchronous checkpoint completed since the last call; their records."""
+    out = []
+    for r in checkpointer.completed():
+        if rank == 0 and not r.error:
+            log.info("checkpoint step_%d: snapshot %.3fs on the step (waited %.3fs for the previous one), "
+                     "written in %.3fs beside the steps, finalized in %.3fs", r.step, r.snapshot_s, r.waited_s,
+                     r.write_s, r.finalize_s)
+        out.append(r.as_dict())
     return out
 
 

@@ -1,0 +1,163 @@
+"""Checkpoints beside the steps (``train.checkpoint.AsyncCheckpointer``): the step returns before
+the write does, a checkpoint is visible only once complete, a writer's error reaches the trainer's
+thread, and what the background wrote loads bit-identical to the synchronous save of the same
+weights.  Real megatron-core (one gloo rank) and real torch_dist files; the slow or failing
+writer is megatron's own bucket writer behind a gate the test holds (ordering by events, never
+by the clock).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from neon_hpc import config as C
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.store.synthetic import make_trajectory
+from neon_hpc.train import backend as B, checkpoint as ck
+from repo_paths import REPO
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A backend after two real optimizer steps (so the optimizer holds Adam moments)."""
+    from neon_hpc.train.loop import prepare_step, train_step
+    from neon_hpc.train.loss import loss_settings
+    from neon_hpc.train.sections import TrainerSections
+
+    cfg = C.load(REPO / "configs" / "tiny_cpu.yaml")
+    sec = TrainerSections.of(cfg)
+    be = B.setup(cfg.model, lr=1e-3, seed=3, replay=False)
+    rng = np.random.default_rng(0)
+
+    def step():
+        trajs = [make_trajectory(rng, 24, routes=False, vocab=cfg.model.vocab_size, group_id=f"g{i // 2}",
+                                 task_id=f"g{i // 2}") for i in range(4)]
+        train_step(be, prepare_step(trajs, 1, sec), loss_settings(sec))
+
+    step()
+    step()
+    be.step = step
+    try:
+        yield be
+    finally:
+        B.teardown()
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """The writer thread's bucket writes wait for ``gate``; ``started`` is set when they begin;
+    ``fail`` set: they raise instead of writing."""
+    gate, started = threading.Event(), threading.Event()
+    box = {"fail": None}
+    real = ck._write_buckets
+
+    def write(request):
+        started.set()
+        assert gate.wait(60), "the test never opened the gate"
+        if box["fail"] is not None:
+            raise box["fail"]
+        return real(request)
+
+    monkeypatch.setattr(ck, "_write_buckets", write)
+    return gate, started, box
+
+
+def run_dir(tmp_path, name):
+    return RunDir(str(tmp_path / name)).create()
+
+
+def test_the_step_returns_before_the_write_and_the_checkpoint_appears_only_complete(tmp_path, trained, gated):
+    gate, started, _ = gated
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+    saver.submit(4, {"version": 4})
+    assert started.wait(60)                     # the write began on its thread ...
+    assert not gate.is_set()                    # ... and submit returned while it is held
+    assert saver.in_flight == 4
+    assert not run.checkpoint(4).exists() and ck.latest_complete(run) is None
+    assert saver.poll() is None                 # still writing: nothing finalized, nothing visible
+    assert not run.checkpoint(4).exists()
+    gate.set()
+    rec = saver.wait()
+    assert rec.step == 4 and rec.error is None and saver.in_flight is None
+    assert ck.latest_complete(run) == 4
+    assert sorted(p.name for p in run.checkpoint(4).iterdir()) == sorted(
+        [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json", "integrity.json",
+         "config.json", "trainer_state.json", "rng"])
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # no staging left
+
+
+def test_a_second_checkpoint_waits_for_the_first_and_resume_takes_the_newest_complete(tmp_path, trained, gated):
+    gate, started, _ = gated
+    gate.set()
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+    saver.submit(1, {"version": 1})
+    saver.submit(2, {"version": 2})             # one in flight: step_1 is finalized first
+    assert ck.latest_complete(run) == 1 and saver.in_flight == 2
+    gate.clear()
+    started.clear()
+    saver.wait()
+    saver.submit(3, {"version": 3})             # held: a crash now leaves step_3 half-written, hidden
+    assert started.wait(60)
+    assert ck.latest_complete(run) == 2 and not run.checkpoint(3).exists()
+    digest = B.param_digest(trained)
+    state = ck.load(run, trained, ck.latest_complete(run))
+    assert state["step"] == 2 and state["digests_verified"] and state["optimizer_restored"]
+    assert B.param_digest(trained) == digest
+    gate.set()
+    saver.wait()
+    assert ck.latest_complete(run) == 3
+
+
+def test_a_writer_error_is_raised_on_the_trainer_thread_and_nothing_is_published(tmp_path, trained, gated):
+    gate, started, box = gated
+    box["fail"] = OSError(28, "No space left on device")
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+    saver.submit(5, {"version": 5})
+    gate.set()
+    with pytest.raises(ck.CheckpointWriteError, match=r"step_5 failed on the writer thread of rank 0: OSError"):
+        saver.wait()
+    assert not run.checkpoint(5).exists() and ck.latest_complete(run) is None
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # staging removed
+    assert saver.in_flight is None
+    (rec,) = saver.completed()
+    assert "No space left" in rec.error
+    box["fail"] = None
+    saver.submit(6, {"version": 6})             # the next one is written normally
+    saver.wait()
+    assert ck.latest_complete(run) == 6
+
+
+def test_the_snapshot_is_what_is_written_and_it_loads_bit_identical_to_the_synchronous_save(tmp_path, trained,
+                                                                                           gated):
+    gate, started, _ = gated
+    sync_run, async_run = run_dir(tmp_path, "sync"), run_dir(tmp_path, "async")
+    ck.save(sync_run, trained, 7, {"version": 7})
+    saved = {k: v.clone() for k, v in B.full_state_dict(trained).items()}
+    saver = ck.AsyncCheckpointer(async_run, trained)
+    saver.submit(7, {"version": 7})
+    assert started.wait(60)
+    trained.step()                              # the next step changes weights and moments meanwhile
+    changed = B.param_digest(trained)
+    gate.set()
+    saver.wait()
+    got = {}
+    for run in (sync_run, async_run):
+        state = ck.load(run, trained, 7)
+        assert state["param_digest_checked"] and state["digests_verified"] and state["optimizer_restored"]
+        full = B.full_state_dict(trained)
+        assert all(torch.equal(full[k], saved[k]) for k in saved)   # the weights of step 7, not later ones
+        moments = {}
+        for i, o in enumerate(trained.optimizer.chained_optimizers):
+            for j, st in enumerate(o.optimizer.state.values()):
+                moments.update({f"{i}.{j}.{n}": t.clone() for n, t in st.items() if isinstance(t, torch.Tensor)})
+        got[run.root.name] = (B.param_digest(trained), moments)
+    assert got["sync"][0] == got["async"][0] != changed
+    assert got["sync"][1].keys() == got["async"][1].keys() and got["sync"][1]
+    assert all(torch.equal(got["sync"][1][k], got["async"][1][k]) for k in got["sync"][1])
