@@ -434,7 +434,8 @@ class AsyncCheckpointer:
             if lay.rank == 0:
                 shutil.rmtree(p.staging, ignore_errors=True)
             err = CheckpointWriteError(f"checkpoint {p.final} failed on the writer thread of rank {lay.rank}: {why}; "
-                                       f"nothing was published (a resume takes the newest complete checkpoint)")
+                                       f"nothing was published (a resume takes the newest complete checkpoint); fix the "
+                                       f"cause (space, permissions or quota under {p.final.parent}) and run the job again")
             raise err from p.error
         t0 = time.perf_counter()
         try:

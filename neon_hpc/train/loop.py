@@ -437,6 +437,11 @@ def run_trainer(cfg: TrainerSections, run_dir: str) -> int:
     except TrainerError as e:
         log.error("%s", e)
         return 2
+    except ckpt.CheckpointWriteError as e:
+        # an asynchronous checkpoint failed beside the steps (its staging folder is gone, nothing was
+        # published, the last complete checkpoint stands): one line, no traceback
+        log.error("%s", e)
+        return 2
     except CheckpointError as e:
         # an untrusted or corrupt checkpoint (init_checkpoint, or a resume's step_N): one line naming
         # the file, what in it is refused, and what to do; no traceback
