@@ -482,9 +482,14 @@ def forward_backward(be: Backend, microbatches: Sequence[MicroBatch], loss_fn,
 
 def _accumulate(sums: dict[str, Any], terms: dict[str, Any]) -> None:
     """``sums[k] += terms[k]``: tensors stay on the device (float64), no read-back here."""
-    for k, v in terms.items():
-        v = v.detach().double().reshape(()) if isinstance(v, torch.Tensor) else float(v)
-        sums[k] = v if k not in sums else sums[k] + v
+    with torch.no_grad():                # no graph for the bookkeeping: no ``detach`` (or ``view``) per term
+        for k, v in terms.items():
+            if isinstance(v, torch.Tensor):
+                v = v.double()
+                v = v if v.dim() == 0 else v.reshape(())
+            else:
+                v = float(v)
+            sums[k] = v if k not in sums else sums[k] + v
 
 
 def _read_back(sums: dict[str, Any]) -> dict[str, float]:
