@@ -46,18 +46,10 @@ STEP_OP_BUDGET = {"qwen3_moe": 4800, "deepseek_v3": 5850}
 
 
 def documents(cfg: ModelConfig, docs: int, tokens: int, seed: int = 0):
-    from neon_hpc.store import Trajectory
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(docs):
-        mask = np.r_[np.zeros(4), np.ones(tokens - 4)].astype(np.uint8)
-        routes = np.argsort(rng.random((tokens, cfg.num_layers, cfg.num_experts)), axis=-1)[..., :cfg.moe_router_topk]
-        out.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, tokens).astype(np.int32), loss_mask=mask,
-                              logprobs=np.where(mask > 0, -6.0, 0).astype(np.float32),
-                              versions=np.where(mask > 0, 0, -1).astype(np.int32),
-                              routed_experts=routes.astype(np.int32), reward=float(i % 2),
-                              task_id="t0", group_id="g0"))
-    return out
+    from neon_hpc.store.synthetic import replayed_documents
+    return replayed_documents(docs, tokens, vocab=cfg.vocab_size, layers=cfg.num_layers,
+                              experts=cfg.num_experts, top_k=cfg.moe_router_topk, seed=seed,
+                              logprob=-6.0)
 
 
 class Step:
