@@ -279,7 +279,6 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
-
     from neon_hpc.models.experts import GroupedExperts
 
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # deferred: heavy (megatron)
