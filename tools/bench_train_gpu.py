@@ -67,6 +67,7 @@ from neon_hpc import config as C  # noqa: E402
 from neon_hpc.balance.cost import flops_breakdown  # noqa: E402
 from neon_hpc.config.model import ModelConfig  # noqa: E402
 from neon_hpc.store import Trajectory  # noqa: E402
+from neon_hpc.store.synthetic import replayed_documents  # noqa: E402
 from neon_hpc.train.heap import PeakMemory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,19 +107,10 @@ def parse_shape(s: str) -> tuple[int, int]:
 # the data: the same documents for both sides
 
 def documents(cfg: ModelConfig, docs: int, tokens: int, seed: int) -> list[Trajectory]:
-    """``docs`` trajectories of ``tokens`` tokens (4 prompt tokens, the rest generated), with
-    routes for every decoder layer (the trainer replays them)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(docs):
-        mask = np.r_[np.zeros(4), np.ones(tokens - 4)].astype(np.uint8)
-        routes = np.argsort(rng.random((tokens, cfg.num_layers, cfg.num_experts)), axis=-1)[..., :cfg.moe_router_topk]
-        out.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, tokens).astype(np.int32), loss_mask=mask,
-                              logprobs=np.where(mask > 0, -8.0, 0).astype(np.float32),
-                              versions=np.where(mask > 0, 0, -1).astype(np.int32),
-                              routed_experts=routes.astype(np.int32), reward=float(i % 2),
-                              task_id=f"t{i // 2}", group_id=f"t{i // 2}"))
-    return out
+    """``docs`` trajectories of ``tokens`` tokens with routes for every decoder layer (the
+    trainer replays them): ``store.synthetic.replayed_documents`` at the model's shape."""
+    return replayed_documents(docs, tokens, vocab=cfg.vocab_size, layers=cfg.num_layers,
+                              experts=cfg.num_experts, top_k=cfg.moe_router_topk, seed=seed)
 
 
 def input_tokens(trajs: list[Trajectory]) -> int:

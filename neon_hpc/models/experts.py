@@ -57,12 +57,20 @@ class _ExpertStack(torch.autograd.Function):
     forward returns it as it is (no copy), backward hands each expert its slice of the gradient."""
 
     @staticmethod
-    def forward(ctx, stacked: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, stacked: torch.Tensor, into_main: bool, *weights: torch.Tensor) -> torch.Tensor:
+        # into_main: megatron DDP without overlapped reduction owns the weights' ``main_grad``;
+        # backward adds the slices there in one multi-tensor op (what DDP's per-parameter hook
+        # would do, one ``add_`` per expert) and produces no ``.grad``, so no hook runs for them
+        ctx.weights = weights if into_main else None
         return stacked.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (None, *grad.unbind(0))
+        if ctx.weights is not None:
+            mains = [w.main_grad for w in ctx.weights]
+            torch._foreach_add_(mains, grad.to(mains[0].dtype).unbind(0))
+            return (None, None, *(None for _ in ctx.weights))
+        return (None, None, *grad.unbind(0))
 
 
 def _is_stack_of(weights: list[torch.Tensor], stacked: torch.Tensor | None) -> bool:
@@ -114,6 +122,9 @@ class GroupedExperts(SequentialMLP):
                              "experts='sequential' for anything else")
         self._stacks: dict[str, torch.Tensor] = {}
         self.stack_fallbacks = 0
+        # set by train/backend.py once megatron's DDP (overlap_grad_reduce off) holds the weights'
+        # main_grad: the weight gradients then go there directly (see _ExpertStack)
+        self.grads_into_main_grad = False
         self.link()
 
     def _weights(self, name: str) -> list[torch.Tensor]:
@@ -145,7 +156,9 @@ class GroupedExperts(SequentialMLP):
         ws = self._weights(name)
         stacked = self._stacks.get(name)
         if _is_stack_of(ws, stacked):
-            w = _ExpertStack.apply(stacked, *ws)
+            into_main = self.grads_into_main_grad and torch.is_grad_enabled() \
+                and all(w.requires_grad and getattr(w, "main_grad", None) is not None for w in ws)
+            w = _ExpertStack.apply(stacked, into_main, *ws)
         else:
             self.stack_fallbacks += 1
             w = torch.stack(ws)

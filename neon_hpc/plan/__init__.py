@@ -2,21 +2,12 @@
 
     from neon_hpc.plan import simulate, SimParams, from_experiment, compare_with_run
 
-Names are imported lazily: ``neon_hpc.config`` imports ``neon_hpc.config.plan`` and must not
-pull in SimPy or NumPy with it.
+The plan section of the experiment config is ``neon_hpc.config.plan`` (a leaf: importing the
+config does not import this package, SimPy or NumPy).
 """
-import importlib
+from neon_hpc.plan.params import SimParams, Sourced, from_experiment
+from neon_hpc.plan.sim import SimResult, simulate
+from neon_hpc.plan.validate import ValidationReport, compare_with_run
 
-_EXPORTS = {
-    "SimParams": "neon_hpc.plan.params", "Sourced": "neon_hpc.plan.params",
-    "from_experiment": "neon_hpc.plan.params", "SimResult": "neon_hpc.plan.sim",
-    "simulate": "neon_hpc.plan.sim", "compare_with_run": "neon_hpc.plan.validate",
-    "ValidationReport": "neon_hpc.plan.validate",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'neon_hpc.plan' has no attribute {name!r}")
+__all__ = ["SimParams", "Sourced", "from_experiment", "SimResult", "simulate", "compare_with_run",
+           "ValidationReport"]

@@ -34,3 +34,22 @@ def make_trajectory(rng: np.random.Generator, num_tokens: int, *, moe_layers: in
         task_id=task_id, group_id=group_id, turn_offsets=bounds[::2].copy(),
         metadata={"seed": int(rng.integers(1 << 30)), "note": "synthetic ✓"},
         timings={"episode_s": float(rng.random() * 10)})
+
+
+def replayed_documents(docs: int, tokens: int, *, vocab: int, layers: int, experts: int, top_k: int,
+                       seed: int = 0, prompt: int = 4, logprob: float = -8.0) -> list[Trajectory]:
+    """``docs`` single-turn trajectories of ``tokens`` tokens (``prompt`` prompt tokens, the rest
+    generated at version 0 with log-probability ``logprob``), distinct experts per token in every
+    one of ``layers`` layers (the trainer replays them), rewards alternating 0/1, two documents per
+    group: the trainer's benchmark and its op census step on these."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(docs):
+        mask = np.r_[np.zeros(prompt), np.ones(tokens - prompt)].astype(np.uint8)
+        routes = np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :top_k]
+        out.append(Trajectory(tokens=rng.integers(0, vocab, tokens).astype(np.int32), loss_mask=mask,
+                              logprobs=np.where(mask > 0, logprob, 0).astype(np.float32),
+                              versions=np.where(mask > 0, 0, -1).astype(np.int32),
+                              routed_experts=routes.astype(np.int32), reward=float(i % 2),
+                              task_id=f"t{i // 2}", group_id=f"t{i // 2}"))
+    return out

@@ -279,6 +279,7 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from neon_hpc.models.experts import GroupedExperts
 
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # deferred: heavy (megatron)
 
@@ -302,6 +303,9 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
         models.append(model)
         wrapped = Float16Module(model.config, model) if precision == "bf16" else model
         ddps.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=wrapped))
+        for m in model.modules():     # the experts' weight grads straight into DDP's main_grad (no per-expert hook)
+            if isinstance(m, GroupedExperts):
+                m.grads_into_main_grad = not ddp_cfg.overlap_grad_reduce
     if built != expected[pp_rank]:
         raise RuntimeError(f"pipeline stage {pp_rank}: megatron built (first layer, layers) {built} per model "
                            f"chunk, train/layout.py expects {expected[pp_rank]} (the two rules disagree)")
@@ -482,9 +486,14 @@ def forward_backward(be: Backend, microbatches: Sequence[MicroBatch], loss_fn,
 
 def _accumulate(sums: dict[str, Any], terms: dict[str, Any]) -> None:
     """``sums[k] += terms[k]``: tensors stay on the device (float64), no read-back here."""
-    for k, v in terms.items():
-        v = v.detach().double().reshape(()) if isinstance(v, torch.Tensor) else float(v)
-        sums[k] = v if k not in sums else sums[k] + v
+    with torch.no_grad():                # no graph for the bookkeeping: no ``detach`` (or ``view``) per term
+        for k, v in terms.items():
+            if isinstance(v, torch.Tensor):
+                v = v.double()
+                v = v if v.dim() == 0 else v.reshape(())
+            else:
+                v = float(v)
+            sums[k] = v if k not in sums else sums[k] + v
 
 
 def _read_back(sums: dict[str, Any]) -> dict[str, float]:

@@ -128,7 +128,8 @@ def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) 
     group; one multi-tensor kernel per dtype and one read-back."""
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
-    grads = [g.detach() for g in grads_for_norm]
+    # the grads are leaves outside autograd (and megatron calls this under no_grad): no ``detach`` each
+    grads = list(grads_for_norm)
     norm_type = float(norm_type)
     dev = grads[0].device if grads else _device()
     # each tensor's norm in its own dtype (one fused pass each), combined in float64 on the device
@@ -156,7 +157,7 @@ def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=Fals
     grads = [g for g in ((getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad)
                          for p in parameters) if g is not None]
     if grads:
-        torch._foreach_mul_([g.detach() for g in grads], coeff)
+        torch._foreach_mul_(grads, coeff)
 
 
 @torch.no_grad()

@@ -40,21 +40,16 @@ CFG_DSV3 = ModelConfig(arch="deepseek_v3", vocab_size=512, hidden_size=64, num_l
 CONFIGS = {"qwen3_moe": CFG, "deepseek_v3": CFG_DSV3}
 DOCS, TOKENS = 2, 64
 STEP_SYNC_BUDGET = 16          # the whole step (a fixed small number, independent of layers/params)
+# aten ops in the whole step at DOCS x TOKENS (measured at da5f867: 4670 and 5702; before the experts'
+# grads went straight into main_grad: 6174 and 7018, 572 and 554 add_)
+STEP_OP_BUDGET = {"qwen3_moe": 4800, "deepseek_v3": 5850}
 
 
 def documents(cfg: ModelConfig, docs: int, tokens: int, seed: int = 0):
-    from neon_hpc.store import Trajectory
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(docs):
-        mask = np.r_[np.zeros(4), np.ones(tokens - 4)].astype(np.uint8)
-        routes = np.argsort(rng.random((tokens, cfg.num_layers, cfg.num_experts)), axis=-1)[..., :cfg.moe_router_topk]
-        out.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, tokens).astype(np.int32), loss_mask=mask,
-                              logprobs=np.where(mask > 0, -6.0, 0).astype(np.float32),
-                              versions=np.where(mask > 0, 0, -1).astype(np.int32),
-                              routed_experts=routes.astype(np.int32), reward=float(i % 2),
-                              task_id="t0", group_id="g0"))
-    return out
+    from neon_hpc.store.synthetic import replayed_documents
+    return replayed_documents(docs, tokens, vocab=cfg.vocab_size, layers=cfg.num_layers,
+                              experts=cfg.num_experts, top_k=cfg.moe_router_topk, seed=seed,
+                              logprob=-6.0)
 
 
 class Step:
@@ -163,6 +158,16 @@ def test_expert_weights_are_not_copied(counted):
     assert not copies, copies
 
 
+def test_step_op_budget(counted):
+    """The step's aten ops stay under the budget (issue 40: ``ops_over_reference``), and the experts'
+    weight gradients reach DDP's ``main_grad`` without a per-expert hook: fewer in-place adds in the
+    whole step than there are expert weights (the hook's ``main_grad.add_`` would be one each)."""
+    step, c = counted
+    n_experts = sum(1 for name, _ in step.be.model.named_parameters() if ".mlp.experts." in name)
+    assert c.ops["step"]["aten.add_.Tensor"] < n_experts, (c.ops["step"]["aten.add_.Tensor"], n_experts)
+    assert c.n_ops() <= STEP_OP_BUDGET[step.cfg.arch], c.packets().most_common(12)
+
+
 def _lands(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
@@ -184,6 +189,22 @@ def test_optimizer_has_no_per_parameter_loop(counted):
     n = step.n_params()
     looped = c.per_tensor(n, "optimizer")
     assert not looped, (n, looped)
+
+
+def test_grad_norm_ops_are_fewer_than_grads():
+    """The grad norm over N grads dispatches a fixed few aten ops, fewer than N: not even a
+    ``detach`` each (issue 40, ``ops_over_reference``: the per-grad ``detach`` was 49 of the
+    bench's 1153 trainer ops at 2x512)."""
+    import torch.distributed as dist
+    from neon_hpc.train.census import census
+    from neon_hpc.train.optimizer_shim import grad_norm_fp32
+    grads = [torch.randn(3, 2) for _ in range(40)]
+    if not dist.is_initialized():
+        pytest.skip("needs the process group the census fixture's backend sets up")
+    with census() as c:
+        got = grad_norm_fp32(grads)
+    assert abs(got - float(torch.cat([g.flatten() for g in grads]).norm())) < 1e-4
+    assert c.n_ops() < len(grads), c.ops["step"].most_common(8)
 
 
 @pytest.mark.xfail(not (FOREACH_OPTIMIZER and ONE_READBACK), strict=False,

@@ -202,11 +202,13 @@ class Trace:
         """The fit the fractions come from: for a real measurement (``Instrument.measured``) the found
         phases refined again with anomalous scattering (f', f'' at the anode line), started from ``res``,
         each texture axis scored at its best r on ``fitting.TEXTURE_SEARCH_R`` (with the two trial r of
-        the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high: README), with the
-        pattern's overall B refined (the angle dependence the sample gives every phase alike: surface
-        roughness, a weakly absorbing layer's transparency, thermal motion) and a line shape (pseudo-Voigt
-        eta) per phase (README, issue 34's third pass); otherwise ``res`` itself.  Identification (the
-        steps, :meth:`final_fit`) never uses f', f'' (see the module docstring); cached per phase set."""
+        the search, Li2CO3's texture axis came out wrong and its fraction 5 wt% high:
+        docs/results/2026-12-04-xrd-texture-r-grid.md), with the pattern's overall B refined (the angle
+        dependence the sample gives every phase alike: surface roughness, a weakly absorbing layer's
+        transparency, thermal motion) and a line shape (pseudo-Voigt eta) per phase
+        (docs/results/2026-12-05-xrd-angle-lineshape.md); otherwise ``res`` itself.  Identification
+        (the steps, :meth:`final_fit`) never uses f', f'' (see the module docstring); cached per
+        phase set."""
         if res is None or not self.ctx.instrument.measured:
             return res
         key = ("quant",) + tuple(p.phase_id for p in res.phases)
