@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t1 = time.perf_counter()
     points = report.sweep(configured, mine.plan.sweep_points, args.sweep_steps, args.target_staleness, None,
-                          mine.plan.sweep_staleness, mine.plan.sweep_trajectories_per_step, mine.plan.sweep_in_flight_pct)
+                          mine.plan.sweep_staleness, mine.plan.sweep_trajectories_per_step,
+                          mine.plan.sweep_in_flight_pct)
     best, why = report.recommend(points, args.target_staleness)
     nodes = (p.rollout_gpus // p.gpus_per_node, p.train_gpus // p.gpus_per_node)
     here = report.simulate_point(sourced, *nodes, p.max_staleness, p.trajectories_per_step, args.sweep_steps)

@@ -179,7 +179,8 @@ def prefix_kept(rec, tr) -> bool:
     if len(tr.tokens) < n:
         return False
     same = (np.array_equal(tr.tokens[:n], a["tokens"][:n]) and np.array_equal(tr.loss_mask[:n], a["loss_mask"][:n])
-            and np.array_equal(tr.logprobs[:n], a["logprobs"][:n]) and np.array_equal(tr.versions[:n], a["versions"][:n]))
+            and np.array_equal(tr.logprobs[:n], a["logprobs"][:n])
+            and np.array_equal(tr.versions[:n], a["versions"][:n]))
     if "routed_experts" in a and tr.routed_experts is not None:
         pinned = min(len(a["cache_tokens"]) - 1, n)
         same = same and np.array_equal(tr.routed_experts[:pinned], a["routed_experts"][:pinned])
