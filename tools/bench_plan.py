@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sourced.params
     ep = sample_episodes(p, 20000, np.random.default_rng(1))
     dur = ep.decode_s + ep.fixed_s
-    print(f"example layout: {p.rollout_gpus} rollout GPUs ({p.rollout_slots} episodes in flight, {p.engine_slots} request "
-          f"slots), {p.train_gpus} trainer GPUs, {p.trajectories_per_step} trajectories/step, staleness <= {p.max_staleness}")
+    print(f"example layout: {p.rollout_gpus} rollout GPUs ({p.rollout_slots} episodes in flight, "
+          f"{p.engine_slots} request slots), {p.train_gpus} trainer GPUs, "
+          f"{p.trajectories_per_step} trajectories/step, staleness <= {p.max_staleness}")
     print(f"episodes: median {np.median(dur) / 60:.1f} min, p95 {np.quantile(dur, 0.95) / 60:.1f} min, "
           f"p99 {np.quantile(dur, 0.99) / 60:.1f} min, max {dur.max() / 60:.1f} min; "
           f"trajectory length median {np.median(ep.seq_len):,.0f}, max {ep.seq_len.max():,.0f} tokens")

@@ -246,7 +246,8 @@ def run_bench(root: Path, steps: int, log=print) -> dict:
                                           "resumed_episodes")}
     return {"rc": rc, "stop_s": stop_s, "signal": sig, "sigkill": kill, "sigkill_records_behind": behind,
             "all_claims_once": max(claims.values(), default=0) <= 1, **total,
-            "kept_fraction": total["kept_tokens"] / total["in_flight_tokens"] if total["in_flight_tokens"] else float("nan"),
+            "kept_fraction": (total["kept_tokens"] / total["in_flight_tokens"] if total["in_flight_tokens"]
+                              else float("nan")),
             "journal_overhead": overhead(root)}
 
 
