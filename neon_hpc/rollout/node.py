@@ -176,7 +176,8 @@ class RolloutNode:
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             stderr = self.run.log_dir("rollout") / f"{w}.stderr"
             if not self.sec.rollout.restart_dead_workers:
-                self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)", w, how)
+                self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)",
+                               w, how)
                 del self.workers[w]
                 continue
             fast = now - self.started_at.get(w, 0.0) < CRASH_WINDOW_S
