@@ -80,7 +80,8 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
         idle = [r.get("wait_s", 0.0) / max(r.get("wait_s", 0.0) + r.get("step_time_s", 0.0), 1e-9) for r in trainer]
         a.bar(steps, idle)
         a.set_ylim(0, 1)
-    a.set_xlabel("trainer step"); a.set_ylabel("fraction of step waiting for data"); a.set_title("trainer idle fraction")
+    a.set_xlabel("trainer step"); a.set_ylabel("fraction of step waiting for data")
+    a.set_title("trainer idle fraction")
 
     fig.suptitle(f"neon-hpc run {run.root.name}")
     fig.tight_layout()

@@ -51,7 +51,8 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
         text = TOK.decode(t.tokens.tolist())
         assert text.startswith("<|system|>echo<|end|><|user|>peek then answer") and "word alpha" in text
     # a wrong answer grades 0 through the same loop
-    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo.bind(cfg.env))[0]
+    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1,
+                    env=echo.bind(cfg.env))[0]
     assert bad.rewards["success"] == 0.0 and bad.metadata["tool_calls"] == 0
     # the eval set comes from the plugin's task source
     held = eval_tasks(cfg.eval, source)

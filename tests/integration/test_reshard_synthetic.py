@@ -180,7 +180,8 @@ def test_a_checkpoint_without_digests_is_refused_unless_allowed_and_the_output_s
     src = _broken_copy(ckpt, tmp_path)
     (src / "integrity.json").unlink()
     (tmp_path / "out").mkdir()
-    rc = main(["--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"), "--quiet"])
+    rc = main(["--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"),
+               "--quiet"])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("reshard: error: ") and "has no integrity.json" in err, err
     assert "--allow-unverified" in err and err.count("\n") == 1

@@ -160,6 +160,7 @@ class ChatEpisode:
         self.messages.append({"role": "tool", "tool_call_id": native[0].get("id", ""),
                               "content": self.env.format_result(result)})
         for extra in native[1:]:
-            self.messages.append({"role": "tool", "tool_call_id": extra.get("id", ""), "content": self.env.format_result(
-                {"error": "not run: one tool call per turn; call it again on its own"})})
+            self.messages.append({"role": "tool", "tool_call_id": extra.get("id", ""),
+                                  "content": self.env.format_result(
+                                      {"error": "not run: one tool call per turn; call it again on its own"})})
         return False

@@ -261,7 +261,8 @@ def test_se_sys_is_calibrated_on_errors_at_radii_chosen_without_each_mixture():
 def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line():
     table = ab.load_table()
     for el in {e for p in load_library().phases for e in p.elements}:
-        assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.envs.xrd.science.absorption)"
+        assert el in table["molar_mass"], (f"{el}: rebuild data/mass_attenuation.json "
+                                           "(python -m neon_hpc.envs.xrd.science.absorption)")
         for line, lam in ab.LINES.items():
             assert table["mu_rho"][el][line] > 0, (el, line)
 

@@ -467,7 +467,8 @@ def tool_search_history(args: dict, ctx: TaskContext) -> dict:
 
 
 _PHASE_REF = {"type": "string", "maxLength": 80,
-              "description": "a phase id from search_phases, or a formula (optionally with space group: 'TiO2 P4_2/mnm')"}
+              "description": "a phase id from search_phases, or a formula "
+                             "(optionally with space group: 'TiO2 P4_2/mnm')"}
 _RANGE = {"two_theta_min": {"type": "number", "minimum": 0, "maximum": 180},
           "two_theta_max": {"type": "number", "minimum": 0, "maximum": 180}}
 
