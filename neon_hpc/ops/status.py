@@ -116,7 +116,8 @@ def render(info: dict[str, Any]) -> str:
     s = info["shards"]
     lines.append(f"shards    ready={s['ready']} claimed={s['claimed']} quarantined={s['quarantined']} "
                  f"writing={s['writing']}  trajectories written={info['trajectories_written']}"
-                 + ("  duplicates skipped=" + str(info["duplicates_skipped"]) if info.get("duplicates_skipped") else ""))
+                 + ("  duplicates skipped=" + str(info["duplicates_skipped"])
+                    if info.get("duplicates_skipped") else ""))
     lines.append(f"tokens/s  trainer={_fmt(info['trainer_tokens_per_s'])} rollout={_fmt(info['rollout_tokens_per_s'])}")
     if info["staleness_hist"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(info["staleness_hist"].items(), key=lambda kv: int(kv[0])))
