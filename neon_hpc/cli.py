@@ -23,13 +23,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tail": ("neon_hpc.ops.tail", "follow the per-role, per-rank logs of a run"),
     "plot": ("neon_hpc.ops.plot", "PNG of reward, staleness, throughput and idle fractions of a run"),
     "reshard": ("neon_hpc.reshard.cli", "Megatron torch_dist checkpoint -> HF safetensors (same as tools/reshard.py)"),
-    "engine": ("neon_hpc.rollout.engines.cli", "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
+    "engine": ("neon_hpc.rollout.engines.cli",
+               "embedded inference engine (SGLang /generate subset) and SGLang launch lines"),
     "shard": ("neon_hpc.store.cli", "inspect trajectory shards"),
     "env": ("neon_hpc.envs.cli", "the registered environments (config env.kind): `neon-hpc env list`"),
     "balance": ("neon_hpc.balance.cli", "balancing dry runs: sequence lengths in, one step's assignment out"),
-    "costfit": ("neon_hpc.train.costfit.cli", "fit the balancer's cost model (balance.cost_file) to the trainer's timed step"),
+    "costfit": ("neon_hpc.train.costfit.cli",
+                "fit the balancer's cost model (balance.cost_file) to the trainer's timed step"),
     "plan": ("neon_hpc.plan.cli", "capacity planning: simulate the async system at cluster scale"),
-    "config": ("neon_hpc.config_cli", "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
+    "config": ("neon_hpc.config_cli",
+               "validate and print a resolved experiment config (check), or its JSON schema (schema)"),
 }
 
 

@@ -126,7 +126,8 @@ def check(path: str | None, overrides: list[str]) -> ExperimentConfig:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="neon-hpc config")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="validate a config (schema and every role's start-up checks) and print it resolved")
+    c = sub.add_parser("check",
+                       help="validate a config (schema and every role's start-up checks) and print it resolved")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sub.add_parser("schema", help="print the experiment config's JSON schema (types, ranges, enums, defaults)")

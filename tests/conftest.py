@@ -21,7 +21,8 @@ VENV_BIN = Path(sys.executable).parent
 # whichever tier folder either lives in. pytest's "prepend" import mode puts only the folder of
 # each module it collects on sys.path, so every folder that holds tests goes there up front
 # (test file names are unique across the tiers, as that import mode requires).
-for _d in sorted({Path(__file__).resolve().parent} | {p.parent for p in Path(__file__).resolve().parent.rglob("test_*.py")}):
+_tests = Path(__file__).resolve().parent
+for _d in sorted({_tests} | {p.parent for p in _tests.rglob("test_*.py")}):
     if str(_d) not in sys.path:
         sys.path.insert(1, str(_d))
 

@@ -102,7 +102,8 @@ def main() -> None:
             kv.append(f"fused_speedup_{shape}={ref['cpu_s'] / fus['cpu_s']:.2f}")
             kv.append(f"fused_mem_ratio_{shape}={ref['peak'] / max(fus['peak'], 1):.1f}")
     else:
-        kv += [f"{p}_cpu_s_{sh}={r['cpu_s']:.3f} {p}_peak_mib_{sh}={r['peak'] / 2**20:.1f}" for (sh, p), r in res.items()]
+        kv += [f"{p}_cpu_s_{sh}={r['cpu_s']:.3f} {p}_peak_mib_{sh}={r['peak'] / 2**20:.1f}"
+               for (sh, p), r in res.items()]
     print("RESULT " + " ".join(kv))
 
 

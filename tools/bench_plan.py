@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sourced.params
     ep = sample_episodes(p, 20000, np.random.default_rng(1))
     dur = ep.decode_s + ep.fixed_s
-    print(f"example layout: {p.rollout_gpus} rollout GPUs ({p.rollout_slots} episodes in flight, {p.engine_slots} request "
-          f"slots), {p.train_gpus} trainer GPUs, {p.trajectories_per_step} trajectories/step, staleness <= {p.max_staleness}")
+    print(f"example layout: {p.rollout_gpus} rollout GPUs ({p.rollout_slots} episodes in flight, "
+          f"{p.engine_slots} request slots), {p.train_gpus} trainer GPUs, "
+          f"{p.trajectories_per_step} trajectories/step, staleness <= {p.max_staleness}")
     print(f"episodes: median {np.median(dur) / 60:.1f} min, p95 {np.quantile(dur, 0.95) / 60:.1f} min, "
           f"p99 {np.quantile(dur, 0.99) / 60:.1f} min, max {dur.max() / 60:.1f} min; "
           f"trajectory length median {np.median(ep.seq_len):,.0f}, max {ep.seq_len.max():,.0f} tokens")
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t1 = time.perf_counter()
     points = report.sweep(configured, mine.plan.sweep_points, args.sweep_steps, args.target_staleness, None,
-                          mine.plan.sweep_staleness, mine.plan.sweep_trajectories_per_step, mine.plan.sweep_in_flight_pct)
+                          mine.plan.sweep_staleness, mine.plan.sweep_trajectories_per_step,
+                          mine.plan.sweep_in_flight_pct)
     best, why = report.recommend(points, args.target_staleness)
     nodes = (p.rollout_gpus // p.gpus_per_node, p.train_gpus // p.gpus_per_node)
     here = report.simulate_point(sourced, *nodes, p.max_staleness, p.trajectories_per_step, args.sweep_steps)

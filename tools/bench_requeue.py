@@ -179,7 +179,8 @@ def prefix_kept(rec, tr) -> bool:
     if len(tr.tokens) < n:
         return False
     same = (np.array_equal(tr.tokens[:n], a["tokens"][:n]) and np.array_equal(tr.loss_mask[:n], a["loss_mask"][:n])
-            and np.array_equal(tr.logprobs[:n], a["logprobs"][:n]) and np.array_equal(tr.versions[:n], a["versions"][:n]))
+            and np.array_equal(tr.logprobs[:n], a["logprobs"][:n])
+            and np.array_equal(tr.versions[:n], a["versions"][:n]))
     if "routed_experts" in a and tr.routed_experts is not None:
         pinned = min(len(a["cache_tokens"]) - 1, n)
         same = same and np.array_equal(tr.routed_experts[:pinned], a["routed_experts"][:pinned])
@@ -245,7 +246,8 @@ def run_bench(root: Path, steps: int, log=print) -> dict:
                                           "resumed_episodes")}
     return {"rc": rc, "stop_s": stop_s, "signal": sig, "sigkill": kill, "sigkill_records_behind": behind,
             "all_claims_once": max(claims.values(), default=0) <= 1, **total,
-            "kept_fraction": total["kept_tokens"] / total["in_flight_tokens"] if total["in_flight_tokens"] else float("nan"),
+            "kept_fraction": (total["kept_tokens"] / total["in_flight_tokens"] if total["in_flight_tokens"]
+                              else float("nan")),
             "journal_overhead": overhead(root)}
 
 

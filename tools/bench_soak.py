@@ -216,8 +216,9 @@ def run_soak(root: Path, run_s: float, workers: int, sample_s: float, memdebug: 
     with contextlib.suppress(FileNotFoundError):
         steps = len({json.loads(line).get("step") for line in (root / "logs" / "trainer" / "metrics.jsonl")
                      .read_text().splitlines() if line.strip()})
-    return {"slopes_mb_per_h": slopes, "windows": windows, "backlog_max": max(backlog, default=0), "samples": len(samples),
-            "steps": steps, "rss_last_mb": samples[-1][1] if samples else {}, "rises": largest_rise(samples),
+    return {"slopes_mb_per_h": slopes, "windows": windows, "backlog_max": max(backlog, default=0),
+            "samples": len(samples), "steps": steps, "rss_last_mb": samples[-1][1] if samples else {},
+            "rises": largest_rise(samples),
             "memdebug": memdebug_summary(root / "logs" / "trainer" / "memdebug_0.jsonl")}
 
 

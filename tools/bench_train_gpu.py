@@ -27,8 +27,8 @@ their ratio, the memory each step takes above what its process held before it (C
 against the device's dense peak: 989 TFLOP/s bf16 on CUDA (H200; an H100's is the same), on
 CPU the fp32 matmul rate measured at start.  Times are wall-clock on CUDA; on CPU this
 process's CPU time (``--clock``), with one intra-op thread per worker (``OMP_NUM_THREADS=1``,
-``BENCH_CPU_THREADS`` to change it: spinning OpenMP threads would count as CPU time).  One more step of each side runs under an aten-op census
-(``neon_hpc.train.census``): the ops it dispatches, the ones that would make the host wait
+``BENCH_CPU_THREADS`` to change it: spinning OpenMP threads would count as CPU time).  One more step of each side
+runs under an aten-op census (``neon_hpc.train.census``): the ops it dispatches, the ones that would make the host wait
 for a device (scalar read-backs, data-dependent shapes, device-to-host copies), those inside
 the MoE layers' forwards, those of the optimizer step issued once per parameter tensor, and
 which SDPA kernel and which expert-GEMM path served the shape.
@@ -581,7 +581,8 @@ def main(argv=None) -> int:
                    opt_ops=t.get("optimizer_per_param_ops", math.nan), sdpa=t.get("sdpa", "?"),
                    experts=t.get("experts_gemm", "?"))
         rows.append(row)
-        fail = "  " + ", ".join(f"{x['side']}: {x['failed']}" for x in (t, r) if x["failed"]) if t["failed"] or r["failed"] else ""
+        fail = ("  " + ", ".join(f"{x['side']}: {x['failed']}" for x in (t, r) if x["failed"])
+                if t["failed"] or r["failed"] else "")
         print(f"{t['shape']:>10} {t['tok_s']:>14.0f} {r['tok_s']:>16.0f} {row['ratio']:>6.2f} "
               f"{gb(t['peak_above_start']):>13} {gb(r['peak_above_start']):>15} {t['mfu']:>6.3f} {r['mfu']:>7.3f} "
               f"{row['ops_over_reference']:>8.2f} {row['syncs']:>6} {row['moe_syncs']:>9} {row['opt_ops']:>9}  "
@@ -616,7 +617,8 @@ def main(argv=None) -> int:
               f"publish writes beside the steps {lp['publish_write_s']}, checkpoint writes beside the steps "
               f"{lp['checkpoint_write_s']}", flush=True)
     head = rows[0]
-    print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} max_doc_tokens={tr['max_doc']} "
+    print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} "
+          f"max_doc_tokens={tr['max_doc']} "
           f"mfu={head['mfu']:.4f} device={kind} reference_mfu={head['reference_mfu']:.4f} "
           f"rss_16k_over_8k_above_start={ratio_above:.3f} dsv3_over_qwen={dsv3:.3f} precision={precision} "
           f"ops_over_reference={head['ops_over_reference']:.3f} syncs_per_step={head['syncs']} "

@@ -99,8 +99,8 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
 def bench_real(measured: bool = True) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
     from neon_hpc.envs.xrd.science.baseline import Thresholds
-    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
-                                       report_from_traces, scan_of, trace_all)
+    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary,
+                                                    moved_by_mixture, report_from_traces, scan_of, trace_all)
     from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  loo miss: {m}", flush=True)
         for m in loo["misses_strict"]:
             print(f"  loo miss at +-5 wt%: {m}", flush=True)
-        print(f"  baseline per real pattern: {fixed['cpu_per_pattern']:.2f} s CPU, {fixed['wall_per_pattern']:.2f} s wall",
-              flush=True)
+        print(f"  baseline per real pattern: {fixed['cpu_per_pattern']:.2f} s CPU, "
+              f"{fixed['wall_per_pattern']:.2f} s wall", flush=True)
     else:
         print("real data: not found (set NEON_XRD_REAL_DATA) or skipped")
     refine_s = bench_refine()

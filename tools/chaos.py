@@ -194,7 +194,8 @@ class Trial:
         r = self.run
         if moment == "claim":
             ph = self.trainer_phase()
-            return by_role(self.root, "trainer") if ph and ph.phase is TrainerPhase.CLAIMING and (ph.step or 0) >= 2 else None
+            return (by_role(self.root, "trainer") if ph and ph.phase is TrainerPhase.CLAIMING and (ph.step or 0) >= 2
+                    else None)
         if moment == "checkpoint":
             return by_role(self.root, "trainer") if staging(r.checkpoints) else None
         if moment == "publish":
@@ -457,7 +458,8 @@ class SlurmTrial(Trial):
             group = GROUPS[self.component] if self.component is not None else self.rng.choice(sorted(GROUPS.values()))
             v = self.victims_of(group)
             names = sigkill(v)
-            return f"SIGKILL the {group} node's {len(names)} processes ({', '.join(names)}) after {time.monotonic() - t0:.0f}s"
+            return (f"SIGKILL the {group} node's {len(names)} processes ({', '.join(names)}) "
+                    f"after {time.monotonic() - t0:.0f}s")
         r = self.slurm("scontrol", "requeue", job)
         if r.returncode:
             problems.append(f"scontrol requeue {job} failed: {r.stderr.strip()}")

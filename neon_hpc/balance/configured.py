@@ -2,8 +2,8 @@
 
     assignment = assignment_for_config(lengths, cfg)        # cfg: neon_hpc.config.ExperimentConfig
 
-DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and method from ``cfg.balance``, the cost
-model from ``balance.cost_a/cost_b``, else ``balance.cost_file`` (a calibration), else
+DP/PP/CP sizes and the virtual pipeline stages come from ``cfg.train``, the cap and method from ``cfg.balance``,
+the cost model from ``balance.cost_a/cost_b``, else ``balance.cost_file`` (a calibration), else
 the architecture in ``cfg.model``.
 """
 

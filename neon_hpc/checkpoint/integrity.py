@@ -192,7 +192,8 @@ def load(ckpt_dir: str | os.PathLike) -> Digests | None:
     if body is None:
         return None
     if body.get("format") != FORMAT or body.get("algorithm") != ALGORITHM or not isinstance(body.get("files"), dict):
-        raise IntegrityError(f"{path}: format {short_repr(body.get('format'))} / algorithm {short_repr(body.get('algorithm'))} "
+        raise IntegrityError(f"{path}: format {short_repr(body.get('format'))} "
+                             f"/ algorithm {short_repr(body.get('algorithm'))} "
                              f"/ files {type(body.get('files')).__name__} not understood (expected format {FORMAT}, "
                              f"{ALGORITHM}, files an object); the digest file is damaged or from another tool")
     for name, entry in body["files"].items():

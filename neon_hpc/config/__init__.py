@@ -57,7 +57,8 @@ class ExperimentConfig:
 
     name: str = "tiny_cpu"
     run_dir: str = "runs/tiny_cpu"
-    schedule: Literal["async", "sync"] = "async"   # async: rollouts overlap training; sync: they do not (train.mode: rl|sft)
+    # async: rollouts overlap training; sync: they do not (train.mode: rl|sft)
+    schedule: Literal["async", "sync"] = "async"
     model: ModelSection = field(default_factory=DefaultModelConfig)   # one section per architecture (model.arch)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

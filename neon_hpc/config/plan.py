@@ -21,7 +21,8 @@ class PlanConfig:
     # decode speed vs an engine's batch: k = KV-cache / weight bytes read per decode step at a full
     # batch (params.py SimParams.decode_kv_ratio); -1 = derive it (SGLang engines; 0 for embedded)
     decode_kv_ratio: float = -1.0
-    rollout_slots: int = 0              # concurrent episodes; 0 = workers x group_size (worker) or engines x max_batch_size (episode)
+    # concurrent episodes; 0 = workers x group_size (worker) or engines x max_batch_size (episode)
+    rollout_slots: int = 0
     # episode shape (heavy tail: a lognormal body plus a fraction of max-turn episodes)
     turns_median: float = 0.0           # 0 = max_turns / 8
     turns_sigma: float = 0.7
@@ -73,10 +74,11 @@ class PlanConfig:
     CHECKS = {
         **{k: above(0) for k in ("decode_tokens_per_s", "tool_latency_s", "turns_sigma", "gen_tokens_sigma",
                                  "export_bytes_per_s", "gpu_flops")},
-        **{k: at_least(0, "0 = derive from the rest of the config") for k in ("total_gpus", "gpus_per_node", "prefill_tokens_per_s",
-                                          "rollout_slots", "turns_median", "gen_tokens_median",
-                                          "tail_gen_tokens_median", "prompt_tokens", "tool_tokens_per_turn",
-                                          "step_overhead_s", "publish_bytes_per_s", "weight_load_s")},
+        **{k: at_least(0, "0 = derive from the rest of the config")
+           for k in ("total_gpus", "gpus_per_node", "prefill_tokens_per_s",
+                     "rollout_slots", "turns_median", "gen_tokens_median",
+                     "tail_gen_tokens_median", "prompt_tokens", "tool_tokens_per_turn",
+                     "step_overhead_s", "publish_bytes_per_s", "weight_load_s")},
         "weight_load_bytes_per_s": above(0),
         "decode_kv_ratio": at_least(-1, "-1 = derive from the engine and model"),
         "sweep_in_flight_pct": at_least(1, "percent of the engines' request slots"),

@@ -35,13 +35,15 @@ CONFIG="${1:-%(config)s}"
 RUN_DIR="${2:-%(run_dir)s}"
 PY="${NEON_PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostname): config ${CONFIG}, run dir ${RUN_DIR}"
+echo "[neon-rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on $(hostname):" \
+  "config ${CONFIG}, run dir ${RUN_DIR}"
 
 # one live launch per run directory: this job (this restart of it) takes the lease first, or
 # exits 3 naming the launch that holds it; every task renews it (neon_hpc/launch/lease.py)
 export NEON_LEASE_TOKEN="slurm-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
 # the run's config is written once (a requeued job resumes with it); the job record names this job
-"$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" --backend slurm --job-id "$SLURM_JOB_ID" || exit $?
+"$PY" -m neon_hpc.launch.common --config "$CONFIG" --run-dir "$RUN_DIR" \
+  --backend slurm --job-id "$SLURM_JOB_ID" || exit $?
 # the run directory's names are the protocol's (neon_hpc/protocol/README.md): asked, never spelled here
 proto() { "$PY" -m neon_hpc.protocol "$@" "$RUN_DIR"; }
 RUN_YAML="$(proto path run-yaml)"
@@ -74,7 +76,9 @@ reap() {
 }
 release_lease() { "$PY" -m neon_hpc.launch.lease release "$RUN_DIR" || true; }
 
-stop_all() { kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; reap "$TRAINER" 180; reap "$ROLLOUT" 60; release_lease; exit 143; }
+stop_all() {
+  kill -TERM "$TRAINER" "$ROLLOUT" 2>/dev/null; reap "$TRAINER" 180; reap "$ROLLOUT" 60; release_lease; exit 143
+}
 trap stop_all TERM INT
 # SIGUSR1 is for the steps (trainer checkpoints, workers flush); if it reaches this shell too
 # (scancel -s USR1 --batch, or --signal=B:USR1), it must not kill the job before they are done

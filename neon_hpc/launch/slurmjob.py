@@ -1,9 +1,9 @@
 """Slurm's view of one job: the only code that asks ``squeue`` and ``sacct`` about a job's state.
 
 submitit's view of the run's job (``launch.hetjob``: its Job's watcher, so ``neon-hpc launch
---wait``), ``neon-hpc status`` and the tests' cluster fixture all call :func:`query`.  A heterogeneous job has one record per component (``JOBID+0``,
-``JOBID+1``, ...): every one of them is read, from ``squeue`` while any is live and from
-``sacct`` once none is.  :attr:`JobState.state` folds them into one word:
+--wait``), ``neon-hpc status`` and the tests' cluster fixture all call :func:`query`.  A heterogeneous job
+has one record per component (``JOBID+0``, ``JOBID+1``, ...): every one of them is read, from ``squeue`` while
+any is live and from ``sacct`` once none is.  :attr:`JobState.state` folds them into one word:
 
 - live: ``RUNNING`` if any component runs, else the first component's state (``PENDING``);
 - ended: ``COMPLETED`` only if every component completed, else the first component state

@@ -111,7 +111,8 @@ def render_summary(s: dict[str, Any]) -> str:
         f"(>= 2 versions: {f(s.get('trained_multi_version_fraction'))})",
         f"wasted rollout tokens {f(s.get('wasted_rollout_tokens'))} (stale: {s.get('masked_stale_tokens', 0)} "
         f"masked, {s.get('dropped_stale_tokens', 0)} dropped)",
-        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   max staleness {f(s['staleness_max'])}",
+        f"reward first {f(s['reward_first'])} -> last {f(s['reward_last'])}{ends}   "
+        f"max staleness {f(s['staleness_max'])}",
         f"idle fraction: trainer {f(s['trainer_idle_fraction'])}, rollout {f(s['rollout_idle_fraction'])}",
     ] + _journal_lines(s, f) + _eval_lines(s, f))
 

@@ -15,8 +15,8 @@
 A run directory whose warm start is complete reuses it (nothing is recomputed); a half-done SFT
 resumes from its newest checkpoint like any trainer run.
 
-After RL, :func:`evaluate_run` plays ``eval.num_tasks`` held-out tasks (the plugin's task source) greedily on the weights
-RL started from (``weights/v_0``: the SFT weights when there is a warm start) and on the last
+After RL, :func:`evaluate_run` plays ``eval.num_tasks`` held-out tasks (the plugin's task source) greedily on
+the weights RL started from (``weights/v_0``: the SFT weights when there is a warm start) and on the last
 published ones (``RUN/eval/start.json``, ``RUN/eval/end.json``; the same tasks, temperature 0),
 and :func:`write_summary` writes ``RUN/summary.json``.
 

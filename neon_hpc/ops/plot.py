@@ -1,4 +1,5 @@
-"""``neon-hpc plot RUN [--out PNG]``: reward (and the eval success before/after RL), staleness, throughput and trainer idle fraction.
+"""``neon-hpc plot RUN [--out PNG]``: reward (and the eval success before/after RL), staleness, throughput
+and trainer idle fraction.
 
 One PNG (default ``RUN/plots/run.png``), four panels, from the metrics.jsonl files only.
 """
@@ -80,7 +81,8 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
         idle = [r.get("wait_s", 0.0) / max(r.get("wait_s", 0.0) + r.get("step_time_s", 0.0), 1e-9) for r in trainer]
         a.bar(steps, idle)
         a.set_ylim(0, 1)
-    a.set_xlabel("trainer step"); a.set_ylabel("fraction of step waiting for data"); a.set_title("trainer idle fraction")
+    a.set_xlabel("trainer step"); a.set_ylabel("fraction of step waiting for data")
+    a.set_title("trainer idle fraction")
 
     fig.suptitle(f"neon-hpc run {run.root.name}")
     fig.tight_layout()
@@ -92,7 +94,7 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="neon-hpc plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="neon-hpc plot", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

@@ -116,7 +116,8 @@ def render(info: dict[str, Any]) -> str:
     s = info["shards"]
     lines.append(f"shards    ready={s['ready']} claimed={s['claimed']} quarantined={s['quarantined']} "
                  f"writing={s['writing']}  trajectories written={info['trajectories_written']}"
-                 f"{'  duplicates skipped=' + str(info['duplicates_skipped']) if info.get('duplicates_skipped') else ''}")
+                 + ("  duplicates skipped=" + str(info["duplicates_skipped"])
+                    if info.get("duplicates_skipped") else ""))
     lines.append(f"tokens/s  trainer={_fmt(info['trainer_tokens_per_s'])} rollout={_fmt(info['rollout_tokens_per_s'])}")
     if info["staleness_hist"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(info["staleness_hist"].items(), key=lambda kv: int(kv[0])))
@@ -137,13 +138,15 @@ def render(info: dict[str, Any]) -> str:
     serving = [(i, e) for i, e in enumerate(info.get("engines", [])) if e.get("urls")]
     if serving:
         lines.append("engines   " + "; ".join(
-            f"node {i}: {' '.join(e['urls'])} ({e.get('kind', 'embedded')}, v_{e.get('version', '?')})" for i, e in serving) +
+            f"node {i}: {' '.join(e['urls'])} ({e.get('kind', 'embedded')}, v_{e.get('version', '?')})"
+            for i, e in serving) +
             (f"; workers via {serving[0][1]['workers_url']}" if serving[0][1].get("workers_url") else ""))
     lines.append("heartbeats")
     now_note = "" if not info["finished"] else " (run finished: ages are expected to grow)"
     for hb in info["heartbeats"]:
         extra = " ".join(f"{k}={v}" for k, v in hb.items()
-                         if k not in ("role", "rank", "time", "pid", "host", "age_s") and not isinstance(v, (dict, list)))
+                         if k not in ("role", "rank", "time", "pid", "host", "age_s")
+                         and not isinstance(v, (dict, list)))
         flag = "  STALE" if hb["age_s"] > 120 and not info["finished"] else ""
         lines.append(f"  {hb['role']:<8} {str(hb['rank']):<4} age={hb['age_s']:6.1f}s host={hb.get('host')} "
                      f"pid={hb.get('pid')} {extra}{flag}")

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", nargs="+", metavar="RESULTS_FILE", default=[],
                    help="benchmark outputs with RESULT lines ('-' = stdin) to set parameters from")
     p.add_argument("--png", metavar="OUT", default="", help="write the plots to this PNG file")
-    p.add_argument("--steps", type=int, default=0, help="simulated trainer steps per policy (default plan.simulated_steps)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="simulated trainer steps per policy (default plan.simulated_steps)")
     p.add_argument("--sweep-steps", type=int, default=0, help="steps per sweep point (default plan.sweep_steps)")
     p.add_argument("--target-staleness", type=int, default=-1,
                    help="the largest staleness bound the sweep searches (default max(offpolicy.max_staleness, 8))")
@@ -90,8 +91,10 @@ def main(argv: list[str]) -> int:
             return 1
         r = chosen.result
         print(f"  best layout: {chosen.rollout_nodes} rollout nodes / {chosen.train_nodes} trainer nodes, "
-              f"offpolicy.max_staleness={chosen.max_staleness}, train.trajectories_per_step={chosen.trajectories_per_step}, "
-              f"rollout.num_workers={chosen.num_workers}: {r.samples_per_hour:,.0f} samples/h, trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
+              f"offpolicy.max_staleness={chosen.max_staleness}, "
+              f"train.trajectories_per_step={chosen.trajectories_per_step}, "
+              f"rollout.num_workers={chosen.num_workers}: {r.samples_per_hour:,.0f} samples/h, "
+              f"trainer idle {r.trainer_idle_frac:.1%}, rollout idle "
               f"{r.rollout_idle_frac:.1%}, wasted rollout tokens {r.wasted_tokens_frac:.1%}, token staleness "
               f"mean {r.token_staleness_mean:.2f} / p95 {r.token_staleness_quantile(0.95)}")
         print(f"  recommended: {why}")
@@ -141,7 +144,8 @@ def _warnings(p) -> list[str]:
                    f"batch {p.engine_slots} (engine.num_engines x max_batch_size): more workers or larger groups "
                    f"would use them")
     if p.queued:
-        out.append(f"the rollout workers keep {p.rollout_slots} episodes in flight, the engines run {p.engine_slots} at "
+        out.append(f"the rollout workers keep {p.rollout_slots} episodes in flight, "
+                   f"the engines run {p.engine_slots} at "
                    f"once (engine.num_engines x max_batch_size): the rest wait in the engines' queue")
     return out
 

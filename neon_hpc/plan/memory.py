@@ -102,7 +102,8 @@ class CandidateLayout:
 
     def describe(self) -> str:
         act = f" ({self.activation_bytes / 2**30:.0f} activations)" if self.activation_bytes else ""
-        return f"tp{self.tp} pp{self.pp} cp{self.cp} ep{self.ep} dp{self.dp}: {self.bytes_per_gpu / 2**30:.0f} GiB/GPU{act}"
+        return (f"tp{self.tp} pp{self.pp} cp{self.cp} ep{self.ep} dp{self.dp}: "
+                f"{self.bytes_per_gpu / 2**30:.0f} GiB/GPU{act}")
 
 
 def state_bytes_per_gpu(dense_params: float, expert_params: float, world: int, tp: int, pp: int, ep: int) -> float:

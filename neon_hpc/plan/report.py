@@ -297,7 +297,8 @@ def recommend(points: list[SplitPoint], target_staleness: int, max_wasted: float
            f"trainer idle {r.trainer_idle_frac:.0%}, rollout idle {r.rollout_idle_frac:.0%}, wasted "
            f"{r.wasted_tokens_frac:.1%}, token staleness mean {r.token_staleness_mean:.2f} / p95 "
            f"{r.token_staleness_quantile(0.95)}; trainer layout {best.layout.describe() if best.layout else '-'}")
-    close = [s for s in fitting if s is not best and s.result.wasted_tokens_frac <= max(max_wasted, r.wasted_tokens_frac)
+    close = [s for s in fitting
+             if s is not best and s.result.wasted_tokens_frac <= max(max_wasted, r.wasted_tokens_frac)
              and s.result.samples_per_hour >= 0.98 * r.samples_per_hour]
     if close:
         why += "; within 2%: " + ", ".join(s.label for s in close)

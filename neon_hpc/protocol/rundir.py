@@ -41,7 +41,8 @@ CLAIM = "CLAIM.json"                       # trajectories/claimed/step_N/CLAIM.j
 OWNER = "OWNER.json"                       # trajectories/claimed/step_N/OWNER.json
 DROPPED = "dropped_stale.json"             # trajectories/claimed/step_N/dropped_stale.json
 REASON_SUFFIX = ".reason.txt"              # trajectories/quarantine/<name>.reason.txt
-JOURNAL = "journal"                        # journal/<owner>/<group>/e<i>.jrec: unfinished episodes (protocol/journal.py)
+JOURNAL = "journal"                        # journal/<owner>/<group>/e<i>.jrec: unfinished episodes
+                                           # (protocol/journal.py)
 JOURNAL_QUARANTINE = "quarantine"          # journal/quarantine/<owner>.<group>.<file> + REASON_SUFFIX
 JOURNAL_SUFFIX = ".jrec"                   # one episode's record, replaced at every turn boundary
 # every name above, for the test that no other module spells one

@@ -144,7 +144,8 @@ class RouteCache:
             raise RouteMismatch(f"routed_experts has {routed_experts.shape[0]} rows; positions [{start}, {seqlen - 1}) "
                                 f"need {expected}")
         if start > 0 and (self.routed_experts is None or start > len(self.routed_experts)):
-            raise RouteMismatch(f"delta from {start} but only {0 if self.routed_experts is None else len(self.routed_experts)} "
+            cached = 0 if self.routed_experts is None else len(self.routed_experts)
+            raise RouteMismatch(f"delta from {start} but only {cached} "
                                 f"rows are cached")
         if self.routed_experts is not None and start > 0 and routed_experts.shape[1:] != self.routed_experts.shape[1:]:
             raise RouteMismatch(f"routed_experts rows have shape {routed_experts.shape[1:]}, cached rows "

@@ -23,7 +23,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dst", help="output HF directory (must not exist; appears only when complete)")
     p.add_argument("--hf-config-dir", help="directory with the model's HF config.json (+ tokenizer files to copy)")
     p.add_argument("--arch", choices=sorted(MODEL_TYPES),
-                   help="architecture (with --allow-guessed-config: derive the config's shape fields from the checkpoint)")
+                   help="architecture (with --allow-guessed-config: derive the config's shape fields from the "
+                        "checkpoint)")
     p.add_argument("--allow-guessed-config", action="store_true",
                    help="foreign checkpoints only: when no config is found (--hf-config-dir, the checkpoint's "
                         "config.json, the run's run.yaml), write the shape-derived fields and record the guessed "

@@ -235,7 +235,8 @@ class Progress:
         self._bar.close()
 
 
-def run_rank(work: ConversionTasks, rank: int, staging: Path, show_progress: bool = False, verify_digests: bool = True) -> RankStats:
+def run_rank(work: ConversionTasks, rank: int, staging: Path, show_progress: bool = False,
+             verify_digests: bool = True) -> RankStats:
     """Write this rank's safetensors files into ``staging``; returns its stats.  ``verify_digests``:
     check every chunk read against the checkpoint's digests (when it has them)."""
     with one_thread():
@@ -317,7 +318,8 @@ def _row_range(op, rows: int) -> tuple[int, int]:
     return op.args if op.kind == "rows" else (0, rows)
 
 
-def _stream_task(work: ConversionTasks, task: ChunkTask, reader: ChunkReader, fds: dict[str, int], dtypes: dict[str, str]) -> int:
+def _stream_task(work: ConversionTasks, task: ChunkTask, reader: ChunkReader, fds: dict[str, int],
+                 dtypes: dict[str, str]) -> int:
     """Read one chunk at a time and write its rows straight into every output they belong to."""
     written = 0
     for key, c in task.chunks:

@@ -204,7 +204,8 @@ def derive_hf_config(ckpt: Checkpoint, arch: str) -> tuple[dict, list[str]]:
 
 
 class _CheckpointShapes:
-    """A checkpoint's shapes as an architecture's ``fields_from_shapes`` asks for them (:class:`neon_hpc.arch.Shapes`)."""
+    """A checkpoint's shapes as an architecture's ``fields_from_shapes`` asks for them
+    (:class:`neon_hpc.arch.Shapes`)."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt

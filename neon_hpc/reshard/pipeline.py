@@ -32,7 +32,8 @@ class ReshardError(RuntimeError):
 
 
 def build_tasks(src, hf_config_dir=None, arch=None, ranks=1, hf_config=None,
-               shard_cap=DEFAULT_SHARD_CAP, allow_guessed_config: bool = False) -> tuple[ConversionTasks, dict, list[str]]:
+               shard_cap=DEFAULT_SHARD_CAP,
+               allow_guessed_config: bool = False) -> tuple[ConversionTasks, dict, list[str]]:
     """Checkpoint metadata + HF config -> (tasks, config.json dict, guessed config fields).
 
     The config comes from :func:`neon_hpc.reshard.hfconfig.resolve` (``--hf-config-dir``,

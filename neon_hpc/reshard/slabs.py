@@ -206,7 +206,8 @@ def slabs_for_key(spec: ModelSpec, tm: TensorMeta) -> list[Slab]:
     """All slabs (with their HF outputs) of one checkpoint key."""
     key = tm.key
     if key in _TOP:
-        outs = tuple(OutTensor(n, op_shape(op, tm.shape), tm.dtype, op) for n, op in _ops(_TOP[key], spec, tm.shape, key))
+        outs = tuple(OutTensor(n, op_shape(op, tm.shape), tm.dtype, op)
+                     for n, op in _ops(_TOP[key], spec, tm.shape, key))
         return [Slab(key, (), tm.shape, tm.dtype, outs)]
     if (m := _PER_LAYER.match(key)):
         layer = int(m.group(1))

@@ -72,7 +72,8 @@ def _sharded_pieces(spec: SynthSpec):
     lay = lambda extra: [[(0, l, L)] + x for l in range(L) for x in extra]  # noqa: E731
     yield "decoder.layers.self_attention.linear_qkv.weight", (L, qkv_rows, H), lay([[(1, r, tp)] for r in range(tp)])
     yield "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (L, H), lay([[]])
-    yield "decoder.layers.self_attention.linear_proj.weight", (L, H, spec.heads * d), lay([[(2, r, tp)] for r in range(tp)])
+    yield ("decoder.layers.self_attention.linear_proj.weight", (L, H, spec.heads * d),
+           lay([[(2, r, tp)] for r in range(tp)]))
     yield "decoder.layers.self_attention.q_layernorm.weight", (L, d), lay([[]])
     yield "decoder.layers.self_attention.k_layernorm.weight", (L, d), lay([[]])
     yield "decoder.layers.pre_mlp_layernorm.weight", (L, H), lay([[]])

@@ -263,7 +263,8 @@ def safetensors_header(entries: list[tuple[OutTensor, int, int]]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def make_tasks(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1, shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionTasks:
+def make_tasks(ckpt: Checkpoint, spec: ModelSpec, ranks: int = 1,
+               shard_cap: int = DEFAULT_SHARD_CAP) -> ConversionTasks:
     """Build all tasks and output files from metadata; raises before anything is written on any problem
     (unknown key, shape mismatch, missing or truncated ``.distcp``)."""
     if ranks < 1:

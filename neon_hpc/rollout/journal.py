@@ -259,7 +259,8 @@ class Journal:
                 try:
                     rec = read_record(p)
                     if rec.meta.get("schema") != SCHEMA:
-                        raise JournalCorrupt(p, f"record schema {rec.meta.get('schema')}, this neon-hpc writes {SCHEMA}")
+                        raise JournalCorrupt(p, f"record schema {rec.meta.get('schema')}, "
+                                                f"this neon-hpc writes {SCHEMA}")
                     records[int(rec.meta["index"])] = rec
                 except JournalCorrupt as e:
                     bad.append(self.quarantine(p, e.reason, log))

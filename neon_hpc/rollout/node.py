@@ -151,8 +151,10 @@ class RolloutNode:
         cmd = [sys.executable, "-m", "neon_hpc.launch.roles", "rollout-worker", "--config", str(self.run.run_yaml),
                "--run-dir", str(self.run.root), "--rank", str(w), "--engine-url", url]
         err = open(self.run.log_dir("rollout") / f"{w}.stderr", "ab")
-        self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err, env=dict(os.environ, NEON_NODE_RANK=str(self.rank)),
-                                           preexec_fn=child_setup())   # SIGTERM (flush, exit) if this node dies
+        # preexec_fn: SIGTERM (flush, exit) if this node dies
+        self.workers[w] = subprocess.Popen(cmd, stdout=err, stderr=err,
+                                           env=dict(os.environ, NEON_NODE_RANK=str(self.rank)),
+                                           preexec_fn=child_setup())
         self.started_at[w] = time.monotonic()
         self.log.info("started rollout worker %d (pid %d) on %s", w, self.workers[w].pid, url)
 
@@ -176,7 +178,8 @@ class RolloutNode:
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             stderr = self.run.log_dir("rollout") / f"{w}.stderr"
             if not self.sec.rollout.restart_dead_workers:
-                self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)", w, how)
+                self.log.error("rollout worker %d died (%s); not restarting (rollout.restart_dead_workers=false)",
+                               w, how)
                 del self.workers[w]
                 continue
             fast = now - self.started_at.get(w, 0.0) < CRASH_WINDOW_S

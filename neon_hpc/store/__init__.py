@@ -16,4 +16,5 @@ from neon_hpc.store.registry import STORES, open_store, run_store, store_kind
 __all__ = ["StoreConfig", "Trajectory", "ShardError", "read_shard", "shard_summary", "ShardInfo", "ShardWriter",
            "write_shard", "ClaimConflict", "ClaimResult", "ClaimTimeout", "claim_step", "claimed_steps",
            "quarantine", "ready_count", "ready_shards", "staleness_stats",
-           "StoreCounts", "TrajectoryStore", "TrajectoryWriter", "FilesystemStore", "STORES", "open_store", "run_store", "store_kind"]
+           "StoreCounts", "TrajectoryStore", "TrajectoryWriter", "FilesystemStore", "STORES", "open_store", "run_store",
+           "store_kind"]

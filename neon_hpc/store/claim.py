@@ -60,7 +60,8 @@ from neon_hpc.store.trajectory import Trajectory
 log = logging.getLogger("neon_hpc.store")
 
 # CLAIM_FILE, OWNER_FILE, DROPPED_FILE, REASON_SUFFIX: the record names, re-exported from neon_hpc.protocol
-DEFAULT_POLL_S = ProtocolConfig.claim_poll_s   # how often a waiting claim looks at ready/ (the trainer passes its config's)
+# how often a waiting claim looks at ready/ (the trainer passes its config's)
+DEFAULT_POLL_S = ProtocolConfig.claim_poll_s
 DEFAULT_UID_WINDOW_STEPS = StoreConfig.uid_window_steps
 # what a claim records of its admission rule when it has none (CLAIM.json, dropped_stale.json)
 NO_ADMISSION = {"trainer_version": None, "max_staleness": None, "stale_policy": "drop"}

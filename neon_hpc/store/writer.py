@@ -145,7 +145,8 @@ def write_shard(path: str | os.PathLike, trajs: list[Trajectory], writer_id: str
     digests: dict[str, int] = {}
     with h5py.File(path, "w") as f:
         for name, dt in S.PER_TOKEN.items():  # 13 bytes per token in all: concatenating is cheap
-            digests[name] = _write_array(f, name, np.concatenate([getattr(t, name) for t in trajs]).astype(dt, copy=False))
+            digests[name] = _write_array(f, name,
+                                         np.concatenate([getattr(t, name) for t in trajs]).astype(dt, copy=False))
         digests.update(_write_trajectory_fields(f, trajs, offsets))
         digests.update(_write_routes(f, trajs, cfg))
         _write_file_attrs(f, trajs, writer_id, job_id, digests)

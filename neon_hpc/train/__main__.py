@@ -1,4 +1,5 @@
-"""``python -m neon_hpc.train --config RUN/run.yaml --run-dir RUN [--mode rl|sft] [--set key=value ...]``: one trainer rank."""
+"""``python -m neon_hpc.train --config RUN/run.yaml --run-dir RUN [--mode rl|sft] [--set key=value ...]``:
+one trainer rank."""
 
 from __future__ import annotations
 

@@ -401,7 +401,8 @@ def forward_logp(be: Backend, mb: MicroBatch, replay: bool | None = None, chunk:
 
     use_replay = (be.replay if replay is None else replay) and mb.routed_experts is not None
     if use_replay and not be.replay:
-        raise ValueError("replay requested but the model was built without routing replay (offpolicy.replay_trainer: off)")
+        raise ValueError("replay requested but the model was built without routing replay "
+                         "(offpolicy.replay_trainer: off)")
     dev = _device()
     routers = []
     if be.replay:

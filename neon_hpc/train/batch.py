@@ -215,7 +215,8 @@ def pack(mb: MicroBatch, pin: bool = False) -> tuple[torch.Tensor, list[tuple[st
     """One uint8 host buffer holding :func:`to_device`'s tensors, and its layout (name, dtype, elements)."""
     ints = [(f, getattr(mb, f).reshape(-1)) for f in _INT_FIELDS]
     if mb.routed_experts is not None:
-        ints.append(("routed_experts_dev", torch.from_numpy(np.ascontiguousarray(np.moveaxis(mb.routed_experts, 1, 0))).reshape(-1)))
+        routes = np.ascontiguousarray(np.moveaxis(mb.routed_experts, 1, 0))
+        ints.append(("routed_experts_dev", torch.from_numpy(routes).reshape(-1)))
     floats = [(f, getattr(mb, f).reshape(-1).to(torch.float32)) for f in _FLOAT_FIELDS]
     ints = [(f, t.to(torch.int64)) for f, t in ints]
     parts = [t.contiguous().view(torch.uint8) for _, t in ints + floats]

@@ -62,7 +62,8 @@ from neon_hpc.checkpoint import integrity
 from neon_hpc.checkpoint.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
 from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error
 from neon_hpc.checkpoint.metadata import CheckpointError, load_dcp_metadata, read_json_object
-from neon_hpc.train.backend import Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict, param_digest
+from neon_hpc.train.backend import (Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict,
+                                    param_digest)
 from neon_hpc.train import writers
 
 STATE_FILE = "trainer_state.json"

@@ -3,7 +3,8 @@
 One process per trainer rank, under the usual torch.distributed variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
 when those are absent).  Everything it knows comes from its view of the config
-(:class:`~neon_hpc.train.sections.TrainerSections`) and the run directory, so a restarted (or requeued) trainer continues where the last checkpoint left it.
+(:class:`~neon_hpc.train.sections.TrainerSections`) and the run directory, so a restarted (or requeued) trainer
+continues where the last checkpoint left it.
 
 Step N (numbered from 1) trains the weights of version N-1 and produces version N:
 
@@ -605,7 +606,8 @@ def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int
         log.info("preempted (signal %s): checkpoint step_%d written, exiting 0 for requeue", pre.signum, step)
     else:
         log.info("%s: %d steps", what, step)
-    TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.PREEMPTED if preempted else TrainerPhase.DONE).write(run)
+    TrainerBeat(rank=rank, step=step, version=step,
+                phase=TrainerPhase.PREEMPTED if preempted else TrainerPhase.DONE).write(run)
     B.teardown()
     return 0
 

@@ -135,7 +135,8 @@ def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) 
     # each tensor's norm in its own dtype (one fused pass each), combined in float64 on the device
     norms = torch._foreach_norm(grads, norm_type) if grads else []
     if norm_type == math.inf:
-        total = torch.stack(norms).double().max().reshape(1) if norms else torch.zeros(1, dtype=torch.float64, device=dev)
+        total = (torch.stack(norms).double().max().reshape(1) if norms
+                 else torch.zeros(1, dtype=torch.float64, device=dev))
         op = torch.distributed.ReduceOp.MAX
     else:
         total = torch.stack(norms).double().pow(norm_type).sum().reshape(1) if norms else \

@@ -3,8 +3,8 @@
 ``launch/roles.py`` (and ``python -m neon_hpc.train``) build ``TrainerSections.of(cfg)`` and
 hand the trainer that, never the whole :class:`~neon_hpc.config.ExperimentConfig`. It holds the
 trainer's sections whole (its layout rules, the balancer and the model builders read
-them by the same names, so they take the view as they take the config), ``offpolicy`` among them. The rollout roles' views are
-``neon_hpc/rollout/sections.py``; ``tests/structure/test_role_sections.py`` fails if a module of
+them by the same names, so they take the view as they take the config), ``offpolicy`` among them. The rollout
+roles' views are ``neon_hpc/rollout/sections.py``; ``tests/structure/test_role_sections.py`` fails if a module of
 ``neon_hpc/train`` reads a section the view does not hold. The config file is unchanged.
 """
 

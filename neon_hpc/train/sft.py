@@ -4,10 +4,10 @@ The same megatron model, parallel layout, balancer, micro-batches and optimizer 
 loop (:mod:`neon_hpc.train.loop`): only the data source and the loss differ.
 
 - Data: the fixed trajectory set in ``train.sft_data`` (``store.kind``'s ``read_set``: every
-  HDF5 shard ``*.h5`` of the folder for the filesystem store), read by every rank. Step N takes ``train.trajectories_per_step`` trajectories from a fixed
-  order: epoch e is a permutation of the whole set drawn from ``train.seed + e``, epochs
-  concatenated. So the step number is the data cursor, as in RL: a resumed run takes exactly
-  the batches the uninterrupted one would have.
+  HDF5 shard ``*.h5`` of the folder for the filesystem store), read by every rank. Step N takes
+  ``train.trajectories_per_step`` trajectories from a fixed order: epoch e is a permutation of the whole set
+  drawn from ``train.seed + e``, epochs concatenated. So the step number is the data cursor, as in RL: a resumed
+  run takes exactly the batches the uninterrupted one would have.
 - Loss: :func:`neon_hpc.train.loss.sft_loss`, cross-entropy on the tokens whose
   ``loss_mask`` is 1 (a demonstration's assistant tokens), summed and divided by the step's
   marked tokens.

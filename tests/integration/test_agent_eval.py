@@ -150,7 +150,8 @@ def test_tiny_xrd_group_on_the_embedded_engine(engine):
     from neon_hpc.rollout.engines.client import EngineClient
     task = load_tasks("tiny", "train", 0, 1)[0]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=2, max_total_tokens=512)
-    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=4, seed=3, env=envs.get("xrd").bind(XRDConfig()))
+    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=4, seed=3,
+                      env=envs.get("xrd").bind(XRDConfig()))
     assert len({t.group_id for t in trajs}) == 1
     for t in trajs:
         t.check()
@@ -180,7 +181,8 @@ def test_group_trajectories_survive_a_shard_round_trip_with_their_routes(engine,
     from neon_hpc.store import read_shard, write_shard
     task = load_tasks("tiny", "train", 0, 2)[1]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=6, answer_max_new_tokens=2, max_total_tokens=512)
-    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=2, seed=9, env=envs.get("xrd").bind(XRDConfig()))
+    trajs = run_group(EngineClient(engine.url), task, TOK, cfg, group_size=2, seed=9,
+                      env=envs.get("xrd").bind(XRDConfig()))
     write_shard(tmp_path / "s.h5", trajs, writer_id="test")
     back = read_shard(tmp_path / "s.h5")
     assert len(back) == 2 and all(a.same_as(b) for a, b in zip(trajs, back))

@@ -253,7 +253,8 @@ def _mem_worker(n: str, out: str) -> None:
 
 
 @pytest.mark.slow      # three fresh processes, 16k tokens on one thread: ~20 s idle, 3.5 min on the shared 2 cores
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak RSS through /proc/self/clear_refs (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
+                    reason="resets the peak RSS through /proc/self/clear_refs (Linux)")
 def test_attention_memory_grows_linearly_with_length(tmp_path):
     got = {}
     for n in (4096, 8192, 16384):

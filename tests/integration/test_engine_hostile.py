@@ -171,7 +171,8 @@ def _raw(addr, head: bytes, body: bytes = b"", read_first: bool = True) -> tuple
             data += chunk
         head_txt, _, rest = data.partition(b"\r\n\r\n")
         status = int(head_txt.split()[1])
-        length = next((int(ln.split(b":")[1]) for ln in head_txt.split(b"\r\n") if ln.lower().startswith(b"content-length")), 0)
+        length = next((int(ln.split(b":")[1]) for ln in head_txt.split(b"\r\n")
+                       if ln.lower().startswith(b"content-length")), 0)
         while len(rest) < length:
             chunk = s.recv(65536)
             if not chunk:
@@ -205,7 +206,8 @@ def test_content_length_is_checked_before_the_body_is_read(engine, length, statu
 
 def test_chunked_and_duplicate_lengths_are_refused(engine):
     url, addr = engine
-    st, _ = _raw(addr, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\nhello\r\n0\r\n\r\n")
+    st, _ = _raw(addr, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                 b"5\r\nhello\r\n0\r\n\r\n")
     assert st == 411
     st, _ = _raw(addr, _head("2", "Content-Length: 3\r\n"), b"{}")
     assert st == 400
@@ -256,7 +258,8 @@ def test_cli_defaults_allowed_root_to_its_weights_directory(engine, weights):
     url, _ = engine
     st, body = post(url, "/update_weights_from_disk", {"model_path": str(weights / "elsewhere" / "v_9")})
     assert st == 400 and body["success"] is False, body
-    st, body = post(url, "/update_weights_from_disk", {"model_path": str(weights / "weights" / "v_0" / ".." / ".." / "elsewhere" / "v_9")})
+    st, body = post(url, "/update_weights_from_disk",
+                    {"model_path": str(weights / "weights" / "v_0" / ".." / ".." / "elsewhere" / "v_9")})
     assert st == 400 and body["success"] is False, body
     st, body = post(url, "/update_weights_from_disk", {"model_path": str(weights / "weights" / "v_1"),
                                                        "weight_version": "1"})

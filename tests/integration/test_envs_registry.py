@@ -51,7 +51,8 @@ def test_a_registered_environment_is_chosen_by_env_kind_and_runs_an_episode(echo
         text = TOK.decode(t.tokens.tolist())
         assert text.startswith("<|system|>echo<|end|><|user|>peek then answer") and "word alpha" in text
     # a wrong answer grades 0 through the same loop
-    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1, env=echo.bind(cfg.env))[0]
+    bad = run_group(ScriptedClient(["<answer>beta</answer>"]), task, TOK, rollout, group_size=1,
+                    env=echo.bind(cfg.env))[0]
     assert bad.rewards["success"] == 0.0 and bad.metadata["tool_calls"] == 0
     # the eval set comes from the plugin's task source
     held = eval_tasks(cfg.eval, source)
@@ -76,7 +77,8 @@ def test_an_unknown_kind_is_refused_naming_the_registered_ones(echo):
 
 def test_unregistered_the_throwaway_is_refused_again():
     assert "echo" not in envs.kinds()
-    with pytest.raises(config.ConfigError, match=r"env.kind: got 'echo'; allowed: a registered environment: digits, xrd"):
+    with pytest.raises(config.ConfigError,
+                       match=r"env.kind: got 'echo'; allowed: a registered environment: digits, xrd"):
         config.load(TINY, ["env={kind: echo}"])
     with pytest.raises(ValueError, match="is installed"):
         envs.unregister("xrd")
@@ -117,7 +119,8 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
     assert train and held and not train & held                       # never eval on what RL trains on
     task = source.train()[0]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=8, answer_max_new_tokens=3, max_total_tokens=256)
-    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1, env=digits.bind(None))[0]
+    right, near = (run_group(ScriptedClient([f"<answer>{s}</answer>"]), task, TOK, cfg, group_size=1,
+                             env=digits.bind(None))[0]
                    for s in (task.a + task.b, task.a + task.b + 1))
     assert right.rewards == {"success": 1.0, "dense": 1.0}
     assert near.rewards["success"] == 0.0 and near.rewards["dense"] == pytest.approx(1 - 1 / 18)
@@ -219,6 +222,7 @@ def test_a_third_party_environment_is_added_by_installing_a_package(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert "SEED 2 EchoSettings" in out.stdout, out.stdout + out.stderr
     # without the package the kind is unknown again, naming the installed ones
-    plain = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", TINY, "--set", "env={kind: echo3}"],
+    plain = subprocess.run([sys.executable, "-m", "neon_hpc.cli", "config", "check", TINY,
+                            "--set", "env={kind: echo3}"],
                            capture_output=True, text=True, cwd=REPO)
     assert plain.returncode != 0 and "digits, xrd" in plain.stderr + plain.stdout

@@ -15,7 +15,8 @@ def test_golden_sbatch_matches_renderer():
     golden = (REPO / "sbatch" / "tiny_cpu.example.sbatch").read_text()
     rendered = render_sbatch(cfg, "configs/tiny_cpu.yaml")
     assert rendered == golden, ("sbatch/tiny_cpu.example.sbatch is out of date; regenerate it with "
-                                "`neon-hpc launch configs/tiny_cpu.yaml --render > sbatch/tiny_cpu.example.sbatch` and review the diff")
+                                "`neon-hpc launch configs/tiny_cpu.yaml --render > sbatch/tiny_cpu.example.sbatch` "
+                                "and review the diff")
 
 
 def test_cluster_example_renders_both_groups_and_signals():

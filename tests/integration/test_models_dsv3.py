@@ -190,7 +190,8 @@ def test_kimi_example_passes_the_architecture():
     assert ad.name == "deepseek_v3" and arch_errors(cfg.model) == [] and ad.experiment_errors(cfg) == []
     hf = ad.hf_config_dict(cfg.model)
     assert (hf["n_routed_experts"], hf["num_experts_per_tok"], hf["first_k_dense_replace"], hf["n_shared_experts"],
-            hf["q_lora_rank"], hf["kv_lora_rank"], hf["rope_parameters"]["rope_type"]) == (384, 8, 1, 1, 1536, 512, "yarn")
+            hf["q_lora_rank"], hf["kv_lora_rank"], hf["rope_parameters"]["rope_type"]) == (
+                384, 8, 1, 1, 1536, 512, "yarn")
     assert ad.moe_layers(cfg.model) == list(range(1, 61))
     t = transformer_config(cfg.model, tp=cfg.train.tensor_parallel, ep=cfg.train.expert_parallel)
     assert t.multi_latent_attention and t.moe_layer_freq[:2] == [0, 1] and t.rope_type == "yarn"

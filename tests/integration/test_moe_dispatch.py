@@ -92,7 +92,8 @@ def test_device_dispatcher_equals_megatrons_alltoall(parallel, experts):
     assert all(type(layer.mlp.token_dispatcher) is DeviceDispatcher for layer in m_dev.decoder.layers)
     assert [n for n, _ in m_dev.named_parameters()] == [n for n, _ in m_meg.named_parameters()]
     assert torch.equal(l_dev, l_meg)
-    assert all(torch.equal(g_dev[n], g_meg[n]) for n in g_meg), [n for n in g_meg if not torch.equal(g_dev[n], g_meg[n])]
+    assert all(torch.equal(g_dev[n], g_meg[n]) for n in g_meg), [n for n in g_meg
+                                                                 if not torch.equal(g_dev[n], g_meg[n])]
 
 
 def test_moe_layer_forward_and_backward_would_not_sync(parallel):
@@ -152,7 +153,8 @@ def test_each_expert_gets_its_own_weight_gradient(parallel):
         total = total + ((torch.nn.functional.silu(gate) * up * ps[:, None]) @ e.linear_fc2.weight.t()).square().sum()
     total.backward()
     for (g1, g2), e in zip(grads, ex.local_experts):
-        assert torch.allclose(g1, e.linear_fc1.weight.grad, atol=1e-5) and torch.allclose(g2, e.linear_fc2.weight.grad, atol=1e-5)
+        assert (torch.allclose(g1, e.linear_fc1.weight.grad, atol=1e-5)
+                and torch.allclose(g2, e.linear_fc2.weight.grad, atol=1e-5))
 
 
 def test_grouped_mm_arguments_on_fake_cuda(parallel):

@@ -36,7 +36,8 @@ def load_bench_replay():
     return mod
 
 
-@pytest.mark.skipif(not (ROOT / "tools" / "bench_replay.py").exists(), reason="tools/bench_replay.py not in this checkout")
+@pytest.mark.skipif(not (ROOT / "tools" / "bench_replay.py").exists(),
+                    reason="tools/bench_replay.py not in this checkout")
 def test_replay_stall_figures_invert_to_the_per_byte_cost_that_produced_them(tmp_path):
     per_byte, fixed = 2.5e-10, 3e-5
     stall = load_bench_replay().dp_stall_model(per_byte, fixed, 8, 32, 65536, 61, 8)

@@ -132,7 +132,8 @@ def test_kimi_sweep_searches_bound_batch_and_split_says_what_does_not_fit_and_dr
     assert rc == 0
     assert "does not fit: 147 / 16: needs" in out            # 16 trainer nodes cannot hold the state
     m = re.search(r"best layout: (\d+) rollout nodes / (\d+) trainer nodes, offpolicy.max_staleness=(\d+), "
-                  r"train.trajectories_per_step=(\d+), rollout.num_workers=(\d+): ([\d,]+) samples/h, trainer idle [\d.]+%, rollout idle "
+                  r"train.trajectories_per_step=(\d+), rollout.num_workers=(\d+): ([\d,]+) samples/h, "
+                  r"trainer idle [\d.]+%, rollout idle "
                   r"[\d.]+%, wasted rollout tokens ([\d.]+)%, token staleness mean [\d.]+ / p95 \d+", out)
     assert m, out[-2000:]
     assert int(m[1]) + int(m[2]) == 163 and int(m[3]) <= 8

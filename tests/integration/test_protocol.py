@@ -194,7 +194,8 @@ def test_shell_helper(run):
 # --------------------------------------------------------------------------------------
 # no run-directory file name or phase literal outside the protocol package
 
-DISTINCT_PHASES = {p.value for p in TrainerPhase} - {"starting", "training", "preempted", "done"}   # the others are common words
+# the others are common words
+DISTINCT_PHASES = {p.value for p in TrainerPhase} - {"starting", "training", "preempted", "done"}
 
 
 # named in messages as a concept ("the run's run.yaml"), so only a path made of them counts

@@ -1,8 +1,9 @@
 """Fast path vs serial path, MPI ranks, and failure modes on a real torch_dist checkpoint.
 
 The checkpoint is saved once per session (with the other reshard fixtures, see
-``tests/reshard_fixtures.py``) by megatron-core's ``dist_checkpointing.save`` from two gloo processes (Megatron layout: stacked layers, per-expert gate/up chunks split for
-TP=2, vocab padded 250 -> 256, bf16 weights, fp32 router, fp32 optimizer state alongside).
+``tests/reshard_fixtures.py``) by megatron-core's ``dist_checkpointing.save`` from two gloo processes
+(Megatron layout: stacked layers, per-expert gate/up chunks split for TP=2, vocab padded 250 -> 256, bf16
+weights, fp32 router, fp32 optimizer state alongside).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def test_output_directory_has_config_tokenizer_and_index(ckpt, tmp_path):
                      "tokenizer.json"]
     assert stats["verified"]["tensors_compared"] == stats["tensors"]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in read_all(tmp_path / "hf").values())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in read_all(tmp_path / "hf").values())
     with pytest.raises(ReshardError, match="already exists"):
         convert(ckpt / "ckpt", tmp_path / "hf", hf_config_dir=ckpt / "hf")
 
@@ -180,7 +182,8 @@ def test_a_checkpoint_without_digests_is_refused_unless_allowed_and_the_output_s
     src = _broken_copy(ckpt, tmp_path)
     (src / "integrity.json").unlink()
     (tmp_path / "out").mkdir()
-    rc = main(["--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"), "--quiet"])
+    rc = main(["--src", str(src), "--dst", str(tmp_path / "out" / "hf"), "--hf-config-dir", str(ckpt / "hf"),
+               "--quiet"])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("reshard: error: ") and "has no integrity.json" in err, err
     assert "--allow-unverified" in err and err.count("\n") == 1
@@ -191,7 +194,8 @@ def test_a_checkpoint_without_digests_is_refused_unless_allowed_and_the_output_s
     assert index["metadata"]["integrity"] == "not verified: --allow-unverified (the checkpoint has no integrity.json)"
     verified = convert(ckpt / "ckpt", tmp_path / "ok", hf_config_dir=ckpt / "hf")
     assert verified["digests_verified"]
-    assert json.loads((tmp_path / "ok" / "model.safetensors.index.json").read_text())["metadata"]["integrity"] == "verified"
+    index = json.loads((tmp_path / "ok" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["integrity"] == "verified"
 
 
 # ---------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ ckpt.save(run, be, 1, {"version": 1})
 def resume(run_root):
     try:
         st = ckpt.load(RunDir(run_root), be, 1)
-        return {"ok": True, "digests_verified": st["digests_verified"], "param_digest_checked": st["param_digest_checked"]}
+        return {"ok": True, "digests_verified": st["digests_verified"],
+                "param_digest_checked": st["param_digest_checked"]}
     except BaseException as e:
         return {"ok": False, "type": type(e).__name__, "error": str(e)[:2000]}
 

@@ -37,7 +37,8 @@ def _trajectories(step: int, rng: np.random.Generator, layers: int = L):
         prompt = int(rng.integers(2, 4))
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.uint8)
         versions = np.where(mask > 0, rng.integers(max(0, step - 3), step, n), -1).astype(np.int32)
-        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(layers)]) for _ in range(n)]).astype(np.int32)
+        routes = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(layers)])
+                           for _ in range(n)]).astype(np.int32)
         out.append(Trajectory(tokens=rng.integers(0, 256, n).astype(np.int32), loss_mask=mask,
                               logprobs=np.where(mask > 0, rng.normal(-5.5, 0.3, n), 0).astype(np.float32),
                               versions=versions, routed_experts=routes, reward=float(rng.integers(0, 2)),

@@ -67,7 +67,8 @@ def test_peak_memory_of_one_document_grows_linearly():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO / "configs" / "tiny_cpu.yaml")],
                           capture_output=True, text=True, timeout=1500, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = {int(k): v for k, v in json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]).items()}
+    result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    r = {int(k): v for k, v in json.loads(result[7:]).items()}
     assert all(v["finite"] for v in r.values())
     mb = {n: (v["peak"] / 2**20, (v["peak"] - v["base"]) / 2**20) for n, v in r.items()}
     print("peak RSS / above the step's start, MiB: " + ", ".join(f"{n}: {p:.0f} / {a:.0f}" for n, (p, a) in mb.items()))

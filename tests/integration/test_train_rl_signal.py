@@ -4,9 +4,9 @@ Task: a policy over a 16-token vocabulary (otherwise the embedded model config) 
 prompt ``[BOS, p]`` for p in 0..7 and answers with one token ``a``; reward 1 when
 ``a // 2 == p`` (2 of the 16 tokens are right for each prompt), so a uniform policy scores
 1/8.  (With the default 256-token vocabulary a GRPO update moves only the tokens actually
-sampled, so discovering 32 right tokens per prompt takes far more than a few dozen steps.)  This test is the rollout side: it loads ``weights/LATEST``
-(HF safetensors, as an engine would), samples answers, records their logprobs and each
-token's routed experts (teacher-forced router top-k of the same forward), writes one shard
+sampled, so discovering 32 right tokens per prompt takes far more than a few dozen steps.)  This test is the
+rollout side: it loads ``weights/LATEST`` (HF safetensors, as an engine would), samples answers, records their
+logprobs and each token's routed experts (teacher-forced router top-k of the same forward), writes one shard
 per step; the trainer (a real ``python -m neon_hpc.train`` process) claims it, trains with
 router replay and TIS, and publishes the next version.  Asynchrony is real but bounded:
 each step's data comes from the newest published weights at the time it is sampled.
@@ -63,7 +63,8 @@ def test_reward_rises_from_chance_to_twice_chance(tmp_path):
     from test_train_loop import start, wait_ok
 
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PROMPTS * SAMPLES}",
-                        "train.lr=0.01", f"model.vocab_size={VOCAB}", "train.checkpoint_every=1000", "train.publish_every=1",
+                        "train.lr=0.01", f"model.vocab_size={VOCAB}", "train.checkpoint_every=1000",
+                        "train.publish_every=1",
                         "train.wait_for_data_s=120", "offpolicy.max_staleness=2", "model.seed=3", "train.seed=3"])
     run = RunDir(tmp_path / "run").create()
     run.run_yaml.write_text(C.dump(cfg))

@@ -79,7 +79,8 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
 
 @pytest.mark.parametrize("bad,key", [("train.mode=sft", "train.sft_data"), ("train.mode=dpo", "train.mode"),
                                      ("warm_start.imperfect=1.5", "warm_start.imperfect"),
-                                     ("warm_start.steps=0", "warm_start.steps"), ("eval.num_tasks=-1", "eval.num_tasks")])
+                                     ("warm_start.steps=0", "warm_start.steps"),
+                                     ("eval.num_tasks=-1", "eval.num_tasks")])
 def test_config_check_refuses_bad_sft_warm_start_and_eval_keys(bad, key):
     from neon_hpc.cli import main as neon_hpc
     import contextlib

@@ -127,7 +127,8 @@ def _write_batch(target, worker, n):
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_concurrent_writers_from_separate_processes(backend, tmp_path, request):
     import multiprocessing as mp
-    target = str(tmp_path / "exp.sqlite") if backend == "sqlite" else request.getfixturevalue("postgres").create_db("concurrent")
+    target = (str(tmp_path / "exp.sqlite") if backend == "sqlite"
+              else request.getfixturevalue("postgres").create_db("concurrent"))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_write_batch, args=(target, w, 200)) for w in range(4)]
     for p in procs:

@@ -100,7 +100,8 @@ def test_no_architecture_name_outside_its_folder():
     assert not new, ("architecture names spelled outside neon_hpc/arch/<name>/ (ask neon_hpc.arch.get(...) "
                      "for the fact, or move the code into the architecture's folder):\n"
                      + "\n".join(h for hs in new.values() for h in hs))
-    assert not gone, f"listed in KNOWN but clean now (remove these lines from tests/structure/test_arch_names.py): {gone}"
+    assert not gone, ("listed in KNOWN but clean now (remove these lines from tests/structure/test_arch_names.py): "
+                      f"{gone}")
 
 
 def test_an_unknown_architecture_is_refused_naming_the_registered_ones():

@@ -150,6 +150,7 @@ def test_the_config_package_is_a_leaf():
     config load no h5py, numpy, torch or megatron: a launcher, a login node or ``config check``
     reads a config without the science or the trainer's stack."""
     code = ("import sys, neon_hpc.config as c; c.load(None)\n"
-            "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'h5py', 'numpy', 'torch', 'megatron'}))\n")
+            "print('LOADED', sorted({m.split('.')[0] for m in sys.modules}"
+            " & {'h5py', 'numpy', 'torch', 'megatron'}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert "LOADED []" in r.stdout, r.stdout + r.stderr

@@ -54,7 +54,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "train"}),                    # the two roles; neither imports the other
     ("services", {"store", "replay", "balance", "reshard"}),   # what the roles use; reshard also stands alone
     ("models", {"models"}),                             # megatron and HF builders
-    ("checkpoint format", {"checkpoint"}),              # torch_dist: metadata, integrity, config.json; trainer + reshard
+    # torch_dist: metadata, integrity, config.json; trainer + reshard
+    ("checkpoint format", {"checkpoint"}),
     ("foundation", {"protocol", "config", "arch", "envs", "util", "neon_hpc"}),
 ]
 FOUNDATION = "foundation"

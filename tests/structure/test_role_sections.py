@@ -2,10 +2,10 @@
 
 The rollout worker gets :class:`WorkerSections`, the rollout node (and the engine group it
 builds) :class:`NodeSections`, the trainer :class:`TrainerSections`; what they borrow from a
-neighbour's section (``train``, ``model``, ``launch``, ``rollout``) is a named field of the view. An AST scan over ``neon_hpc/rollout``, ``neon_hpc/store`` and
-``neon_hpc/train`` finds every ``cfg.<section>`` read (``cfg``, ``self.cfg``, ``sec``, ...)
-and fails on a section the module's role is not given. The allowlist below is empty: an
-entry would name the module, the expression and why."""
+neighbour's section (``train``, ``model``, ``launch``, ``rollout``) is a named field of the view. An AST scan
+over ``neon_hpc/rollout``, ``neon_hpc/store`` and ``neon_hpc/train`` finds every ``cfg.<section>`` read
+(``cfg``, ``self.cfg``, ``sec``, ...) and fails on a section the module's role is not given. The allowlist
+below is empty: an entry would name the module, the expression and why."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``ruff check`` is clean over the repository, with the rules of ``[tool.ruff]`` in pyproject.toml
-(unused and undefined names, redefinitions, syntax errors, import placement, whitespace)."""
+(unused and undefined names, redefinitions, syntax errors, import placement, whitespace, line length)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def _test_files():
 def test_every_test_file_is_in_a_tier():
     misplaced = [str(p) for p in _test_files()
                  if not ((len(p.parts) == 2 and p.parts[0] in TIERS) or (len(p.parts) == 3 and p.parts[0] == "unit"))]
-    assert not misplaced, ("test files outside the tiers (move each with `git mv` to tests/unit/<package>/ if it starts "
+    assert not misplaced, ("test files outside the tiers (move each with `git mv` to tests/unit/<package>/ "
+                           "if it starts "
                            f"no process, else tests/integration/, tests/system/ or tests/structure/: tests/README.md): "
                            f"{misplaced}")
 

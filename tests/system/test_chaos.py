@@ -19,7 +19,8 @@ from repo_paths import REPO
 def test_a_killed_launcher_leaves_nothing_behind_and_the_rerun_completes(tmp_path):
     report = tmp_path / "trials.jsonl"
     r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--trials", "1", "--moment", "launcher",
-                        "--steps", "2", "--delay-s", "0", "--work-dir", str(tmp_path / "work"), "--report", str(report)],
+                        "--steps", "2", "--delay-s", "0", "--work-dir", str(tmp_path / "work"),
+                        "--report", str(report)],
                        cwd=REPO, capture_output=True, text=True, timeout=1800)
     trial = json.loads(report.read_text().splitlines()[0])
     assert trial["injected"], trial                        # the launcher was killed mid-run

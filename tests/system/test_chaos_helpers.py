@@ -76,7 +76,8 @@ report(children=children(), manager=manager())
 hold.unlink(missing_ok=True)
 report(second=save(2))
 report(manager2=manager())
-report(steps=run.checkpoint_steps(), staging=sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")))
+report(steps=run.checkpoint_steps(),
+       staging=sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")))
 B.teardown()
 """
 

@@ -19,8 +19,9 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    return run_main_job(tmp_path_factory, "e2e_bf16", "tiny_cpu.yaml", f"train.steps={STEPS}", "train.checkpoint_every=2",
-                        "train.precision=bf16", "warm_start.demos=32", "warm_start.steps=4", "eval.num_tasks=4")
+    return run_main_job(tmp_path_factory, "e2e_bf16", "tiny_cpu.yaml", f"train.steps={STEPS}",
+                        "train.checkpoint_every=2", "train.precision=bf16", "warm_start.demos=32", "warm_start.steps=4",
+                        "eval.num_tasks=4")
 
 
 def test_bf16_main_job_completes(finished_run):

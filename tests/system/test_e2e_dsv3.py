@@ -24,8 +24,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    return run_main_job(tmp_path_factory, "e2e_dsv3", "tiny_dsv3_cpu.yaml", f"train.steps={STEPS}", "train.checkpoint_every=2",
-                        "train.trajectories_per_step=8")
+    return run_main_job(tmp_path_factory, "e2e_dsv3", "tiny_dsv3_cpu.yaml", f"train.steps={STEPS}",
+                        "train.checkpoint_every=2", "train.trajectories_per_step=8")
 
 
 def test_run_completes(finished_run):

@@ -184,7 +184,8 @@ def test_trained_trajectories_span_versions_token_by_token(finished_run):
     # the share depends on timing (where a swap lands in a response), so it is measured by the
     # run's summary, not asserted here: full runs of the shipped config give 24-36% (README; an
     # earlier config gave 6-13%, and the first 8 steps of one CI-equivalent run near idle gave 2
-    # of 128, below a 3% bound this test once had). What can be asserted is that weights do land inside trained trajectories;
+    # of 128, below a 3% bound this test once had). What can be asserted is that weights do land inside
+    # trained trajectories;
     # that two spans come from one response in flight is tests/unit/rollout/test_weight_update_inplace.py's
     assert trained_multi >= 1, dict(spans)
 

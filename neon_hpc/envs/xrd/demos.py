@@ -1,7 +1,7 @@
 """Demonstration conversations for SFT / mid-training: the baseline solver's actions, in the agent's tokens.
 
-``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` (``neon_hpc/launch/demos_cli.py``) writes HDF5 shards of the
-trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``env.preset``,
+``neon-hpc demos --out DIR [--config CONFIG] [--n N] [--imperfect F]`` (``neon_hpc/launch/demos_cli.py``) writes
+HDF5 shards of the trajectory schema (``neon_hpc.store``) for **train-split tasks only** (``env.preset``,
 ``split=train``, ``env.seed``): one conversation per task, rendered by the agent loop's
 :func:`~neon_hpc.rollout.agent.demos.render_demo` with the same chat template
 (:mod:`~neon_hpc.rollout.agent.template`), tools and prompt style (``env.tools``,
@@ -14,9 +14,10 @@ the assistant's tokens only; ``rewards`` are the grader's.
 The actions (compact style, the tiny model's): turn 1 ``<tool_call>search_phases ELEMENTS</tool_call>``
 (the solver's candidate search), turn 2 ``<tool_call>fit_phases ID ...</tool_call>`` (the solver's
 phases, as many ids as fit ``rollout.max_new_tokens``), then the answer: the strongest-peak
-positions of the solver's phases (``<answer>43 27``, one position per phase, closed by ``</answer>`` when it fits the forced turn's cap; the compact answer
-gives named phases equal fractions). The forced final turn is used when the rollout forces one
-(``rollout.force_answer``), with ``rollout.answer_max_new_tokens`` as its cap, as the agent does.
+positions of the solver's phases (``<answer>43 27``, one position per phase, closed by ``</answer>`` when it fits
+the forced turn's cap; the compact answer gives named phases equal fractions). The forced final turn is used
+when the rollout forces one (``rollout.force_answer``), with ``rollout.answer_max_new_tokens`` as its cap, as the
+agent does.
 
 Imperfect demonstrations (a share ``--imperfect`` of the tasks, chosen by a seeded draw) leave RL
 room above SFT: ``wrong_minor`` replaces the minor phase by a distractor candidate (one-phase

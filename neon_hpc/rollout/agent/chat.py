@@ -3,9 +3,9 @@
 For evaluation only: a chat API returns text, not token ids, logprobs or routes, so these
 episodes have no token books.  The same environment, parser and limits as the token-level
 loop apply.  The client is the official ``openai`` package (its connection pool and timeout),
-retried by the project's one policy (``neon_hpc.util.httpretry``).  The environment's tools go out as native tools (``tools=``, their JSON schemas);
-a native call in ``message.tool_calls`` is answered with a ``tool`` message carrying its
-``tool_call_id``.  A model that writes ``<tool_call>{...}</tool_call>`` in its text instead is
+retried by the project's one policy (``neon_hpc.util.httpretry``).  The environment's tools go out as native
+tools (``tools=``, their JSON schemas); a native call in ``message.tool_calls`` is answered with a ``tool``
+message carrying its ``tool_call_id``.  A model that writes ``<tool_call>{...}</tool_call>`` in its text instead is
 read as before (the text protocol is the fallback), and its results go back as ``user``
 messages.
 """
@@ -160,6 +160,7 @@ class ChatEpisode:
         self.messages.append({"role": "tool", "tool_call_id": native[0].get("id", ""),
                               "content": self.env.format_result(result)})
         for extra in native[1:]:
-            self.messages.append({"role": "tool", "tool_call_id": extra.get("id", ""), "content": self.env.format_result(
-                {"error": "not run: one tool call per turn; call it again on its own"})})
+            self.messages.append({"role": "tool", "tool_call_id": extra.get("id", ""),
+                                  "content": self.env.format_result(
+                                      {"error": "not run: one tool call per turn; call it again on its own"})})
         return False

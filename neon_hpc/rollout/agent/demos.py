@@ -81,8 +81,9 @@ def render_demo(env: Environment, tokenizer: Any, cfg: Any, demo: Demo):
     success, dense, details = env.grade(predicted)
     rewards = {"success": float(success), "dense": float(dense)}
     meta = {"finish": "answer" if answer_text is not None else "max_turns", "turns": len(led.turn_offsets) - 1,
-            "answer": answer_text, "predicted": json.loads(json.dumps(predicted or [], default=str)), "tool_calls": tool_calls,
-            "tool_errors": tool_errors, "demo": demo.kind, "grade": json.loads(json.dumps(details, default=str))}
+            "answer": answer_text, "predicted": json.loads(json.dumps(predicted or [], default=str)),
+            "tool_calls": tool_calls, "tool_errors": tool_errors, "demo": demo.kind,
+            "grade": json.loads(json.dumps(details, default=str))}
     return Trajectory(tokens=np.asarray(led.tokens, np.int32), loss_mask=np.asarray(led.loss_mask, np.uint8),
                       logprobs=np.asarray(led.logprobs, np.float32), versions=np.asarray(led.versions, np.int32),
                       routed_experts=None, reward=rewards[getattr(cfg, "reward", "dense")], rewards=rewards,

@@ -43,5 +43,6 @@ def run_group(client: Any, task: Any, tokenizer: Any, cfg: Any, group_size: int 
     group_id = uuid.uuid4().hex[:16]
     seeds = [None if seed is None else seed + 1000 * i for i in range(g)]
     with ThreadPoolExecutor(max_workers=g) as pool:
-        futs = [pool.submit(run_episode, client, task, tokenizer, cfg, version_of, group_id, s, env, replay) for s in seeds]
+        futs = [pool.submit(run_episode, client, task, tokenizer, cfg, version_of, group_id, s, env, replay)
+                for s in seeds]
         return [f.result() for f in futs]

@@ -214,13 +214,15 @@ class EngineClient:
         if self.top_k is None:
             raise EngineError(0, "cannot tell the router top-k of the served model (not in /get_model_info, "
                                  "no readable config.json at its model_path); construct "
-                                 "EngineClient(url, num_moe_layers=..., top_k=...) from the model config", self.base_url)
+                                 "EngineClient(url, num_moe_layers=..., top_k=...) from the model config",
+                                 self.base_url)
         top_k = int(self.top_k)
         if self.num_moe_layers is not None:
             return int(self.num_moe_layers), top_k
         if rows <= 0 or nbytes % (item * rows * top_k):
-            raise RoutePayloadError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows x top_k {top_k} "
-                                   f"x {item} bytes; pass num_moe_layers= to EngineClient", self.base_url)
+            raise RoutePayloadError(502, f"routed_experts of {nbytes} bytes do not split into {rows} rows "
+                                   f"x top_k {top_k} x {item} bytes; pass num_moe_layers= to EngineClient",
+                                   self.base_url)
         return nbytes // (item * rows * top_k), top_k
 
     def health(self, timeout: float = 5.0) -> bool:

@@ -273,7 +273,8 @@ class Fleet:
                 break
             if time.monotonic() > deadline:
                 raise FleetError(f"{', '.join(f'{n} ({u})' for u, n in pending.items())} did not answer "
-                                 f"GET /health within engine.startup_timeout_s={self.cfg.engine.startup_timeout_s:.0f}s; "
+                                 "GET /health within engine.startup_timeout_s="
+                                 f"{self.cfg.engine.startup_timeout_s:.0f}s; "
                                  f"see {self.run.log_dir('engine')}/ (raise the timeout for a large model)")
             if time.monotonic() - said > 60:
                 self.log.info("waiting for %s to answer /health (%.0fs so far)", ", ".join(pending.values()),

@@ -69,7 +69,8 @@ def _costfit(a) -> int:
         except RuntimeError as e:      # the measurement process failed: its output is above
             raise ValueError(str(e)) from e
     cm, f = rep["cost_model"], rep["fit"]
-    print(f"device: {rep['machine'].get('device')} ({rep['machine'].get('runner')}; clock {rep['machine'].get('clock')})")
+    mach = rep["machine"]
+    print(f"device: {mach.get('device')} ({mach.get('runner')}; clock {mach.get('clock')})")
     print(f"fit: t = {cm['mb_overhead']:.3e} + {cm['piece_overhead']:.3e}*docs + {cm['a']:.3e}*n "
           f"+ {cm['b']:.3e}*n^2 s   "
           f"(relative residual rms {f['rel_rms']:.1%}, max {f['rel_max']:.1%}; "

@@ -188,7 +188,8 @@ class TrainerStepRunner:
         dtype = next(model.parameters()).dtype
         d: dict[str, Any] = {
             "runner": "trainer step (neon_hpc.train.costfit.step: backend.setup + loop.train_step, world 1)",
-            "device": torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "device": (torch.cuda.get_device_name() if self.cuda
+                       else f"cpu ({platform.processor() or platform.machine()})"),
             "device_type": "cuda" if self.cuda else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda if self.cuda else None,
             "megatron_core": _version("megatron-core"), "platform": platform.platform(),

@@ -262,7 +262,8 @@ def test_config_check_runs_role_startup_checks(tmp_path, capsys):
 
 def test_episode_budget_must_fit_the_model_context():
     """The engines refuse prompt + generation beyond the context; the config says so first."""
-    with pytest.raises(config.ConfigError, match=r"rollout.max_total_tokens: 4096 is over model.max_position_embeddings \(2048\)"):
+    with pytest.raises(config.ConfigError,
+                       match=r"rollout.max_total_tokens: 4096 is over model.max_position_embeddings \(2048\)"):
         config.load(TINY, ["rollout.max_total_tokens=4096"])
     assert config.load(TINY, ["rollout.max_total_tokens=2048"]).rollout.max_total_tokens == 2048
 

@@ -28,7 +28,8 @@ BAD = [
     # (yaml text, substrings the message must contain)
     ("train:\n  lrr: 0.1\n", ["bad.yaml", "train.lrr", "unknown key", "did you mean 'train.lr'"]),
     ("train:\n  steps: many\n", ["bad.yaml", "train.steps", "expected int", "'many'"]),
-    ("offpolicy:\n  replay_engine: delt\n", ["offpolicy.replay_engine", "one of 'delta', 'full', 'off'", "did you mean 'delta'"]),
+    ("offpolicy:\n  replay_engine: delt\n",
+     ["offpolicy.replay_engine", "one of 'delta', 'full', 'off'", "did you mean 'delta'"]),
     ("offpolicy:\n  correction: none\n", ["offpolicy.correction", "async", "'tis'"]),
     # the keys offpolicy: took over are refused with their new place named
     ("rollout:\n  max_staleness: 2\n", ["rollout.max_staleness", "moved to offpolicy.max_staleness"]),

@@ -74,7 +74,8 @@ def test_valid_arguments_reach_the_tool(probe):
 
 def test_many_bad_values_give_one_bounded_message(probe):
     tools, calls = probe
-    args = {"label": "x" * 3000, "peaks": [{"x": -1, "hkl": ["a" * 500] * 3}] * 4, "mode": "m" * 3000}   # under the size cap
+    # under the size cap
+    args = {"label": "x" * 3000, "peaks": [{"x": -1, "hkl": ["a" * 500] * 3}] * 4, "mode": "m" * 3000}
     out = call_tool("probe", args, None, tools=tools)
     assert len(out["error"]) <= MESSAGE_CAP and len(json.dumps(out)) < 600, out
     assert out["error"].startswith("probe: label: ") and calls == []

@@ -25,7 +25,8 @@ def _lattice(a, b, c, al, be, ga):
     al, be, ga = map(math.radians, (al, be, ga))
     cx = c * math.cos(be)
     cy = c * (math.cos(al) - math.cos(be) * math.cos(ga)) / math.sin(ga)
-    return np.array([[a, 0, 0], [b * math.cos(ga), b * math.sin(ga), 0], [cx, cy, math.sqrt(c * c - cx * cx - cy * cy)]])
+    return np.array([[a, 0, 0], [b * math.cos(ga), b * math.sin(ga), 0],
+                     [cx, cy, math.sqrt(c * c - cx * cx - cy * cy)]])
 
 
 def _pattern(pid: str, params, counts=2e4, seed=0):

@@ -9,7 +9,8 @@ from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_co
 
 
 def _ctx(precursors):
-    task = load_tasks("realistic", "train", 1, 11)[10]          # SrTiO3 + two SiO2 polymorphs (quartz-like, cristobalite)
+    # SrTiO3 + two SiO2 polymorphs (quartz-like, cristobalite)
+    task = load_tasks("realistic", "train", 1, 11)[10]
     task = dataclasses.replace(task, precursors=list(precursors))
     return task, make_context(task, build_record_db([task], ":memory:", include_real=False))
 

@@ -188,7 +188,8 @@ def test_bench_result_line_keeps_its_keys_and_adds_the_strict_ones():
     assert keys["xrd_baseline_success_real_loo_strict"] == "0.850"
     assert keys["xrd_baseline_se_coverage_real_loo"] == "0.930"
     assert line.startswith("RESULT ")
-    nan_line = bench.result_line({"speedup": 20.0}, {"easy": {"success": 1.0}, "realistic": {"success": 0.95}}, None, 1.5)
+    nan_line = bench.result_line({"speedup": 20.0}, {"easy": {"success": 1.0}, "realistic": {"success": 0.95}},
+                                 None, 1.5)
     assert "xrd_baseline_success_real_loo_strict=nan" in nan_line
 
 
@@ -261,7 +262,8 @@ def test_se_sys_is_calibrated_on_errors_at_radii_chosen_without_each_mixture():
 def test_every_library_element_has_a_mass_attenuation_coefficient_at_every_line():
     table = ab.load_table()
     for el in {e for p in load_library().phases for e in p.elements}:
-        assert el in table["molar_mass"], f"{el}: rebuild data/mass_attenuation.json (python -m neon_hpc.envs.xrd.science.absorption)"
+        assert el in table["molar_mass"], (f"{el}: rebuild data/mass_attenuation.json "
+                                           "(python -m neon_hpc.envs.xrd.science.absorption)")
         for line, lam in ab.LINES.items():
             assert table["mu_rho"][el][line] > 0, (el, line)
 
@@ -313,7 +315,8 @@ def test_default_quantification_corrects_real_measurements_only():
 
 
 class _TwoStageTrace:
-    """Identification fractions off by ``id_err[j]`` at grid entry j; its quantification (decide) the other way round."""
+    """Identification fractions off by ``id_err[j]`` at grid entry j; its quantification (decide) the other
+    way round."""
     def __init__(self, task, id_err):
         self.task, self.id_err = task, id_err
 

@@ -132,8 +132,8 @@ def test_property_bound_holds_and_every_step_gets_its_batch(bound, tail, workers
 def test_buffered_shards_make_the_trainer_take_whole_shards():
     """One fast worker (groups of 1 s), a slow trainer (10 s steps, 1 group each): once ready/
     holds a step, the worker buffers 3 groups per shard, and the claim takes whole shards."""
-    base = constant(slot_mode="worker", rollout_slots=1, group_size=1, trajectories_per_step=1, decode_tokens_per_s=100.0,
-                    fixed_step_s=10.0, steps=60, max_staleness=1000, backpressure_steps=1000)
+    base = constant(slot_mode="worker", rollout_slots=1, group_size=1, trajectories_per_step=1,
+                    decode_tokens_per_s=100.0, fixed_step_s=10.0, steps=60, max_staleness=1000, backpressure_steps=1000)
     plain = simulate(base)
     buffered = simulate(dataclasses.replace(base, flush_trajectories=3))
     assert plain.consumed == 60                        # a shard per group: exactly one per step

@@ -86,7 +86,8 @@ def test_shard_cap_splits_files_and_headers_are_valid_safetensors():
 
 def test_vocab_padding_is_trimmed_and_qkv_split_per_group():
     ck = _ckpt({"embedding.word_embeddings.weight": ((256, H), [((0, 0), (128, H)), ((128, 0), (128, H))]),
-                "decoder.layers.self_attention.linear_qkv.weight": ((L, 2 * (2 + 2) * 2, H), [((0, 0, 0), (L, 16, H))])})
+                "decoder.layers.self_attention.linear_qkv.weight": ((L, 2 * (2 + 2) * 2, H),
+                                                                     [((0, 0, 0), (L, 16, H))])})
     work = make_tasks(ck, SPEC)
     shapes = {o.name: o.shape for t in work.tasks for s in t.slabs for o in s.outputs}
     assert shapes["model.embed_tokens.weight"] == (250, H)

@@ -99,7 +99,8 @@ def test_a_resumed_episode_keeps_its_prefix_and_asks_routes_from_the_resume_poin
     # the same conversation as one uninterrupted run (a scripted engine: the same outputs)
     assert np.array_equal(tr.tokens, whole.tokens) and np.array_equal(tr.turn_offsets, whole.turn_offsets)
     # the journalled prefix is kept token for token: logprobs, versions, routes
-    for k, a in (("tokens", tr.tokens), ("loss_mask", tr.loss_mask), ("logprobs", tr.logprobs), ("versions", tr.versions)):
+    for k, a in (("tokens", tr.tokens), ("loss_mask", tr.loss_mask), ("logprobs", tr.logprobs),
+                 ("versions", tr.versions)):
         assert np.array_equal(a[:prefix], rec.arrays[k]), k
     pinned = len(rec.arrays["cache_tokens"]) - 1
     assert np.array_equal(tr.routed_experts[:pinned], rec.arrays["routed_experts"][:pinned])

@@ -88,7 +88,8 @@ def test_split_pieces_take_their_token_range_and_empty_microbatch_is_all_padding
     assert mb.position_ids[0].tolist() == [0, 1, 0, 1, 2, 3, 4, 7, 8]       # true positions
     assert mb.doc_ids.tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0]
     np.testing.assert_array_equal(mb.loss_mask[0, 7:].numpy(), np.asarray(a.loss_mask, np.float32)[8:10])
-    np.testing.assert_array_equal(mb.routed_experts[7:], np.asarray(a.routed_experts)[7:9])   # routes of this rank's tokens
+    # routes of this rank's tokens
+    np.testing.assert_array_equal(mb.routed_experts[7:], np.asarray(a.routed_experts)[7:9])
     assert mb.advantages[0].tolist() == [0.5] * 2 + [-1.0] * 5 + [0.5] * 2
     # the dense mask of split pieces is by document position: a's late chunk sees its early one
     m = mb.attention_mask[0, 0]

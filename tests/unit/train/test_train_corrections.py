@@ -38,7 +38,8 @@ def test_a_user_correction_resolves_by_import_path():
     ("nosuch", {}, ["offpolicy.correction", "'nosuch' is not a registered correction", "tis", "pkg.mod:fn"]),
     ("no_such_module_xyz:fn", {}, ["offpolicy.correction", "cannot import module 'no_such_module_xyz'"]),
     ("correction_fixture:missing", {}, ["offpolicy.correction", "has no 'missing'"]),
-    ("correction_fixture:not_registered", {}, ["offpolicy.correction", "not registered", "@neon_hpc.train.corrections"]),
+    ("correction_fixture:not_registered", {},
+     ["offpolicy.correction", "not registered", "@neon_hpc.train.corrections"]),
     ("tis", {"cpa": 2.0}, ["offpolicy.correction_params.cpa", "not a parameter of correction 'tis'", "cap"]),
 ])
 def test_unusable_corrections_are_refused_by_name(name, params, words):
@@ -58,7 +59,8 @@ def test_a_registration_without_the_ratio_or_numeric_defaults_is_refused():
 @pytest.mark.parametrize("overrides, words", [
     ([f"offpolicy.correction={USER}"], None),
     (["offpolicy.correction=correction_fixture:not_registered"], ["offpolicy.correction", "not registered"]),
-    (["offpolicy.correction=correction_fixture:wrong_metrics"], ["returned metrics ['undeclared']", "declared ['declared']"]),
+    (["offpolicy.correction=correction_fixture:wrong_metrics"],
+     ["returned metrics ['undeclared']", "declared ['declared']"]),
     (["offpolicy.correction_params={cap: 0.5}"], ["offpolicy.correction_params.cap", ">= 1"]),
     (["offpolicy.correction=no_such_module_xyz:fn"], ["cannot import module 'no_such_module_xyz'"]),
 ])

@@ -59,7 +59,8 @@ def test_policy_loss_hand_computed():
     # the correction's own per-token metrics, summed (its declared names under the loss's prefix)
     assert terms[CORRECTION_PREFIX + "tis_clip_frac"].item() == 1          # t0 only
     assert terms["ppo_clipped"].item() == 2            # t0 and t2
-    assert terms[CORRECTION_PREFIX + "tis_weight_mean"].item() == pytest.approx(2 + math.exp(0.2) + 1 + 0.25 + 1, rel=1e-12)
+    assert terms[CORRECTION_PREFIX + "tis_weight_mean"].item() == pytest.approx(2 + math.exp(0.2) + 1 + 0.25 + 1,
+                                                                                rel=1e-12)
     assert terms["mismatch_abs"].item() == pytest.approx(sum(abs(x) for x in d), rel=1e-12)
     means = term_means({k: float(v) for k, v in terms.items()})
     assert means["tis_clip_frac"] == pytest.approx(0.2)

@@ -39,7 +39,8 @@ def test_norm_clip_copy_match_the_per_tensor_reference(gloo):
     want = float(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
     got = grad_norm_fp32([p.grad for p in params])
     assert math.isclose(got, want, rel_tol=1e-6)
-    assert grad_norm_fp32([p.grad for p in params], norm_type=math.inf) == max(float(p.grad.abs().max()) for p in params)
+    assert grad_norm_fp32([p.grad for p in params], norm_type=math.inf) == max(float(p.grad.abs().max())
+                                                                               for p in params)
     assert grad_norm_fp32([]) == 0.0
     before = [p.grad.clone() for p in params]
     clip_by_total_norm(params, 1.0, got)

@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 def reference(h, w, labels):
     logits = torch.matmul(h, w.t()).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           reduction="none").view(labels.shape)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -130,7 +130,8 @@ def element_mass_attenuation(element: str, wavelength: float) -> float:
         return float(t["mu_rho"][element][line_of(wavelength)])
     except KeyError:
         raise AbsorptionError(f"element {element!r} is not in {TABLE_PATH.name}; rebuild it with the "
-                              f"library's elements (`python -m neon_hpc.envs.xrd.science.absorption --build ...`)") from None
+                              "library's elements (`python -m neon_hpc.envs.xrd.science.absorption --build ...`)"
+                              ) from None
 
 
 def dispersion(elements, wavelength: float) -> dict[str, complex]:
@@ -143,7 +144,8 @@ def dispersion(elements, wavelength: float) -> dict[str, complex]:
             f1, f2 = t["dispersion"][el][line]
         except KeyError:
             raise AbsorptionError(f"element {el!r} has no dispersion correction in {TABLE_PATH.name}; rebuild it "
-                                  f"(`python -m neon_hpc.envs.xrd.science.absorption --build PATH/xraydb.sqlite`)") from None
+                                  "(`python -m neon_hpc.envs.xrd.science.absorption --build PATH/xraydb.sqlite`)"
+                                  ) from None
         out[el] = complex(f1, f2)
     return out
 

@@ -23,7 +23,8 @@ SPLIT_CHOICES = ("train", "test_id", "test_ood", "test_temporal", "all")
 
 def _cmd_library(args) -> int:
     # the numpy-backed xrd modules are imported where used: `--help` stays light
-    from neon_hpc.envs.xrd.science.library import load_library  # deferred: heavy (neon_hpc.envs.xrd.science.library: numpy)
+    # deferred: heavy (neon_hpc.envs.xrd.science.library: numpy)
+    from neon_hpc.envs.xrd.science.library import load_library
     lib = load_library()
     phases = lib.phases
     if args.source:
@@ -43,7 +44,8 @@ def _cmd_library(args) -> int:
 
 
 def _cmd_tasks(args) -> int:
-    from neon_hpc.envs.xrd.science.tasks import load_tasks, write_tasks  # deferred: heavy (neon_hpc.envs.xrd.science.tasks: numpy, jsonschema)
+    # deferred: heavy (neon_hpc.envs.xrd.science.tasks: numpy, jsonschema)
+    from neon_hpc.envs.xrd.science.tasks import load_tasks, write_tasks
     splits = [s for s in SPLIT_CHOICES if s != "all"] if args.split == "all" else [args.split]
     for split in splits:
         tasks = load_tasks(args.preset, split, args.seed, args.n)
@@ -69,9 +71,9 @@ def _refuse_endpoint() -> int:
 def _cmd_eval(args, argv: list[str]) -> int:
     if args.endpoint:
         return _refuse_endpoint()
-    # deferred: heavy (neon_hpc.envs.xrd.science.evaluate: numpy, jsonschema)
+    # deferred: heavy (neon_hpc.envs.xrd.science.evaluate, neon_hpc.envs.xrd.science.tasks: numpy, jsonschema)
     from neon_hpc.envs.xrd.science.evaluate import SOLVERS, evaluate, strict_lines
-    from neon_hpc.envs.xrd.science.tasks import load_tasks, read_tasks  # deferred: heavy (neon_hpc.envs.xrd.science.tasks: numpy, jsonschema)
+    from neon_hpc.envs.xrd.science.tasks import load_tasks, read_tasks
     if args.solver not in SOLVERS:
         print(f"unknown solver {args.solver!r}; choose from {', '.join(SOLVERS)}", file=sys.stderr)
         return 2
@@ -83,7 +85,8 @@ def _cmd_eval(args, argv: list[str]) -> int:
         from neon_hpc.envs.xrd.science.evaluate import evaluate_fit_on_train
         if args.data or args.tasks or args.split in ("train", "all") or args.solver != "baseline":
             print("neon-hpc xrd eval --protocol fit-on-train: synthetic presets only (--preset P --split test_id|"
-                  "test_ood|test_temporal), --solver baseline; thresholds are fitted on --n train tasks", file=sys.stderr)
+                  "test_ood|test_temporal), --solver baseline; thresholds are fitted on --n train tasks",
+                  file=sys.stderr)
             return 2
         rep, info = evaluate_fit_on_train(args.preset, args.split, args.n, args.seed, progress=progress)
         s = rep.summary()
@@ -99,7 +102,8 @@ def _cmd_eval(args, argv: list[str]) -> int:
         return 0
     groups = []
     if args.data:
-        from neon_hpc.envs.xrd.science.real import load_real_tasks  # deferred: heavy (neon_hpc.envs.xrd.science.real: numpy, jsonschema)
+        # deferred: heavy (neon_hpc.envs.xrd.science.real: numpy, jsonschema)
+        from neon_hpc.envs.xrd.science.real import load_real_tasks
         tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
         groups.append((f"real_dev{'-' + args.scan if args.scan else ''}", tasks))
     elif args.tasks:
@@ -130,10 +134,10 @@ def _eval_loo(args, progress) -> int:
         print("neon-hpc xrd eval --protocol loo: needs --data DIR (the real dev set, e.g. ../shared/data/xrd-real) "
               "and --solver baseline (the solver whose thresholds it fits)", file=sys.stderr)
         return 2
-    # deferred: heavy (neon_hpc.envs.xrd.science.evaluate: numpy, jsonschema)
-    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary, moved_by_mixture,
-                                       scan_of, strict_lines)
-    from neon_hpc.envs.xrd.science.real import load_real_tasks  # deferred: heavy (neon_hpc.envs.xrd.science.real: numpy, jsonschema)
+    # deferred: heavy (neon_hpc.envs.xrd.science.evaluate, neon_hpc.envs.xrd.science.real: numpy, jsonschema)
+    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary,
+                                                    moved_by_mixture, scan_of, strict_lines)
+    from neon_hpc.envs.xrd.science.real import load_real_tasks
     tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
     rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)
     s = rep.summary()

@@ -339,7 +339,8 @@ def moved_by_mixture(folds: dict) -> dict[str, dict[str, float]]:
         for row in f.get("scans", {}).values():
             for pid, d in row.get("moved", {}).items():
                 acc.setdefault(pid, []).append(d)
-        out[mix.rpartition(":")[2]] = {pid.partition(":")[2] or pid: round(sum(v) / len(v), 4) for pid, v in acc.items()}
+        out[mix.rpartition(":")[2]] = {pid.partition(":")[2] or pid: round(sum(v) / len(v), 4)
+                                       for pid, v in acc.items()}
     return out
 
 

@@ -5,10 +5,12 @@ Sources (each phase keeps ``source``, ``reference``, ``year`` and ``license``):
 | source        | what                                                        | licence of the source |
 |---------------|-------------------------------------------------------------|-----------------------|
 | ``curated``   | ``curated.py``: well-known phases from published structures  | facts; entries ours (Apache-2.0) |
-| ``aflow``     | pymatgen's bundled AFLOW prototype library (288 structures,  | pymatgen: MIT; data of the AFLOW Library of Crystallographic Prototypes (Mehl et al. 2017) |
-|               | each with its literature reference and year)                 |                       |
+| ``aflow``     | pymatgen's bundled AFLOW prototype library (288 structures,  | pymatgen: MIT; data of the AFLOW     |
+|               | each with its literature reference and year)                 | Library of Crystallographic          |
+|               |                                                              | Prototypes (Mehl et al. 2017)        |
 | ``ase``       | ase's elemental reference states (Ashcroft & Mermin)         | ase: LGPL-2.1+        |
-| ``substitution`` | prototypes with their cation replaced, lattice scaled by ionic radii: distractors only, never answers (``answer_eligible=False``) | derived here |
+| ``substitution`` | prototypes with their cation replaced, lattice scaled by ionic radii:  | derived here |
+|                  | distractors only, never answers (``answer_eligible=False``)            |              |
 
 Junk is filtered by explicit rules (:func:`junk_reason`): noble gases and other elements that are
 gases at room temperature as elemental solids, molecular solids of gases (CO, NH3, SiF4, ...) and
@@ -385,7 +387,8 @@ def _sg_of(pid: str, base) -> int:
 def build_library(verbose: bool = False) -> tuple[list[Phase], list[tuple[str, str]]]:
     """All sources -> filtered, de-duplicated phases; also the (id, reason) of what was dropped."""
     warnings.filterwarnings("ignore")
-    from neon_hpc.envs.xrd.science.simulate import form_factor_table  # deferred: cycle (neon_hpc.envs.xrd.science.simulate imports this module)
+    # deferred: cycle (neon_hpc.envs.xrd.science.simulate imports this module)
+    from neon_hpc.envs.xrd.science.simulate import form_factor_table
     known_ff = set(form_factor_table())
     candidates = list(_curated_phases()) + list(_aflow_phases()) + list(_ase_phases())
     phases, dropped, seen, used = [], [], set(), set()
@@ -423,7 +426,8 @@ def _unique_id(pid: str, used: set[str]) -> str:
 def write_library(path: Path = LIBRARY_JSON) -> dict:
     phases, dropped = build_library()
     payload = {"format": "neon-hpc xrd phase library v1",
-               "sources": {"curated": "neon_hpc/envs/xrd/science/curated.py", "aflow": "pymatgen AFLOW_PROTOTYPE_LIBRARY",
+               "sources": {"curated": "neon_hpc/envs/xrd/science/curated.py",
+                           "aflow": "pymatgen AFLOW_PROTOTYPE_LIBRARY",
                            "ase": "ase.data.reference_states", "substitution": "derived distractors"},
                "dropped": [{"id": i, "reason": r} for i, r in dropped],
                "phases": [p.to_json() for p in phases]}

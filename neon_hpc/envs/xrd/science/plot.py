@@ -9,7 +9,8 @@ import numpy as np
 
 
 def plot_fit(x: np.ndarray, y: np.ndarray, res, path: str | Path, title: str = "") -> Path:
-    """Write a PNG (published by rename) of ``res`` (a :class:`~neon_hpc.envs.xrd.science.fitting.FitResult`) against (x, y)."""
+    """Write a PNG (published by rename) of ``res`` (a :class:`~neon_hpc.envs.xrd.science.fitting.FitResult`)
+    against (x, y)."""
     import matplotlib  # deferred: heavy (matplotlib)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # deferred: heavy (matplotlib)

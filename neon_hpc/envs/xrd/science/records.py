@@ -291,7 +291,8 @@ class DatedView:
             allowed = set(elements)
             rows = [r for r in rows if set(r["elements"]) <= allowed]
         if formula is not None:
-            from neon_hpc.envs.xrd.science.library import normalize_formula  # deferred: heavy (neon_hpc.envs.xrd.science.library: numpy)
+            # deferred: heavy (neon_hpc.envs.xrd.science.library: numpy)
+            from neon_hpc.envs.xrd.science.library import normalize_formula
             want = normalize_formula(formula)
             rows = [r for r in rows if normalize_formula(r["formula"]) == want]
         return self._guard(rows[:max(0, int(limit))], "available_from")

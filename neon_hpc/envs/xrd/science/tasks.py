@@ -36,8 +36,8 @@ import numpy as np
 
 from neon_hpc.util.progress import bar
 from neon_hpc.envs.xrd.science.library import Library, load_library
-from neon_hpc.envs.xrd.science.simulate import (Instrument, Microstructure, background, phase_pattern, phase_reflections,
-                                   poisson_counts)
+from neon_hpc.envs.xrd.science.simulate import (Instrument, Microstructure, background, phase_pattern,
+                                                phase_reflections, poisson_counts)
 from neon_hpc.envs.xrd.science.records import RecordDB, chemical_system, is_postgres, redact_dsn
 from neon_hpc.envs.xrd.science.tools import TaskContext
 
@@ -355,7 +355,8 @@ def read_tasks(path: str | Path) -> list[Task]:
 
 
 def open_task_set(path: str | Path) -> tuple[list[Task], RecordDB]:
-    """A folder written by :func:`write_tasks`: its tasks and its records database (for ``make_context(task, record_db)``)."""
+    """A folder written by :func:`write_tasks`: its tasks and its records database
+    (for ``make_context(task, record_db)``)."""
     folder = Path(path)
     pointer, db = folder / DB_POINTER, folder / "experiments.sqlite"
     if pointer.exists():
@@ -377,7 +378,8 @@ def build_record_db(tasks: list[Task] = (), path: str | Path = ":memory:", inclu
     record_db.add_phases((library or load_library()).phases)
     records = [r for t in tasks for r in t.records()]
     if include_real:
-        from neon_hpc.envs.xrd.science.real import real_records  # deferred: cycle (neon_hpc.envs.xrd.science.real imports this module)
+        # deferred: cycle (neon_hpc.envs.xrd.science.real imports this module)
+        from neon_hpc.envs.xrd.science.real import real_records
         records += real_records()
     record_db.add_experiments(records)
     return record_db
@@ -396,7 +398,8 @@ def shared_record_db() -> RecordDB:
 
 
 def make_context(task: Task, record_db: RecordDB | None = None):
-    """The :class:`~neon_hpc.envs.xrd.science.tools.TaskContext` of a task (its records are added to the records database)."""
+    """The :class:`~neon_hpc.envs.xrd.science.tools.TaskContext` of a task (its records are added to the
+    records database)."""
     if record_db is None:
         record_db = shared_record_db()
         with _shared_lock:

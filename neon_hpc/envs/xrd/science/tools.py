@@ -362,8 +362,10 @@ def tool_simulate_phase(args: dict, ctx: TaskContext) -> dict:
            "peaks": [{"two_theta": round(float(tt[i]), 3), "rel_intensity": round(float(inten[i]), 1),
                       "d": round(float(d[i]), 4)} for i in order]}
     if refined is not None:
-        out["refined_in_last_fit"] = {"rwp": round(last[1].rwp, 4), "weight_fraction": round(refined.weight_fraction, 4),
-                                      "lattice": [round(v, 4) for v in refined.lattice[:3]] if refined.lattice else None,
+        out["refined_in_last_fit"] = {"rwp": round(last[1].rwp, 4),
+                                      "weight_fraction": round(refined.weight_fraction, 4),
+                                      "lattice": ([round(v, 4) for v in refined.lattice[:3]]
+                                                  if refined.lattice else None),
                                       "strain": round(refined.strain, 5),
                                       "note": "peaks above are at the refined strain unless 'strain' is given"}
     return out
@@ -467,7 +469,8 @@ def tool_search_history(args: dict, ctx: TaskContext) -> dict:
 
 
 _PHASE_REF = {"type": "string", "maxLength": 80,
-              "description": "a phase id from search_phases, or a formula (optionally with space group: 'TiO2 P4_2/mnm')"}
+              "description": "a phase id from search_phases, or a formula "
+                             "(optionally with space group: 'TiO2 P4_2/mnm')"}
 _RANGE = {"two_theta_min": {"type": "number", "minimum": 0, "maximum": 180},
           "two_theta_max": {"type": "number", "minimum": 0, "maximum": 180}}
 

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     srv = serve(a.model, a.host, a.port, a.max_batch_size, a.weight_version, allowed_root,
                 a.max_new_tokens_cap, a.request_time_budget_s or None)
     print(f"LISTENING {srv.url} weight_version={srv.scheduler.version}", flush=True)
-    StopFlag((signal.SIGTERM,), on_signal=lambda _: threading.Thread(target=srv.shutdown, daemon=True).start()).install()
+    StopFlag((signal.SIGTERM,),
+             on_signal=lambda _: threading.Thread(target=srv.shutdown, daemon=True).start()).install()
     # Slurm's pre-timeout SIGUSR1 reaches every process of a job step; it asks the trainer to
     # checkpoint and workers to flush. An engine has nothing to save: its owner stops it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

@@ -76,7 +76,8 @@ class LoadedModel:
         return self.route_table.rows
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the last position ``[B, V]`` and routes ``[B, S, decoder layers, top_k]``
         (zeros in the rows of layers that do not route)."""
         self._buf.clear()

@@ -213,9 +213,9 @@ def context_length(loaded: LoadedModel) -> int | None:
 
 def admit(req: GenerateRequest, loaded: LoadedModel, max_new_tokens_cap: int | None = None) -> None:
     """Refuse (400) a request that cannot run within this engine's limits, before it is queued:
-    ``min_new_tokens`` with every token a stop token, ``max_new_tokens`` over the cap, a prompt that leaves no room in the context, or prompt
-    plus generation beyond it (generation past the context would index positions the model
-    never learnt)."""
+    ``min_new_tokens`` with every token a stop token, ``max_new_tokens`` over the cap, a prompt that leaves no
+    room in the context, or prompt plus generation beyond it (generation past the context would index positions
+    the model never learnt)."""
     s = req.sampling
     if s.min_new_tokens > 0:
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(loaded.eos_ids))
