@@ -623,7 +623,8 @@ def main(argv=None) -> int:
           f"rss_16k_over_8k_above_start={ratio_above:.3f} dsv3_over_qwen={dsv3:.3f} precision={precision} "
           f"ops_over_reference={head['ops_over_reference']:.3f} syncs_per_step={head['syncs']} "
           f"moe_layer_syncs={head['moe_syncs']} optimizer_per_param_ops={head['opt_ops']} "
-          f"loop_over_step={loop_ratio:.3f} loop_over_step_sync_ckpt={sync_ratio:.3f} sdpa={head['sdpa']} experts_gemm={head['experts']}")
+          f"loop_over_step={loop_ratio:.3f} loop_over_step_sync_ckpt={sync_ratio:.3f} "
+          f"sdpa={head['sdpa']} experts_gemm={head['experts']}")
     return 0
 
 

@@ -249,8 +249,9 @@ def host_snapshot(sharded: dict) -> dict:
     """Every tensor of a sharded state dict replaced, in place, by a host copy the next steps
     cannot change: a clone on CPU; on CUDA a pinned ``non_blocking`` copy, then one sync.
     A tensor reached twice (the same object) is copied once."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace  # deferred: heavy (megatron)
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory  # deferred: heavy (megatron)
+    # deferred: heavy (megatron)
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     copies: dict[int, torch.Tensor] = {}
     device = []
@@ -307,9 +308,10 @@ def _write_buckets(request) -> list:
         return []
     fn = request.async_fn
     if not isinstance(fn, functools.partial) or len(fn.args) != 2 or len(request.async_fn_args) != 3:
-        raise RuntimeError("this megatron-core's async torch_dist request is not partial(write_preloaded_data_multiproc, "
-                           "transform_list, use_msc) with (rank, write_buckets, results_queue); update "
-                           "neon_hpc/train/checkpoint._write_buckets for this version, or set train.checkpoint_async: false")
+        raise RuntimeError("this megatron-core's async torch_dist request is not "
+                           "partial(write_preloaded_data_multiproc, transform_list, use_msc) with "
+                           "(rank, write_buckets, results_queue); update neon_hpc/train/checkpoint._write_buckets "
+                           "for this version, or set train.checkpoint_async: false")
     transform_list, _use_msc = fn.args
     _rank, buckets, results_queue = request.async_fn_args
     write = inspect.unwrap(fa.FileSystemWriterAsync.write_preloaded_data)
@@ -434,9 +436,10 @@ class AsyncCheckpointer:
             rec.error = why
             if lay.rank == 0:
                 shutil.rmtree(p.staging, ignore_errors=True)
-            err = CheckpointWriteError(f"checkpoint {p.final} failed on the writer thread of rank {lay.rank}: {why}; "
-                                       f"nothing was published (a resume takes the newest complete checkpoint); fix the "
-                                       f"cause (space, permissions or quota under {p.final.parent}) and run the job again")
+            err = CheckpointWriteError(
+                f"checkpoint {p.final} failed on the writer thread of rank {lay.rank}: {why}; nothing was "
+                f"published (a resume takes the newest complete checkpoint); fix the cause (space, "
+                f"permissions or quota under {p.final.parent}) and run the job again")
             raise err from p.error
         t0 = time.perf_counter()
         try:
