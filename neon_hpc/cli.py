@@ -10,7 +10,7 @@ import difflib
 import importlib
 import sys
 
-from neon_hpc import envs     # the registry alone: reading the entries imports no environment
+from neon_hpc import envs  # the registry alone: reading the entries imports no environment
 from neon_hpc.util import extras
 
 # name -> (module, one-line help)

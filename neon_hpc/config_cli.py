@@ -26,9 +26,9 @@ from typing import Callable
 
 from neon_hpc import config, envs
 from neon_hpc.balance.configured import cost_model_for_config
-from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
-from neon_hpc.config import ConfigError, ExperimentConfig
 from neon_hpc.checkpoint.metadata import CheckpointError
+from neon_hpc.config import ConfigError, ExperimentConfig
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 
 Problem = tuple[str, str]   # (role: key, message)
 
@@ -47,7 +47,7 @@ def _init_checkpoint(cfg: ExperimentConfig) -> list[Problem]:
     if not cfg.model.init_checkpoint:
         return []
     # deferred: heavy (neon_hpc.train.checkpoint: torch, tqdm)
-    from neon_hpc.train.checkpoint import check_init_checkpoint   # the trainer's own start-up check
+    from neon_hpc.train.checkpoint import check_init_checkpoint  # the trainer's own start-up check
     try:
         check_init_checkpoint(cfg.model.init_checkpoint)
     except CheckpointError as e:

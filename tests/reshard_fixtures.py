@@ -57,8 +57,9 @@ def _layouts_in_group(out: str, layouts: list, seq: int) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from neon_hpc.models import hf, megatron
+
     from neon_hpc.config.model import ModelConfig
+    from neon_hpc.models import hf, megatron
 
     cfg = ModelConfig()
     rank = dist.get_rank()
@@ -87,6 +88,7 @@ def _seal_on_rank0(ckpt: Path) -> None:
     """Write the digests (``integrity.json``) every checkpoint neon-hpc saves carries: reshard
     refuses a checkpoint without them unless told ``--allow-unverified``."""
     import torch.distributed as dist
+
     from neon_hpc.checkpoint import integrity
     dist.barrier()
     if dist.get_rank() == 0:
@@ -97,6 +99,7 @@ def _seal_on_rank0(ckpt: Path) -> None:
 def save_layouts(out_dir: str | os.PathLike, layouts=((1, 1), (2, 1), (1, 2), (2, 2)), seq: int = 8) -> Path:
     """Save one checkpoint per (tp, ep) layout from two gloo processes; returns ``out_dir``."""
     import torch.multiprocessing as mp
+
     from neon_hpc.util.netutil import free_port
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +141,7 @@ def _mla_in_group(out: str, seq: int) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+
     from neon_hpc.models import megatron
     cfg = mla_model_config()
     megatron.init_parallel(tp=1, ep=1)
@@ -184,6 +188,7 @@ LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 def _all_worker(rank: int, world: int, port: int, out: str, synth: dict, seq: int) -> None:
     _start(rank, world, port)
     import torch.distributed as dist
+
     from neon_hpc.models import megatron
     from neon_hpc.reshard.synthetic import SynthSpec, save_in_group
     megatron.init_parallel(tp=1, ep=1)              # the gloo group every part below shares
@@ -199,7 +204,9 @@ def build_all(out_dir: str | os.PathLike, synth, seq: int = 8) -> Path:
     model (``mla/``), saved by one pair of gloo processes.  Cached: a second call returns at once."""
     import json
     from dataclasses import asdict
+
     import torch.multiprocessing as mp
+
     from neon_hpc.util.netutil import free_port
     out = Path(out_dir)
     if (out / "DONE").exists():

@@ -39,6 +39,7 @@ def _rss() -> int:
 
 def child(a) -> None:
     import torch
+
     from neon_hpc.models.cp_attention import build_piece_map, piece_attention, reference_piece_attention
     torch.set_num_threads(1)
     fn = piece_attention if a.path == "fused" else reference_piece_attention

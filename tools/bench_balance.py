@@ -94,9 +94,9 @@ def method_speed(args, cost: CostModel) -> tuple[float, float, float]:
 
 
 def measured(args) -> dict:
+    from neon_hpc.balance.assignment import pipeline_time
     from neon_hpc.train.costfit.fit import calibrate
     from neon_hpc.train.costfit.standin import Runner
-    from neon_hpc.balance.assignment import pipeline_time
     cfg = ModelConfig()
     say("== calibrating the cost model on this machine (embedded model shape)")
     # cover the longest piece the measured plans will run (4096 tokens at scale 32)

@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from neon_hpc import config, envs
     from neon_hpc.config.launch import split_cpus
-    from neon_hpc.util.logs import read_metrics
     from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.protocol.rundir import read_json
     from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights
+    from neon_hpc.util.logs import read_metrics
 
     sets = list(a.set)
     if a.quick:

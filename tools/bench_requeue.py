@@ -268,6 +268,7 @@ def run_requeue(root: Path, steps: int, cluster_dir: Path, log=print) -> dict:
     through ``tools/chaos.py``'s harness): ``scontrol requeue`` while episodes are mid-way, the
     journal read while the job waits to start again, then released; accounted when it completes."""
     import random
+
     import chaos
     from neon_hpc.launch.slurmjob import FINAL
     env = dict(chaos.slurm_env(cluster_dir), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -47,8 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from neon_hpc.reshard.synthetic import SynthSpec  # noqa: E402  (no torch/megatron at import)
 from benchlib import drop_cache  # noqa: E402  (tools/ is on sys.path when a script runs)
+from neon_hpc.reshard.synthetic import SynthSpec  # noqa: E402  (no torch/megatron at import)
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")
@@ -169,6 +169,7 @@ def floor_run(ckpt: Path, out_dir: Path, n: int) -> dict:
     """n processes at once, each reading exactly its task rank's byte ranges (file order) and
     writing its rank's output size, fsynced."""
     import multiprocessing as mp
+
     from neon_hpc.reshard.pipeline import build_tasks
     work, _, _ = build_tasks(ckpt / "ckpt", ckpt / "hf", ranks=n)
     shares = [(sorted((c.file, c.offset, c.length) for t in work.tasks_of(r) for _, c in t.chunks),

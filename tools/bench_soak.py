@@ -75,9 +75,9 @@ def count_metadata_ops():
 
 
 def claim_soak(root: Path, total_shards: int, per_step: int) -> dict:
+    from neon_hpc.config.store import StoreConfig
     from neon_hpc.protocol.rundir import RunDir
     from neon_hpc.store import ShardWriter, claim_step
-    from neon_hpc.config.store import StoreConfig
     from neon_hpc.store.synthetic import make_trajectory
     from neon_hpc.train.offpolicy import StalePolicy
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.store import ShardWriter, Trajectory, read_shard
-from neon_hpc.config.store import StoreConfig
-from neon_hpc.store.writer import write_shard
 from benchlib import drop_cache  # tools/ is on sys.path when a script runs
+from neon_hpc.config.store import StoreConfig
+from neon_hpc.store import ShardWriter, Trajectory, read_shard
+from neon_hpc.store.writer import write_shard
 
 
 def make_load(a: argparse.Namespace) -> list[Trajectory]:

@@ -100,11 +100,11 @@ def worker(args) -> None:
     import torch
     torch.set_num_threads(1)
     from neon_hpc import config as C
-    from neon_hpc.train.costfit.fit import fit_microbatches
     from neon_hpc.train import backend as B
+    from neon_hpc.train.corrections import bind
+    from neon_hpc.train.costfit.fit import fit_microbatches
     from neon_hpc.train.loop import StepData, prepare_step, train_step
     from neon_hpc.train.sections import TrainerSections
-    from neon_hpc.train.corrections import bind
 
     out = Path(args.out)
     base = ["offpolicy.replay_trainer='off'", "train.lr=1e-6", "schedule=sync", *MODEL]

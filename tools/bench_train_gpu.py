@@ -397,6 +397,7 @@ def worker_dsv3(args, cfg, cuda, precision, peak, shapes) -> dict:
 def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
     """The real loop on a run directory (claim, step, publish every step, checkpoint every 4)."""
     import tempfile
+
     from neon_hpc.config.store import StoreConfig
     from neon_hpc.protocol.rundir import RunDir
     from neon_hpc.store import ShardWriter

@@ -53,6 +53,7 @@ def _structures(n_extra: int):
 def bench_simulation(repeat: int, n_extra: int) -> dict:
     warnings.filterwarnings("ignore")
     from pymatgen.analysis.diffraction.xrd import XRDCalculator
+
     from neon_hpc.envs.xrd.science.simulate import CU_KA_AVG, compute_reflections, stick_pattern
     phases = _structures(n_extra)
     structures = [p.structure() for p in phases]
@@ -99,8 +100,15 @@ def bench_baseline(preset: str, split: str, n: int) -> dict:
 def bench_real(measured: bool = True) -> tuple[dict, dict] | None:
     """The real dev set: default thresholds and leave-one-mixture-out, from one trace per pattern."""
     from neon_hpc.envs.xrd.science.baseline import Thresholds
-    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary,
-                                                    moved_by_mixture, report_from_traces, scan_of, trace_all)
+    from neon_hpc.envs.xrd.science.evaluate import (
+        detection_limits_by_scan,
+        evaluate_loo,
+        loo_quant_summary,
+        moved_by_mixture,
+        report_from_traces,
+        scan_of,
+        trace_all,
+    )
     from neon_hpc.envs.xrd.science.real import load_real_tasks, real_data_dir
     if real_data_dir() is None:
         return None

@@ -69,8 +69,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from neon_hpc.protocol.records import ClaimRecord, Finished, JobRecord, TrainerBeat, TrainerPhase  # noqa: E402
 from neon_hpc.launch.slurmjob import FINAL  # noqa: E402
+from neon_hpc.protocol.records import ClaimRecord, Finished, JobRecord, TrainerBeat, TrainerPhase  # noqa: E402
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: E402
 
 MOMENTS = ("claim", "checkpoint", "publish", "flush", "helper", "launcher", "trainer", "node", "worker",

@@ -33,8 +33,9 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def profile(args) -> dict:
-    import bench_train_gpu as bench
     from torch.profiler import ProfilerActivity, profile as prof
+
+    import bench_train_gpu as bench
 
     cuda = torch.cuda.is_available()
     cfg = bench.model_config("cuda" if cuda else "cpu", "qwen3_moe")
@@ -80,6 +81,7 @@ def _fused_views(s: int, heads: int, groups: int, hn: int, hv: int, dtype, devic
 
 def sdpa(args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from neon_hpc.models.cp_attention import build_piece_map, piece_attention
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

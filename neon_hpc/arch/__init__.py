@@ -15,7 +15,7 @@ Adding an architecture: a new folder with those four files, and its line in ``_R
 from __future__ import annotations
 
 from neon_hpc.arch import deepseek_v3, qwen3_moe
-from neon_hpc.arch.base import Architecture, AttentionParams, RouteRows, RouteRowsError, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, AttentionParams, RouteRows, RouteRowsError, ShapeError, Shapes
 
 _REGISTERED: tuple[Architecture, ...] = (qwen3_moe.ARCH, deepseek_v3.ARCH)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar, Literal, Mapping, Protocol
 
-from neon_hpc.arch.rules import EXPERT_RULES, TOP_RULES, QKVShape, NameRule
+from neon_hpc.arch.rules import EXPERT_RULES, TOP_RULES, NameRule, QKVShape
 
 
 class ShapeError(ValueError):

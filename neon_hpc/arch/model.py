@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from neon_hpc import arch as registry            # partly initialised while the folders import: read at call time
+from neon_hpc import arch as registry  # partly initialised while the folders import: read at call time
 from neon_hpc.util.constraints import Rule, above, at_least
 
 Errors = list[tuple[str, str]]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.balance.configured import load_cost_file, assignment_for_config
+from neon_hpc.balance.configured import assignment_for_config, load_cost_file
 
 
 def main(argv: list[str]) -> int:

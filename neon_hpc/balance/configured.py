@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.assignment import StepAssignment
+from neon_hpc.balance.cost import CostModel
 from neon_hpc.balance.methods import assign_step
 
 

@@ -33,8 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
-from neon_hpc.arch import get as get_architecture
+from neon_hpc.arch import DEFAULT as ARCH_DEFAULT, get as get_architecture
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from typing import Sequence
 
 import numpy as np
 
-
 # from this many parts on, partial solutions are numpy arrays. The lists' merge has fast paths for
 # what dominates a balancing method's packing (one subset joining a full partition, a concatenation already
 # in order), so below this they are faster: 1,952 FLOP costs into 316 parts 6.5 ms vs 18.6 ms,

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neon_hpc.arch import ARCHITECTURES
-from neon_hpc.arch import get as get_architecture
-from neon_hpc.util.bounded import short_repr
+from neon_hpc.arch import ARCHITECTURES, get as get_architecture
 from neon_hpc.checkpoint.metadata import CheckpointError, read_json_object
+from neon_hpc.util.bounded import short_repr
 
 CONFIG_FILE = "config.json"
 from neon_hpc.protocol.rundir import RUN_YAML as RUN_CONFIG  # noqa: E402  (the run's config file)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import xxhash
 
-from neon_hpc.util.bounded import short_repr
 from neon_hpc.checkpoint.metadata import CheckpointError, load_dcp_metadata, read_json_object
+from neon_hpc.util.bounded import short_repr
 
 DIGEST_FILE = "integrity.json"
 ALGORITHM = "xxh3_64"

@@ -31,9 +31,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from neon_hpc.util import constraints
-from neon_hpc.util.constraints import section
-from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
 from neon_hpc.config.balance import BalanceConfig
 from neon_hpc.config.cross import cross_errors
 from neon_hpc.config.env import SECTIONS as ENV_SECTIONS, DefaultEnvConfig, EnvSection
@@ -46,6 +43,9 @@ from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, EvalConfig, RolloutConfig
 from neon_hpc.config.store import StoreConfig
 from neon_hpc.config.train import TrainConfig
+from neon_hpc.util import constraints
+from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr
+from neon_hpc.util.constraints import section
 
 
 @section

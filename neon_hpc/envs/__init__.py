@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from neon_hpc.envs.base import ConfiguredEnv, EnvEntry, EnvPlugin, Environment, TaskSource
+from neon_hpc.envs.base import ConfiguredEnv, EnvEntry, Environment, EnvPlugin, TaskSource
 
 GROUP = "neon_hpc.envs"
 

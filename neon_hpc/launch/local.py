@@ -27,17 +27,16 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc import config
+from neon_hpc.config.launch import parse_cpus, thread_env, trainer_threads
+from neon_hpc.config.train import world_size
 from neon_hpc.launch import lease, warm as W
 from neon_hpc.launch.common import prepare_run, resolve_run_dir
 from neon_hpc.launch.summary import render_summary, summarize, trainer_steps
-from neon_hpc.config.launch import parse_cpus, thread_env, trainer_threads
+from neon_hpc.protocol.records import Finished, mark_finished
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.util.logs import MetricsTail, RoleLogger
 from neon_hpc.util.netutil import free_port
 from neon_hpc.util.procutil import StopFlag, stop_tree
-from neon_hpc.protocol.records import Finished, mark_finished
-from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.config.train import world_size
-
 
 STOP_GRACE_S = 120.0   # after Ctrl-C/SIGTERM: how long the trainer gets to checkpoint and everyone to stop
 TERM_GRACE_S = 90.0    # at the end of a run: how long the roles get to stop after SIGTERM

@@ -33,17 +33,17 @@ import threading
 import time
 
 from neon_hpc import config
-from neon_hpc.util import logsinks
 from neon_hpc.launch.lease import join_launch
-from neon_hpc.util.procutil import forked_children_die_with_me
 from neon_hpc.protocol import RunDir, mark_finished as mark
 from neon_hpc.protocol.rundir import StorageError, storage_error
-from neon_hpc.util.rankenv import node_rank, trainer_rank_from_slurm
 from neon_hpc.rollout.node import RolloutNode
-from neon_hpc.rollout.sections import WorkerSections, NodeSections
+from neon_hpc.rollout.sections import NodeSections, WorkerSections
 from neon_hpc.rollout.worker import run_worker
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.train.writers import CheckpointWriterError
+from neon_hpc.util import logsinks
+from neon_hpc.util.procutil import forked_children_die_with_me
+from neon_hpc.util.rankenv import node_rank, trainer_rank_from_slurm
 
 LAUNCHER_POLL_S = 1.0    # how often a role checks its launcher is still its parent
 

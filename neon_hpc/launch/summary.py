@@ -6,9 +6,9 @@ import os
 from collections import Counter
 from typing import Any
 
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.records import JobRecord
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import read_metrics
 
 
 def trained_versions_and_waste(trainer: list[dict]) -> dict[str, Any]:

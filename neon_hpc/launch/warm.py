@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc import config, envs
-from neon_hpc.launch.common import resolve_run_dir
 from neon_hpc.config.launch import thread_env, trainer_threads
-from neon_hpc.util.logs import read_metrics
+from neon_hpc.config.train import world_size
+from neon_hpc.launch.common import resolve_run_dir
 from neon_hpc.models.tokenizer import load_tokenizer
-from neon_hpc.util.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
 from neon_hpc.rollout.agent.evalset import eval_tasks, evaluate_weights
-from neon_hpc.config.train import world_size
+from neon_hpc.util.logs import read_metrics
+from neon_hpc.util.netutil import free_port
 
 WARM = "warm_start"
 SUMMARY = "summary.json"

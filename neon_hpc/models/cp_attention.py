@@ -57,11 +57,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 _ACTIVE: list["PieceMap"] = []
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from neon_hpc import arch
+from neon_hpc.config.model import ModelConfig
 from neon_hpc.models import cpu_shim
 from neon_hpc.models.core_attention import SDPACoreAttention
-from neon_hpc.config.model import ModelConfig
 from neon_hpc.util.netutil import free_port
 
 
@@ -186,9 +186,9 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, routing_replay: 
     model_parallel_cuda_manual_seed(s)
     tcfg = transformer_config(cfg, tp=tp, ep=ep, routing_replay=routing_replay, **overrides)
     spec = layer_spec(cfg, tcfg, vp_stage)
-    # deferred: heavy (neon_hpc.models.cp_attention: megatron, wandb)
-    from neon_hpc.models import cp_attention   # pieces with true positions + K/V exchange (CP, split)
-    from neon_hpc.models import experts as grouped  # deferred: heavy (neon_hpc.models.experts: megatron, wandb)
+    # cp_attention: pieces with true positions + K/V exchange (CP, split)
+    # deferred: heavy (neon_hpc.models.cp_attention, neon_hpc.models.experts: megatron, wandb)
+    from neon_hpc.models import cp_attention, experts as grouped
     cp_attention.hook_spec(spec)
     impl = experts or grouped.expert_impl(torch.cuda.is_available(), tcfg.params_dtype)
     if impl not in grouped.IMPLS:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
+from neon_hpc.util.logs import read_metrics
 
 
 def _eval_points(run: RunDir, steps: list) -> list[tuple[float, float, int]]:

@@ -14,13 +14,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from neon_hpc.launch.summary import trained_versions_and_waste, trainer_steps
 from neon_hpc.launch.slurmjob import SlurmUnavailable, query
-from neon_hpc.util.logs import read_metrics
-from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
+from neon_hpc.launch.summary import trained_versions_and_waste, trainer_steps
 from neon_hpc.protocol.journal import journal_summary
+from neon_hpc.protocol.records import EngineRecord, Finished, JobRecord
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import run_store
+from neon_hpc.util.logs import read_metrics
 
 
 def slurm_state(job_id: str) -> tuple[str, dict[str, str]]:

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from neon_hpc.util.logs import last_lines
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import last_lines
 
 
 def log_files(run: RunDir, role: str, rank: str | None) -> list[Path]:

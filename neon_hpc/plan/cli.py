@@ -16,7 +16,6 @@ from neon_hpc import config
 from neon_hpc.plan import measured, report
 from neon_hpc.plan.params import from_experiment
 
-
 SWEEP_MAX_STALENESS = 8    # the sweep searches staleness bounds up to this by default
 
 

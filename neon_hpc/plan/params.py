@@ -20,12 +20,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ValidationError
 
-from neon_hpc.util import constraints
 from neon_hpc.arch import get as get_architecture
-from neon_hpc.util.constraints import section
 from neon_hpc.config.plan import PlanConfig
 from neon_hpc.plan.memory import FORMULA
 from neon_hpc.rollout.engines.sglang_launch import engine_roles
+from neon_hpc.util import constraints
+from neon_hpc.util.constraints import section
 
 ROUTE_BYTES_PER_ID = 4 * 4 / 3      # int32 expert ids, base64 on the wire (SGLang meta_info)
 
@@ -486,6 +486,7 @@ def _decode_kv_ratio(s: Sourced, cfg: Any, c) -> None:
                                       f"depend on the batch; set plan.decode_kv_ratio to change it)")
         return
     import numpy as np  # deferred: heavy (numpy)
+
     from neon_hpc.plan.workload import decode_context_mean  # deferred: heavy (neon_hpc.plan.workload: numpy)
     p = s.params
     ctx = decode_context_mean(p, 20000, np.random.default_rng(p.seed + 5))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
-from typing import Callable
 
 from neon_hpc.plan.memory import ActivationTerm, CandidateLayout, layout_search
 from neon_hpc.plan.params import Sourced

@@ -80,7 +80,7 @@ import simpy
 
 from neon_hpc.plan.accounting import Accounts, Occupancy, SimResult
 from neon_hpc.plan.params import SimParams
-from neon_hpc.plan.slots import EpisodeSlots, QueuedWorkerSlots, WorkerSlots, Group
+from neon_hpc.plan.slots import EpisodeSlots, Group, QueuedWorkerSlots, WorkerSlots
 from neon_hpc.plan.steptime import StepTimeModel
 from neon_hpc.plan.workload import EngineStall
 from neon_hpc.protocol import admission as rule

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from neon_hpc import config
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.plan.params import Sourced, from_experiment
 from neon_hpc.plan.sim import simulate
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import read_metrics
 
 BANDS = {"trainer_idle": 0.15, "rollout_idle": 0.15, "staleness_mean": 0.75, "staleness_max": 1.0,
          "wasted_tokens": 0.05}

@@ -9,7 +9,20 @@
 Imports nothing of the roles; only the standard library, pydantic and :mod:`neon_hpc.util.constraints`.
 """
 
-from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished,  # noqa: F401
-                                       JobRecord, LeaseRecord, NodeBeat, Preempted, Record, TrainerBeat, TrainerPhase,
-                                       WorkerBeat, mark_finished)
+from neon_hpc.protocol.records import (  # noqa: F401
+    ClaimOwner,
+    ClaimRecord,
+    DroppedRecord,
+    EngineRecord,
+    Finished,
+    JobRecord,
+    LeaseRecord,
+    NodeBeat,
+    Preempted,
+    Record,
+    TrainerBeat,
+    TrainerPhase,
+    WorkerBeat,
+    mark_finished,
+)
 from neon_hpc.protocol.rundir import RunDir, RunDirError  # noqa: F401

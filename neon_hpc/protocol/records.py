@@ -26,16 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
-from typing_extensions import NotRequired, Required, TypedDict   # pydantic needs these on Python < 3.12
-
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from typing_extensions import NotRequired, Required, TypedDict  # pydantic needs these on Python < 3.12
 
+from neon_hpc.protocol.rundir import (
+    CLAIM as CLAIM_NAME,
+    DROPPED as DROPPED_NAME,
+    OWNER as OWNER_NAME,
+    RunDir,
+    RunDirError,
+    atomic_write_json,
+    create_json,
+    read_json,
+)
 from neon_hpc.util import constraints
 from neon_hpc.util.bounded import short_repr
-from neon_hpc.protocol.rundir import CLAIM as CLAIM_NAME
-from neon_hpc.protocol.rundir import DROPPED as DROPPED_NAME
-from neon_hpc.protocol.rundir import OWNER as OWNER_NAME
-from neon_hpc.protocol.rundir import RunDir, RunDirError, atomic_write_json, create_json, read_json
 
 
 class TrainerPhase(str, enum.Enum):

@@ -14,8 +14,8 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from neon_hpc.replay.cache import ReplayStats, RouteCache, RouteMismatch
 from neon_hpc.util.httpretry import RetryPolicy, is_transient
-from neon_hpc.replay.cache import RouteCache, RouteMismatch, ReplayStats
 
 ReplayMode = Literal["delta", "full", "off"]
 

@@ -11,9 +11,9 @@ import sys
 import traceback
 
 from neon_hpc.arch import MODEL_TYPES
-from neon_hpc.reshard.comm import get_comm, launched_under_mpi
 from neon_hpc.checkpoint.integrity import UNVERIFIED_WARNING
 from neon_hpc.checkpoint.metadata import CheckpointError
+from neon_hpc.reshard.comm import get_comm, launched_under_mpi
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

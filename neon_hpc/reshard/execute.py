@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.util.progress import bar
-from neon_hpc.reshard.slabs import Slab, apply_op
 from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, Chunk
+from neon_hpc.reshard.slabs import Slab, apply_op
 from neon_hpc.reshard.tasks import ChunkTask, ConversionTasks, intersects
+from neon_hpc.util.progress import bar
 
 
 @dataclass

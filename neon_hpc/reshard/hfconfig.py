@@ -27,10 +27,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neon_hpc.arch import ARCHES, MODEL_TYPES, ShapeError
-from neon_hpc.arch import get as get_architecture
-from neon_hpc.checkpoint.configsource import (CONFIG_FILE, RUN_CONFIG, SHAPE_FIELDS, check_field_types,
-                                              hf_config_for_model, read_config_json, run_yaml)
+from neon_hpc.arch import ARCHES, MODEL_TYPES, ShapeError, get as get_architecture
+from neon_hpc.checkpoint.configsource import (
+    CONFIG_FILE,
+    RUN_CONFIG,
+    SHAPE_FIELDS,
+    check_field_types,
+    hf_config_for_model,
+    read_config_json,
+    run_yaml,
+)
 from neon_hpc.checkpoint.metadata import Checkpoint
 from neon_hpc.reshard.slabs import MappingError
 

@@ -15,16 +15,15 @@ import time
 import traceback
 from pathlib import Path
 
-from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
-from neon_hpc.reshard.slabs import MappingError, ModelSpec, canonical_arch
-from neon_hpc.reshard.comm import get_comm
-from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
-from neon_hpc.reshard.hfconfig import ConfigSource, check_config_shapes, write_hf_side
-from neon_hpc.reshard.hfconfig import resolve as resolve_config
 from neon_hpc.checkpoint.integrity import DIGEST_FILE, UNVERIFIED_WARNING
 from neon_hpc.checkpoint.metadata import CheckpointError, read_checkpoint
-from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, make_tasks
+from neon_hpc.protocol.rundir import publish_dir, staging_dir_for
+from neon_hpc.reshard.comm import get_comm
+from neon_hpc.reshard.execute import peak_rss_bytes, proc_io, run_rank
+from neon_hpc.reshard.hfconfig import ConfigSource, check_config_shapes, resolve as resolve_config, write_hf_side
 from neon_hpc.reshard.serial import convert_all, materialize, reshard_write
+from neon_hpc.reshard.slabs import MappingError, ModelSpec, canonical_arch
+from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, make_tasks
 
 
 class ReshardError(RuntimeError):

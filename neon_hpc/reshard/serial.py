@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neon_hpc.reshard.slabs import apply_op
-from neon_hpc.reshard.execute import one_thread
 from neon_hpc.checkpoint.integrity import guard_reader
+from neon_hpc.reshard.execute import one_thread
+from neon_hpc.reshard.slabs import apply_op
 from neon_hpc.reshard.tasks import DEFAULT_SHARD_CAP, ConversionTasks, out_nbytes
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from neon_hpc.arch import DEFAULT as ARCH_DEFAULT
-from neon_hpc.arch import get as get_architecture
-from neon_hpc.util.netutil import free_port
+from neon_hpc.arch import DEFAULT as ARCH_DEFAULT, get as get_architecture
 from neon_hpc.checkpoint import integrity
+from neon_hpc.util.netutil import free_port
 
 
 @dataclass
@@ -113,6 +112,7 @@ def save_in_group(path: str | os.PathLike, spec: SynthSpec) -> None:
     # deferred: heavy (torch)
     import torch
     import torch.distributed as dist
+
     # deferred: heavy (megatron)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor

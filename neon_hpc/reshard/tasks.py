@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass, field
 from math import prod
 
-from neon_hpc.reshard.slabs import ModelSpec, OutTensor, Slab, list_slabs
 from neon_hpc.checkpoint.metadata import DTYPE_BYTES, Checkpoint, CheckpointError, Chunk, check_chunks_present
+from neon_hpc.reshard.slabs import ModelSpec, OutTensor, Slab, list_slabs
 
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",

@@ -34,15 +34,15 @@ import sys
 import time
 from pathlib import Path
 
+from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.engines.client import EngineClient
+from neon_hpc.rollout.engines.fleet import update_weights
+from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
+from neon_hpc.rollout.sections import NodeSections
 from neon_hpc.util.logs import RoleLogger
 from neon_hpc.util.procutil import StopFlag, child_setup, stop_tree
 from neon_hpc.util.rankenv import node_count, node_rank
-from neon_hpc.rollout.engines.client import EngineClient
-from neon_hpc.rollout.engines.groups import EngineStartError, engine_group
-from neon_hpc.protocol.records import EngineRecord, Finished, NodeBeat
-from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.rollout.sections import NodeSections
-from neon_hpc.rollout.engines.fleet import update_weights
 
 
 def wait_for_weights(run: RunDir, log: RoleLogger, timeout_s: float, stop,

@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from neon_hpc.envs.base import EnvSettings
 from neon_hpc.config.launch import LaunchConfig
 from neon_hpc.config.offpolicy import OffpolicyConfig
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.rollout import EngineConfig, RolloutConfig
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.envs.base import EnvSettings
 
 if TYPE_CHECKING:
     from neon_hpc.config import ExperimentConfig

@@ -36,11 +36,9 @@ import threading
 import time
 
 from neon_hpc import envs
-from neon_hpc.util.logs import RoleLogger, job_id
-from neon_hpc.models.tokenizer import load_tokenizer
-from neon_hpc.util.procutil import StopFlag
-from neon_hpc.protocol import admission as rule
 from neon_hpc.config.protocol import ProtocolConfig
+from neon_hpc.models.tokenizer import load_tokenizer
+from neon_hpc.protocol import admission as rule
 from neon_hpc.protocol.records import EngineRecord, Finished, TrainerBeat, WorkerBeat
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout import journal as jr
@@ -49,6 +47,8 @@ from neon_hpc.rollout.agent.group import as_environment
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.sections import WorkerSections
 from neon_hpc.store import StoreConfig, open_store
+from neon_hpc.util.logs import RoleLogger, job_id
+from neon_hpc.util.procutil import StopFlag
 
 # default of the beater's period; the run's is protocol.worker_heartbeat_s
 HEARTBEAT_S = ProtocolConfig.worker_heartbeat_s

@@ -46,14 +46,20 @@ from pathlib import Path
 from typing import Protocol
 
 from neon_hpc.config.protocol import ProtocolConfig
-from neon_hpc.protocol.records import CLAIM_RECORD_NAMES, ClaimOwner, ClaimRecord, DroppedRecord
-from neon_hpc.protocol.rundir import CLAIM as CLAIM_FILE  # noqa: F401
-from neon_hpc.protocol.rundir import DROPPED as DROPPED_FILE  # noqa: F401
-from neon_hpc.protocol.rundir import OWNER as OWNER_FILE
-from neon_hpc.protocol.rundir import REASON_SUFFIX
-from neon_hpc.protocol.rundir import RunDir, atomic_write_text, fsync_dir, remove_stale_tmp, staging_dir_for
-from neon_hpc.store import schema as S
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.protocol.records import CLAIM_RECORD_NAMES, ClaimOwner, ClaimRecord, DroppedRecord
+from neon_hpc.protocol.rundir import (
+    CLAIM as CLAIM_FILE,  # noqa: F401
+    DROPPED as DROPPED_FILE,  # noqa: F401
+    OWNER as OWNER_FILE,
+    REASON_SUFFIX,
+    RunDir,
+    atomic_write_text,
+    fsync_dir,
+    remove_stale_tmp,
+    staging_dir_for,
+)
+from neon_hpc.store import schema as S
 from neon_hpc.store.reader import ShardError, read_shard
 from neon_hpc.store.trajectory import Trajectory
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.protocol.records import ClaimRecord
-from neon_hpc.protocol.rundir import RunDirError
+from neon_hpc.protocol.rundir import RunDir, RunDirError
 from neon_hpc.store.claim import REASON_SUFFIX, claimed_steps, ready_count
 from neon_hpc.store.reader import ShardError, read_shard, shard_summary
 from neon_hpc.store.trajectory import Trajectory

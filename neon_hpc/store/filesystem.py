@@ -7,15 +7,14 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.rundir import RunDir, remove_stale_tmp
 from neon_hpc.store import schema as S
 from neon_hpc.store.base import StoreCounts, TrajectoryStore
 from neon_hpc.store.claim import ClaimResult, claim_step, claimed_steps, ready_count
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.reader import read_shard
-from neon_hpc.store.writer import write_shard
 from neon_hpc.store.trajectory import Trajectory
-from neon_hpc.store.writer import TMP_SUFFIX, ShardWriter
+from neon_hpc.store.writer import TMP_SUFFIX, ShardWriter, write_shard
 
 
 def _count(d: Path, suffix: str) -> int:

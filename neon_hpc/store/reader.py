@@ -20,7 +20,6 @@ from neon_hpc.store import schema as S
 from neon_hpc.store.trajectory import Trajectory
 
 
-
 class ShardError(Exception):
     """A shard failed validation. ``path`` and ``reason`` say which file and what is wrong."""
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import typing
 
+from neon_hpc.config.store import StoreConfig, StoreKind
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store.base import TrajectoryStore
-from neon_hpc.config.store import StoreConfig, StoreKind
 from neon_hpc.store.filesystem import FilesystemStore
 
 STORES: dict[str, type[TrajectoryStore]] = {FilesystemStore.kind: FilesystemStore}

@@ -19,11 +19,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from neon_hpc.util.logs import job_id as current_job_id
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.rundir import RunDir, fsync_dir, storage_error
 from neon_hpc.store import schema as S
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
+from neon_hpc.util.logs import job_id as current_job_id
 
 log = logging.getLogger("neon_hpc.store")
 

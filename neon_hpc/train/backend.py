@@ -45,13 +45,13 @@ import torch.distributed as dist
 from neon_hpc.arch import get as get_architecture
 from neon_hpc.arch.rules import tp_join
 from neon_hpc.balance.pipeline import microbatch_group_size
-from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.config.train import TrainConfig
+from neon_hpc.models import megatron as mm, recompute as rc
 from neon_hpc.models.convert import hf_to_megatron, load_into_megatron, shard_for_rank
 from neon_hpc.models.hf import read_hf_state_dict
 from neon_hpc.train import optimizer_shim, xent
 from neon_hpc.train.batch import MicroBatch, replay_rows
-from neon_hpc.config.train import TrainConfig
 from neon_hpc.train.layout import chunk_layers, stage_layers
 
 
@@ -279,9 +279,9 @@ def setup(model_cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1, lr: flo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router_replay import RouterReplay
-    from neon_hpc.models.experts import GroupedExperts
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # deferred: heavy (megatron)
+    from neon_hpc.models.experts import GroupedExperts  # deferred: heavy (megatron)
 
     RouterReplay.clear_global_router_replay_instances()
     pp_rank = ps.get_pipeline_model_parallel_rank()

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from neon_hpc.balance.assignment import Piece   # (trajectory index, start, end) in input-token space
+from neon_hpc.balance.assignment import Piece  # (trajectory index, start, end) in input-token space
 
 
 @dataclass

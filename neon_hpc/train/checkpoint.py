@@ -44,8 +44,8 @@ import math
 import multiprocessing as mp
 import queue
 import shutil
-import sys
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,15 +56,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neon_hpc.util.bounded import REPR_CAP, clip_text
-from neon_hpc.util.procutil import die_with_parent
 from neon_hpc.checkpoint import integrity
 from neon_hpc.checkpoint.configsource import CONFIG_FILE as HF_CONFIG_FILE, hf_config_for_model
-from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error
 from neon_hpc.checkpoint.metadata import CheckpointError, load_dcp_metadata, read_json_object
-from neon_hpc.train.backend import (Backend, init_checkpoint_kind, load_model_state, model_sharded_state_dict,
-                                    param_digest)
+from neon_hpc.protocol.rundir import RunDir, publish_dir, staging_dir_for, storage_error
 from neon_hpc.train import writers
+from neon_hpc.train.backend import (
+    Backend,
+    init_checkpoint_kind,
+    load_model_state,
+    model_sharded_state_dict,
+    param_digest,
+)
+from neon_hpc.util.bounded import REPR_CAP, clip_text
+from neon_hpc.util.procutil import die_with_parent
 
 STATE_FILE = "trainer_state.json"
 

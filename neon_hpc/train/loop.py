@@ -47,29 +47,35 @@ import torch
 import torch.distributed as dist
 
 from neon_hpc.balance.configured import assignment_for_config
-from neon_hpc.util.logs import RoleLogger
+from neon_hpc.checkpoint.metadata import CheckpointError
+from neon_hpc.config.cross import correction_errors, world_fix
+from neon_hpc.config.train import world_size
 from neon_hpc.models import cpu_shim
-from neon_hpc.util.netutil import free_port
-from neon_hpc.util.procutil import StopFlag
-from neon_hpc.util.rankenv import master_port, trainer_rank_from_slurm
 from neon_hpc.protocol.records import Preempted, TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.replay.rows import to_trainer_rows
-from neon_hpc.checkpoint.metadata import CheckpointError
 from neon_hpc.store import ClaimTimeout, open_store
-from neon_hpc.train import backend as B, checkpoint as ckpt, writers
-from neon_hpc.train.backend import forward_backward, reduce_step_sums, load_initial_weights
+from neon_hpc.train import backend as B, checkpoint as ckpt, corrections, offpolicy, writers
+from neon_hpc.train.backend import forward_backward, load_initial_weights, reduce_step_sums
 from neon_hpc.train.batch import build_microbatch, input_lengths, packed_length, to_device
-from neon_hpc.config.cross import correction_errors, world_fix
-from neon_hpc.config.train import world_size
-from neon_hpc.train.layout import layout_errors
 from neon_hpc.train.heap import StepHeap
+from neon_hpc.train.layout import layout_errors
+from neon_hpc.train.loss import (
+    group_advantages,
+    loss_settings,
+    policy_loss,
+    staleness_histogram,
+    staleness_stats,
+    term_means,
+    version_span_histogram,
+)
 from neon_hpc.train.prefetch import Prefetched
 from neon_hpc.train.publish import BackgroundPublisher, publish_weights
 from neon_hpc.train.sections import TrainerSections
-from neon_hpc.train import corrections, offpolicy
-from neon_hpc.train.loss import (group_advantages, loss_settings, policy_loss, staleness_histogram,
-                                 staleness_stats, term_means, version_span_histogram)
+from neon_hpc.util.logs import RoleLogger
+from neon_hpc.util.netutil import free_port
+from neon_hpc.util.procutil import StopFlag
+from neon_hpc.util.rankenv import master_port, trainer_rank_from_slurm
 
 ROLE = "trainer"
 # One trainer consumes a run directory; a stable name lets a restarted trainer finish its own
@@ -275,7 +281,7 @@ def train_step(be, data: StepData, settings: dict | None, loss=None, means=term_
     :mod:`neon_hpc.train.sft`), ``means(sums)`` its per-token means for the metrics record.
     """
     # deferred: heavy (neon_hpc.models.cp_attention: megatron, wandb)
-    from neon_hpc.models.cp_attention import piece_map, build_piece_map
+    from neon_hpc.models.cp_attention import build_piece_map, piece_map
 
     lay = be.layout
     mine = data.pieces[lay.dp_rank] if lay.dp_rank < len(data.pieces) else []

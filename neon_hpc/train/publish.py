@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from neon_hpc.config.model import ModelConfig
 from neon_hpc.models.convert import megatron_to_hf
-from neon_hpc.models.hf import save_hf, hf_config
+from neon_hpc.models.hf import hf_config, save_hf
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.reshard.pipeline import convert
 from neon_hpc.train.backend import Backend, full_state_dict

@@ -30,16 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.util.logs import RoleLogger
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.records import TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store import store_kind
 from neon_hpc.train import checkpoint as ckpt, writers
 from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
 from neon_hpc.train.loss import sft_loss, sft_term_means
 from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
+from neon_hpc.util.logs import RoleLogger
 
 
 def load_sft_set(folder: str, kind: str = StoreConfig.kind) -> list:

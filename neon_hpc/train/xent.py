@@ -179,7 +179,9 @@ def install(model) -> bool:
     if getattr(layer, "bias", None) is not None or getattr(model.config, "cross_entropy_loss_fusion", False):
         return False
     from megatron.core.tensor_parallel.mappings import (  # deferred: heavy (megatron)
-        copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     layer_forward = layer.forward
     model_loss = model.compute_language_model_loss

@@ -56,8 +56,17 @@ from typing import Annotated, Any, Callable, Literal
 
 import annotated_types as at
 import typing_extensions
-from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, TypeAdapter, \
-    ValidationError, model_validator
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic.types import AllowInfNan
 
 from neon_hpc.util.bounded import REPR_CAP, clip_text, short_repr

@@ -13,15 +13,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc import envs
-from neon_hpc.envs.xrd import eval_cli
-from neon_hpc.rollout.agent import run_group
-from neon_hpc.envs.xrd.env import sample_label
 from neon_hpc.config.rollout import RolloutConfig
-from neon_hpc.rollout.engines import wire
+from neon_hpc.envs.xrd import eval_cli
 from neon_hpc.envs.xrd.config import XRDConfig
+from neon_hpc.envs.xrd.env import sample_label
 from neon_hpc.envs.xrd.science.tasks import load_tasks
+from neon_hpc.models.tokenizer import load_tokenizer
+from neon_hpc.rollout.agent import run_group
+from neon_hpc.rollout.engines import wire
 
 TOK = load_tokenizer()
 

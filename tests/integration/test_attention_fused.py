@@ -40,9 +40,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ranks import run_ranks
 from repo_paths import with_tests_on_pythonpath
-
 
 # (query heads, KV groups, q/k head dim, v head dim)
 SHAPES = {"gqa": (8, 2, 16, 16), "mla": (4, 4, 24, 16)}

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from neon_hpc.balance import CostModel, Piece, check_assignment, pipeline_time, assign_step
+from neon_hpc.balance import CostModel, Piece, assign_step, check_assignment, pipeline_time
 from neon_hpc.balance.cp import cp_shards, zigzag_pairs
 from neon_hpc.balance.kk import _karmarkar_karp_lists, _karmarkar_karp_np, karmarkar_karp
 

@@ -11,8 +11,8 @@ import torch
 
 from neon_hpc import config
 from neon_hpc.balance import CostModel
+from neon_hpc.balance.configured import assignment_for_config, cost_model_for_config, load_cost_file
 from neon_hpc.train.costfit.fit import _features, fit, fit_microbatches
-from neon_hpc.balance.configured import cost_model_for_config, load_cost_file, assignment_for_config
 from neon_hpc.train.costfit.standin import attend
 from repo_paths import REPO
 

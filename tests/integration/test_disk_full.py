@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from neon_hpc.util.netutil import free_port
 from neon_hpc.protocol.rundir import RunDir, StorageError, atomic_write_json
+from neon_hpc.util.netutil import free_port
 from repo_paths import REPO
-
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"),
                                 reason="mounting a small tmpfs needs root on Linux")
@@ -50,8 +49,8 @@ def fill(fs: Path) -> Path:
 
 
 def test_a_shard_publish_on_a_full_disk_names_the_shard_and_succeeds_once_space_is_back(small_fs):
-    from neon_hpc.store import ShardWriter
     from neon_hpc.config.store import StoreConfig
+    from neon_hpc.store import ShardWriter
     from neon_hpc.store.reader import read_shard
     from neon_hpc.store.synthetic import make_trajectory
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from neon_hpc.models import hf
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.models import hf
 from neon_hpc.rollout.engines.client import EngineClient
 
 

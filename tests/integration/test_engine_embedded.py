@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models import hf
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.models import hf
 from neon_hpc.rollout.engines.client import EngineClient, EngineError
 from neon_hpc.rollout.engines.embedded import start_server
 

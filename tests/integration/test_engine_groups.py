@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 from neon_hpc import config
-from neon_hpc.rollout.engines.groups import EmbeddedEngines, ExternalEngines, SGLangEngines, engine_group
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.rollout.engines.groups import EmbeddedEngines, ExternalEngines, SGLangEngines, engine_group
 
 
 def _cfg(**sets):
@@ -32,8 +32,8 @@ def test_the_group_is_chosen_once_from_the_environment_and_the_config(tmp_path, 
 
 @pytest.fixture
 def weights(tmp_path):
-    from neon_hpc.models import hf
     from neon_hpc.config.model import ModelConfig
+    from neon_hpc.models import hf
     cfg = ModelConfig()
     run = RunDir(tmp_path / "run").create()
     hf.save_hf(hf.build_hf_model(cfg, seed=1), cfg, run.weights_version(0))

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.util.bounded import MESSAGE_CAP
-from neon_hpc.models import hf
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.models import hf
+from neon_hpc.util.bounded import MESSAGE_CAP
 
 pytestmark = pytest.mark.slow   # one engine process for the module (~40 s to start on 2 shared cores)
 

@@ -16,14 +16,13 @@ import subprocess
 import sys
 import time
 
-
 import pytest
 
-from neon_hpc.util.netutil import free_port
-from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.wire import BadRequest, parse_generate
+from neon_hpc.util.netutil import free_port
 from repo_paths import REPO
+from sglang_wire import RecordingServer
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra: run `bash env/setup.sh`")

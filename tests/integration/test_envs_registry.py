@@ -14,13 +14,13 @@ import sys
 import pytest
 
 from neon_hpc import config, envs
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.agent import run_group
 from neon_hpc.rollout.agent.evalset import eval_tasks
-from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.sections import WorkerSections
+from repo_paths import REPO
 from test_agent_episode import TOK, ScriptedClient, check_books
 from throwaway_env import EVAL_SPLITS, PLUGIN as ECHO
-from repo_paths import REPO
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
@@ -129,6 +129,7 @@ def test_digits_tasks_are_split_for_good_and_graded_through_the_loop():
 
 def test_digits_demonstrations_are_what_the_agent_loop_records_for_the_same_answer():
     import numpy as np
+
     from neon_hpc.envs.digits.plugin import make_demos
     from neon_hpc.rollout.agent import run_episode
     cfg = config.load(TINY).rollout

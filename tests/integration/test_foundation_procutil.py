@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+
 from repo_paths import REPO
 
 PARENT = r"""

@@ -19,7 +19,6 @@ from neon_hpc.protocol.records import Finished
 from neon_hpc.protocol.rundir import RunDir
 from repo_paths import REPO
 
-
 # a "trainer": says it is ready, then on SIGTERM either records it and exits 0 (it checkpointed)
 # or ignores it (stuck in a long save)
 ROLE = r"""

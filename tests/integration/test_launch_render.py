@@ -9,7 +9,6 @@ from neon_hpc.launch.slurm import render_sbatch
 from repo_paths import REPO
 
 
-
 def test_golden_sbatch_matches_renderer():
     cfg = config.load(REPO / "configs" / "tiny_cpu.yaml")
     golden = (REPO / "sbatch" / "tiny_cpu.example.sbatch").read_text()

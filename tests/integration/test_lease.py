@@ -19,7 +19,6 @@ from neon_hpc.launch import lease
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 from repo_paths import REPO
 
-
 HOLDER = r"""
 import sys, time
 from neon_hpc.launch import lease

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.arch import get as get_architecture
 from model_fixtures import decisive_hf, tiny_dsv3
+from neon_hpc.arch import get as get_architecture
 from repo_paths import REPO
 
 CFG = tiny_dsv3()
@@ -78,6 +78,7 @@ def test_round_trip_is_bit_exact_and_extra_tensors_are_refused():
 
 def test_yarn_reaches_both_configs():
     from dataclasses import replace
+
     from neon_hpc.models.hf import hf_config
     y = replace(CFG, yarn_factor=4.0, yarn_original_max_position_embeddings=64, yarn_mscale_all_dim=1.0)
     rp = hf_config(y).rope_parameters
@@ -102,6 +103,7 @@ def test_parity_yarn(tmp_path):
     """YaRN RoPE (factor 4 over an original context of 16, mscale_all_dim 1) on 48 tokens: the
     scaled frequencies and the attention-scale correction agree in both homes."""
     from dataclasses import replace
+
     from neon_hpc.models import parity
     from neon_hpc.models.hf import save_hf
     y = replace(CFG, yarn_factor=4.0, yarn_original_max_position_embeddings=16, yarn_mscale_all_dim=1.0,
@@ -135,11 +137,11 @@ def _publish_worker(rank: int, world: int, port: int, out: str, tp: int, ep: int
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from pathlib import Path
+
     from neon_hpc.models import megatron as mm
     from neon_hpc.models.convert import hf_to_megatron
     from neon_hpc.protocol.rundir import RunDir
-    from neon_hpc.train import backend as B
-    from neon_hpc.train import checkpoint as ckpt
+    from neon_hpc.train import backend as B, checkpoint as ckpt
     from neon_hpc.train.publish import publish_weights
 
     be = B.setup(CFG, tp=tp, ep=ep, replay=False, seed=5)
@@ -164,9 +166,10 @@ def _publish_worker(rank: int, world: int, port: int, out: str, tp: int, ep: int
 @pytest.mark.parametrize("tp,ep", [(2, 2)])     # (1, 1) also passes (3.6e-7); left out for time
 def test_trainer_publishes_direct_and_via_reshard(tmp_path, tp, ep):
     import torch.multiprocessing as mp
+
     from neon_hpc.models.parity import hf_logits
-    from neon_hpc.util.netutil import free_port
     from neon_hpc.protocol.rundir import RunDir
+    from neon_hpc.util.netutil import free_port
     world = max(tp, ep)
     mp.start_processes(_publish_worker, args=(world, free_port(), str(tmp_path), tp, ep), nprocs=world,
                        join=True, start_method="spawn")

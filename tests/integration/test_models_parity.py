@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from neon_hpc.models import convert, hf
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.models import convert, hf
 
 # Tolerance for float32 logits of magnitude ~10: the two homes sum in different orders
 # (fused QKV, grouped experts, SP all-gathers), nothing more.

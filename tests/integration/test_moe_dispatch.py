@@ -38,6 +38,7 @@ def routing(tokens: int, experts: int, k: int, seed: int):
 
 def test_permute_and_unpermute_match_megatrons_exactly():
     from megatron.core.transformer.moe import moe_utils
+
     from neon_hpc.models.dispatch import permute, unpermute
 
     T, E, k, H = 37, 8, 3, 16
@@ -162,6 +163,7 @@ def test_grouped_mm_arguments_on_fake_cuda(parallel):
     checks (bf16 operands, int32 offsets, row-major activations, column-major 16-byte-aligned
     weights) pass for the dispatcher's outputs and the experts' storage views (forward only)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from neon_hpc.models.dispatch import permute, unpermute
 
     model = parallel.build_gpt_model(CFG, seed=4, params_dtype=torch.bfloat16, bf16=True)
@@ -190,6 +192,7 @@ def test_grouped_mm_arguments_on_fake_cuda(parallel):
 def _ep_worker(out: str) -> None:
     """One rank of the EP = 2 comparison: logits and gradients with each dispatcher, as JSON."""
     import torch.distributed as dist
+
     from neon_hpc.models import megatron
 
     megatron.init_parallel(tp=1, ep=2, seed=1)

@@ -123,7 +123,9 @@ def test_virtual_pipeline_stages_reach_the_step_time_model():
     """train.virtual_pipeline_stages is the planner's vpp: the interleaved schedule's smaller
     bubble shortens the planned step (balance.pipeline's model), V = 1 is the 1F1B one."""
     import dataclasses
+
     import numpy as np
+
     from neon_hpc.plan.steptime import StepTimeModel
     cfg = config.load(TINY, overrides=["train.pipeline_parallel=2", "train.virtual_pipeline_stages=2",
                                        "model.num_layers=4"])

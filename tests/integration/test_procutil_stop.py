@@ -15,7 +15,6 @@ import pytest
 from neon_hpc.util.procutil import StopFlag, stop_tree
 from repo_paths import REPO
 
-
 # the child starts a grandchild that ignores SIGTERM (and says so in a file if it gets one),
 # prints the grandchild's pid, then waits; on SIGTERM the child exits 0 (or ignores it too)
 CHILD = r"""

@@ -14,13 +14,25 @@ from pathlib import Path
 import pytest
 
 from neon_hpc.protocol import admission as rule
-from neon_hpc.protocol.records import (ClaimOwner, ClaimRecord, DroppedRecord, EngineRecord, Finished, JobRecord,
-                                       LeaseRecord, NodeBeat, Preempted, TrainerBeat, TrainerPhase, WorkerBeat,
-                                       iter_records, mark_finished)
+from neon_hpc.protocol.records import (
+    ClaimOwner,
+    ClaimRecord,
+    DroppedRecord,
+    EngineRecord,
+    Finished,
+    JobRecord,
+    LeaseRecord,
+    NodeBeat,
+    Preempted,
+    TrainerBeat,
+    TrainerPhase,
+    WorkerBeat,
+    iter_records,
+    mark_finished,
+)
 from neon_hpc.protocol.rundir import FILE_NAMES, LATEST, RUN_YAML, RunDir, RunDirError
 from pyscan import docstring_ids
 from repo_paths import REPO
-
 
 
 @pytest.fixture

@@ -24,9 +24,9 @@ from safetensors import safe_open
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.cli import main
 from neon_hpc.reshard.pipeline import ReshardError, build_tasks
-from reshard_fixtures import shared
 from neon_hpc.reshard.serial import materialize
 from repo_paths import REPO
+from reshard_fixtures import shared
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec")

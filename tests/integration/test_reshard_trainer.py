@@ -26,9 +26,9 @@ import pytest
 import torch
 import xxhash
 
-from neon_hpc.util.netutil import free_port
 from neon_hpc.reshard import convert
 from neon_hpc.reshard.pipeline import ReshardError
+from neon_hpc.util.netutil import free_port
 from repo_paths import REPO
 
 TOL = 1e-4
@@ -119,8 +119,8 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trainer_checkpoint_carries_hf_config_and_digests(trained):
-    from neon_hpc.config.model import ModelConfig
     from neon_hpc.checkpoint.configsource import hf_config_for_model
+    from neon_hpc.config.model import ModelConfig
     step = trained["step"]
     assert json.loads((step / "config.json").read_text()) == json.loads(json.dumps(hf_config_for_model(ModelConfig())))
     body = json.loads((step / "integrity.json").read_text())

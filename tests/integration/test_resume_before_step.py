@@ -14,10 +14,9 @@ import signal
 import numpy as np
 import pytest
 
-from neon_hpc.train import checkpoint as ckpt
 from neon_hpc.checkpoint.metadata import load_dcp_metadata
-from test_train_loop import (add_shards, beat, dataset, losses, new_run, reference, start,  # noqa: F401 (fixtures)
-                             wait_for, wait_ok, weights)
+from neon_hpc.train import checkpoint as ckpt
+from test_train_loop import add_shards, beat, dataset, losses, new_run, reference, start, wait_for, wait_ok, weights  # noqa: F401 (fixtures)
 
 
 @pytest.mark.slow

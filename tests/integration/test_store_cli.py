@@ -6,9 +6,9 @@ import sys
 
 import numpy as np
 
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.cli import main
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 from repo_paths import REPO
 

@@ -29,8 +29,8 @@ def _log(path, **rec):
 
 
 def writer_main(run, prefix, log_path, count, flush_every):
-    from neon_hpc.store import ShardWriter
     from neon_hpc.config.store import StoreConfig
+    from neon_hpc.store import ShardWriter
     from neon_hpc.store.synthetic import make_trajectory
     rng = np.random.default_rng(zlib.crc32(prefix.encode()))   # the same in every process (str hash() is salted)
     w = ShardWriter(run, "rollout-0" if prefix.startswith("r") else prefix,
@@ -148,8 +148,8 @@ def test_concurrent_consumers_take_every_trajectory_exactly_once(tmp_path, consu
 
 
 def test_consumer_sigkilled_mid_claim_resumes_without_loss_or_double_reads(tmp_path):
-    from neon_hpc.store import ShardWriter
     from neon_hpc.config.store import StoreConfig
+    from neon_hpc.store import ShardWriter
     from neon_hpc.store.synthetic import make_trajectory
     rng = np.random.default_rng(5)
     all_ids = [f"t-{i}" for i in range(48)]

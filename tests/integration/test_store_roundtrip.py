@@ -9,12 +9,10 @@ import time
 import h5py
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.store import ShardWriter, Trajectory, read_shard, ready_count, shard_summary
-from neon_hpc.store import schema as S
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.store import ShardWriter, Trajectory, read_shard, ready_count, schema as S, shard_summary
 from neon_hpc.store.synthetic import make_trajectory
 from neon_hpc.store.writer import tmp_name
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from ranks import run_ranks
 from repo_paths import REPO
-
 
 # documents (index -> length) and who holds what: doc 0 (16 tokens) in four chunks of 4
 LENGTHS = [16, 5, 7]
@@ -62,11 +62,11 @@ def _model_config(arch: str):
 
 
 def _worker(out: str, arch: str, slot: str = "mix") -> None:
-    from neon_hpc.models import megatron as mm
-    from neon_hpc.models.cp_attention import piece_map, build_piece_map
-    from neon_hpc.train.batch import block_causal_mask
-
     import torch.distributed as dist
+
+    from neon_hpc.models import megatron as mm
+    from neon_hpc.models.cp_attention import build_piece_map, piece_map
+    from neon_hpc.train.batch import block_causal_mask
     mm.init_parallel(tp=1, ep=1, pp=1, backend="gloo", seed=7)
     me = dist.get_rank()
     model = mm.build_gpt_model(_model_config(arch), seed=7)

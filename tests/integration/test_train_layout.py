@@ -29,10 +29,10 @@ import pytest
 import yaml
 
 from neon_hpc import config as C
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
-from test_train_loop import add_shards, start, wait_ok
+from neon_hpc.util.logs import read_metrics
 from repo_paths import REPO as ROOT
+from test_train_loop import add_shards, start, wait_ok
 
 KIMI = ROOT / "configs" / "kimi_k2_1300xh200.yaml"
 LAYERS, K, E, PER_STEP, STEPS = 3, 2, 4, 8, 3
@@ -122,18 +122,18 @@ def _model(arch: str):
     """(config file the run starts from, its model section): the tiny qwen3_moe with 3 layers, or
     the tiny DeepSeek-V3 of configs/tiny_dsv3_cpu.yaml (Kimi-K2's architecture: MLA, a dense first
     layer, then MoE layers with a shared expert; 3 layers)."""
-    from neon_hpc.config.model import ModelConfig
     from model_fixtures import TINY_DSV3_YAML, tiny_dsv3
+    from neon_hpc.config.model import ModelConfig
     if arch == "deepseek_v3":
         return TINY_DSV3_YAML, tiny_dsv3()
     return None, ModelConfig(num_layers=LAYERS)
 
 
 def _dataset(root: Path, arch: str):
-    from neon_hpc.models.hf import save_hf
     from model_fixtures import decisive_hf
-    from neon_hpc.store import ShardWriter
     from neon_hpc.config.store import StoreConfig
+    from neon_hpc.models.hf import save_hf
+    from neon_hpc.store import ShardWriter
 
     _, mcfg = _model(arch)
     assert mcfg.num_layers == LAYERS and mcfg.num_experts == E and mcfg.moe_router_topk == K

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from neon_hpc import config as C
+from neon_hpc.protocol.rundir import RunDir, read_json
 from neon_hpc.util.logs import read_metrics
 from neon_hpc.util.netutil import free_port
-from neon_hpc.protocol.rundir import RunDir, read_json
 
 STEPS, PER_STEP = 4, 8
 L, K, E = 2, 2, 4
@@ -50,9 +50,9 @@ def _trajectories(step: int, rng: np.random.Generator, layers: int = L):
 def dataset(tmp_path_factory):
     """Shard files per step (in claim order) and an HF folder of initial weights."""
     from neon_hpc.config.model import ModelConfig
+    from neon_hpc.config.store import StoreConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.store import ShardWriter
-    from neon_hpc.config.store import StoreConfig
 
     root = tmp_path_factory.mktemp("train_data")
     init = save_hf(build_hf_model(ModelConfig(), seed=11), ModelConfig(), root / "init_hf")

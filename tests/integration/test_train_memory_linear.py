@@ -20,6 +20,7 @@ import sys
 import textwrap
 
 import pytest
+
 from repo_paths import REPO
 
 pytestmark = pytest.mark.slow

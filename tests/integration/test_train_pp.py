@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.util.logs import read_metrics
-from test_train_loop import (add_shards, dataset, losses, new_run, reference, start,  # noqa: F401 (fixtures)
-                             wait_ok, weights)
+from test_train_loop import add_shards, dataset, losses, new_run, reference, start, wait_ok, weights  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 

@@ -56,8 +56,8 @@ def trajectories(cfg, seed: int, count: int = 6) -> list[Trajectory]:
 def run_steps(arch: str, steps: int, **setup_kw):
     """(per-step metrics, full fp32 state dict after the steps, backend precision)."""
     from neon_hpc.train import backend as B
-    from neon_hpc.train.loop import prepare_step, train_step
     from neon_hpc.train.corrections import bind
+    from neon_hpc.train.loop import prepare_step, train_step
     from neon_hpc.train.sections import TrainerSections
 
     cfg = C.load(CONFIGS[arch])
@@ -150,10 +150,9 @@ def test_recompute_replays_layout_and_routes(arch):
 
 def test_bf16_checkpoint_resumes_bit_exact_in_bf16_and_refuses_fp32(tmp_path):
     from neon_hpc.protocol.rundir import RunDir
-    from neon_hpc.train import backend as B
-    from neon_hpc.train import checkpoint as ckpt
-    from neon_hpc.train.loop import prepare_step, train_step
+    from neon_hpc.train import backend as B, checkpoint as ckpt
     from neon_hpc.train.corrections import bind
+    from neon_hpc.train.loop import prepare_step, train_step
     from neon_hpc.train.sections import TrainerSections
 
     cfg = C.load(CONFIGS["qwen3_moe"])

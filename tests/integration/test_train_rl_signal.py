@@ -56,10 +56,10 @@ def sample_step(model, version: int, rng_seed: int):
 @pytest.mark.slow
 def test_reward_rises_from_chance_to_twice_chance(tmp_path):
     from neon_hpc import config as C
+    from neon_hpc.config.store import StoreConfig
     from neon_hpc.models.hf import load_hf
     from neon_hpc.protocol.rundir import RunDir
     from neon_hpc.store import ShardWriter
-    from neon_hpc.config.store import StoreConfig
     from test_train_loop import start, wait_ok
 
     cfg = C.load(None, [f"train.steps={STEPS}", f"train.trajectories_per_step={PROMPTS * SAMPLES}",

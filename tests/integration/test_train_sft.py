@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.train.loss import sft_loss, sft_term_means
+from neon_hpc.util.logs import read_metrics
 from repo_paths import REPO
 
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -45,10 +45,10 @@ def _trainer(run_dir: Path, *sets: str, mode: str | None = None) -> subprocess.C
 @pytest.mark.slow
 def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     from neon_hpc import config
-    from neon_hpc.models.hf import read_hf_state_dict
-    from neon_hpc.models.tokenizer import load_tokenizer
     from neon_hpc.envs.xrd.demos import write_demos
     from neon_hpc.envs.xrd.science.tasks import load_tasks
+    from neon_hpc.models.hf import read_hf_state_dict
+    from neon_hpc.models.tokenizer import load_tokenizer
 
     cfg = config.load(CONFIG)
     write_demos(tmp_path / "demos", load_tasks("tiny", "train", 0, 8), load_tokenizer("xrd-tiny"), cfg.env, cfg.rollout,
@@ -82,9 +82,10 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
                                      ("warm_start.steps=0", "warm_start.steps"),
                                      ("eval.num_tasks=-1", "eval.num_tasks")])
 def test_config_check_refuses_bad_sft_warm_start_and_eval_keys(bad, key):
-    from neon_hpc.cli import main as neon_hpc
     import contextlib
     import io
+
+    from neon_hpc.cli import main as neon_hpc
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = neon_hpc(["config", "check", CONFIG, "--set", bad])

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from neon_hpc import config as C
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import read_metrics
 from test_train_loop import _trajectories as _loop_trajectories, add_shards, start, wait_ok, weights
 from test_train_pp import rewound_copy
 
@@ -43,9 +43,9 @@ def _trajectories(step: int, rng: np.random.Generator):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from neon_hpc.config.model import ModelConfig
+    from neon_hpc.config.store import StoreConfig
     from neon_hpc.models.hf import build_hf_model, save_hf
     from neon_hpc.store import ShardWriter
-    from neon_hpc.config.store import StoreConfig
 
     root = tmp_path_factory.mktemp("vpp_data")
     mcfg = ModelConfig(num_layers=LAYERS)

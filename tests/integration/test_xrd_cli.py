@@ -63,6 +63,7 @@ def test_xrd_never_imports_the_rollout_layer():
     import ast
     import subprocess
     from pathlib import Path
+
     import neon_hpc.envs.xrd.science
     pkg = Path(neon_hpc.envs.xrd.science.__file__).parent
     for f in sorted(pkg.glob("*.py")):

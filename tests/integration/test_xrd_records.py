@@ -155,6 +155,7 @@ def test_postgres_errors_name_the_server_and_the_fix(postgres):
 def test_xrd_tasks_cli_builds_a_task_set_into_postgres(postgres, tmp_path):
     import subprocess
     import sys
+
     from neon_hpc.envs.xrd.science.tasks import open_task_set
     dsn = postgres.create_db("taskset")
     out = tmp_path / "set"

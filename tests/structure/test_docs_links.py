@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+
 from repo_paths import REPO
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

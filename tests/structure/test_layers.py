@@ -40,6 +40,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
 from repo_paths import REPO
 
 LIB = REPO / "neon_hpc"

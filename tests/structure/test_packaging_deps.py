@@ -13,8 +13,8 @@ import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
-from repo_paths import REPO
 
+from repo_paths import REPO
 
 
 def _declared() -> set[str]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from repo_paths import REPO
 
 

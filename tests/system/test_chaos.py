@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from repo_paths import REPO
 
+from repo_paths import REPO
 
 
 @pytest.mark.slow

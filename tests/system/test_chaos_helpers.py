@@ -22,7 +22,6 @@ import pytest
 from neon_hpc.util.netutil import free_port
 from repo_paths import REPO
 
-
 PROG = r"""
 import json, os, sys, time
 from pathlib import Path

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from repo_paths import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

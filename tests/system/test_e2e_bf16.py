@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from neon_hpc.util.logs import read_metrics
-from neon_hpc.protocol.rundir import RunDir
 from mainjob import run_main_job
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -7,13 +7,12 @@ versions as in the qwen3 e2e."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from neon_hpc.util.logs import read_metrics
-from neon_hpc.protocol.rundir import RunDir
 from mainjob import run_main_job
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import read_metrics
 
 pytestmark = pytest.mark.slow
 # one step past what offpolicy.max_staleness (2) admits of version 0's trajectories: step 4 must train

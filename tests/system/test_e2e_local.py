@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from neon_hpc.config.launch import parse_cpus, split_cpus, trainer_threads
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
+from neon_hpc.util.logs import read_metrics
 from repo_paths import REPO
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neon_hpc.util.logs import read_metrics
 from neon_hpc.protocol.rundir import RunDir, read_json
+from neon_hpc.util.logs import read_metrics
 from repo_paths import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -19,11 +19,11 @@ import psutil
 import pytest
 
 from neon_hpc import config
-from neon_hpc.util.logs import RoleLogger, read_metrics
-from neon_hpc.util.netutil import free_port
+from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout.engines.fleet import Fleet, FleetError, node_addresses, resolve
 from neon_hpc.rollout.engines.sglang_launch import layout, render_commands
-from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import RoleLogger, read_metrics
+from neon_hpc.util.netutil import free_port
 from repo_paths import REPO
 
 NEON = [sys.executable, "-m", "neon_hpc.cli"]

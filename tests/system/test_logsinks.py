@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from neon_hpc.config.logging import LoggingConfig
 from neon_hpc.util import logsinks
 from neon_hpc.util.logs import RoleLogger, read_metrics
-from neon_hpc.config.logging import LoggingConfig
 from repo_paths import REPO
-
 
 
 def tb_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:

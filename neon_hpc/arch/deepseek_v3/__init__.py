@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neon_hpc.arch.base import Architecture, AttentionParams, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, AttentionParams, ShapeError, Shapes
 from neon_hpc.arch.deepseek_v3 import config as section, hfmap
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neon_hpc.arch.base import Architecture, Shapes, ShapeError
+from neon_hpc.arch.base import Architecture, ShapeError, Shapes
 from neon_hpc.arch.qwen3_moe import config as section, hfmap
 from neon_hpc.arch.rules import QKVShape
 

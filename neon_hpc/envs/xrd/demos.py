@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from neon_hpc.envs.xrd.env import XRDEnv
+from neon_hpc.envs.xrd.science import baseline
 from neon_hpc.rollout.agent.demos import Demo, render_demo, write_demo_shards
 from neon_hpc.rollout.agent.template import TAGS
-from neon_hpc.envs.xrd.science import baseline
 
 KINDS = ("solver", "wrong_minor", "rough_fraction")
 

@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from neon_hpc.util.bounded import clip_text, short_repr
 from neon_hpc.envs.xrd.answer import parse_phase_answer
-from neon_hpc.rollout.agent.parse import ToolCall
 from neon_hpc.envs.xrd.science.grader import grade
 from neon_hpc.envs.xrd.science.tasks import make_context
 from neon_hpc.envs.xrd.science.tools import call_tool, observed_peaks, refit, toolset
+from neon_hpc.rollout.agent.parse import ToolCall
+from neon_hpc.util.bounded import clip_text, short_repr
 
 ANSWER_FORMAT = ("Answer with <answer>PHASE FRACTION, PHASE FRACTION</answer>, naming each phase by its "
                  "library id (from search_phases) or as 'formula spacegroup', with weight fractions "

@@ -32,20 +32,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.util.constraints import errors
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.envs.base import ConfiguredEnv
+from neon_hpc.envs.xrd.config import XRDConfig
 from neon_hpc.envs.xrd.plugin import PLUGIN
+from neon_hpc.envs.xrd.report import markdown_table, summarize
+from neon_hpc.envs.xrd.science import evaluate
+from neon_hpc.envs.xrd.science.baseline import THRESHOLD_GRID
+from neon_hpc.envs.xrd.science.real import load_real_tasks
+from neon_hpc.envs.xrd.science.tasks import SPLITS, load_tasks
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.protocol.rundir import atomic_write_json, atomic_write_text
 from neon_hpc.rollout.agent.chat import ChatClient, ChatEpisode
 from neon_hpc.rollout.agent.group import as_environment, run_episode
-from neon_hpc.envs.xrd.report import markdown_table, summarize
-from neon_hpc.config.rollout import RolloutConfig
-from neon_hpc.envs.xrd.science import evaluate
-from neon_hpc.envs.xrd.science.baseline import THRESHOLD_GRID
-from neon_hpc.envs.xrd.config import XRDConfig
-from neon_hpc.envs.xrd.science.real import load_real_tasks
-from neon_hpc.envs.xrd.science.tasks import SPLITS, load_tasks
+from neon_hpc.util.constraints import errors
 
 PROTOCOLS = ("fixed", "loo", "fit-on-train")
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import openai
 
+from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.util.httpretry import RetryPolicy, is_transient
-from neon_hpc.rollout.agent.parse import Answer, Malformed, ToolCall, parse_action, too_long
 
 FORMAT_HINT = ("Call a tool as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> (one per "
                "message) and give the final answer as <answer>...</answer>.")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from neon_hpc.util.bounded import short_repr
 from neon_hpc.rollout.agent.template import TAGS
+from neon_hpc.util.bounded import short_repr
 
 # a tool call longer than this is refused before it is parsed: a model (or an attacker
 # writing into its context) must not make the agent walk a 10 MB JSON object

@@ -20,6 +20,7 @@ def _sglang_cmd(argv: list[str]) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     a = p.parse_args(argv)
     from neon_hpc import config  # deferred: heavy (neon_hpc.config: h5py, numpy)
+
     # deferred: heavy (neon_hpc.rollout.engines.sglang_launch: pydantic)
     from neon_hpc.rollout.engines.sglang_launch import endpoint_urls, format_commands, render_commands
     cfg = config.load(a.config, a.set)

@@ -28,10 +28,9 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from neon_hpc.rollout.engines import wire
 from neon_hpc.util.bounded import MESSAGE_CAP, clip_text
 from neon_hpc.util.httpretry import retryable_status
-from neon_hpc.rollout.engines import wire
-
 
 _POOL: tuple[int, httpx.Client] | None = None     # (pid, client): sockets never cross a fork
 _POOL_LOCK = threading.Lock()

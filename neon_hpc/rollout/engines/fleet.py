@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Callable
 
 from neon_hpc.config.cross import is_loopback
-from neon_hpc.util.logs import last_lines
-from neon_hpc.util.procutil import child_setup, stop_tree
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.groups import EngineStartError
 from neon_hpc.rollout.engines.sglang_launch import engine_port, format_commands, layout, render_commands
+from neon_hpc.util.logs import last_lines
+from neon_hpc.util.procutil import child_setup, stop_tree
 
 
 class FleetError(EngineStartError):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import shlex
 
-from neon_hpc.config.rollout import layout   # placement is a function of the config (config check uses it)
+from neon_hpc.config.rollout import layout  # placement is a function of the config (config check uses it)
 
 BOOTSTRAP_PORT = 8998
 DIST_INIT_PORT = 20000

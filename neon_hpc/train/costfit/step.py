@@ -51,9 +51,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from neon_hpc.util.netutil import free_port
-from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
 from neon_hpc.train.corrections import bind
+from neon_hpc.train.heap import PeakMemory, mmap_large_allocations
+from neon_hpc.util.netutil import free_port
 
 
 @dataclass
@@ -93,6 +93,7 @@ class TrainerStepRunner:
 
     def __init__(self, cfg: Any, clock: str = "cpu", threads: int = 1, seed: int = 0) -> None:
         import torch  # deferred: heavy (torch)
+
         from neon_hpc.train import backend as B  # deferred: heavy (neon_hpc.train.backend: torch, pydantic)
         from neon_hpc.train.loop import _select_device, dist_env  # deferred: heavy (neon_hpc.train.loop: torch, h5py)
 
@@ -217,6 +218,7 @@ class TrainerStepRunner:
         back to the device too: the memory measurement's process runs after this one's)."""
 
         import torch  # deferred: heavy (torch)
+
         from neon_hpc.train import backend as B  # deferred: heavy (neon_hpc.train.backend: torch, pydantic)
         B.teardown()
         self.be = None

@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from neon_hpc.balance import CostModel, attention_flops, flops_breakdown
-from neon_hpc.train.costfit.standin import build_model
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.train.costfit.standin import build_model
 
 KIMI = dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,
             num_attention_heads=64, num_query_groups=64, head_dim=128, ffn_hidden_size=18432,

@@ -1,10 +1,9 @@
 """Property tests on random length distributions (hypothesis)."""
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from neon_hpc.balance import CostModel, check_assignment, assign_step
+from neon_hpc.balance import CostModel, assign_step, check_assignment
 from neon_hpc.balance.methods import REFINE_TOLERANCE
 
 COSTS = [CostModel(a=1.9e11, b=3.75e6),        # Kimi-K2 class: crossover at ~51k tokens

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from neon_hpc import config
 from neon_hpc.cli import main as cli_main
 from repo_paths import REPO
-
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu.yaml", "kimi_k2_1300xh200.yaml"])

@@ -8,17 +8,16 @@ can state (one phase, or two at near-equal fractions) grade success 1; the imper
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from neon_hpc import config
-from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.envs.xrd.demos import demo_kinds, make_demos, write_demos
-from neon_hpc.rollout.agent.episode import Episode
 from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.envs.xrd.science.grader import TOL
 from neon_hpc.envs.xrd.science.tasks import load_tasks
+from neon_hpc.models.tokenizer import load_tokenizer
+from neon_hpc.rollout.agent.episode import Episode
 from repo_paths import REPO
 
 TOK = load_tokenizer("xrd-tiny")

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
-from neon_hpc.rollout.agent.chat import ChatEpisode
-from neon_hpc.rollout.agent.parse import MAX_TOOL_CALL_CHARS, Malformed, ToolCall, parse_action, parse_tool_call
 from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.envs.xrd.science.tasks import build_record_db, load_tasks, make_context
 from neon_hpc.envs.xrd.science.tools import MAX_ARGUMENTS, call_tool
+from neon_hpc.rollout.agent.chat import ChatEpisode
+from neon_hpc.rollout.agent.parse import MAX_TOOL_CALL_CHARS, Malformed, ToolCall, parse_action, parse_tool_call
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 
 BIG_NAME = "x" * (10 << 20)
 MILLION = {f"k{i}": i for i in range(1_000_000)}

@@ -11,8 +11,8 @@ import json
 import jsonschema
 import pytest
 
-from neon_hpc.util.bounded import MESSAGE_CAP
 from neon_hpc.envs.xrd.science.tools import TOOLS, ToolSpec, call_tool
+from neon_hpc.util.bounded import MESSAGE_CAP
 
 # keywords the earlier hand-written subset ignored (pattern, exclusiveMinimum, uniqueItems, const,
 # minLength, minProperties) or crashed on (a list of types, "null"), inside nested array items

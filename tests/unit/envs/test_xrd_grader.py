@@ -53,7 +53,9 @@ def test_formula_alone_cannot_pick_a_polymorph_but_formula_truth_takes_any():
 
 def test_isostructural_copies_within_the_strain_window_are_one_phase():
     import dataclasses
+
     import numpy as np
+
     from neon_hpc.envs.xrd.science.library import Library, load_library
     base = load_library()
     rutile = base.get("cur:TiO2_rutile")

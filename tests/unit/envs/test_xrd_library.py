@@ -2,8 +2,14 @@
 import numpy as np
 import pytest
 
-from neon_hpc.envs.xrd.science.library import (ELEMENT_SYMBOLS, NOBLE_GASES, junk_reason, load_library,
-                                               normalize_formula, parse_formula)
+from neon_hpc.envs.xrd.science.library import (
+    ELEMENT_SYMBOLS,
+    NOBLE_GASES,
+    junk_reason,
+    load_library,
+    normalize_formula,
+    parse_formula,
+)
 
 # formula, space-group number, known X-ray density (g/cm3) of every phase in shared/data/xrd-real
 REAL_PHASES = [("Li2CO3", 15, 2.10), ("ZrO2", 14, 5.82), ("NiO", 225, 6.81), ("La(OH)3", 176, 4.45),

@@ -5,8 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from neon_hpc.envs.xrd.science import absorption as ab
-from neon_hpc.envs.xrd.science import quant
+from neon_hpc.envs.xrd.science import absorption as ab, quant
 from neon_hpc.envs.xrd.science.library import load_library
 from repo_paths import REPO
 
@@ -220,8 +219,7 @@ class _QuantTrace:
 
 
 def test_loo_never_chooses_the_radius_or_the_se_on_the_held_out_mixture(monkeypatch):
-    from neon_hpc.envs.xrd.science import baseline
-    from neon_hpc.envs.xrd.science import evaluate as ev
+    from neon_hpc.envs.xrd.science import baseline, evaluate as ev
     from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
              and all(0.2 < w < 0.8 for _, _, w in t.truth)][:4]
@@ -333,8 +331,7 @@ class _TwoStageTrace:
 
 
 def test_loo_thresholds_are_fitted_on_identification_not_on_the_quantification_model():
-    from neon_hpc.envs.xrd.science import baseline
-    from neon_hpc.envs.xrd.science import evaluate as ev
+    from neon_hpc.envs.xrd.science import baseline, evaluate as ev
     from neon_hpc.envs.xrd.science.tasks import load_tasks
     tasks = [t for t in load_tasks("easy", "test_id", n=20) if len(t.truth) == 2
              and all(0.2 < w < 0.8 for _, _, w in t.truth)][:3]

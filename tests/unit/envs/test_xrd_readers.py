@@ -2,8 +2,14 @@
 import numpy as np
 import pytest
 
-from neon_hpc.envs.xrd.science.readers import (PatternFormatError, read_pattern, read_xrdml, read_xy, to_uniform,
-                                               write_xy)
+from neon_hpc.envs.xrd.science.readers import (
+    PatternFormatError,
+    read_pattern,
+    read_xrdml,
+    read_xy,
+    to_uniform,
+    write_xy,
+)
 from neon_hpc.envs.xrd.science.real import parse_mixture_name, parse_reaction_name, real_data_dir
 
 XRDML = """<?xml version="1.0"?>

@@ -5,9 +5,19 @@ import numpy as np
 import pytest
 
 from neon_hpc.envs.xrd.science.library import load_library
-from neon_hpc.envs.xrd.science.simulate import (CU_KA1, CU_KA2, CU_KA_AVG, Instrument, Microstructure,
-                                                compute_reflections, phase_pattern, phase_reflections, render_peaks,
-                                                stick_pattern, two_theta_of)
+from neon_hpc.envs.xrd.science.simulate import (
+    CU_KA1,
+    CU_KA2,
+    CU_KA_AVG,
+    Instrument,
+    Microstructure,
+    compute_reflections,
+    phase_pattern,
+    phase_reflections,
+    render_peaks,
+    stick_pattern,
+    two_theta_of,
+)
 
 # every real-data phase, plus AFLOW structures of other lattice systems / heavy and light atoms
 VALIDATION_IDS = [

@@ -4,8 +4,17 @@ import json
 import numpy as np
 import pytest
 
-from neon_hpc.envs.xrd.science.tasks import (PRESETS, TRAIN_DATES, build_record_db, is_held_out, load_tasks,
-                                             make_context, open_task_set, read_tasks, write_tasks)
+from neon_hpc.envs.xrd.science.tasks import (
+    PRESETS,
+    TRAIN_DATES,
+    build_record_db,
+    is_held_out,
+    load_tasks,
+    make_context,
+    open_task_set,
+    read_tasks,
+    write_tasks,
+)
 
 
 def test_tasks_are_deterministic_from_the_seed():

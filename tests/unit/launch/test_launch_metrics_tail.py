@@ -9,10 +9,9 @@ import os
 
 from neon_hpc import config
 from neon_hpc.launch.local import LocalRun
-from neon_hpc.util.logs import MetricsTail, RoleLogger, metrics_path
 from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.util.logs import MetricsTail, RoleLogger, metrics_path
 from repo_paths import REPO
-
 
 
 def _line(step: int) -> bytes:

@@ -5,7 +5,7 @@ import string
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from neon_hpc.models.tokenizer import (FILE_NAME, Tokenizer, TokenizerError, load_tokenizer)
+from neon_hpc.models.tokenizer import FILE_NAME, Tokenizer, TokenizerError, load_tokenizer
 
 
 def test_vocabulary_fits_the_tiny_model_and_names_its_specials():

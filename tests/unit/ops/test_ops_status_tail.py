@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from neon_hpc.util.logs import RoleLogger
 from neon_hpc.ops import status as st
 from neon_hpc.ops.plot import plot_run
 from neon_hpc.ops.tail import tail
 from neon_hpc.protocol.rundir import RunDir, atomic_write_json
+from neon_hpc.util.logs import RoleLogger
 
 
 def _fake_run(tmp_path: Path) -> RunDir:

@@ -214,6 +214,7 @@ def test_a_pause_delays_only_the_decode_share_of_an_episode():
     tool_i) later. Over 40 steps the wall grows by exactly that sum (episodes 1..39; episode 0
     runs before the first publish)."""
     import numpy as np
+
     from neon_hpc.plan.workload import sample_episodes
     base = constant(slot_mode="episode", rollout_slots=1, trajectories_per_step=1, fixed_step_s=1.0, steps=40,
                     max_turns=2, turns_median=2.0, tool_latency_s=10.0, weight_load_s=4.0, pause_on_load=True)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.arch import RouteRowsError, get as get_architecture
 from neon_hpc.config.model import ModelConfig
-from model_fixtures import decisive_hf, tiny_dsv3
 from neon_hpc.store import Trajectory
 
 CFG = tiny_dsv3()
@@ -34,7 +34,7 @@ def trainer():
 def routing_maps(be, mb, replay: bool):
     """Replayed (or free) forward the way the trainer runs it: no dense mask, the micro-batch's
     piece map active (per-document causal attention by true position)."""
-    from neon_hpc.models.cp_attention import piece_map, build_piece_map
+    from neon_hpc.models.cp_attention import build_piece_map, piece_map
     from neon_hpc.train.backend import forward_logp
     maps = []
     hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().clone()))

@@ -28,6 +28,7 @@ LAYERS, TOPK = 2, 2
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     import shutil
+
     from test_agent_episode import tiny_weights
     root = tmp_path_factory.mktemp("weights")
     shutil.copytree(tiny_weights(3), root / "v_0")        # the engine reads the version from v_N

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from neon_hpc.reshard.slabs import MappingError, ModelSpec, Op, apply_op
 from neon_hpc.checkpoint.metadata import Checkpoint, CheckpointError, Chunk, TensorMeta, read_checkpoint
+from neon_hpc.reshard.slabs import MappingError, ModelSpec, Op, apply_op
 from neon_hpc.reshard.tasks import make_tasks
 
 SPEC = ModelSpec("qwen3_moe", vocab_size=250, num_attention_heads=4, num_key_value_heads=2, head_dim=2)
@@ -156,8 +156,9 @@ def test_unknown_architecture_is_named():
 def _shapes_of(cfg) -> Checkpoint:
     """The torch_dist keys and shapes (no data) of ``cfg``'s model: per-layer keys, experts on an axis."""
     import re
-    from neon_hpc.models import convert
+
     from model_fixtures import decisive_hf
+    from neon_hpc.models import convert
     metas = {}
     for k, v in convert.hf_to_megatron(decisive_hf(cfg, 0).state_dict(), cfg).items():
         if (m := re.match(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.\d+\.(.+)", k)):
@@ -173,9 +174,10 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
     """``--allow-guessed-config`` and the trainer's config.json describe an architecture once
     (its folder's hfmap.py): on the fields shapes can tell they agree, and the config passes the shape check."""
     from dataclasses import replace
+
+    from model_fixtures import tiny_dsv3
     from neon_hpc import arch
     from neon_hpc.config.model import ModelConfig
-    from model_fixtures import tiny_dsv3
     from neon_hpc.reshard import hfconfig
     cfg = {"qwen3_moe": ModelConfig(), "deepseek_v3": tiny_dsv3(),
            "deepseek_v3_no_q_lora": replace(tiny_dsv3(), q_lora_rank=0)}[which]
@@ -188,8 +190,8 @@ def test_config_derived_from_shapes_is_the_trainers_on_every_field_it_does_not_g
 
 
 def test_kimi_k2_is_accepted_as_deepseek_v3_everywhere_an_arch_is_named():
-    from neon_hpc.reshard.slabs import canonical_arch
     from neon_hpc.reshard.cli import parse_args
+    from neon_hpc.reshard.slabs import canonical_arch
     assert canonical_arch("kimi_k2") == "deepseek_v3"
     assert ModelSpec.from_hf_config({"model_type": "qwen3_moe"}, arch="kimi_k2").arch == "deepseek_v3"
     assert parse_args(["--src", "x", "--dry-run", "--arch", "kimi_k2"]).arch == "kimi_k2"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.rollout.agent import run_episode, run_group
 from neon_hpc.rollout.agent.template import ChatTemplate
-from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.rollout.engines.client import EngineClient
 from neon_hpc.rollout.engines.embedded import start_server
 from test_agent_episode import ToyEnv, tiny_weights

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.models.tokenizer import load_tokenizer
 from neon_hpc.rollout.agent import ToolCall, run_episode, run_group
-from neon_hpc.config.rollout import RolloutConfig
 from test_replay_cache import oracle
 
 TOK = load_tokenizer()

@@ -5,12 +5,12 @@ template with a tool role), saved and loaded through ``load_tokenizer(dir)``.
 import string
 
 import pytest
-from test_agent_episode import Result, ToyEnv
 
+from neon_hpc.config.rollout import RolloutConfig
 from neon_hpc.models.tokenizer import HFTokenizer, load_tokenizer
 from neon_hpc.rollout.agent import run_episode
 from neon_hpc.rollout.agent.template import HFChatTemplate, TemplateError, make_template
-from neon_hpc.config.rollout import RolloutConfig
+from test_agent_episode import Result, ToyEnv
 
 CHATML = ("{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
           "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"

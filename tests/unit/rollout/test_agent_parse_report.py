@@ -1,8 +1,8 @@
 """Parsing model outputs, and the evaluation report's arithmetic."""
 import pytest
 
-from neon_hpc.rollout.agent import Answer, Malformed, Nothing, ToolCall, parse_action
 from neon_hpc.envs.xrd.report import markdown_table, summarize, wilson_interval
+from neon_hpc.rollout.agent import Answer, Malformed, Nothing, ToolCall, parse_action
 
 
 def test_json_and_compact_tool_calls():

@@ -15,10 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from neon_hpc.rollout.agent.chat import STOP, ChatClient, ChatEpisode, ChatError
-from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.config.rollout import RolloutConfig
+from neon_hpc.envs.xrd.env import XRDEnv
 from neon_hpc.envs.xrd.science.tasks import load_tasks
+from neon_hpc.rollout.agent.chat import STOP, ChatClient, ChatEpisode, ChatError
 
 CFG = RolloutConfig(max_turns=3, max_new_tokens=200, max_total_tokens=20000, temperature=0.0)
 ANSWER = "NiO 100"

@@ -13,8 +13,7 @@ import json
 import time
 
 import pytest
-from hypothesis import HealthCheck, event, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from neon_hpc.rollout.engines.embedded import Scheduler, start_server
 from test_engine_embedded import weights  # noqa: F401  (fixture)

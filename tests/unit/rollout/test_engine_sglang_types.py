@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_wire import RecordingServer
 from neon_hpc.rollout.engines.client import EngineClient
 from repo_paths import REPO
+from sglang_wire import RecordingServer
 
 SGLANG_VERSION = "0.5.23"
 WHEELS = REPO / ".cache" / "wheels"

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from neon_hpc.envs.digits.plugin import DigitsEnv, DigitsTask
-from neon_hpc.protocol.journal import (JournalCorrupt, JournalRecord, read_meta, read_record,
-                                       write_record)
+from neon_hpc.protocol.journal import JournalCorrupt, JournalRecord, read_meta, read_record, write_record
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.rollout import journal as jr
 from neon_hpc.rollout.agent.episode import Episode, EpisodeStopped

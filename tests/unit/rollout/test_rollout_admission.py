@@ -9,9 +9,9 @@ import time
 import pytest
 
 from neon_hpc import config
+from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 from neon_hpc.rollout import worker
 from neon_hpc.rollout.sections import WorkerSections
-from neon_hpc.protocol.rundir import RunDir, atomic_write_json
 
 TINY = "configs/tiny_cpu.yaml"
 

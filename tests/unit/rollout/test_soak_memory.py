@@ -14,8 +14,8 @@ import weakref
 
 import pytest
 
-from neon_hpc.models import hf
 from neon_hpc.config.model import ModelConfig
+from neon_hpc.models import hf
 from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.scheduler import Scheduler

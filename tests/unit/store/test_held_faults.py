@@ -4,9 +4,9 @@ shards are still trained (the corrupt and truncated cases: ``test_store_corrupt.
 
 import numpy as np
 
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.store import ShardWriter, claim_step, ready_count
 from neon_hpc.store.claim import REASON_SUFFIX
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.synthetic import make_trajectory
 
 

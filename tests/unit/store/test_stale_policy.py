@@ -9,10 +9,10 @@ import math
 import numpy as np
 import torch
 
+from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import ShardWriter, claim_step
 from neon_hpc.store.claim import CLAIM_FILE
-from neon_hpc.config.store import StoreConfig
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.train.corrections import bind
 from neon_hpc.train.loss import group_advantages, policy_loss, version_span_histogram

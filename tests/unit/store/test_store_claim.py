@@ -10,11 +10,18 @@ import zlib
 import numpy as np
 import pytest
 
-from neon_hpc.protocol.rundir import RunDir, atomic_write_json
-from neon_hpc.store import (ClaimConflict, ClaimTimeout, ShardWriter, claim_step, claimed_steps, ready_count,
-                            staleness_stats)
-from neon_hpc.store.claim import CLAIM_FILE, DROPPED_FILE, OWNER_FILE
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.protocol.rundir import RunDir, atomic_write_json
+from neon_hpc.store import (
+    ClaimConflict,
+    ClaimTimeout,
+    ShardWriter,
+    claim_step,
+    claimed_steps,
+    ready_count,
+    staleness_stats,
+)
+from neon_hpc.store.claim import CLAIM_FILE, DROPPED_FILE, OWNER_FILE
 from neon_hpc.store.synthetic import make_trajectory
 from neon_hpc.train.offpolicy import StalePolicy
 

@@ -9,8 +9,8 @@ import pytest
 
 from neon_hpc import config
 from neon_hpc.config import ConfigError
-from neon_hpc.store import STORES, ClaimTimeout, StoreConfig, TrajectoryStore, open_store
 from neon_hpc.config.store import StoreKind
+from neon_hpc.store import STORES, ClaimTimeout, StoreConfig, TrajectoryStore, open_store
 from neon_hpc.store.synthetic import make_trajectory
 
 

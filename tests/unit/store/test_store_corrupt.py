@@ -6,10 +6,9 @@ import h5py
 import numpy as np
 import pytest
 
-from neon_hpc.store import ShardError, ShardWriter, claim_step, read_shard, ready_count
-from neon_hpc.store import schema as S
-from neon_hpc.store.claim import REASON_SUFFIX
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.store import ShardError, ShardWriter, claim_step, read_shard, ready_count, schema as S
+from neon_hpc.store.claim import REASON_SUFFIX
 from neon_hpc.store.synthetic import make_trajectory
 
 

@@ -16,11 +16,10 @@ import zlib
 import numpy as np
 import pytest
 
-from neon_hpc.protocol.rundir import RunDir
-from neon_hpc.store import ShardWriter, claim_step
-from neon_hpc.store import claim as claim_mod
-from neon_hpc.store.claim import CLAIM_FILE
 from neon_hpc.config.store import StoreConfig
+from neon_hpc.protocol.rundir import RunDir
+from neon_hpc.store import ShardWriter, claim as claim_mod, claim_step
+from neon_hpc.store.claim import CLAIM_FILE
 from neon_hpc.store.synthetic import make_trajectory
 
 CFG = StoreConfig(fsync=False)
@@ -105,8 +104,8 @@ def test_the_window_is_uid_window_steps(tmp_path):
 
 
 def test_status_shows_the_duplicates_the_trainer_reported(tmp_path):
-    from neon_hpc.util.logs import RoleLogger
     from neon_hpc.ops.status import collect, render
+    from neon_hpc.util.logs import RoleLogger
     run = RunDir(tmp_path / "run").create()
     log = RoleLogger.open(run.root, "trainer", 0, echo=False)
     log.metrics(step=1, tokens=10, duplicates_skipped=3)

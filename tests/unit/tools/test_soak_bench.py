@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+
 from repo_paths import REPO
 
 sys.path.insert(0, str(REPO / "tools"))

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from neon_hpc.store import Trajectory
-from neon_hpc.train.batch import (block_causal_mask, build_microbatch, check_routes, input_lengths,
-                                  replay_tensors)
+from neon_hpc.train.batch import block_causal_mask, build_microbatch, check_routes, input_lengths, replay_tensors
 
 L, K, E = 2, 2, 4
 

@@ -23,9 +23,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from repo_paths import REPO
 
 from neon_hpc.config.model import ModelConfig
+from repo_paths import REPO
 
 CFG = ModelConfig(arch="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=8, num_attention_heads=16,
                   num_query_groups=4, head_dim=8, ffn_hidden_size=128, moe_ffn_hidden_size=32,
@@ -196,6 +196,7 @@ def test_grad_norm_ops_are_fewer_than_grads():
     ``detach`` each (issue 40, ``ops_over_reference``: the per-grad ``detach`` was 49 of the
     bench's 1153 trainer ops at 2x512)."""
     import torch.distributed as dist
+
     from neon_hpc.train.census import census
     from neon_hpc.train.optimizer_shim import grad_norm_fp32
     grads = [torch.randn(3, 2) for _ in range(40)]

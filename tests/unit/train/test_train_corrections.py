@@ -4,12 +4,10 @@ real trainer steps with the user's correction."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from neon_hpc import config as C
-from neon_hpc import config_cli
+from neon_hpc import config as C, config_cli
 from neon_hpc.train import corrections
 from neon_hpc.train.corrections import CorrectionError, bind
 from repo_paths import REPO
@@ -80,11 +78,11 @@ def test_config_check_imports_and_validates_the_correction(overrides, words):
 def test_trains_with_a_user_correction_exactly_as_with_the_same_builtin():
     """Two real trainer steps with the fixture's correction give the losses of ``tis`` with the same cap,
     and the step's metrics carry the fixture's declared names."""
-    from test_train_precision import trajectories
     from neon_hpc.train import backend as B
     from neon_hpc.train.loop import prepare_step, train_step
     from neon_hpc.train.loss import loss_settings
     from neon_hpc.train.sections import TrainerSections
+    from test_train_precision import trajectories
 
     def run(overrides):
         cfg = C.load(TINY, overrides)

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+
 from repo_paths import REPO
 
 # the repository root, whichever tier folder this file is in

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from repo_paths import REPO
 
 # the repository root, whichever tier folder this file is in

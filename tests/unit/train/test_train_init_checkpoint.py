@@ -11,7 +11,6 @@ from neon_hpc.train.backend import init_checkpoint_kind
 from repo_paths import REPO
 
 
-
 def test_metadata_decides_before_config_json(tmp_path):
     both = tmp_path / "step_3"
     both.mkdir()

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from neon_hpc.train.corrections import bind
-from neon_hpc.train.loss import (CORRECTION_PREFIX, group_advantages, policy_loss, staleness_histogram,
-                                 staleness_stats, term_means)
+from neon_hpc.train.loss import (
+    CORRECTION_PREFIX,
+    group_advantages,
+    policy_loss,
+    staleness_histogram,
+    staleness_stats,
+    term_means,
+)
 
 
 def test_group_advantages_two_groups():

@@ -21,6 +21,7 @@ from neon_hpc.train.census import census
 @pytest.fixture
 def gloo():
     import torch.distributed as dist
+
     from neon_hpc.util.netutil import free_port
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

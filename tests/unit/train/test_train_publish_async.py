@@ -113,7 +113,6 @@ def test_the_snapshot_is_a_copy_not_the_live_parameters():
     parameters themselves)."""
     from neon_hpc import config as C
     from neon_hpc.train import backend as B
-
     from repo_paths import REPO as repo
     cfg = C.load(repo / "configs" / "tiny_cpu.yaml")
     be = B.setup(cfg.model, lr=1e-3, seed=3)

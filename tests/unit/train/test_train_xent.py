@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+
 from repo_paths import REPO
 
 # the repository root, whichever tier folder this file is in
@@ -124,6 +125,7 @@ def test_no_tensor_holds_every_positions_logits():
     """With nothing kept (past the budget), forward and backward of the chunked CE never make a
     tensor of ``S x V`` elements, and the graph keeps no logits at all."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
     from neon_hpc.train.xent import ChunkedVocabParallelCE
 
     s, hdim, v, rows = 64, 16, 50, 8

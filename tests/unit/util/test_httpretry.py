@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from neon_hpc import replay
-from neon_hpc.util.httpretry import RetryPolicy, is_transient, retryable_status
 from neon_hpc.rollout.agent import chat
 from neon_hpc.rollout.engines.client import EngineClient, EngineError
+from neon_hpc.util.httpretry import RetryPolicy, is_transient, retryable_status
 
 
 def closed_port() -> int:

@@ -135,8 +135,14 @@ def _eval_loo(args, progress) -> int:
               "and --solver baseline (the solver whose thresholds it fits)", file=sys.stderr)
         return 2
     # deferred: heavy (neon_hpc.envs.xrd.science.evaluate, neon_hpc.envs.xrd.science.real: numpy, jsonschema)
-    from neon_hpc.envs.xrd.science.evaluate import (detection_limits_by_scan, evaluate_loo, loo_quant_summary,
-                                                    moved_by_mixture, scan_of, strict_lines)
+    from neon_hpc.envs.xrd.science.evaluate import (
+        detection_limits_by_scan,
+        evaluate_loo,
+        loo_quant_summary,
+        moved_by_mixture,
+        scan_of,
+        strict_lines,
+    )
     from neon_hpc.envs.xrd.science.real import load_real_tasks
     tasks = load_real_tasks("precursor_mixture", scan=args.scan, data_dir=args.data, measured=args.measured)
     rep, folds = evaluate_loo(tasks, strict=args.strict, progress=progress)

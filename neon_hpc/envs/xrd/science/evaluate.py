@@ -8,14 +8,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from neon_hpc.util.progress import bar
-from neon_hpc.envs.xrd.science import baseline       # baseline.trace looked up per call: tests replace it
+from neon_hpc.envs.xrd.science import baseline  # baseline.trace looked up per call: tests replace it
 from neon_hpc.envs.xrd.science.baseline import THRESHOLD_GRID, solve
 from neon_hpc.envs.xrd.science.grader import MAJOR, STRICT_TOL, grade, phase_key
 from neon_hpc.envs.xrd.science.library import load_library
 from neon_hpc.envs.xrd.science.quant import SE_K, QuantModel, calibrate_se, choose_radius, coverage
 from neon_hpc.envs.xrd.science.records import RecordDB
 from neon_hpc.envs.xrd.science.tasks import Task, build_record_db, load_tasks, make_context
+from neon_hpc.util.progress import bar
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

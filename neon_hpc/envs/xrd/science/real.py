@@ -19,7 +19,6 @@ import os
 import re
 from pathlib import Path
 
-
 from neon_hpc.envs.xrd.science.library import parse_formula
 from neon_hpc.envs.xrd.science.readers import read_xrdml
 from neon_hpc.envs.xrd.science.tasks import Pattern, Task

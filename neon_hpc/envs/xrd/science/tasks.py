@@ -34,12 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from neon_hpc.util.progress import bar
 from neon_hpc.envs.xrd.science.library import Library, load_library
-from neon_hpc.envs.xrd.science.simulate import (Instrument, Microstructure, background, phase_pattern,
-                                                phase_reflections, poisson_counts)
 from neon_hpc.envs.xrd.science.records import RecordDB, chemical_system, is_postgres, redact_dsn
+from neon_hpc.envs.xrd.science.simulate import (
+    Instrument,
+    Microstructure,
+    background,
+    phase_pattern,
+    phase_reflections,
+    poisson_counts,
+)
 from neon_hpc.envs.xrd.science.tools import TaskContext
+from neon_hpc.util.progress import bar
 
 SPLITS = ("train", "test_id", "test_ood", "test_temporal")
 TRAIN_DATES = ("2016-01-01", "2023-12-31")

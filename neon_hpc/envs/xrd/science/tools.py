@@ -24,13 +24,13 @@ from typing import Any, Callable
 import jsonschema
 import numpy as np
 
-from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.envs.xrd.science.fitting import DETECTION_Z_MIN, Fitter, detection_stats
 from neon_hpc.envs.xrd.science.library import ELEMENT_SYMBOLS, Library, load_library, normalize_formula
 from neon_hpc.envs.xrd.science.plot import plot_fit
 from neon_hpc.envs.xrd.science.quant import default_model, quantify, report
-from neon_hpc.envs.xrd.science.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
 from neon_hpc.envs.xrd.science.records import DatedView, RecordDB
+from neon_hpc.envs.xrd.science.simulate import Instrument, lorentz_polarization, phase_reflections, two_theta_of
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 
 MAX_FIT_PHASES = 6
 # what one call may carry, checked before its arguments are validated: a million-key object

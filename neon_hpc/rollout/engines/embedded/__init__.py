@@ -30,12 +30,22 @@ layout), ``sampler`` (a request's sampling parameters, normalised at admission),
 ``launcher`` (start/stop, the CLI; ``python -m neon_hpc.rollout.engines.embedded``).
 """
 
-from neon_hpc.rollout.engines.embedded.model import LoadedModel, version_from_path
-from neon_hpc.rollout.engines.embedded.scheduler import (PAUSE_MODES, REQUEST_TIME_BUDGET_S, Scheduler,
-                                                         weight_version_meta)
-from neon_hpc.rollout.engines.embedded.server import (MAX_BODY_BYTES, EngineServer, HTTPRefusal, admit,
-                                                      context_length, serve)
 from neon_hpc.rollout.engines.embedded.launcher import ServerHandle, main, start_server
+from neon_hpc.rollout.engines.embedded.model import LoadedModel, version_from_path
+from neon_hpc.rollout.engines.embedded.scheduler import (
+    PAUSE_MODES,
+    REQUEST_TIME_BUDGET_S,
+    Scheduler,
+    weight_version_meta,
+)
+from neon_hpc.rollout.engines.embedded.server import (
+    MAX_BODY_BYTES,
+    EngineServer,
+    HTTPRefusal,
+    admit,
+    context_length,
+    serve,
+)
 
 __all__ = ["LoadedModel", "version_from_path", "PAUSE_MODES", "REQUEST_TIME_BUDGET_S", "Scheduler",
            "weight_version_meta", "MAX_BODY_BYTES", "EngineServer", "HTTPRefusal", "admit", "context_length",

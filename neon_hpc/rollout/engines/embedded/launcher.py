@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from neon_hpc.util.procutil import StopFlag, child_setup, stop_tree
 from neon_hpc.rollout.engines.embedded.scheduler import REQUEST_TIME_BUDGET_S
 from neon_hpc.rollout.engines.embedded.server import EngineServer, serve
+from neon_hpc.util.procutil import StopFlag, child_setup, stop_tree
 
 
 @dataclass

@@ -9,11 +9,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 from neon_hpc.rollout.engines import wire
 from neon_hpc.rollout.engines.embedded.model import LoadedModel
 from neon_hpc.rollout.engines.embedded.scheduler import PAUSE_MODES, REQUEST_TIME_BUDGET_S, Scheduler
 from neon_hpc.rollout.engines.wire import BadRequest, GenerateRequest
+from neon_hpc.util.bounded import MESSAGE_CAP, clip_text, short_repr
 
 MAX_BODY_BYTES = 64 << 20
 
