@@ -140,6 +140,17 @@ def _run(root: Path, sets: list[str], timeout: float = 300) -> subprocess.Comple
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _served_version(log: str) -> int:
+    """The weight version a stand-in engine held when it stopped (its last log line says it)."""
+    return int(re.findall(r"weight version (\d+)", log)[-1])
+
+
+# The runs below bound offpolicy.max_staleness to train.steps - 2, so the last step keeps no token of
+# version 0: an engine must have loaded published weights, whatever the trainer's speed. (Which
+# version it holds when the run ends is timing: the trainer may finish before the engine loads the
+# newest one, more so with checkpoints written beside the steps.)
+
+
 def _left(root: Path) -> list[str]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -155,14 +166,14 @@ def _left(root: Path) -> list[str]:
 @pytest.mark.slow
 def test_node_starts_sglang_and_trains_on_it(tmp_path):
     root = tmp_path / "run"
-    r = _run(root, ["train.steps=3", f"engine.port={free_port()}"])
+    r = _run(root, ["train.steps=3", "offpolicy.max_staleness=1", f"engine.port={free_port()}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (root / "logs" / "engine" / "0.log").read_text()
     first = log.splitlines()[0]
     # the exact golden-rendered line ran, resolved, on the newest weights
     assert "-m sglang.launch_server --model-path" in first and "${" not in first
     assert "--skip-tokenizer-init" in first and "--enable-return-routed-experts" in first
-    assert "weight version 3" in log            # it served, took weights v_1..v_3, and stopped cleanly
+    assert _served_version(log) >= 1            # it served, took published weights, and stopped cleanly
     node = (root / "logs" / "rollout-node" / "0.log").read_text()
     assert "engine 0 at http://127.0.0.1:" in node and "is healthy" in node
     assert node.index("is healthy") < node.index("started rollout worker 0")   # health-checked first
@@ -174,7 +185,8 @@ def test_node_starts_sglang_and_trains_on_it(tmp_path):
 @pytest.mark.slow
 def test_pd_disaggregation_goes_through_the_load_balancer(tmp_path):
     root = tmp_path / "run"
-    r = _run(root, ["train.steps=2", "engine.num_engines=2", "engine.pd_disaggregation=true",
+    r = _run(root, ["train.steps=2", "offpolicy.max_staleness=0", "engine.num_engines=2",
+                    "engine.pd_disaggregation=true",
                     f"engine.port={free_port()}", f"engine.load_balancer_port={free_port()}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     logs = root / "logs" / "engine"
@@ -187,7 +199,7 @@ def test_pd_disaggregation_goes_through_the_load_balancer(tmp_path):
         assert f'"mode": "{mode}"' in text
         served.append(int(re.search(r"served (\d+) bootstrapped", text).group(1)))
         # weights go to each engine directly (the load balancer does not forward them)
-        assert "weight version 2" in text
+        assert _served_version(text) >= 1
     # every request reached both servers with the load balancer's bootstrap fields
     assert served[0] == served[1] > 0
     # the routes came back through the load balancer: the trainer replayed them
@@ -228,7 +240,8 @@ def test_multi_node_engine_in_a_het_job(slurm_cluster, tmp_path):
     r = subprocess.run(NEON + ["launch", str(TINY), "--run-dir", str(root), "--wait",
                                "--set", "engine.kind=sglang", "--set", "engine.tp_size=16",
                                "--set", "launch.rollout.nodes=2", "--set", f"engine.port={free_port()}",
-                               "--set", "train.steps=3", "--set", "warm_start.enabled=false",
+                               "--set", "train.steps=3", "--set", "offpolicy.max_staleness=1",
+                               "--set", "warm_start.enabled=false",
                                "--set", "eval.num_tasks=0"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = "".join(p.read_text() for p in (root / "launch").glob("neon-rl-*.out"))
@@ -237,7 +250,7 @@ def test_multi_node_engine_in_a_het_job(slurm_cluster, tmp_path):
     peer = (root / "logs" / "engine" / "0.n1.log").read_text()
     assert "--nnodes 2 --node-rank 0" in head and "--nnodes 2 --node-rank 1" in peer
     assert "node rank 1 joined (2/2)" in head and "joined" in peer
-    assert "weight version 3" in head
+    assert _served_version(head) >= 1
     n1 = (root / "logs" / "rollout-node" / "1.log").read_text()
     assert "none serving here" in n1 and "started rollout worker" not in n1
     assert [m["step"] for m in read_metrics(root, "trainer")] == [1, 2, 3]
