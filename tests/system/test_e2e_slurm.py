@@ -44,9 +44,11 @@ def _diagnose(cluster, job: str, root: Path, out: str) -> str:
 
 def test_het_job_preempted_requeued_and_resumed(slurm_cluster, tmp_path):
     root = tmp_path / "run"
+    # offpolicy.max_staleness=1: steps 3-4 keep no token of v_0, so the engines must load published
+    # weights (weights_loaded below follows from the rule, not from slow synchronous checkpoints)
     r = subprocess.run(NEON + ["launch", str(REPO / "configs" / "tiny_cpu.yaml"), "--run-dir", str(root),
                                "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=2",
-                               "--set", "warm_start.enabled=false"],
+                               "--set", "warm_start.enabled=false", "--set", "offpolicy.max_staleness=1"],
                        capture_output=True, text=True, env=slurm_cluster.env, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted heterogeneous job (\d+)", r.stdout).group(1)
