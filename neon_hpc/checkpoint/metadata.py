@@ -139,7 +139,7 @@ _DCP = "torch.distributed.checkpoint"
 _RECORD_NAMES = {
     f"{_DCP}.metadata": ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                          "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta"],
-    f"{_DCP}.filesystem": ["_StorageInfo"],
+    f"{_DCP}.filesystem": ["_StorageInfo", "_StoragePrefix"],   # the latter: plans kept by cached_metadata saves
     f"{_DCP}.planner": ["SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData",
                         "LoadPlan", "ReadItem"],
     f"{_DCP}._extension": ["ExtensionRegistry"],

@@ -68,6 +68,9 @@ class Record:
     """Base of every record: JSON in, JSON out, one path."""
 
     KIND: ClassVar[str] = "record"
+    # False: published atomically without the fsyncs (rundir.atomic_file), for records whose
+    # newest version a restart rewrites anyway; a machine crash may lose it, a reader never sees half
+    DURABLE: ClassVar[bool] = True
     extra: dict = field(default_factory=dict, repr=False)
 
     # ---- JSON -------------------------------------------------------------------------
@@ -103,7 +106,7 @@ class Record:
         return None if obj is None else cls.from_json(obj, path)
 
     def save(self, path: str | os.PathLike) -> None:
-        atomic_write_json(path, self.to_json())
+        atomic_write_json(path, self.to_json(), durable=self.DURABLE)
 
 
 @functools.cache
@@ -144,6 +147,7 @@ def _host() -> str:
 @dataclass
 class _Beat(Record):
     ROLE: ClassVar[str] = ""
+    DURABLE: ClassVar[bool] = False   # several a step on the trainer's path; the next beat replaces it
     rank: int | str = 0
     time: float = 0.0
     pid: int | None = None

@@ -142,10 +142,12 @@ def _tmp_name(final: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_file(final: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+def atomic_file(final: str | os.PathLike, mode: str = "wb", durable: bool = True) -> Iterator[Any]:
     """Open a temporary file beside ``final``; on clean exit fsync it and rename it into place.
 
-    On an exception the temporary file is removed and ``final`` is untouched.
+    On an exception the temporary file is removed and ``final`` is untouched.  ``durable=False``
+    skips the two fsyncs (file and directory): still atomic for every reader, but a machine crash
+    may lose the newest version; only for records a restart rewrites anyway (heartbeats).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -157,10 +159,12 @@ def atomic_file(final: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     try:
         yield f
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
         f.close()
         os.replace(tmp, final)
-        fsync_dir(final.parent)
+        if durable:
+            fsync_dir(final.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):   # closing flushes: on a full disk that fails again
             f.close()
@@ -172,17 +176,17 @@ def atomic_file(final: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
         raise
 
 
-def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
-    with atomic_file(final, "wb") as f:
+def atomic_write_bytes(final: str | os.PathLike, data: bytes, durable: bool = True) -> None:
+    with atomic_file(final, "wb", durable=durable) as f:
         f.write(data)
 
 
-def atomic_write_text(final: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(final, text.encode())
+def atomic_write_text(final: str | os.PathLike, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(final, text.encode(), durable=durable)
 
 
-def atomic_write_json(final: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(final, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+def atomic_write_json(final: str | os.PathLike, obj: Any, durable: bool = True) -> None:
+    atomic_write_text(final, json.dumps(obj, indent=1, sort_keys=True) + "\n", durable=durable)
 
 
 def create_json(final: str | os.PathLike, obj: Any) -> bool:

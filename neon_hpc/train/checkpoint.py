@@ -288,6 +288,26 @@ def host_snapshot(sharded: dict) -> dict:
     return sharded
 
 
+def _structure(sharded: dict) -> tuple:
+    """What megatron's save plan depends on in a sharded state dict: each sharded tensor's key,
+    dtype, shapes, offsets and replica (a factory's: its key and data), each sharded object's key
+    and place, sorted."""
+    # deferred: heavy (megatron)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for x in nested_values(sharded):
+        if isinstance(x, ShardedTensorFactory):    # its tensors follow from its key and data's shape
+            out.append((x.key, "factory", str(x.data.dtype), tuple(x.data.shape), str(x.replica_id)))
+        elif isinstance(x, ShardedTensor):
+            out.append((x.key, str(x.dtype), tuple(x.global_shape), tuple(x.global_offset), tuple(x.local_shape),
+                        str(x.replica_id), str(x.flattened_range)))
+        elif isinstance(x, ShardedObject):
+            out.append((x.key, "object", tuple(x.global_shape), tuple(x.global_offset), str(x.replica_id)))
+    return tuple(sorted(out))
+
+
 @contextlib.contextmanager
 def _thread_results_queue():
     """Within: megatron's torch_dist writer takes a plain in-process queue for its write results
@@ -357,6 +377,8 @@ class AsyncCheckpointer:
         self.write_timeout_s = write_timeout_s if write_timeout_s is not None else writers.deadline_s()
         self._pending: _Pending | None = None
         self._done: list[CheckpointRecord] = []
+        self._strategy = None      # megatron's save strategy, kept while the state's structure stays
+        self._structure: tuple | None = None
 
     @property
     def in_flight(self) -> int | None:
@@ -381,8 +403,10 @@ class AsyncCheckpointer:
         final, staging = _begin(self.run, lay, step)
         try:
             snap = host_snapshot(_sharded(self.be, is_loading=False))
+            strategy, validate = self._save_strategy(snap)
             with _thread_results_queue():
-                request = dist_checkpointing.save(snap, str(staging), async_sharded_save=True)
+                request = dist_checkpointing.save(snap, str(staging), sharded_strategy=strategy,
+                                                  validate_access_integrity=validate, async_sharded_save=True)
             _save_rng(staging, lay.rank)
             digest = param_digest(self.be)
         except BaseException as e:
@@ -393,6 +417,25 @@ class AsyncCheckpointer:
         self._pending = p
         p.thread.start()
         return rec
+
+    def _save_strategy(self, snap: dict):
+        """Collective: megatron's torch_dist save strategy for this save, and whether to validate
+        the sharding.  One strategy with ``cached_metadata`` is kept while the state's structure
+        (every sharded key, shape, offset, dtype, replica) is the same on every rank as at the
+        last save: megatron then plans once (reuse from the third save on, after two equal plans,
+        as its ``--ckpt-assume-constant-structure``) and the structure validated once is not
+        validated again.  A change on any rank starts afresh: a new strategy, validated."""
+        from megatron.core.dist_checkpointing.strategies.torch import (  # deferred: heavy (megatron)
+            TorchDistSaveShardedStrategy,
+        )
+
+        structure = _structure(snap)
+        changed, = _max_over_ranks([int(structure != self._structure)], self.be.layout.world)
+        if changed or self._strategy is None:
+            self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+            self._structure = structure
+            return self._strategy, True
+        return self._strategy, False
 
     def poll(self) -> CheckpointRecord | None:
         """Collective (every rank at the same boundaries): finalize the checkpoint in flight if

@@ -1,6 +1,8 @@
 """The trainer's heap between steps: freed heap memory goes back to the OS, and a diagnostic.
 
-**Trim.** After every step the trainer calls glibc's ``malloc_trim(0)``. Why: the trainer has
+**Trim.** After a step the trainer calls glibc's ``malloc_trim(0)``, at most once every
+``TRIM_EVERY_S`` (2 s: after every step of a slow step, every tenth of a 0.2 s one, so the
+milliseconds it costs stay near 1% of the loop or under, and RSS still follows within seconds). Why: the trainer has
 ~70 threads (gloo's per-process-group loops, torch's pools) and glibc gives threads up to
 8 x cores malloc arenas. A step frees almost all it allocates, but the freed chunks stay inside
 the arenas, and where the next step's allocations land differs from step to step, so the
@@ -8,7 +10,7 @@ arenas' footprint (RSS) wobbles by tens of MB and ratchets up to a new high-wate
 then, while the bytes in use stay flat (the soak of issue 20 saw one +13 MB step after 23 min;
 ``NEON_TRAIN_MEMDEBUG`` below showed in use ~158 MB flat, free-in-arenas 55 -> 97 MB).
 ``malloc_trim(0)`` returns every whole free page of every arena (madvise), so RSS follows what
-is in use. It costs milliseconds per step (``trim_ms`` in the diagnostic); without glibc
+is in use. It costs milliseconds (``trim_ms`` in the diagnostic); without glibc
 (musl, macOS) it is skipped. ``NEON_TRAIN_MALLOC_TRIM=0`` turns it off (to compare).
 
 **Diagnostic.** ``NEON_TRAIN_MEMDEBUG=N`` (N >= 1): after every N-th step each trainer rank
@@ -20,7 +22,8 @@ appends one JSON line to ``logs/trainer/memdebug_<rank>.jsonl``::
                                    resident or were given back) and the number of arena heaps
      "threads",                    OS threads of the process (/proc/self/task)
      "gc": [g0, g1, g2], "gc_objects", "max_seq", "packed_tokens", "max_seq_seen",
-     "trimmed", "trim_ms",         whether malloc_trim ran after this step, and its time
+     "trimmed", "trim_ms",         whether malloc_trim ran after this step, and its time (null: not
+                                   this step, the last trim was under TRIM_EVERY_S ago)
      "tracemalloc": [[where, +KiB, count], ...]}      only with NEON_TRAIN_MEMDEBUG_TRACE=F (frames
                                    per traceback, >= 1): the 8 largest growths since the previous line
 
@@ -41,6 +44,7 @@ from pathlib import Path
 EVERY_ENV = "NEON_TRAIN_MEMDEBUG"
 TRACE_ENV = "NEON_TRAIN_MEMDEBUG_TRACE"
 TRIM_ENV = "NEON_TRAIN_MALLOC_TRIM"
+TRIM_EVERY_S = 2.0   # the shortest interval between two trims (module docstring)
 
 
 def _env_int(name: str, default: int = 0) -> int:
@@ -110,6 +114,7 @@ class StepHeap:
         self.path, self.every, self.trace = path, every, trace
         self._libc = glibc()
         self.trim = trim and self._libc is not None
+        self._trimmed_at: float | None = None     # monotonic time of the last trim
         self._snap = None
         self.max_seq_seen = 0
         if trace:
@@ -123,10 +128,12 @@ class StepHeap:
 
     def after_step(self, step: int, lengths: list[int]) -> None:
         trim_ms = None
-        if self.trim:
+        now = time.monotonic()
+        if self.trim and (self._trimmed_at is None or now - self._trimmed_at >= TRIM_EVERY_S):
             t0 = time.perf_counter()
             self._libc.malloc_trim(0)
             trim_ms = round((time.perf_counter() - t0) * 1e3, 2)
+            self._trimmed_at = now
         if self.every == 0:
             return
         max_seq = max(lengths, default=0)
@@ -137,7 +144,7 @@ class StepHeap:
         rec = {"step": step, "time": round(time.time(), 2), "rss_kb": mem.get("Rss"), "anon_kb": mem.get("Anonymous"),
                "malloc": malloc_stats(self._libc), "threads": len(os.listdir("/proc/self/task")),
                "gc": list(gc.get_count()), "gc_objects": len(gc.get_objects()), "max_seq": max_seq,
-               "packed_tokens": int(sum(lengths)), "max_seq_seen": self.max_seq_seen, "trimmed": self.trim,
+               "packed_tokens": int(sum(lengths)), "max_seq_seen": self.max_seq_seen, "trimmed": trim_ms is not None,
                "trim_ms": trim_ms}
         if self.trace:
             snap = tracemalloc.take_snapshot()

@@ -175,7 +175,7 @@ class StepData:
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
            log: RoleLogger, on_wait=None):
-    """Rank 0 claims; then every rank reads the committed claim (the same trajectories).
+    """Rank 0 claims; then every other rank reads the committed claim back (the same trajectories).
 
     Rank 0 waits for data in slices of ``CLAIM_SLICE_S`` and tells the others after each one,
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
@@ -189,14 +189,15 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
                   admit=offpolicy.StalePolicy.of(cfg.offpolicy, step - 1), poll_s=cfg.protocol.claim_poll_s)
     t0, next_note = time.monotonic(), 10.0
     waited = 0.0   # time blocked with no data: the trainer's idle time (claim I/O is work, not idle)
+    mine = None    # rank 0's committed claim (the others read it back from the claim record)
     while True:
         status: dict[str, Any] = {"state": "waiting"}
         if rank == 0:
             left = cfg.train.wait_for_data_s - (time.monotonic() - t0)
             t_slice = time.monotonic()
             try:
-                res = store.claim(step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
-                waited += res.waited_s
+                mine = store.claim(step, timeout_s=max(0.0, min(CLAIM_SLICE_S, left)), **kwargs)
+                waited += mine.waited_s
                 status = {"state": "claimed"}
             except ClaimTimeout as e:
                 waited += time.monotonic() - t_slice
@@ -217,7 +218,7 @@ def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, 
             log.info("waiting for data (%.0fs of %.0fs)", status["waited_s"], cfg.train.wait_for_data_s)
             next_note += 30.0
     if status["state"] == "claimed":
-        status["result"] = offpolicy.apply(store.claim(step, timeout_s=0.0, **kwargs))
+        status["result"] = offpolicy.apply(mine if mine is not None else store.claim(step, timeout_s=0.0, **kwargs))
     return status
 
 

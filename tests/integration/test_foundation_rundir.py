@@ -72,6 +72,21 @@ def test_exception_inside_atomic_file_leaves_old_content(tmp_path):
     assert os.listdir(tmp_path) == ["x.txt"]
 
 
+def test_heartbeats_skip_the_fsyncs_and_every_other_record_keeps_them(tmp_path, monkeypatch):
+    from neon_hpc.protocol.records import Preempted, TrainerBeat
+
+    run = RunDir(str(tmp_path / "run")).create()
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(rundir.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    TrainerBeat(rank=0, step=3).write(run)
+    beat = TrainerBeat.read(run, 0)
+    assert synced == [] and beat.step == 3 and beat.pid == os.getpid()   # published, unsynced
+    assert [p.name for p in run.heartbeats_dir.iterdir()] == [run.heartbeat_file("trainer", 0).name]
+    Preempted(step=3, signal=15, checkpoint="x").write(run)
+    assert len(synced) >= 2                                               # the file and its directory
+
+
 def test_publish_dir_is_all_or_nothing(tmp_path):
     final = tmp_path / "weights" / "v_1"
     st = rundir.staging_dir_for(final)

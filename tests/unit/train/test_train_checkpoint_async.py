@@ -161,3 +161,45 @@ def test_the_snapshot_is_what_is_written_and_it_loads_bit_identical_to_the_synch
     assert got["sync"][0] == got["async"][0] != changed
     assert got["sync"][1].keys() == got["async"][1].keys() and got["sync"][1]
     assert all(torch.equal(got["sync"][1][k], got["async"][1][k]) for k in got["sync"][1])
+
+
+def test_later_saves_reuse_megatron_s_cached_plan_and_still_load_bit_identical(tmp_path, trained, monkeypatch):
+    """From the third save of an unchanged structure megatron reuses its plan (cached_metadata) and
+    the sharding is not validated again; what those saves wrote loads as the synchronous save of
+    the same weights does (the .metadata they leave passes the allowlist unpickler)."""
+    run, ref = run_dir(tmp_path, "async"), run_dir(tmp_path, "sync")
+    saver = ck.AsyncCheckpointer(run, trained)
+    strategies, validated = [], []
+    real = ck.AsyncCheckpointer._save_strategy
+
+    def spy(self, snap):
+        out = real(self, snap)
+        strategies.append(out[0])
+        validated.append(out[1])
+        return out
+
+    monkeypatch.setattr(ck.AsyncCheckpointer, "_save_strategy", spy)
+    for step in (1, 2, 3, 4):
+        trained.step()
+        saver.submit(step, {"version": step})
+        saver.wait()
+    assert validated == [True, False, False, False]
+    assert len({id(s) for s in strategies}) == 1 and strategies[0].validated_cache_reuse   # the plan came from cache
+    saved = {k: v.clone() for k, v in B.full_state_dict(trained).items()}
+    ck.save(ref, trained, 4, {"version": 4})
+    trained.step()
+    for r in (run, ref):
+        state = ck.load(r, trained, 4)
+        assert state["param_digest_checked"] and state["digests_verified"] and state["optimizer_restored"]
+        full = B.full_state_dict(trained)
+        assert all(torch.equal(full[k], saved[k]) for k in saved), r.root.name
+
+
+def test_a_changed_structure_gets_a_fresh_strategy_and_is_validated(tmp_path, trained):
+    saver = ck.AsyncCheckpointer(run_dir(tmp_path, "run"), trained)
+    snap = ck.host_snapshot(ck._sharded(trained, is_loading=False))
+    first, v1 = saver._save_strategy(snap)
+    same, v2 = saver._save_strategy(ck.host_snapshot(ck._sharded(trained, is_loading=False)))
+    del snap["optimizer"]                      # a state with one part fewer: another plan
+    other, v3 = saver._save_strategy(snap)
+    assert (v1, v2, v3) == (True, False, True) and first is same and other is not first
