@@ -17,8 +17,13 @@ state is in the other's figures), on the same tokens:
   shards ready: claim, step, publish every step, checkpoint every 4) against its bare step
   (``train_step_s`` of the same records), means over 8 steps after the warm-ups (at least one
   checkpoint period, so the first checkpoint's one-time costs are not in the window; two
-  checkpoints in it): ``loop_over_step``; the same loop with synchronous checkpoints
-  (``train.checkpoint_async: false``) in the same run: ``loop_over_step_sync_ckpt``.
+  checkpoints in it): ``loop_over_step``, what the loop adds to the step's critical path; the
+  same loop with synchronous checkpoints (``train.checkpoint_async: false``) in the same run:
+  ``loop_over_step_sync_ckpt``.  And the quiet loop (no publish or checkpoint in the window):
+  its bare step is the one that no background write shares the machine with, so
+  ``loop_over_quiet_step`` (the loop over it) is the whole cost, and ``step_inflation`` (the
+  loop's bare step over it) is what the writes beside the steps cost the steps themselves
+  (on a 2-core CPU they share the cores with the step; on a GPU node, cores the step leaves idle).
 
 Per shape (documents x tokens), after ``--warmup`` (at least 2) untimed steps, the median of
 ``--reps`` (at least 5) timed ones: tokens/s of each (input tokens, ``n - 1`` per document),
@@ -45,7 +50,8 @@ Last line: ``RESULT trainer_over_reference=... rss_16k_over_8k=... max_doc_token
 device=cpu|cuda`` (ratio and MFU at the headline shape, the first of ``--shapes``), then
 ``reference_mfu``, ``rss_16k_over_8k_above_start``, ``dsv3_over_qwen``, ``precision``,
 ``ops_over_reference``, ``syncs_per_step``, ``moe_layer_syncs``, ``optimizer_per_param_ops``,
-``loop_over_step``, ``sdpa=`` and ``experts_gemm=`` (the kernels at the headline shape).
+``loop_over_step``, ``loop_over_step_sync_ckpt``, ``loop_over_quiet_step``, ``step_inflation``,
+``sdpa=`` and ``experts_gemm=`` (the kernels at the headline shape).
 """
 
 from __future__ import annotations
@@ -419,8 +425,11 @@ def worker_loop(args, cfg, cuda, precision, peak, shapes) -> dict:
     exp = dataclasses.replace(
         exp, model=cfg,
         balance=dataclasses.replace(exp.balance, tokens_per_microbatch=2 * d * n, min_microbatches=1, shadow=False),
-        train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d, publish_every=1,
-                                  checkpoint_every=4, publish_via="direct", precision=precision,
+        # quiet: the one publish and checkpoint at the end, outside the window
+        train=dataclasses.replace(exp.train, steps=steps, trajectories_per_step=d,
+                                  publish_every=steps if args.loop_quiet else 1,
+                                  checkpoint_every=steps if args.loop_quiet else 4, publish_via="direct",
+                                  precision=precision,
                                   checkpoint_async=not args.checkpoint_sync,
                                   recompute=args.recompute, wait_for_data_s=600.0, lr=1e-5),
         offpolicy=dataclasses.replace(exp.offpolicy, max_staleness=10 ** 6))
@@ -547,6 +556,7 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="auto: wall on CUDA; on CPU this process's CPU time (all its threads), which a "
                         "busy neighbour on a shared machine does not inflate (tokens/s and MFU both use it)")
+    p.add_argument("--loop-quiet", action="store_true", help=argparse.SUPPRESS)   # the loop worker's baseline
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -605,8 +615,11 @@ def main(argv=None) -> int:
         dsv3 = d["tok_s"] / tr["rows"][0]["tok_s"]
         print(f"\nDeepSeek-V3 (MLA, same sizes) trainer at {d['shape']}: {d['tok_s']:.0f} tok/s, "
               f"{dsv3:.2f}x Qwen3-MoE's", flush=True)
-    loop_ratio = sync_ratio = math.nan
+    loop_ratio = sync_ratio = quiet_ratio = inflation = math.nan
     if not args.no_loop:
+        quiet = run_worker("loop", [*passed, "--loop-quiet"])
+        print(f"\nquiet loop (no publish or checkpoint in the window): {quiet['loop_s']:.3f} s a step, "
+              f"bare step {quiet['step_s']:.3f} s", flush=True)
         if not args.checkpoint_sync:   # the same-run baseline: the loop with synchronous checkpoints
             ls = run_worker("loop", [*passed, "--checkpoint-sync"])
             sync_ratio = ls["loop_over_step"]
@@ -615,12 +628,14 @@ def main(argv=None) -> int:
                   flush=True)
         lp = run_worker("loop", passed)
         loop_ratio = lp["loop_over_step"]
+        quiet_ratio, inflation = lp["loop_s"] / quiet["step_s"], lp["step_s"] / quiet["step_s"]
         print(f"\nreal loop at {args.shapes.split(',')[0]} (claim, step, publish every step, checkpoint every 4): "
               f"{lp['loop_s']:.3f} s a step (mean over 8, two checkpoints among them) against the bare step's "
               f"{lp['step_s']:.3f} s = {loop_ratio:.3f}; "
               f"publish snapshot {lp['publish_snapshot_s']:.3f} s on the step, checkpoint {lp['checkpoint_s']:.3f} s, "
               f"publish writes beside the steps {lp['publish_write_s']}, checkpoint writes beside the steps "
-              f"{lp['checkpoint_write_s']}", flush=True)
+              f"{lp['checkpoint_write_s']}; over the quiet loop's bare step: {quiet_ratio:.3f} (its bare "
+              f"step {inflation:.3f}x the quiet one's)", flush=True)
     head = rows[0]
     print(f"RESULT trainer_over_reference={head['ratio']:.3f} rss_16k_over_8k={ratio:.3f} "
           f"max_doc_tokens={tr['max_doc']} "
@@ -629,6 +644,7 @@ def main(argv=None) -> int:
           f"ops_over_reference={head['ops_over_reference']:.3f} syncs_per_step={head['syncs']} "
           f"moe_layer_syncs={head['moe_syncs']} optimizer_per_param_ops={head['opt_ops']} "
           f"loop_over_step={loop_ratio:.3f} loop_over_step_sync_ckpt={sync_ratio:.3f} "
+          f"loop_over_quiet_step={quiet_ratio:.3f} step_inflation={inflation:.3f} "
           f"sdpa={head['sdpa']} experts_gemm={head['experts']}")
     return 0
 

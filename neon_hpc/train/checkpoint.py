@@ -248,6 +248,7 @@ class _Pending:
     digests: dict = field(default_factory=dict)
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    started: float = field(default_factory=time.monotonic)
 
 
 def host_snapshot(sharded: dict) -> dict:
@@ -368,8 +369,10 @@ class AsyncCheckpointer:
     then the sealing and rename of :func:`save` (:func:`_publish`).  A checkpoint is visible
     only then, complete.  At most one is in flight: a :meth:`submit` while one is still
     writing waits for it first (logged).  :meth:`wait` finishes the one in flight (the loop
-    calls it before exiting, so the final checkpoint is complete at exit); a writer's error is
-    raised as :class:`CheckpointWriteError` at the next :meth:`poll` / :meth:`wait` / :meth:`submit`.
+    calls it before exiting, so the final checkpoint is complete at exit); a writer's error, or a
+    write still running ``train.checkpoint_write_timeout_s`` after its submit on any rank (a hung
+    mount), is raised as :class:`CheckpointWriteError` at the next :meth:`poll` / :meth:`wait` /
+    :meth:`submit` on every rank, with nothing published.
     """
 
     def __init__(self, run: RunDir, be: Backend, log=None, write_timeout_s: float | None = None) -> None:
@@ -443,7 +446,12 @@ class AsyncCheckpointer:
         p = self._pending
         if p is None:
             return None
-        busy, failed = _max_over_ranks([int(not p.done.is_set()), int(p.error is not None)], self.be.layout.world)
+        busy = not p.done.is_set()
+        overdue = busy and time.monotonic() - p.started > self.write_timeout_s
+        busy, failed, overdue = _max_over_ranks([int(busy), int(p.error is not None), int(overdue)],
+                                                self.be.layout.world)
+        if overdue and not failed:
+            raise self._stuck(p)
         if busy and not failed:
             return None
         return self._finalize(p, failed)
@@ -453,12 +461,26 @@ class AsyncCheckpointer:
         p = self._pending
         if p is None:
             return None
-        if not p.done.wait(self.write_timeout_s):
-            raise CheckpointWriteError(f"checkpoint {p.final.name} still writing on rank {self.be.layout.rank} after "
-                                       f"{self.write_timeout_s:.0f}s (train.checkpoint_write_timeout_s); nothing "
-                                       f"was published. Raise that key if saves are legitimately this slow")
+        if not p.done.wait(max(0.0, self.write_timeout_s - (time.monotonic() - p.started))):
+            raise self._stuck(p)
         _busy, failed = _max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
         return self._finalize(p, failed)
+
+    def _stuck(self, p: _Pending) -> CheckpointWriteError:
+        """The error for a write still running ``write_timeout_s`` after its submit (on this rank or
+        another): its staging folder is removed (rank 0), nothing was published; the writer thread
+        is left to end on its own (a Python thread cannot be killed) and the trainer exits."""
+        self._pending = None
+        p.record.error = f"still writing after {self.write_timeout_s:.0f}s"
+        self._done.append(p.record)
+        if self.be.layout.rank == 0:
+            shutil.rmtree(p.staging, ignore_errors=True)
+        where = f"rank {self.be.layout.rank}" if not p.done.is_set() else "another rank"
+        return CheckpointWriteError(
+            f"checkpoint {p.final.name} still writing on {where} {self.write_timeout_s:.0f}s after it began "
+            f"(train.checkpoint_write_timeout_s); nothing was published (a resume takes the newest complete "
+            f"checkpoint). Check the filesystem under {p.final.parent} (a hung mount, a full quota), or raise "
+            f"that key if saves are legitimately this slow")
 
     def completed(self) -> list[CheckpointRecord]:
         """The records finished (published or failed) since the last call."""

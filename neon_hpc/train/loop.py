@@ -69,8 +69,9 @@ from neon_hpc.train.loss import (
     term_means,
     version_span_histogram,
 )
+from neon_hpc.train.outputs import StepOutputs
 from neon_hpc.train.prefetch import Prefetched
-from neon_hpc.train.publish import BackgroundPublisher, publish_weights
+from neon_hpc.train.publish import publish_weights
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.util.logs import RoleLogger
 from neon_hpc.util.netutil import free_port
@@ -481,17 +482,13 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     saved_at = last
     preempted = False
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
-    # direct publishes are written beside the next steps (train/publish.py: BackgroundPublisher)
-    publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
-    # checkpoints written beside the next steps (train/checkpoint.py: AsyncCheckpointer)
-    checkpointer = ckpt.AsyncCheckpointer(run, be, log, t.checkpoint_write_timeout_s) if t.checkpoint_async else None
+    outputs = StepOutputs(run, be, cfg, log, rank)         # publishes and checkpoints (train/outputs.py)
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
-        claim = _claim(run, cfg, step, rank, world, pre, log,
-                       on_wait=None if checkpointer is None else checkpointer.poll)
+        claim = _claim(run, cfg, step, rank, world, pre, log, on_wait=outputs.poll)
         if claim["state"] == "preempted":
             step -= 1
             preempted = True
@@ -506,99 +503,16 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         m = train_step(be, data, settings)
         m["train_step_s"] = time.perf_counter() - ts     # the bare step (the loop's time is step_time_s)
         stop = _any_rank(pre.requested, world)
-        publish_due = step % t.publish_every == 0 or step == t.steps
-        # The reshard path converts the checkpoint, so it needs one at every publish; the direct
-        # path publishes first, so engines get new weights without waiting for the checkpoint.
-        ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
-            (publish_due and t.publish_via == "reshard")
-        published = None
-        if publisher is not None and publish_due:
-            m["publish_s"] = publisher.submit(be, step, step=step)   # the snapshot; the write runs beside
-            published = step
-        if checkpointer is not None:    # finalize the one in flight if every rank's writer is done
-            checkpointer.poll()
-        if ckpt_due:
-            c0 = time.perf_counter()
-            state = {"version": step, "cursor": {"next_step": step + 1}, "published": step if publish_due else None,
-                     "claimed_shards": [p.name for p in res.shards]}
-            if checkpointer is not None:
-                rec = checkpointer.submit(step, state)      # the snapshot; the write runs beside
-                m["checkpoint_snapshot_s"], m["checkpoint_wait_s"] = rec.snapshot_s, rec.waited_s
-                if publish_due and t.publish_via == "reshard":
-                    checkpointer.wait()                    # reshard converts the complete checkpoint
-            else:
-                ckpt.save(run, be, step, state)
-            m["checkpoint_s"] = time.perf_counter() - c0   # what the step paid
+        published, saved = outputs.after_step(step, stop, m, {"claimed_shards": [p.name for p in res.shards]})
+        if saved:
             saved_at = step
-        if checkpointer is not None:
-            m.update(_checkpoint_metrics(_log_checkpoints(log, rank, checkpointer)))
-        if publish_due and t.publish_via == "reshard":
-            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
-                                                   checkpoint_dir=run.checkpoint(step))
-            published = step
-        if publisher is not None:
-            m.update(_publish_metrics(_log_publishes(log, publisher)))
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)
         memory.after_step(step, input_lengths(data.trajectories))
         if stop:
             preempted = True
             break
-    if publisher is not None:
-        publisher.close()              # the last version is written before the trainer exits
-        _log_publishes(log, publisher)
-    if checkpointer is not None:
-        checkpointer.wait()            # the last checkpoint is complete before the trainer exits
-        _log_checkpoints(log, rank, checkpointer)
+    outputs.close()       # the last version written and the last checkpoint complete before the trainer exits
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
-
-
-def _publish_metrics(records: list[dict]) -> dict:
-    """Scalars for the step's metrics record: the newest version written since the last step, what
-    its write cost beside the steps, and how many waiting versions a newer one replaced."""
-    out: dict = {"publish_superseded": sum(1 for r in records if r.get("superseded"))}
-    written = [r for r in records if not r.get("superseded") and not r.get("error")]
-    if written:
-        r = written[-1]
-        out.update(publish_done_version=r["version"], publish_write_s=r["write_s"], publish_queued_s=r["queued_s"])
-    return out
-
-
-def _checkpoint_metrics(records: list[dict]) -> dict:
-    """Scalars for the step's metrics record: the newest checkpoint completed since the last step
-    and what it cost beside the steps (its write) and at the boundary that published it."""
-    done = [r for r in records if not r.get("error")]
-    if not done:
-        return {}
-    r = done[-1]
-    return {"checkpoint_done_step": r["step"], "checkpoint_write_s": r["write_s"],
-            "checkpoint_finalize_s": r["finalize_s"]}
-
-
-def _log_checkpoints(log: RoleLogger, rank: int, checkpointer) -> list[dict]:
-    """One log line (rank 0) per asynchronous checkpoint completed since the last call; their records."""
-    out = []
-    for r in checkpointer.completed():
-        if rank == 0 and not r.error:
-            log.info("checkpoint step_%d: snapshot %.3fs on the step (waited %.3fs for the previous one), "
-                     "written in %.3fs beside the steps, finalized in %.3fs", r.step, r.snapshot_s, r.waited_s,
-                     r.write_s, r.finalize_s)
-        out.append(r.as_dict())
-    return out
-
-
-def _log_publishes(log: RoleLogger, publisher) -> list[dict]:
-    """One log line per background publish finished since the last call; their records."""
-    out = []
-    for r in publisher.completed():
-        if r.superseded:
-            log.info("publish v_%d superseded by a newer version after waiting %.2fs", r.version, r.queued_s)
-        elif r.error:
-            log.error("publish v_%d failed: %s", r.version, r.error)
-        else:
-            log.info("published v_%d: snapshot %.3fs on the step, waited %.3fs, written in %.3fs beside the steps%s",
-                     r.version, r.snapshot_s, r.queued_s, r.write_s, "" if r.written else " (existed: kept)")
-        out.append(r.as_dict())
-    return out
 
 
 def finish(run: RunDir, be, log: RoleLogger, rank: int, step: int, saved_at: int, preempted: bool,

@@ -12,8 +12,9 @@ loop (:mod:`neon_hpc.train.loop`): only the data source and the loss differ.
   ``loss_mask`` is 1 (a demonstration's assistant tokens), summed and divided by the step's
   marked tokens.
 - Checkpoints (``checkpoints/step_N``, torch_dist) and published weights (``weights/v_N``, HF)
-  exactly as RL writes them, under the same keys (``checkpoint_every``, ``publish_every``,
-  ``publish_via``), so an RL run starts from either through ``model.init_checkpoint``. Resume
+  exactly as RL writes them (:class:`~neon_hpc.train.outputs.StepOutputs`: the same keys
+  ``checkpoint_every``, ``publish_every``, ``publish_via``, ``checkpoint_async``, beside the steps
+  where RL's are), so an RL run starts from either through ``model.init_checkpoint``. Resume
   from the newest checkpoint and SIGUSR1/SIGTERM behave as in RL. Routes are not replayed
   (demonstrations carry none; the router learns freely).
 
@@ -34,10 +35,10 @@ from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.records import TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import store_kind
-from neon_hpc.train import checkpoint as ckpt, writers
+from neon_hpc.train import writers
 from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
 from neon_hpc.train.loss import sft_loss, sft_term_means
-from neon_hpc.train.publish import publish_weights
+from neon_hpc.train.outputs import StepOutputs
 from neon_hpc.train.sections import TrainerSections
 from neon_hpc.util.logs import RoleLogger
 
@@ -88,6 +89,7 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
     log.info("sft: %d trajectories from %s, %d steps of %d, layout tp=%d ep=%d dp=%d world=%d", len(data_set),
              t.sft_data, t.steps, t.trajectories_per_step, be.layout.tp, be.layout.ep, be.layout.dp, world)
     step, saved_at, preempted = last, last, False
+    outputs = StepOutputs(run, be, cfg, log, rank)   # publishes and checkpoints as RL's (train/outputs.py)
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
@@ -98,20 +100,9 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         data = prepare_step(trajs, be.layout.dp, cfg)
         m = train_step(be, data, None, loss=_loss, means=sft_term_means)
         stop = _any_rank(pre.requested, world)
-        publish_due = step % t.publish_every == 0 or step == t.steps
-        ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or \
-            (publish_due and t.publish_via == "reshard")
-        if publish_due and t.publish_via == "direct":
-            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step)
-        if ckpt_due:
-            c0 = time.perf_counter()
-            ckpt.save(run, be, step, {"version": step, "cursor": {"next_step": step + 1},
-                                      "published": step if publish_due else None, "mode": "sft"})
-            m["checkpoint_s"] = time.perf_counter() - c0
+        _published, saved = outputs.after_step(step, stop, m, {"mode": "sft"})
+        if saved:
             saved_at = step
-        if publish_due and t.publish_via == "reshard":
-            _, m["publish_s"], _ = publish_weights(run, be, cfg.model, step, step=step, via="reshard",
-                                                   checkpoint_dir=run.checkpoint(step))
         TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.STEPPED).write(run)
         if rank == 0:
             dt = time.perf_counter() - t0
@@ -125,4 +116,5 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         if stop:
             preempted = True
             break
+    outputs.close()
     return finish(run, be, log, rank, step, saved_at, preempted, pre, state={"mode": "sft"}, what="sft done")

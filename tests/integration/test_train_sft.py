@@ -61,6 +61,9 @@ def test_sft_loss_falls_resumes_and_feeds_rl(tmp_path):
     first = {m["step"]: m["loss"] for m in read_metrics(sft, "trainer")}
     assert sorted(first) == [1, 2, 3, 4] and first[4] < first[1] - 0.5, first     # falls on the fixed set
     assert (sft / "checkpoints" / "step_4" / "trainer_state.json").is_file() and (sft / "weights" / "v_4").is_dir()
+    step2 = next(m for m in read_metrics(sft, "trainer") if m["step"] == 2)   # written beside the steps, as RL's
+    assert "checkpoint_snapshot_s" in step2 and "publish_s" in step2, step2
+    assert "checkpoint step_2: snapshot" in r.stderr and "published v_2: snapshot" in r.stderr
 
     r = _trainer(sft, "train.steps=6", *common, mode="sft")                        # resumes from step_4
     assert r.returncode == 0, r.stderr[-3000:]

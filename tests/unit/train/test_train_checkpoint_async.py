@@ -203,3 +203,25 @@ def test_a_changed_structure_gets_a_fresh_strategy_and_is_validated(tmp_path, tr
     del snap["optimizer"]                      # a state with one part fewer: another plan
     other, v3 = saver._save_strategy(snap)
     assert (v1, v2, v3) == (True, False, True) and first is same and other is not first
+
+
+def test_a_write_stuck_past_the_deadline_is_raised_at_the_next_boundary_and_nothing_is_published(tmp_path, trained,
+                                                                                                gated):
+    gate, started, _ = gated
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained, write_timeout_s=3600.0)
+    saver.submit(3, {"version": 3})
+    assert started.wait(60)
+    assert saver.poll() is None and saver.in_flight == 3      # still writing, within its deadline
+    saver.write_timeout_s = 0.0                                # the deadline passes (a hung mount)
+    pending = saver._pending
+    with pytest.raises(ck.CheckpointWriteError, match=r"step_3 still writing on rank 0 0s after it began "
+                                                      r"\(train.checkpoint_write_timeout_s\); nothing was published"):
+        saver.poll()
+    assert saver.in_flight is None and not run.checkpoint(3).exists()
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # staging removed
+    (rec,) = saver.completed()
+    assert "still writing" in rec.error
+    gate.set()                                                 # the stuck thread ends on its own
+    pending.thread.join(60)
+    assert not pending.thread.is_alive() and not run.checkpoint(3).exists()
