@@ -25,6 +25,9 @@ class StoreConfig:
     # a claim skips a trajectory whose metadata.uid was consumed by a committed claim of one of
     # the last this-many steps (README, "Exactly once by trajectory uid")
     uid_window_steps: int = 1000
+    # the trainer reads the next claim's shards while its step runs (store/readahead.py); the
+    # claim takes them from memory (at most one step's claim held beyond the step's own)
+    read_ahead: bool = True
 
     CHECKS = {
         **{k: at_least(1) for k in ("flush_trajectories", "flush_bytes", "compression_chunk_tokens",

@@ -58,6 +58,13 @@ class TrajectoryStore(ABC):
         """Claim at least ``want`` trajectories for ``step`` exactly once (``claim_step``'s
         keyword arguments and semantics); a committed step returns the same trajectories again."""
 
+    def read_ahead(self, want: int) -> None:
+        """Start reading, beside the caller's work, what the next claim of ``want`` trajectories
+        would read first (the claim then takes it from memory); a store without one ignores it."""
+
+    def close(self) -> None:
+        """Stop what :meth:`read_ahead` started (the store stays usable)."""
+
     @abstractmethod
     def claimed_steps(self) -> list[int]:
         """Steps whose claim is committed, ascending."""

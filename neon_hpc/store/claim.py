@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from neon_hpc.config.protocol import ProtocolConfig
 from neon_hpc.config.store import StoreConfig
@@ -258,6 +258,7 @@ class _Claim:
     uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS
     uids: list[str] = field(default_factory=list)         # uids this claim consumed (kept or stale-dropped)
     duplicates: list[dict] = field(default_factory=list)  # skipped: uid consumed before
+    read: Callable[[Path], list[Trajectory]] = read_shard   # a shard's trajectories (store/readahead.py)
 
     @property
     def dir(self) -> Path:
@@ -318,7 +319,7 @@ class _Claim:
 
     def absorb(self, path: Path) -> None:
         try:
-            trajs = read_shard(path)
+            trajs = self.read(path)
         except ShardError as e:
             if not self.quarantine_invalid:
                 raise
@@ -383,7 +384,8 @@ class _Claim:
                            duplicates=len(self.duplicates), admission=a)
 
 
-def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
+def _load_committed(rd: RunDir, step: int, read: Callable[[Path], list[Trajectory]] = read_shard
+                    ) -> ClaimResult | None:
     d = rd.claimed_step(step)
     record = ClaimRecord.read_in(d)
     if record is None:
@@ -394,7 +396,7 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
         if not path.is_file():
             raise ShardError(path, f"listed in {d / CLAIM_FILE} but missing; the claim of step {step} "
                                    f"cannot be replayed. Restore the file, or move {d} aside to claim afresh")
-        got = read_shard(path)
+        got = read(path)
         trajs.extend(got[i] for i in entry["kept"])
         shards.append(path)
     q = [rd.traj_quarantine / n for n in record.quarantined]
@@ -407,7 +409,8 @@ def _load_committed(rd: RunDir, step: int) -> ClaimResult | None:
 
 def claim_step(run_dir, step: int, want: int, consumer: str, admit: Admission | None = None,
                timeout_s: float = 600.0, poll_s: float = DEFAULT_POLL_S, allow_partial: bool = False,
-               quarantine_invalid: bool = True, uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS) -> ClaimResult:
+               quarantine_invalid: bool = True, uid_window_steps: int = DEFAULT_UID_WINDOW_STEPS,
+               read: Callable[[Path], list[Trajectory]] = read_shard) -> ClaimResult:
     """Claim whole shards from ready/ for ``step`` until at least ``want`` trajectories are kept.
 
     Blocks, polling ready/ every ``poll_s``, up to ``timeout_s``; then raises
@@ -417,12 +420,13 @@ def claim_step(run_dir, step: int, want: int, consumer: str, admit: Admission | 
     :class:`Verdict` drops is not kept (listed in ``dropped_stale.json``), and the rule's
     parameters come back as ``ClaimResult.admission`` (module docstring).  A trajectory whose uid a
     committed claim of the last ``uid_window_steps`` steps consumed is skipped and counted
-    (``duplicates``).
+    (``duplicates``).  ``read`` reads a shard (``read_shard``; the store's read-ahead serves the
+    ones it already holds, ``store/readahead.py``).
     """
     rd = _rundir(run_dir)
     if step < 0 or want < 0:
         raise ValueError(f"claim_step: step ({step}) and want ({want}) must be >= 0")
-    done = _load_committed(rd, step)
+    done = _load_committed(rd, step, read)
     if done is not None:
         return done
     for d in (rd.traj_ready, rd.traj_claimed, rd.traj_quarantine):
@@ -431,7 +435,7 @@ def claim_step(run_dir, step: int, want: int, consumer: str, admit: Admission | 
     if uid_window_steps < 1:
         raise ValueError(f"claim_step: uid_window_steps ({uid_window_steps}) must be >= 1")
     claim = _Claim(rd, step, consumer, quarantine_invalid, admit,
-                   seen=consumed_uids(rd, step, uid_window_steps), uid_window_steps=uid_window_steps)
+                   seen=consumed_uids(rd, step, uid_window_steps), uid_window_steps=uid_window_steps, read=read)
     claim.open()
     claim.absorb_existing()
     t0, waited = time.monotonic(), 0.0

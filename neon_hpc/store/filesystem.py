@@ -11,7 +11,8 @@ from neon_hpc.config.store import StoreConfig
 from neon_hpc.protocol.rundir import RunDir, remove_stale_tmp
 from neon_hpc.store import schema as S
 from neon_hpc.store.base import StoreCounts, TrajectoryStore
-from neon_hpc.store.claim import ClaimResult, claim_step, claimed_steps, ready_count
+from neon_hpc.store.claim import ClaimResult, claim_step, claimed_steps, ready_count, ready_shards
+from neon_hpc.store.readahead import ReadAhead
 from neon_hpc.store.reader import read_shard
 from neon_hpc.store.trajectory import Trajectory
 from neon_hpc.store.writer import TMP_SUFFIX, ShardWriter, write_shard
@@ -30,6 +31,7 @@ class FilesystemStore(TrajectoryStore):
     def __init__(self, run_dir, cfg: StoreConfig = StoreConfig()):
         self.run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.cfg = cfg
+        self._ahead: ReadAhead | None = None    # store.read_ahead (store/readahead.py), from read_ahead()
 
     def writer(self, writer_id: str, job_id: str | None = None) -> ShardWriter:
         return ShardWriter(self.run, writer_id, self.cfg, job_id=job_id)
@@ -40,7 +42,20 @@ class FilesystemStore(TrajectoryStore):
     def claim(self, step: int, want: int, consumer: str, **kwargs) -> ClaimResult:
         kwargs.setdefault("quarantine_invalid", self.cfg.quarantine_invalid)
         kwargs.setdefault("uid_window_steps", self.cfg.uid_window_steps)
+        if self._ahead is not None:
+            kwargs.setdefault("read", self._ahead.read)
         return claim_step(self.run, step, want, consumer, **kwargs)
+
+    def read_ahead(self, want: int) -> None:
+        if not self.cfg.read_ahead:
+            return
+        if self._ahead is None:
+            self._ahead = ReadAhead(self.run.traj_ready, lambda: ready_shards(self.run))
+        self._ahead.start(want)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
 
     def claimed_steps(self) -> list[int]:
         return claimed_steps(self.run)

@@ -12,6 +12,8 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
    shards, resumable, keeping what the stale policy against version N-1 keeps); every rank then
    reads the committed claim (the same call returns the recorded trajectories) and applies the
    stale policy it recorded (``neon_hpc.train.offpolicy``: masks the tokens over the bound);
+   the shards the next claim will read are read while the step trains (``store.read_ahead``,
+   :mod:`neon_hpc.store.readahead`);
 2. GRPO advantages per group (``group_id``, else ``task_id``) over the claimed trajectories;
 3. the balancer assigns micro-batches per DP rank (``balance.configured.assignment_for_config``: the
    configured method, cost model and split policy; an error stops the step), sharded over
@@ -175,16 +177,17 @@ class StepData:
 
 
 def _claim(run: RunDir, cfg: TrainerSections, step: int, rank: int, world: int, pre: Preemption,
-           log: RoleLogger, on_wait=None):
+           log: RoleLogger, store, on_wait=None):
     """Rank 0 claims; then every other rank reads the committed claim back (the same trajectories).
 
     Rank 0 waits for data in slices of ``CLAIM_SLICE_S`` and tells the others after each one,
     so no collective stays open for long (a process-group timeout is minutes) and heartbeats
     and preemption signals stay live on every rank while rollouts catch up.  ``on_wait()`` runs
     on every rank after each empty slice (the loop finalizes a checkpoint written meanwhile).
+    ``store`` is the loop's (``open_store``: it brings ``store.quarantine_invalid``,
+    ``store.uid_window_steps`` and the read-ahead of the shards a claim reads).
     """
 
-    store = open_store(run, cfg.store)   # the store brings store.quarantine_invalid, store.uid_window_steps
     # the claim keeps what the stale policy keeps (train/offpolicy.py), which masks after the claim
     kwargs = dict(want=cfg.train.trajectories_per_step, consumer=CONSUMER,
                   admit=offpolicy.StalePolicy.of(cfg.offpolicy, step - 1), poll_s=cfg.protocol.claim_poll_s)
@@ -483,12 +486,13 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
     preempted = False
     memory = StepHeap.from_env(run.log_dir(ROLE), rank)   # freed heap back to the OS after each step
     outputs = StepOutputs(run, be, cfg, log, rank)         # publishes and checkpoints (train/outputs.py)
+    store = open_store(run, cfg.store)
     while step < t.steps:
         step += 1
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
-        claim = _claim(run, cfg, step, rank, world, pre, log, on_wait=outputs.poll)
+        claim = _claim(run, cfg, step, rank, world, pre, log, store, on_wait=outputs.poll)
         if claim["state"] == "preempted":
             step -= 1
             preempted = True
@@ -498,6 +502,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         res = claim["result"]
         # right after the claim: rollout workers waiting for admission watch this phase change
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.TRAINING).write(run)
+        store.read_ahead(t.trajectories_per_step)   # the next claim's shards read while this step trains
         data = prepare_step(res.trajectories, be.layout.dp, cfg, log if rank == 0 else None)
         ts = time.perf_counter()
         m = train_step(be, data, settings)
@@ -511,6 +516,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         if stop:
             preempted = True
             break
+    store.close()
     outputs.close()       # the last version written and the last checkpoint complete before the trainer exits
     return finish(run, be, log, rank, step, saved_at, preempted, pre)
 
