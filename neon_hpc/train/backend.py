@@ -689,13 +689,21 @@ def load_model_state(be: Backend, loaded: dict[str, Any]) -> None:
 
 
 def param_digest(be: Backend) -> float:
-    """A cheap fingerprint of this rank's parameters (sum of |w|, float64), for logs and tests.
+    """A cheap fingerprint of this rank's parameters (sum of |w|, float64), for logs and tests."""
+    return tensor_digest([p.detach() for p in parameters(be)])
 
-    One multi-tensor kernel and one read-back (on CUDA, one host sync, not one per tensor)."""
-    params = [p.detach() for m in be.models for p in m.parameters()]
-    if not params:
+
+def parameters(be: Backend) -> list[torch.Tensor]:
+    """This rank's parameters, in the order :func:`param_digest` sums them."""
+    return [p for m in be.models for p in m.parameters()]
+
+
+def tensor_digest(tensors: list[torch.Tensor]) -> float:
+    """Sum of |x| over ``tensors`` in float64: one multi-tensor kernel and one read-back (on CUDA,
+    one host sync, not one per tensor); the same figure for a host copy of the same values."""
+    if not tensors:
         return 0.0
-    return float(torch.stack(torch._foreach_norm(params, 1, dtype=torch.float64)).sum())
+    return float(torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float64)).sum())
 
 
 def reduce_sums(values: dict[str, float], group=None) -> dict[str, float]:

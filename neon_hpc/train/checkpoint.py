@@ -67,6 +67,8 @@ from neon_hpc.train.backend import (
     load_model_state,
     model_sharded_state_dict,
     param_digest,
+    parameters,
+    tensor_digest,
 )
 from neon_hpc.util.bounded import REPR_CAP, clip_text
 from neon_hpc.util.procutil import die_with_parent
@@ -242,7 +244,7 @@ class _Pending:
     staging: Path
     request: Any                        # megatron's AsyncRequest (the write, then its finalize_fns)
     state: dict[str, Any]
-    digest: float
+    digest: float | list            # the figure, or the parameters' host copies it is summed from
     record: CheckpointRecord
     done: threading.Event = field(default_factory=threading.Event)
     digests: dict = field(default_factory=dict)
@@ -251,15 +253,16 @@ class _Pending:
     started: float = field(default_factory=time.monotonic)
 
 
-def host_snapshot(sharded: dict) -> dict:
+def host_snapshot(sharded: dict, copies: dict[int, torch.Tensor] | None = None) -> dict:
     """Every tensor of a sharded state dict replaced, in place, by a host copy the next steps
     cannot change: a clone on CPU; on CUDA a pinned ``non_blocking`` copy, then one sync.
-    A tensor reached twice (the same object) is copied once."""
+    A tensor reached twice (the same object) is copied once; ``copies`` (if given) is filled
+    with ``id(original) -> copy``."""
     # deferred: heavy (megatron)
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    copies: dict[int, torch.Tensor] = {}
+    copies = {} if copies is None else copies
     device = []
 
     def host(t: torch.Tensor) -> torch.Tensor:
@@ -361,9 +364,10 @@ class AsyncCheckpointer:
     state (:func:`host_snapshot`), then megatron's ``dist_checkpointing.save(...,
     async_sharded_save=True)`` on these copies: its collectives (sharding validation, the save
     plan) and ``common.pt`` run here, and it returns the write as an AsyncRequest; the RNG
-    states and the parameter digest are taken here too.  A writer thread per checkpoint then
-    writes this rank's ``.distcp`` files (:func:`_write_buckets`) into the hidden staging folder
-    and digests them.  No collective runs on that thread.  :meth:`poll` (collective, at a step
+    states are taken here too.  A writer thread per checkpoint then writes this rank's
+    ``.distcp`` files (:func:`_write_buckets`) into the hidden staging folder, digests them, and
+    sums the parameter digest over the snapshot's copies of the parameters (on the step only
+    where the snapshot does not hold every parameter as itself).  No collective runs on that thread.  :meth:`poll` (collective, at a step
     boundary) asks every rank whether its writer is done; once all are, the trainer's thread
     finalizes: megatron's finalize (gathers the write results, rank 0 writes ``.metadata``),
     then the sealing and rename of :func:`save` (:func:`_publish`).  A checkpoint is visible
@@ -405,13 +409,19 @@ class AsyncCheckpointer:
         lay = self.be.layout
         final, staging = _begin(self.run, lay, step)
         try:
-            snap = host_snapshot(_sharded(self.be, is_loading=False))
+            copies: dict[int, torch.Tensor] = {}
+            snap = host_snapshot(_sharded(self.be, is_loading=False), copies)
+            # the parameter digest from the host copies, on the writer thread, when the snapshot
+            # holds every parameter as itself (megatron's layers do); else here, on the live ones
+            held = [copies.get(id(t)) for t in parameters(self.be)]
+            digest = None if any(h is None for h in held) else held
             strategy, validate = self._save_strategy(snap)
             with _thread_results_queue():
                 request = dist_checkpointing.save(snap, str(staging), sharded_strategy=strategy,
                                                   validate_access_integrity=validate, async_sharded_save=True)
             _save_rng(staging, lay.rank)
-            digest = param_digest(self.be)
+            if digest is None:
+                digest = param_digest(self.be)
         except BaseException as e:
             _discard(e, staging, final, lay.rank)
         rec.snapshot_s = time.perf_counter() - t0
@@ -491,6 +501,8 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         try:
             p.digests = integrity.compute_written(p.staging, _write_buckets(p.request))
+            if isinstance(p.digest, list):
+                p.digest = tensor_digest(p.digest)
         except BaseException as e:      # handed to the trainer's thread
             p.error = e
         p.record.write_s = time.perf_counter() - t0

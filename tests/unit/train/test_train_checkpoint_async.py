@@ -225,3 +225,20 @@ def test_a_write_stuck_past_the_deadline_is_raised_at_the_next_boundary_and_noth
     gate.set()                                                 # the stuck thread ends on its own
     pending.thread.join(60)
     assert not pending.thread.is_alive() and not run.checkpoint(3).exists()
+
+
+def test_the_parameter_digest_is_summed_on_the_writer_thread_from_the_snapshot(tmp_path, trained, monkeypatch):
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+
+    def not_on_the_step(be):
+        raise AssertionError("param_digest ran on the step")
+
+    with monkeypatch.context() as m:
+        m.setattr(ck, "param_digest", not_on_the_step)
+        saver.submit(9, {"version": 9})
+        saved = B.param_digest(trained)
+        trained.step()                              # changes the weights before the writer sums
+        saver.wait()
+    assert ck.read_state(run.checkpoint(9))["param_digest_rank0"] == saved != B.param_digest(trained)
+    assert ck.load(run, trained, 9)["param_digest_checked"]
