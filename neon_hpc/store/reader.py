@@ -29,8 +29,22 @@ class ShardError(Exception):
 
 
 def read_shard(path: str | os.PathLike) -> list[Trajectory]:
-    """All trajectories of one shard, validated (schema, shapes, offsets, checksums)."""
+    """All trajectories of one shard, validated (schema, shapes, offsets, checksums).
+
+    A shard whose name carries its file digest (``schema.ShardName.file_digest``) is checked
+    against it before HDF5 parses a byte: libhdf5 can crash the process on a corrupt header."""
     path = Path(path)
+    sn = S.parse_shard_name(path.name)
+    if sn is not None and sn.file_digest is not None:
+        try:
+            got = S.file_digest(path)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise ShardError(path, f"unreadable ({type(e).__name__}: {e})") from e
+        if got != sn.file_digest:
+            raise ShardError(path, f"file digest mismatch (its name says {sn.file_digest}, the bytes give {got}): "
+                                   f"the file is corrupted or truncated; it is not opened")
     try:
         with h5py.File(path, "r") as f:
             return _Reader(path, f).trajectories()

@@ -8,6 +8,7 @@ the full table; the constants below are what the writer writes and the reader ch
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ DIGESTS_ATTR = "digests"
 
 SHARD_SUFFIX = ".h5"                # a published shard's file name ends so (ShardName below)
 _NAME_RE = re.compile(r"^(?P<ms>\d{13})\.(?P<writer>[A-Za-z0-9_-]+)\.(?P<session>[0-9a-f]{8})"
-                      r"\.(?P<seq>\d{6,})\.n(?P<n>\d+)\.h5$")
+                      r"\.(?P<seq>\d{6,})\.n(?P<n>\d+)(?:\.x(?P<x>[0-9a-f]{16}))?\.h5$")
 _WRITER_BAD = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -65,10 +66,15 @@ class ShardName:
     session: str
     seq: int
     num_trajectories: int
+    # XXH3-64 of the whole file's bytes (16 hex digits, ``.x<digest>`` before the suffix): the
+    # reader checks it before HDF5 parses a byte, so a corrupt header is refused, never parsed
+    # (libhdf5 can crash the process on one); shards named without it are read unchecked
+    file_digest: str | None = None
 
     def __str__(self) -> str:
+        x = f".x{self.file_digest}" if self.file_digest else ""
         return (f"{self.created_ms:013d}.{self.writer}.{self.session}.{self.seq:06d}"
-                f".n{self.num_trajectories}{SHARD_SUFFIX}")
+                f".n{self.num_trajectories}{x}{SHARD_SUFFIX}")
 
 
 def safe_writer(writer_id: str) -> str:
@@ -85,7 +91,16 @@ def parse_shard_name(name: str) -> ShardName | None:
     m = _NAME_RE.match(name)
     if not m:
         return None
-    return ShardName(int(m["ms"]), m["writer"], m["session"], int(m["seq"]), int(m["n"]))
+    return ShardName(int(m["ms"]), m["writer"], m["session"], int(m["seq"]), int(m["n"]), m["x"])
+
+
+def file_digest(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    """XXH3-64 of a file's bytes as 16 hex digits (:attr:`ShardName.file_digest`)."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return f"{h.intdigest():016x}"
 
 
 # --- checksum -------------------------------------------------------------------------

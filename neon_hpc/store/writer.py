@@ -1,6 +1,7 @@
 """Writing shards: :func:`write_shard` (one file) and :class:`ShardWriter` (buffer + publish).
 
-Publishing: the file is written under ``trajectories/tmp/``, fsynced, renamed into
+Publishing: the file is written under ``trajectories/tmp/``, fsynced, digested (XXH3-64 of its
+bytes, into its published name: ``schema.ShardName.file_digest``), renamed into
 ``trajectories/ready/`` and the directory fsynced. A crash at any point leaves either no
 file in ready/ or a complete one; a leftover ``tmp/.<name>.tmp.part`` is removed by the next writer
 with the same ``writer_id``, or by any writer once it is ``stale_tmp_s`` old (README).
@@ -8,6 +9,7 @@ with the same ``writer_id``, or by any writer once it is ``stale_tmp_s`` old (RE
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -265,14 +267,15 @@ class ShardWriter:
         """Publish everything buffered as one shard; returns its path in ready/ (None if empty)."""
         if not self._buf:
             return None
-        name = str(S.ShardName(int(time.time() * 1000), self._name_writer, self._session,
-                               self._seq, len(self._buf)))
-        tmp = self.rd.traj_tmp / tmp_name(name)
-        final = self.rd.traj_ready / name
+        sn = S.ShardName(int(time.time() * 1000), self._name_writer, self._session, self._seq, len(self._buf))
+        tmp = self.rd.traj_tmp / tmp_name(str(sn))
+        final = self.rd.traj_ready / str(sn)
         try:
             info = write_shard(tmp, self._buf, self.writer_id, self.job_id, self.cfg)
             if self.cfg.fsync:
                 fsync_file(tmp)
+            name = str(dataclasses.replace(sn, file_digest=S.file_digest(tmp)))   # the name carries the bytes' digest
+            final = self.rd.traj_ready / name
             os.rename(tmp, final)
             if self.cfg.fsync:
                 fsync_dir(final.parent)

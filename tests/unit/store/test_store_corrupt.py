@@ -1,6 +1,10 @@
 """Corrupt shards are refused with a reason that names the fault, quarantined, and the run goes on."""
 
+import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -12,12 +16,19 @@ from neon_hpc.store.claim import REASON_SUFFIX
 from neon_hpc.store.synthetic import make_trajectory
 
 
-def _good_shard(run, seed, n_traj=2, writer="w"):
+def _good_shard(run, seed, n_traj=2, writer="w", legacy=True):
+    """A published shard; ``legacy``: renamed without its file digest (the name's ``.x<digest>``),
+    as shards written before it were, so the reader's own checks are what meets the damage."""
     rng = np.random.default_rng(seed)
     with ShardWriter(run, f"{writer}{seed}", StoreConfig(fsync=False)) as w:
         for i in range(n_traj):
             w.add(make_trajectory(rng, 50 + 10 * i, num_experts=16, task_id=f"{writer}{seed}-{i}"))
-    return w.published[0].path
+    p = w.published[0].path
+    if not legacy:
+        return p
+    sn = S.parse_shard_name(p.name)
+    assert sn.file_digest is not None                  # the writer names what it wrote
+    return p.rename(p.with_name(str(dataclasses.replace(sn, file_digest=None))))
 
 
 def _flip_byte_in(path, dataset, rel=0.5):
@@ -78,6 +89,51 @@ def test_read_shard_names_the_file_and_the_fault(tmp_path, kind):
         read_shard(p)
     assert words in ei.value.reason
     assert str(p) in str(ei.value)
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_a_shard_named_with_its_digest_is_refused_before_hdf5_opens_it(tmp_path, kind, monkeypatch):
+    p = _good_shard(tmp_path, 1, legacy=False)
+    read_shard(p)
+    CORRUPTIONS[kind][0](p)
+
+    def never(*a, **k):
+        raise AssertionError("h5py opened a shard whose digest does not match")
+
+    monkeypatch.setattr("neon_hpc.store.reader.h5py.File", never)
+    with pytest.raises(ShardError, match="file digest mismatch .*it is not opened") as ei:
+        read_shard(p)
+    assert str(p) in str(ei.value)
+
+
+SWEEP = r"""
+import sys
+from pathlib import Path
+from neon_hpc.store import ShardError, read_shard
+p = Path(sys.argv[1])
+raw, caught = p.read_bytes(), 0
+for i in range(len(raw)):
+    b = bytearray(raw)
+    b[i] ^= 0xFF
+    p.write_bytes(bytes(b))
+    try:
+        read_shard(p)
+    except ShardError as e:
+        caught += "file digest mismatch" in e.reason
+p.write_bytes(raw)
+print(len(raw), caught, len(read_shard(p)))
+"""
+
+
+def test_every_single_byte_flip_of_a_digest_named_shard_is_refused_and_none_crashes(tmp_path):
+    # unchecked, one flipped byte of the HDF5 header (offset ~2000 of such a shard) made libhdf5
+    # crash the process (SIGSEGV): a trainer that claimed it died, and died again on resume
+    p = _good_shard(tmp_path, 1, legacy=False)
+    r = subprocess.run([sys.executable, "-c", SWEEP, str(p)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    size, caught, kept = map(int, r.stdout.split())
+    assert caught == size and kept == 2
 
 
 def test_missing_file_is_not_a_shard_error(tmp_path):
