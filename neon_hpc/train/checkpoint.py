@@ -367,8 +367,9 @@ class AsyncCheckpointer:
     states are taken here too.  A writer thread per checkpoint then writes this rank's
     ``.distcp`` files (:func:`_write_buckets`) into the hidden staging folder, digests them, and
     sums the parameter digest over the snapshot's copies of the parameters (on the step only
-    where the snapshot does not hold every parameter as itself).  No collective runs on that thread.  :meth:`poll` (collective, at a step
-    boundary) asks every rank whether its writer is done; once all are, the trainer's thread
+    where the snapshot does not hold every parameter as itself).  No collective runs on that
+    thread.  :meth:`poll` (collective, at a step boundary) asks every rank whether its writer is
+    done; once all are, the trainer's thread
     finalizes: megatron's finalize (gathers the write results, rank 0 writes ``.metadata``),
     then the sealing and rename of :func:`save` (:func:`_publish`).  A checkpoint is visible
     only then, complete.  At most one is in flight: a :meth:`submit` while one is still
