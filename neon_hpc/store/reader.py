@@ -34,17 +34,7 @@ def read_shard(path: str | os.PathLike) -> list[Trajectory]:
     A shard whose name carries its file digest (``schema.ShardName.file_digest``) is checked
     against it before HDF5 parses a byte: libhdf5 can crash the process on a corrupt header."""
     path = Path(path)
-    sn = S.parse_shard_name(path.name)
-    if sn is not None and sn.file_digest is not None:
-        try:
-            got = S.file_digest(path)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise ShardError(path, f"unreadable ({type(e).__name__}: {e})") from e
-        if got != sn.file_digest:
-            raise ShardError(path, f"file digest mismatch (its name says {sn.file_digest}, the bytes give {got}): "
-                                   f"the file is corrupted or truncated; it is not opened")
+    check_file_digest(path)
     try:
         with h5py.File(path, "r") as f:
             return _Reader(path, f).trajectories()
@@ -58,9 +48,28 @@ def read_shard(path: str | os.PathLike) -> list[Trajectory]:
                                f"or corrupted") from e
 
 
+def check_file_digest(path: Path) -> None:
+    """Raise :class:`ShardError` when ``path``'s name carries a file digest its bytes do not give
+    (before anything opens it as HDF5); a name without one passes unchecked."""
+    sn = S.parse_shard_name(path.name)
+    if sn is None or sn.file_digest is None:
+        return
+    try:
+        got = S.file_digest(path)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ShardError(path, f"unreadable ({type(e).__name__}: {e})") from e
+    if got != sn.file_digest:
+        raise ShardError(path, f"file digest mismatch (its name says {sn.file_digest}, the bytes give {got}): "
+                               f"the file is corrupted or truncated; it is not opened")
+
+
 def shard_summary(path: str | os.PathLike) -> dict[str, Any]:
-    """File attributes and dataset shapes, without reading or checking the payload."""
+    """File attributes and dataset shapes, without reading or checking the payload (the file
+    digest its name carries is checked first, as :func:`read_shard` does)."""
     path = Path(path)
+    check_file_digest(path)
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}

@@ -49,6 +49,16 @@ def test_verify_fails_on_a_truncated_shard(tmp_path, capsys):
     assert "ok       " in out and f"INVALID  {bad}" in out
 
 
+def test_inspect_refuses_a_corrupt_digest_named_shard_without_opening_it(tmp_path, capsys):
+    p = _shard(tmp_path)
+    raw = bytearray(p.read_bytes())
+    raw[1993] ^= 0xFF                 # a header byte: unchecked, libhdf5 crashed on such a flip
+    p.write_bytes(bytes(raw))
+    assert main(["inspect", str(p)]) == 1
+    assert "file digest mismatch" in capsys.readouterr().err
+    assert main(["verify", str(p)]) == 1
+
+
 def test_ls_counts_ready_claimed_and_quarantine_with_reasons(tmp_path, capsys):
     _shard(tmp_path, writer="a")
     claim_step(tmp_path, 0, want=3, consumer="trainer-0", timeout_s=0)
