@@ -44,7 +44,12 @@ class TrainConfig:
     pipeline_first_stage_layers: int = 0   # uneven PP: layers on the first stage (0 = even share)
     pipeline_last_stage_layers: int = 0    # uneven PP: layers on the last stage (0 = even share)
     virtual_pipeline_stages: int = 1     # > 1: interleaved 1F1B with this many model chunks per stage
-    checkpoint_every: int = 4
+    # checkpoints/step_N every this many steps (0: none by count) ...
+    checkpoint_every: int = 0
+    # ... and at the first step this many seconds after the last one (0: none by time); also at the
+    # last step and on a preemption signal. By time by default: a count that suits a 0.2 s step
+    # writes GBs every second; one that suits a 5-minute step loses an hour to a crash
+    checkpoint_every_s: float = 600.0
     publish_every: int = 1
     publish_via: Literal["direct", "reshard"] = "direct"   # HF export: in-memory gather, or reshard the checkpoint
     wait_for_data_s: float = 600.0
@@ -68,7 +73,9 @@ class TrainConfig:
         "grad_clip": at_least(0, "0 = no clipping"),
         "clip_eps": Range(gt=0, lt=1),
         "kl_coef": at_least(0),
-        **{k: at_least(1) for k in ("trajectories_per_step", "checkpoint_every", "publish_every",
+        "checkpoint_every": at_least(0, "0 = not by step count"),
+        "checkpoint_every_s": at_least(0, "seconds; 0 = not by time"),
+        **{k: at_least(1) for k in ("trajectories_per_step", "publish_every",
                                     "tensor_parallel", "pipeline_parallel", "expert_parallel",
                                     "context_parallel", "data_parallel", "virtual_pipeline_stages")},
         "wait_for_data_s": above(0, note="seconds"),

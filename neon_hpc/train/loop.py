@@ -24,7 +24,8 @@ Step N (numbered from 1) trains the weights of version N-1 and produces version 
 5. metrics + log line (rank 0), heartbeat (every rank);
 6. every ``publish_every`` steps: ``weights/v_N`` then ``weights/LATEST`` (direct path: the
    snapshot on the step, the write beside the next steps, :class:`~neon_hpc.train.publish.BackgroundPublisher`);
-   every ``checkpoint_every`` steps and at the end: ``checkpoints/step_N`` (``train.checkpoint_async``,
+   every ``checkpoint_every`` steps, every ``checkpoint_every_s`` seconds and at the end:
+   ``checkpoints/step_N`` (:mod:`neon_hpc.train.outputs` has the rule; ``train.checkpoint_async``,
    the default: the snapshot on the step, the write beside the next steps, finalized and renamed
    into place at a later step boundary, :class:`~neon_hpc.train.checkpoint.AsyncCheckpointer`;
    false: synchronous).
@@ -128,12 +129,17 @@ class Preemption(StopFlag):
 
 
 def _any_rank(flag: bool, world: int) -> bool:
+    return _any_ranks([flag], world)[0]
+
+
+def _any_ranks(flags: list[bool], world: int) -> list[bool]:
+    """Each flag: set on any rank (one all-reduce for all of them)."""
     if world == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+        return [bool(f) for f in flags]
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32,
                      device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 # --------------------------------------------------------------------------------------
@@ -507,8 +513,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         ts = time.perf_counter()
         m = train_step(be, data, settings)
         m["train_step_s"] = time.perf_counter() - ts     # the bare step (the loop's time is step_time_s)
-        stop = _any_rank(pre.requested, world)
-        published, saved = outputs.after_step(step, stop, m, {"claimed_shards": [p.name for p in res.shards]})
+        stop, timed = _any_ranks([pre.requested, outputs.time_due()], world)
+        published, saved = outputs.after_step(step, stop, m, {"claimed_shards": [p.name for p in res.shards]},
+                                              timed=timed)
         if saved:
             saved_at = step
         _report(run, log, rank, step, res, data, m, claim.get("waited_s", 0.0), time.perf_counter() - t0, published)

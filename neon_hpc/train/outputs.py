@@ -1,10 +1,12 @@
 """What a trainer writes after a step, RL and SFT alike: published weights and checkpoints.
 
 The rule, in one place: after step N, ``weights/v_N`` every ``train.publish_every`` steps and at
-the last step; ``checkpoints/step_N`` every ``train.checkpoint_every`` steps, at the last step,
-when a preemption stops the loop, and at every publish of ``publish_via: reshard`` (it converts
-that checkpoint).  The direct path publishes before the checkpoint, so engines get new weights
-without waiting for it.
+the last step; ``checkpoints/step_N`` every ``train.checkpoint_every`` steps (0: not by count), at
+the first step ``train.checkpoint_every_s`` seconds after the last checkpoint or the loop's start
+(0: not by time; rank 0's clock decides, :meth:`StepOutputs.time_due` joins the loop's one
+all-reduce of the stop flag), at the last step, when a preemption stops the loop, and at every
+publish of ``publish_via: reshard`` (it converts that checkpoint).  The direct path publishes
+before the checkpoint, so engines get new weights without waiting for it.
 
 Beside the steps where configured: the direct publish is a snapshot on the step and a write on
 :class:`~neon_hpc.train.publish.BackgroundPublisher`'s thread; with ``train.checkpoint_async``
@@ -36,6 +38,13 @@ class StepOutputs:
         self.publisher = BackgroundPublisher(run, cfg.model, rank) if t.publish_via == "direct" else None
         self.checkpointer = (ckpt.AsyncCheckpointer(run, be, log, t.checkpoint_write_timeout_s)
                              if t.checkpoint_async else None)
+        self._checkpointed_at = time.monotonic()      # the loop's start, then each checkpoint's step
+
+    def time_due(self) -> bool:
+        """Rank 0: ``train.checkpoint_every_s`` has passed since the last checkpoint (or the start);
+        other ranks say False (the loop takes the maximum over ranks, so rank 0's clock decides)."""
+        every = self.cfg.train.checkpoint_every_s
+        return self.rank == 0 and every > 0 and time.monotonic() - self._checkpointed_at >= every
 
     def poll(self) -> None:
         """Collective, at a step boundary or while waiting for data: finalize a checkpoint whose
@@ -43,14 +52,17 @@ class StepOutputs:
         if self.checkpointer is not None:
             self.checkpointer.poll()
 
-    def after_step(self, step: int, stop: bool, m: dict, state: dict[str, Any]) -> tuple[int | None, bool]:
-        """Collective: what is due after ``step`` (``stop``: a preemption ends the loop here);
-        ``state`` joins the checkpoint's state record.  Adds to the metrics ``m``; returns the
-        version published (or None) and whether a checkpoint was taken."""
+    def after_step(self, step: int, stop: bool, m: dict, state: dict[str, Any],
+                   timed: bool = False) -> tuple[int | None, bool]:
+        """Collective: what is due after ``step`` (``stop``: a preemption ends the loop here;
+        ``timed``: :meth:`time_due` on some rank); ``state`` joins the checkpoint's state record.
+        Adds to the metrics ``m``; returns the version published (or None) and whether a
+        checkpoint was taken."""
         t = self.cfg.train
         reshard = t.publish_via == "reshard"
         publish_due = step % t.publish_every == 0 or step == t.steps
-        ckpt_due = step % t.checkpoint_every == 0 or step == t.steps or stop or (publish_due and reshard)
+        counted = t.checkpoint_every > 0 and step % t.checkpoint_every == 0
+        ckpt_due = counted or timed or step == t.steps or stop or (publish_due and reshard)
         published = None
         if self.publisher is not None and publish_due:
             m["publish_s"] = self.publisher.submit(self.be, step, step=step)   # the snapshot; the write beside
@@ -68,6 +80,7 @@ class StepOutputs:
             else:
                 ckpt.save(self.run, self.be, step, full)
             m["checkpoint_s"] = time.perf_counter() - c0        # what the step paid
+            self._checkpointed_at = time.monotonic()
         if self.checkpointer is not None:
             m.update(_checkpoint_metrics(self._log_checkpoints()))
         if publish_due and reshard:

@@ -36,7 +36,7 @@ from neon_hpc.protocol.records import TrainerBeat, TrainerPhase
 from neon_hpc.protocol.rundir import RunDir
 from neon_hpc.store import store_kind
 from neon_hpc.train import writers
-from neon_hpc.train.loop import TrainerError, _any_rank, _startup, finish, prepare_step, setup_backend, train_step
+from neon_hpc.train.loop import TrainerError, _any_ranks, _startup, finish, prepare_step, setup_backend, train_step
 from neon_hpc.train.loss import sft_loss, sft_term_means
 from neon_hpc.train.outputs import StepOutputs
 from neon_hpc.train.sections import TrainerSections
@@ -99,8 +99,8 @@ def run_sft(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleL
         trajs = [copy.copy(data_set[i]) for i in idx]
         data = prepare_step(trajs, be.layout.dp, cfg)
         m = train_step(be, data, None, loss=_loss, means=sft_term_means)
-        stop = _any_rank(pre.requested, world)
-        _published, saved = outputs.after_step(step, stop, m, {"mode": "sft"})
+        stop, timed = _any_ranks([pre.requested, outputs.time_due()], world)
+        _published, saved = outputs.after_step(step, stop, m, {"mode": "sft"}, timed=timed)
         if saved:
             saved_at = step
         TrainerBeat(rank=rank, step=step, version=step, phase=TrainerPhase.STEPPED).write(run)
