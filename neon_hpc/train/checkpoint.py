@@ -97,7 +97,38 @@ def _sharded(be: Backend, is_loading: bool) -> dict:
     chunks' dicts whatever their nesting), so a checkpoint saved with V chunks loads with
     another V, PP, TP, EP, CP or DP."""
     model_sd = model_sharded_state_dict(be)
-    return {**model_sd, "optimizer": be.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    with _factory_repr_without_data():
+        optimizer_sd = be.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return {**model_sd, "optimizer": optimizer_sd}
+
+
+@contextlib.contextmanager
+def _factory_repr_without_data():
+    """Within: megatron's ``ShardedTensorFactory`` prints as its key, shape, dtype and replica, not
+    its tensor's values.
+
+    megatron's ``get_param_id_to_sharded_param_map`` formats each model tensor that one of a
+    chained optimizer's parts does not track into a debug message, an f-string built whatever the
+    log level.  ``ShardedTensor`` keeps its data out of its repr; a factory's dataclass repr prints
+    its tensor: every value formatted on the host, which on CUDA is a device-to-host copy and a
+    host sync each (16 per checkpoint of the benchmark's model, ~20 ms of Python on a CPU one)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # deferred: heavy (megatron)
+
+    def short(self) -> str:
+        d = self.data
+        what = f"{tuple(d.shape)} {d.dtype}" if isinstance(d, torch.Tensor) else type(d).__name__
+        return f"ShardedTensorFactory(key={self.key!r}, data={what}, replica_id={self.replica_id!r})"
+
+    had = "__repr__" in vars(ShardedTensorFactory)
+    real = vars(ShardedTensorFactory).get("__repr__")
+    ShardedTensorFactory.__repr__ = short
+    try:
+        yield
+    finally:
+        if had:
+            ShardedTensorFactory.__repr__ = real
+        else:
+            del ShardedTensorFactory.__repr__
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -242,3 +242,23 @@ def test_the_parameter_digest_is_summed_on_the_writer_thread_from_the_snapshot(t
         saver.wait()
     assert ck.read_state(run.checkpoint(9))["param_digest_rank0"] == saved != B.param_digest(trained)
     assert ck.load(run, trained, 9)["param_digest_checked"]
+
+
+def test_the_sharded_state_formats_no_tensor(trained, monkeypatch):
+    """megatron's optimizer mapping builds a debug message from each tensor a chained optimizer's part
+    does not track (whatever the log level); with the tensor's values printed that is a host sync
+    per tensor on CUDA.  Building the state dict of a save (and of a load) formats no tensor;
+    outside it megatron's factories print as megatron prints them."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    assert len(trained.optimizer.chained_optimizers) > 1       # the case that formats tensors
+    formatted = []
+    real = torch._tensor_str._str
+    monkeypatch.setattr(torch._tensor_str, "_str", lambda t, *a, **k: formatted.append(t.shape) or real(t, *a, **k))
+    megatron_repr = ShardedTensorFactory.__repr__
+    for loading in (False, True):
+        sd = ck._sharded(trained, is_loading=loading)
+        assert formatted == [], (loading, formatted[:4])
+    factory = next(v for v in nested_values(sd) if isinstance(v, ShardedTensorFactory))
+    assert ShardedTensorFactory.__repr__ is megatron_repr and "tensor(" in repr(factory) and formatted
