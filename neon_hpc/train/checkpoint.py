@@ -219,18 +219,24 @@ def _save_rng(staging: Path, rank: int) -> None:
 
 def _publish(staging: Path, final: Path, be: Backend, step: int, state: dict[str, Any], digest: float,
              blob_digests: dict[str, dict]) -> None:
-    """Collective, once every rank's files are in ``staging``: rank 0 seals it (integrity.json,
-    config.json, trainer_state.json) and renames it into place; then a barrier."""
-    lay = be.layout
-    if lay.rank == 0:
-        integrity.write(staging, blob_digests)
-        (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
-                                                         sort_keys=True) + "\n")
-        full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
-                      "layout": lay.as_record(), "precision": be.precision}
-        (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
-        publish_dir(staging, final)
-    _barrier(lay.world)
+    """Collective, once every rank's files are in ``staging``: rank 0 seals it and renames it into
+    place (:func:`_seal`); then a barrier."""
+    if be.layout.rank == 0:
+        _seal(staging, final, be, step, state, digest, blob_digests)
+    _barrier(be.layout.world)
+
+
+def _seal(staging: Path, final: Path, be: Backend, step: int, state: dict[str, Any], digest: float,
+          blob_digests: dict[str, dict]) -> None:
+    """Rank 0, no collective: integrity.json (checked against the ``.metadata`` megatron wrote),
+    config.json, trainer_state.json, then every file fsynced and the folder renamed into place."""
+    integrity.write(staging, blob_digests)
+    (staging / HF_CONFIG_FILE).write_text(json.dumps(hf_config_for_model(be.model_cfg), indent=1,
+                                                     sort_keys=True) + "\n")
+    full_state = {**state, "step": step, "time": time.time(), "param_digest_rank0": digest,
+                  "layout": be.layout.as_record(), "precision": be.precision}
+    (staging / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True) + "\n")
+    publish_dir(staging, final)
 
 
 def _discard(e: BaseException, staging: Path, final: Path, rank: int) -> None:
@@ -261,7 +267,8 @@ class CheckpointRecord:
     snapshot_s: float = 0.0     # on the step: host copy, megatron's save plan, common.pt, rng
     waited_s: float = 0.0       # on the step: waiting for the previous checkpoint to finish first
     write_s: float = 0.0        # beside the steps: the .distcp files and their digests
-    finalize_s: float = 0.0     # on a later step: .metadata, integrity.json, trainer_state.json, rename
+    finalize_s: float = 0.0     # on a later step: megatron's finalize (.metadata), the digests gathered
+    seal_s: float = 0.0         # beside the steps (rank 0): integrity.json, trainer_state.json, fsyncs, rename
     error: str | None = None
 
     def as_dict(self) -> dict:
@@ -282,6 +289,9 @@ class _Pending:
     error: BaseException | None = None
     thread: threading.Thread | None = None
     started: float = field(default_factory=time.monotonic)
+    sealing: bool = False               # finalized on the step; rank 0's seal thread publishes it
+    sealed: threading.Event = field(default_factory=threading.Event)
+    sealer: threading.Thread | None = None
 
 
 def host_snapshot(sharded: dict, copies: dict[int, torch.Tensor] | None = None) -> dict:
@@ -400,14 +410,16 @@ class AsyncCheckpointer:
     sums the parameter digest over the snapshot's copies of the parameters (on the step only
     where the snapshot does not hold every parameter as itself).  No collective runs on that
     thread.  :meth:`poll` (collective, at a step boundary) asks every rank whether its writer is
-    done; once all are, the trainer's thread
-    finalizes: megatron's finalize (gathers the write results, rank 0 writes ``.metadata``),
-    then the sealing and rename of :func:`save` (:func:`_publish`).  A checkpoint is visible
-    only then, complete.  At most one is in flight: a :meth:`submit` while one is still
-    writing waits for it first (logged).  :meth:`wait` finishes the one in flight (the loop
-    calls it before exiting, so the final checkpoint is complete at exit); a writer's error, or a
-    write still running ``train.checkpoint_write_timeout_s`` after its submit on any rank (a hung
-    mount), is raised as :class:`CheckpointWriteError` at the next :meth:`poll` / :meth:`wait` /
+    done; once all are, the trainer's thread finalizes what needs every rank: megatron's finalize
+    (gathers the write results, rank 0 writes ``.metadata``) and the digests gathered.  Rank 0's
+    sealing (:func:`_seal`: integrity.json, trainer_state.json, the fsyncs and the rename) then
+    runs on a thread beside the next step, and a later :meth:`poll` returns the record once it
+    ended.  A checkpoint is visible only then, complete.  At most one is in flight: a
+    :meth:`submit` while one is still writing or sealing waits for it first (logged).
+    :meth:`wait` finishes the one in flight (the loop calls it before exiting, so the final
+    checkpoint is complete at exit); a writer's or the seal's error, or a checkpoint still not
+    published ``train.checkpoint_write_timeout_s`` after its submit on any rank (a hung mount),
+    is raised as :class:`CheckpointWriteError` at the next :meth:`poll` / :meth:`wait` /
     :meth:`submit` on every rank, with nothing published.
     """
 
@@ -488,7 +500,8 @@ class AsyncCheckpointer:
         p = self._pending
         if p is None:
             return None
-        busy = not p.done.is_set()
+        event = p.sealed if p.sealing else p.done
+        busy = not event.is_set()
         overdue = busy and time.monotonic() - p.started > self.write_timeout_s
         busy, failed, overdue = _max_over_ranks([int(busy), int(p.error is not None), int(overdue)],
                                                 self.be.layout.world)
@@ -496,30 +509,44 @@ class AsyncCheckpointer:
             raise self._stuck(p)
         if busy and not failed:
             return None
-        return self._finalize(p, failed)
+        if p.sealing:
+            return self._published(p, failed)
+        self._finalize(p, failed)
+        return None
 
     def wait(self) -> CheckpointRecord | None:
         """Collective: block until the checkpoint in flight is complete and visible; its record."""
         p = self._pending
         if p is None:
             return None
-        if not p.done.wait(max(0.0, self.write_timeout_s - (time.monotonic() - p.started))):
+        if not p.sealing:
+            if not p.done.wait(self._left(p)):
+                raise self._stuck(p)
+            _busy, failed = _max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
+            self._finalize(p, failed)
+        late = not p.sealed.wait(self._left(p))
+        late, failed = _max_over_ranks([int(late), int(p.error is not None)], self.be.layout.world)
+        if late and not failed:
             raise self._stuck(p)
-        _busy, failed = _max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
-        return self._finalize(p, failed)
+        return self._published(p, failed)
+
+    def _left(self, p: _Pending) -> float:
+        """Seconds left of ``p``'s deadline (``write_timeout_s`` from its submit)."""
+        return max(0.0, self.write_timeout_s - (time.monotonic() - p.started))
 
     def _stuck(self, p: _Pending) -> CheckpointWriteError:
         """The error for a write still running ``write_timeout_s`` after its submit (on this rank or
         another): its staging folder is removed (rank 0), nothing was published; the writer thread
         is left to end on its own (a Python thread cannot be killed) and the trainer exits."""
         self._pending = None
-        p.record.error = f"still writing after {self.write_timeout_s:.0f}s"
+        doing = "sealing" if p.sealing else "writing"
+        p.record.error = f"still {doing} after {self.write_timeout_s:.0f}s"
         self._done.append(p.record)
-        if self.be.layout.rank == 0:
+        if self.be.layout.rank == 0 and not p.sealing:    # a seal may be renaming it: left hidden as it is
             shutil.rmtree(p.staging, ignore_errors=True)
-        where = f"rank {self.be.layout.rank}" if not p.done.is_set() else "another rank"
+        where = f"rank {self.be.layout.rank}" if not (p.sealed if p.sealing else p.done).is_set() else "another rank"
         return CheckpointWriteError(
-            f"checkpoint {p.final.name} still writing on {where} {self.write_timeout_s:.0f}s after it began "
+            f"checkpoint {p.final.name} still {doing} on {where} {self.write_timeout_s:.0f}s after it began "
             f"(train.checkpoint_write_timeout_s); nothing was published (a resume takes the newest complete "
             f"checkpoint). Check the filesystem under {p.final.parent} (a hung mount, a full quota), or raise "
             f"that key if saves are legitimately this slow")
@@ -540,21 +567,13 @@ class AsyncCheckpointer:
         p.record.write_s = time.perf_counter() - t0
         p.done.set()
 
-    def _finalize(self, p: _Pending, failed: int) -> CheckpointRecord:
-        self._pending = None
+    def _finalize(self, p: _Pending, failed: int) -> None:
+        """Collective, once every rank's writer ended: a writer's failure is raised on every rank;
+        else megatron's finalize and the digests gathered, here, and rank 0's seal begins on its
+        thread (:meth:`_seal`)."""
         lay = self.be.layout
-        rec = p.record
-        self._done.append(rec)
         if failed:
-            why = f"{type(p.error).__name__}: {p.error}" if p.error is not None else "failed on another rank"
-            rec.error = why
-            if lay.rank == 0:
-                shutil.rmtree(p.staging, ignore_errors=True)
-            err = CheckpointWriteError(
-                f"checkpoint {p.final} failed on the writer thread of rank {lay.rank}: {why}; nothing was "
-                f"published (a resume takes the newest complete checkpoint); fix the cause (space, "
-                f"permissions or quota under {p.final.parent}) and run the job again")
-            raise err from p.error
+            self._failed(p, "writer thread")
         t0 = time.perf_counter()
         try:
             for fn in p.request.finalize_fns:   # megatron: gather the write results, .metadata, metadata.json
@@ -564,12 +583,53 @@ class AsyncCheckpointer:
                 parts: list = [None] * lay.world
                 dist.all_gather_object(parts, p.digests)
                 blob_digests = {k: v for part in parts for k, v in part.items()}
-            _publish(p.staging, p.final, self.be, p.step, p.state, p.digest, blob_digests)
         except BaseException as e:
-            rec.error = f"{type(e).__name__}: {e}"
+            self._pending = None
+            self._done.append(p.record)
+            p.record.error = f"{type(e).__name__}: {e}"
             _discard(e, p.staging, p.final, lay.rank)
-        rec.finalize_s = time.perf_counter() - t0
-        return rec
+        p.record.finalize_s = time.perf_counter() - t0
+        p.sealing = True
+        if lay.rank == 0:
+            p.sealer = threading.Thread(target=self._seal, args=(p, blob_digests), name=f"neon-ckpt-seal-{p.step}",
+                                        daemon=True)
+            p.sealer.start()
+        else:
+            p.sealed.set()
+
+    def _seal(self, p: _Pending, blob_digests: dict[str, dict]) -> None:
+        """Rank 0's seal thread: :func:`_seal` beside the step; an error is kept for the trainer's
+        thread and the staging folder removed (nothing visible)."""
+        t0 = time.perf_counter()
+        try:
+            _seal(p.staging, p.final, self.be, p.step, p.state, p.digest, blob_digests)
+        except BaseException as e:      # handed to the trainer's thread
+            p.error = storage_error(e, p.final, "writing checkpoint") or e
+            shutil.rmtree(p.staging, ignore_errors=True)
+        p.record.seal_s = time.perf_counter() - t0
+        p.sealed.set()
+
+    def _published(self, p: _Pending, failed: int) -> CheckpointRecord:
+        """Collective, once rank 0's seal ended: its record, or its failure raised on every rank."""
+        if failed:
+            self._failed(p, "seal thread")
+        self._pending = None
+        self._done.append(p.record)
+        return p.record
+
+    def _failed(self, p: _Pending, where: str) -> None:
+        """Raise on every rank the failure of ``p`` beside the steps (on this rank or another)."""
+        self._pending = None
+        self._done.append(p.record)
+        lay = self.be.layout
+        why = f"{type(p.error).__name__}: {p.error}" if p.error is not None else "failed on another rank"
+        p.record.error = why
+        if lay.rank == 0:
+            shutil.rmtree(p.staging, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"checkpoint {p.final} failed on the {where} of rank {lay.rank}: {why}; nothing was "
+            f"published (a resume takes the newest complete checkpoint); fix the cause (space, "
+            f"permissions or quota under {p.final.parent}) and run the job again") from p.error
 
 
 def _max_over_ranks(values: list[int], world: int) -> list[int]:

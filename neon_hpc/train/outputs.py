@@ -16,7 +16,8 @@ boundary (reshard waits for it: it converts the complete checkpoint).  The step'
 what the step paid (``publish_s``, ``checkpoint_s``, ``checkpoint_snapshot_s``,
 ``checkpoint_wait_s``) and what finished beside it since (``publish_done_version``,
 ``publish_write_s``, ``publish_queued_s``, ``publish_superseded``, ``checkpoint_done_step``,
-``checkpoint_write_s``, ``checkpoint_finalize_s``); each finished write is one log line.
+``checkpoint_write_s``, ``checkpoint_finalize_s`` on a step, ``checkpoint_seal_s`` beside one); each
+finished write is one log line.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ class StepOutputs:
         for r in self.checkpointer.completed():
             if self.rank == 0 and not r.error:
                 self.log.info("checkpoint step_%d: snapshot %.3fs on the step (waited %.3fs for the previous one), "
-                              "written in %.3fs beside the steps, finalized in %.3fs", r.step, r.snapshot_s,
-                              r.waited_s, r.write_s, r.finalize_s)
+                              "written in %.3fs beside the steps, finalized in %.3fs on a step, sealed in %.3fs "
+                              "beside one", r.step, r.snapshot_s, r.waited_s, r.write_s, r.finalize_s, r.seal_s)
             out.append(r.as_dict())
         return out
 
@@ -141,10 +142,10 @@ def _publish_metrics(records: list[dict]) -> dict:
 
 def _checkpoint_metrics(records: list[dict]) -> dict:
     """Scalars for the step's metrics record: the newest checkpoint completed since the last step
-    and what it cost beside the steps (its write) and at the boundary that published it."""
+    and what it cost beside the steps (its write, rank 0's seal) and at the boundary that finalized it."""
     done = [r for r in records if not r.get("error")]
     if not done:
         return {}
     r = done[-1]
     return {"checkpoint_done_step": r["step"], "checkpoint_write_s": r["write_s"],
-            "checkpoint_finalize_s": r["finalize_s"]}
+            "checkpoint_finalize_s": r["finalize_s"], "checkpoint_seal_s": r["seal_s"]}

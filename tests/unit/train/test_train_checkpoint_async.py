@@ -262,3 +262,78 @@ def test_the_sharded_state_formats_no_tensor(trained, monkeypatch):
         assert formatted == [], (loading, formatted[:4])
     factory = next(v for v in nested_values(sd) if isinstance(v, ShardedTensorFactory))
     assert ShardedTensorFactory.__repr__ is megatron_repr and "tensor(" in repr(factory) and formatted
+
+
+@pytest.fixture
+def held_seal(monkeypatch):
+    """Rank 0's seal (``checkpoint._seal``, on its thread) waits for ``gate``; ``started`` is set when
+    it begins; ``fail`` set: it raises instead of sealing."""
+    gate, started = threading.Event(), threading.Event()
+    box = {"fail": None}
+    real = ck._seal
+
+    def seal(*args):
+        started.set()
+        assert gate.wait(60), "the test never opened the gate"
+        if box["fail"] is not None:
+            raise box["fail"]
+        return real(*args)
+
+    monkeypatch.setattr(ck, "_seal", seal)
+    return gate, started, box
+
+
+def test_the_seal_runs_beside_the_step_and_the_checkpoint_appears_only_once_sealed(tmp_path, trained, held_seal):
+    gate, started, _ = held_seal
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+    saver.submit(4, {"version": 4})
+    saver._pending.done.wait(60)                # the writer thread is done ...
+    assert saver.poll() is None                 # ... so this boundary finalizes and hands over the seal
+    assert started.wait(60) and saver.in_flight == 4
+    trained.step()                              # a step while rank 0 seals
+    assert saver.poll() is None and not run.checkpoint(4).exists() and ck.latest_complete(run) is None
+    gate.set()
+    saver._pending.sealed.wait(60)
+    rec = saver.poll()                          # the boundary after the seal: published, its record
+    assert rec.step == 4 and rec.error is None and rec.seal_s > 0 and saver.in_flight is None
+    assert ck.latest_complete(run) == 4
+    assert ck.load(run, trained, 4)["digests_verified"]
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]
+
+
+def test_a_seal_error_is_raised_on_the_trainer_thread_and_nothing_is_published(tmp_path, trained, held_seal):
+    gate, started, box = held_seal
+    box["fail"] = OSError(28, "No space left on device")
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained)
+    saver.submit(5, {"version": 5})
+    gate.set()
+    with pytest.raises(ck.CheckpointWriteError, match=r"step_5 failed on the seal thread of rank 0: StorageError"):
+        saver.wait()
+    assert not run.checkpoint(5).exists() and ck.latest_complete(run) is None
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # staging removed
+    (rec,) = saver.completed()
+    assert "No space left" in rec.error and saver.in_flight is None
+    box["fail"] = None
+    saver.submit(6, {"version": 6})
+    saver.wait()
+    assert ck.latest_complete(run) == 6
+
+
+def test_a_seal_stuck_past_the_deadline_is_raised_and_its_folder_is_left_to_it(tmp_path, trained, held_seal):
+    gate, started, _ = held_seal
+    run = run_dir(tmp_path, "run")
+    saver = ck.AsyncCheckpointer(run, trained, write_timeout_s=3600.0)
+    saver.submit(3, {"version": 3})
+    saver._pending.done.wait(60)
+    assert saver.poll() is None and started.wait(60)
+    pending = saver._pending
+    saver.write_timeout_s = 0.0                                # the deadline passes (a hung mount)
+    with pytest.raises(ck.CheckpointWriteError, match=r"step_3 still sealing on rank 0 0s after it began"):
+        saver.poll()
+    assert saver.in_flight is None and not run.checkpoint(3).exists()
+    assert pending.staging.exists()             # not removed under a seal that may be renaming it
+    gate.set()                                  # the seal ends on its own: what it publishes is complete
+    pending.sealer.join(60)
+    assert ck.latest_complete(run) == 3 and ck.load(run, trained, 3)["digests_verified"]
