@@ -65,6 +65,11 @@ class TrajectoryStore(ABC):
     def close(self) -> None:
         """Stop what :meth:`read_ahead` started (the store stays usable)."""
 
+    def read_ahead_counts(self) -> tuple[int, int]:
+        """(shards this store's claims took from the read-ahead's memory, shards they read
+        themselves) since it opened; (0, 0) for a store without a read-ahead."""
+        return 0, 0
+
     @abstractmethod
     def claimed_steps(self) -> list[int]:
         """Steps whose claim is committed, ascending."""

@@ -57,6 +57,9 @@ class FilesystemStore(TrajectoryStore):
         if self._ahead is not None:
             self._ahead.stop()
 
+    def read_ahead_counts(self) -> tuple[int, int]:
+        return (0, 0) if self._ahead is None else (self._ahead.hits, self._ahead.misses)
+
     def claimed_steps(self) -> list[int]:
         return claimed_steps(self.run)
 

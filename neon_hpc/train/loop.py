@@ -498,7 +498,9 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         log.set(step=step, version=step - 1)
         t0 = time.perf_counter()
         TrainerBeat(rank=rank, step=step, version=step - 1, phase=TrainerPhase.CLAIMING).write(run)
+        ahead = store.read_ahead_counts()
         claim = _claim(run, cfg, step, rank, world, pre, log, store, on_wait=outputs.poll)
+        ahead = [n - n0 for n, n0 in zip(store.read_ahead_counts(), ahead)]   # this claim's shards: memory, disk
         if claim["state"] == "preempted":
             step -= 1
             preempted = True
@@ -513,6 +515,7 @@ def _run(cfg: TrainerSections, run: RunDir, rank: int, world: int, log: RoleLogg
         ts = time.perf_counter()
         m = train_step(be, data, settings)
         m["train_step_s"] = time.perf_counter() - ts     # the bare step (the loop's time is step_time_s)
+        m["read_ahead_hits"], m["read_ahead_misses"] = ahead
         stop, timed = _any_ranks([pre.requested, outputs.time_due()], world)
         published, saved = outputs.after_step(step, stop, m, {"claimed_shards": [p.name for p in res.shards]},
                                               timed=timed)

@@ -163,6 +163,12 @@ def test_reference_run_publishes_checkpoints_and_metrics(reference):
         assert sum(r["staleness_hist"].values()) == r["gen_tokens"]
         # token versions of step s lie in [s-3, s-1]; the trainer's version at step s is s-1
         assert 0 <= r["staleness_max"] <= 2 and (r["step"] == 1 or r["staleness_mean"] > 0)
+    # the claim's shards: from the read-ahead's memory or read by the claim; the first claim comes
+    # before any read-ahead; every shard was ready at the start, so a later claim finds the one
+    # read beside the step before
+    assert (recs[0]["read_ahead_hits"], recs[0]["read_ahead_misses"]) == (0, 0)
+    assert all(r["read_ahead_hits"] + r["read_ahead_misses"] == r["shards"] for r in recs[1:])
+    assert sum(r["read_ahead_hits"] for r in recs[1:]) >= 1
     # the data moved from ready/ to claimed/step_N/, one shard per step, in order
     assert not list(run.traj_ready.glob("*.h5"))
     assert [sorted(p.name for p in run.claimed_step(s).glob("*.h5")) for s in range(1, 5)] == \

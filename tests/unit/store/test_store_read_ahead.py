@@ -51,9 +51,9 @@ def test_the_claim_takes_the_shards_read_ahead_and_gets_what_a_plain_claim_gets(
     got = store.claim(1, want=4, consumer="trainer-0", timeout_s=0)
     want = claim_step(plain_dir, 1, want=4, consumer="trainer-0", timeout_s=0)
     assert _tokens(got) == _tokens(want) and len(got.shards) == 2
-    assert (store._ahead.hits, store._ahead.misses) == (2, 0)
+    assert (store._ahead.hits, store._ahead.misses) == (2, 0) == store.read_ahead_counts()
     again = store.claim(1, want=4, consumer="trainer-0", timeout_s=0)   # another rank's read-back: from disk
-    assert _tokens(again) == _tokens(want) and store._ahead.misses == 2
+    assert _tokens(again) == _tokens(want) and store.read_ahead_counts() == (2, 2)
     store.close()
 
 
