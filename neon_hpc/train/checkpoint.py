@@ -132,12 +132,13 @@ def _factory_repr_without_data():
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
+    """This rank's RNG states now (copies: what a later write saves is this moment's)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker  # deferred: heavy (megatron)
     out = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     for name, st in get_cuda_rng_tracker().get_states().items():
-        out[f"tracker.{name}"] = st
+        out[f"tracker.{name}"] = st.clone()
     return out
 
 
@@ -212,9 +213,10 @@ def _begin(run: RunDir, lay, step: int) -> tuple[Path, Path]:
     return final, Path(broadcast_from_rank0(staging, lay.rank, lay.world))
 
 
-def _save_rng(staging: Path, rank: int) -> None:
+def _save_rng(staging: Path, rank: int, states: dict[str, torch.Tensor] | None = None) -> None:
+    """``rng/rank_R.pt``: ``states`` (taken earlier), else this rank's RNG states now."""
     (staging / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
+    torch.save(_rng_state() if states is None else states, staging / "rng" / f"rank_{rank}.pt")
 
 
 def _publish(staging: Path, final: Path, be: Backend, step: int, state: dict[str, Any], digest: float,
@@ -292,6 +294,8 @@ class _Pending:
     sealing: bool = False               # finalized on the step; rank 0's seal thread publishes it
     sealed: threading.Event = field(default_factory=threading.Event)
     sealer: threading.Thread | None = None
+    save: Any = None                    # megatron's save of the snapshot, on the writer thread (then request)
+    rng: dict | None = None             # the RNG states at the snapshot, written with ``save``
 
 
 def host_snapshot(sharded: dict, copies: dict[int, torch.Tensor] | None = None) -> dict:
@@ -402,10 +406,12 @@ class AsyncCheckpointer:
     """``checkpoints/step_N`` beside the steps (``train.checkpoint_async``).
 
     :meth:`submit` (collective, on the step): a host snapshot of the model + optimizer sharded
-    state (:func:`host_snapshot`), then megatron's ``dist_checkpointing.save(...,
-    async_sharded_save=True)`` on these copies: its collectives (sharding validation, the save
-    plan) and ``common.pt`` run here, and it returns the write as an AsyncRequest; the RNG
-    states are taken here too.  A writer thread per checkpoint then writes this rank's
+    state (:func:`host_snapshot`) and the RNG states.  megatron's ``dist_checkpointing.save(...,
+    async_sharded_save=True)`` on these copies (its preprocessing, ``common.pt``, the save plan;
+    it returns the write as an AsyncRequest) runs here while it has collectives in it (the
+    first two saves of a structure: validation, planning), and on the writer thread once every
+    rank holds megatron's validated cached plan (:meth:`_save_strategy`).  A writer thread per
+    checkpoint then writes this rank's
     ``.distcp`` files (:func:`_write_buckets`) into the hidden staging folder, digests them, and
     sums the parameter digest over the snapshot's copies of the parameters (on the step only
     where the snapshot does not hold every parameter as itself).  No collective runs on that
@@ -459,40 +465,52 @@ class AsyncCheckpointer:
             # holds every parameter as itself (megatron's layers do); else here, on the live ones
             held = [copies.get(id(t)) for t in parameters(self.be)]
             digest = None if any(h is None for h in held) else held
-            strategy, validate = self._save_strategy(snap)
-            with _thread_results_queue():
-                request = dist_checkpointing.save(snap, str(staging), sharded_strategy=strategy,
-                                                  validate_access_integrity=validate, async_sharded_save=True)
-            _save_rng(staging, lay.rank)
+            strategy, validate, beside = self._save_strategy(snap)
+            save = functools.partial(dist_checkpointing.save, snap, str(staging), sharded_strategy=strategy,
+                                     validate_access_integrity=validate, async_sharded_save=True)
+            request, rng = None, _rng_state()
+            if not beside:              # megatron's collectives (planning, validation): on the step
+                with _thread_results_queue():
+                    request = save()
+                _save_rng(staging, lay.rank, rng)
             if digest is None:
                 digest = param_digest(self.be)
         except BaseException as e:
             _discard(e, staging, final, lay.rank)
         rec.snapshot_s = time.perf_counter() - t0
         p = _Pending(step, final, staging, request, dict(state), digest, rec)
+        if beside:
+            p.save, p.rng = save, rng
         p.thread = threading.Thread(target=self._write, args=(p,), name=f"neon-ckpt-{step}", daemon=True)
         self._pending = p
         p.thread.start()
         return rec
 
     def _save_strategy(self, snap: dict):
-        """Collective: megatron's torch_dist save strategy for this save, and whether to validate
-        the sharding.  One strategy with ``cached_metadata`` is kept while the state's structure
-        (every sharded key, shape, offset, dtype, replica) is the same on every rank as at the
-        last save: megatron then plans once (reuse from the third save on, after two equal plans,
-        as its ``--ckpt-assume-constant-structure``) and the structure validated once is not
-        validated again.  A change on any rank starts afresh: a new strategy, validated."""
+        """Collective: megatron's torch_dist save strategy for this save, whether to validate the
+        sharding, and whether megatron's save may run on the writer thread.  One strategy with
+        ``cached_metadata`` is kept while the state's structure (every sharded key, shape, offset,
+        dtype, replica) is the same on every rank as at the last save: megatron then plans once
+        (reuse from the third save on, after two equal plans, as its
+        ``--ckpt-assume-constant-structure``) and the structure validated once is not validated
+        again.  A change on any rank starts afresh: a new strategy, validated.  A save that
+        neither validates nor plans (every rank holds a validated cached plan) runs no collective:
+        megatron's whole save of the snapshot (its preprocessing, ``common.pt``, the local plan,
+        the write buckets) then goes to the writer thread; otherwise it runs on the step."""
         from megatron.core.dist_checkpointing.strategies.torch import (  # deferred: heavy (megatron)
             TorchDistSaveShardedStrategy,
         )
 
         structure = _structure(snap)
-        changed, = _max_over_ranks([int(structure != self._structure)], self.be.layout.world)
-        if changed or self._strategy is None:
+        st = self._strategy
+        cached = st is not None and bool(st.validated_cache_reuse) and st.cached_central_plan is not None
+        changed, uncached = _max_over_ranks([int(structure != self._structure), int(not cached)],
+                                            self.be.layout.world)
+        if changed or st is None:
             self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
             self._structure = structure
-            return self._strategy, True
-        return self._strategy, False
+            return self._strategy, True, False
+        return st, False, not uncached
 
     def poll(self) -> CheckpointRecord | None:
         """Collective (every rank at the same boundaries): finalize the checkpoint in flight if
@@ -559,6 +577,10 @@ class AsyncCheckpointer:
     def _write(self, p: _Pending) -> None:
         t0 = time.perf_counter()
         try:
+            if p.save is not None:      # the plan is megatron's cached one on every rank: no collective
+                with _thread_results_queue():
+                    p.request = p.save()
+                _save_rng(p.staging, self.be.layout.rank, p.rng)
             p.digests = integrity.compute_written(p.staging, _write_buckets(p.request))
             if isinstance(p.digest, list):
                 p.digest = tensor_digest(p.digest)

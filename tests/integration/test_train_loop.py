@@ -258,3 +258,28 @@ def test_publish_via_reshard_equals_direct_export(tmp_path, dataset, reference):
         assert sorted(got) == sorted(want)
         for k in want:
             np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=f"v_{v} {k}")
+
+
+@pytest.mark.slow
+def test_two_ranks_checkpoint_every_step_beside_the_steps_and_resume_from_the_last(tmp_path, dataset, reference):
+    """EP=2 x DP=2, a checkpoint after every step: from the third on, megatron's save runs on each
+    rank's writer thread (its cached plan, no collective) and rank 0 seals beside the next step.
+    Every checkpoint is complete, the run trains as the reference does, and a restart on two
+    ranks resumes from step_4 with its digests and rank 0's parameter digest checked."""
+    run = new_run(tmp_path, dataset, "run", "train.checkpoint_every=1", "train.expert_parallel=2",
+                  "train.data_parallel=2")
+    add_shards(run, dataset, range(1, STEPS + 1))
+    wait_ok(run, start(run, 2))
+    assert run.checkpoint_steps() == [1, 2, 3, 4]
+    for s in (1, 2, 3, 4):
+        assert (run.checkpoint(s) / "integrity.json").is_file() and (run.checkpoint(s) / "rng" / "rank_1.pt").is_file()
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]
+    got = losses(run)
+    for s in range(1, STEPS + 1):
+        assert got[s] == pytest.approx(losses(reference)[s], rel=1e-5, abs=1e-7)
+    trainer_log = "\n".join(p.read_text() for p in sorted((run.root / "logs" / "trainer").glob("*.log")))
+    assert "checkpoint step_4: snapshot" in trainer_log and "sealed in" in trainer_log
+    before = set(run.root.glob("stdout.*.txt"))
+    wait_ok(run, start(run, 2))                 # nothing left to train: it resumes and exits
+    out = "\n".join(p.read_text() for p in set(run.root.glob("stdout.*.txt")) - before)
+    assert "resumed from" in out and "step_4" in out, out[-2000:]

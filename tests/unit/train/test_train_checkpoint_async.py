@@ -163,45 +163,63 @@ def test_the_snapshot_is_what_is_written_and_it_loads_bit_identical_to_the_synch
     assert all(torch.equal(got["sync"][1][k], got["async"][1][k]) for k in got["sync"][1])
 
 
-def test_later_saves_reuse_megatron_s_cached_plan_and_still_load_bit_identical(tmp_path, trained, monkeypatch):
-    """From the third save of an unchanged structure megatron reuses its plan (cached_metadata) and
-    the sharding is not validated again; what those saves wrote loads as the synchronous save of
-    the same weights does (the .metadata they leave passes the allowlist unpickler)."""
+def test_later_saves_reuse_megatron_s_cached_plan_on_the_writer_thread_and_still_load_bit_identical(
+        tmp_path, trained, monkeypatch):
+    """From the third save of an unchanged structure megatron reuses its plan (cached_metadata), the
+    sharding is not validated again, and its save (no collective left in it) runs on the writer
+    thread; what those saves wrote is the snapshot's (the next step ran meanwhile) and loads as the
+    synchronous save of the same weights does (the .metadata they leave passes the allowlist
+    unpickler)."""
+    from megatron.core import dist_checkpointing
+
     run, ref = run_dir(tmp_path, "async"), run_dir(tmp_path, "sync")
     saver = ck.AsyncCheckpointer(run, trained)
-    strategies, validated = [], []
-    real = ck.AsyncCheckpointer._save_strategy
+    strategies, validated, beside, threads = [], [], [], []
+    real, real_save = ck.AsyncCheckpointer._save_strategy, dist_checkpointing.save
 
     def spy(self, snap):
         out = real(self, snap)
         strategies.append(out[0])
         validated.append(out[1])
+        beside.append(out[2])
         return out
 
+    def save_spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_save(*args, **kwargs)
+
     monkeypatch.setattr(ck.AsyncCheckpointer, "_save_strategy", spy)
-    for step in (1, 2, 3, 4):
+    monkeypatch.setattr(dist_checkpointing, "save", save_spy)
+    for step in (1, 2, 3):
         trained.step()
         saver.submit(step, {"version": step})
         saver.wait()
-    assert validated == [True, False, False, False]
-    assert len({id(s) for s in strategies}) == 1 and strategies[0].validated_cache_reuse   # the plan came from cache
+    trained.step()
     saved = {k: v.clone() for k, v in B.full_state_dict(trained).items()}
     ck.save(ref, trained, 4, {"version": 4})
-    trained.step()
+    saver.submit(4, {"version": 4})
+    trained.step()                              # changes weights and moments before the thread saves
+    saver.wait()
+    assert validated == [True, False, False, False] and beside == [False, False, True, True]
+    assert threads == ["MainThread", "MainThread", "neon-ckpt-3", "MainThread", "neon-ckpt-4"]   # 4th: ck.save
+    assert len({id(s) for s in strategies}) == 1 and strategies[0].validated_cache_reuse   # the plan came from cache
     for r in (run, ref):
         state = ck.load(r, trained, 4)
         assert state["param_digest_checked"] and state["digests_verified"] and state["optimizer_restored"]
+        assert state["rng_restored"]
         full = B.full_state_dict(trained)
         assert all(torch.equal(full[k], saved[k]) for k in saved), r.root.name
+    assert torch.equal(torch.load(run.checkpoint(4) / "rng" / "rank_0.pt")["torch"],
+                       torch.load(ref.checkpoint(4) / "rng" / "rank_0.pt")["torch"])
 
 
 def test_a_changed_structure_gets_a_fresh_strategy_and_is_validated(tmp_path, trained):
     saver = ck.AsyncCheckpointer(run_dir(tmp_path, "run"), trained)
     snap = ck.host_snapshot(ck._sharded(trained, is_loading=False))
-    first, v1 = saver._save_strategy(snap)
-    same, v2 = saver._save_strategy(ck.host_snapshot(ck._sharded(trained, is_loading=False)))
+    first, v1, _ = saver._save_strategy(snap)
+    same, v2, _ = saver._save_strategy(ck.host_snapshot(ck._sharded(trained, is_loading=False)))
     del snap["optimizer"]                      # a state with one part fewer: another plan
-    other, v3 = saver._save_strategy(snap)
+    other, v3, _ = saver._save_strategy(snap)
     assert (v1, v2, v3) == (True, False, True) and first is same and other is not first
 
 
