@@ -119,16 +119,12 @@ def _factory_repr_without_data():
         what = f"{tuple(d.shape)} {d.dtype}" if isinstance(d, torch.Tensor) else type(d).__name__
         return f"ShardedTensorFactory(key={self.key!r}, data={what}, replica_id={self.replica_id!r})"
 
-    had = "__repr__" in vars(ShardedTensorFactory)
-    real = vars(ShardedTensorFactory).get("__repr__")
+    real = ShardedTensorFactory.__repr__      # the dataclass's own
     ShardedTensorFactory.__repr__ = short
     try:
         yield
     finally:
-        if had:
-            ShardedTensorFactory.__repr__ = real
-        else:
-            del ShardedTensorFactory.__repr__
+        ShardedTensorFactory.__repr__ = real
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -504,7 +500,7 @@ class AsyncCheckpointer:
         structure = _structure(snap)
         st = self._strategy
         cached = st is not None and bool(st.validated_cache_reuse) and st.cached_central_plan is not None
-        changed, uncached = _max_over_ranks([int(structure != self._structure), int(not cached)],
+        changed, uncached = max_over_ranks([int(structure != self._structure), int(not cached)],
                                             self.be.layout.world)
         if changed or st is None:
             self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
@@ -521,7 +517,7 @@ class AsyncCheckpointer:
         event = p.sealed if p.sealing else p.done
         busy = not event.is_set()
         overdue = busy and time.monotonic() - p.started > self.write_timeout_s
-        busy, failed, overdue = _max_over_ranks([int(busy), int(p.error is not None), int(overdue)],
+        busy, failed, overdue = max_over_ranks([int(busy), int(p.error is not None), int(overdue)],
                                                 self.be.layout.world)
         if overdue and not failed:
             raise self._stuck(p)
@@ -540,10 +536,10 @@ class AsyncCheckpointer:
         if not p.sealing:
             if not p.done.wait(self._left(p)):
                 raise self._stuck(p)
-            _busy, failed = _max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
+            _busy, failed = max_over_ranks([0, int(p.error is not None)], self.be.layout.world)
             self._finalize(p, failed)
         late = not p.sealed.wait(self._left(p))
-        late, failed = _max_over_ranks([int(late), int(p.error is not None)], self.be.layout.world)
+        late, failed = max_over_ranks([int(late), int(p.error is not None)], self.be.layout.world)
         if late and not failed:
             raise self._stuck(p)
         return self._published(p, failed)
@@ -654,7 +650,7 @@ class AsyncCheckpointer:
             f"permissions or quota under {p.final.parent}) and run the job again") from p.error
 
 
-def _max_over_ranks(values: list[int], world: int) -> list[int]:
+def max_over_ranks(values: list[int], world: int) -> list[int]:
     """Each value's maximum over the ranks (``world == 1``: the values)."""
     if world == 1:
         return values

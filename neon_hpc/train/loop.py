@@ -134,12 +134,7 @@ def _any_rank(flag: bool, world: int) -> bool:
 
 def _any_ranks(flags: list[bool], world: int) -> list[bool]:
     """Each flag: set on any rank (one all-reduce for all of them)."""
-    if world == 1:
-        return [bool(f) for f in flags]
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32,
-                     device="cuda" if torch.cuda.is_available() else "cpu")   # NCCL needs CUDA tensors
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [bool(v) for v in ckpt.max_over_ranks([int(bool(f)) for f in flags], world)]
 
 
 # --------------------------------------------------------------------------------------

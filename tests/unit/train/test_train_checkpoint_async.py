@@ -114,14 +114,20 @@ def test_a_second_checkpoint_waits_for_the_first_and_resume_takes_the_newest_com
     assert ck.latest_complete(run) == 3
 
 
-def test_a_writer_error_is_raised_on_the_trainer_thread_and_nothing_is_published(tmp_path, trained, gated):
-    gate, started, box = gated
+@pytest.mark.parametrize("hold, where, error", [("gated", "writer thread", "OSError"),
+                                               ("held_seal", "seal thread", "StorageError")], ids=["write", "seal"])
+def test_an_error_beside_the_steps_is_raised_on_the_trainer_thread_and_nothing_is_published(tmp_path, trained,
+                                                                                            request, hold, where,
+                                                                                            error):
+    """A full disk in the writer's bucket writes or in rank 0's seal: raised at the next wait, nothing
+    visible, staging removed, and the next checkpoint is written normally."""
+    gate, started, box = request.getfixturevalue(hold)
     box["fail"] = OSError(28, "No space left on device")
     run = run_dir(tmp_path, "run")
     saver = ck.AsyncCheckpointer(run, trained)
     saver.submit(5, {"version": 5})
     gate.set()
-    with pytest.raises(ck.CheckpointWriteError, match=r"step_5 failed on the writer thread of rank 0: OSError"):
+    with pytest.raises(ck.CheckpointWriteError, match=rf"step_5 failed on the {where} of rank 0: {error}"):
         saver.wait()
     assert not run.checkpoint(5).exists() and ck.latest_complete(run) is None
     assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # staging removed
@@ -318,25 +324,6 @@ def test_the_seal_runs_beside_the_step_and_the_checkpoint_appears_only_once_seal
     assert ck.latest_complete(run) == 4
     assert ck.load(run, trained, 4)["digests_verified"]
     assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]
-
-
-def test_a_seal_error_is_raised_on_the_trainer_thread_and_nothing_is_published(tmp_path, trained, held_seal):
-    gate, started, box = held_seal
-    box["fail"] = OSError(28, "No space left on device")
-    run = run_dir(tmp_path, "run")
-    saver = ck.AsyncCheckpointer(run, trained)
-    saver.submit(5, {"version": 5})
-    gate.set()
-    with pytest.raises(ck.CheckpointWriteError, match=r"step_5 failed on the seal thread of rank 0: StorageError"):
-        saver.wait()
-    assert not run.checkpoint(5).exists() and ck.latest_complete(run) is None
-    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]   # staging removed
-    (rec,) = saver.completed()
-    assert "No space left" in rec.error and saver.in_flight is None
-    box["fail"] = None
-    saver.submit(6, {"version": 6})
-    saver.wait()
-    assert ck.latest_complete(run) == 6
 
 
 def test_a_seal_stuck_past_the_deadline_is_raised_and_its_folder_is_left_to_it(tmp_path, trained, held_seal):
